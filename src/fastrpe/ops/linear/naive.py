@@ -1,0 +1,60 @@
+"""Kernelized attention with a Toeplitz RPE, by materializing the weights.
+
+Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative
+Positional Encoding" (NeurIPS 2021), Eq. 10:
+`out_i = Σ_j φ(q_i)·φ(k_j)·c(j-i)·v_j / Σ_j φ(q_i)·φ(k_j)·c(j-i)`.
+
+This is the reference every fast kernelized backend is tested against.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...positions.base import toeplitz_index
+from ..common import causal_offset_mask, stable_coefficients
+
+
+def kernelized_num_den_naive(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    log_coeff: Tensor | None = None,
+    *,
+    causal: bool = False,
+    q_offset: int = 0,
+    key_padding_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Numerator and denominator of kernelized attention with a Toeplitz RPE.
+
+    Args:
+        phi_q: `[B, H, Lq, F]` query features (non-negative for PRF-type maps).
+        phi_k: `[B, H, Lk, F]` key features.
+        v: `[B, H, Lk, Dv]` values.
+        log_coeff: `[H, Lq+Lk-1]` log-coefficients `b_h(r)` for
+            `r = -(Lq-1+q_offset) .. Lk-1-q_offset`, or None for no RPE.
+            `-inf` is allowed (coefficient 0).
+        causal: keep only keys with `j <= i` (offset `r <= 0`).
+        q_offset: position of the first query.
+        key_padding_mask: `[B, Lk]` bool, True marks padding keys (ignored).
+
+    Returns:
+        `num: [B, H, Lq, Dv]` and `den: [B, H, Lq]`; `out = num / den`.
+    """
+    B, H, Lq, _ = phi_q.shape
+    Lk = phi_k.shape[2]
+    R = Lq + Lk - 1
+    dev = phi_q.device
+    a = torch.einsum("bhif,bhjf->bhij", phi_q, phi_k)  # (B, H, Lq, Lk)
+    keep = causal_offset_mask(Lq, Lk, q_offset, device=dev) if causal else None
+    if log_coeff is None:
+        lc = torch.zeros(H, R, dtype=a.dtype, device=dev)
+    else:
+        lc = log_coeff.to(a.dtype)
+    c = stable_coefficients(lc, keep)  # (H, R)
+    a = a * c[:, toeplitz_index(Lq, Lk, device=dev)]  # (B, H, Lq, Lk)
+    if key_padding_mask is not None:
+        a = a.masked_fill(key_padding_mask[:, None, None, :], 0.0)
+    num = a @ v.to(a.dtype)
+    den = a.sum(-1)
+    return num, den

@@ -1,0 +1,93 @@
+"""Positional terms: objects that know their per-head, per-offset coefficients.
+
+Notation: `H` heads, `Lq` queries at positions `q_offset + 0..Lq-1`, `Lk` keys
+at `0..Lk-1`, offset `r = j - i` (key position minus query position).
+
+Two kinds:
+* `Position` (multiplicative in kernelized attention, additive to the logits in
+  softmax): log-coefficients `b_h(r)`; kernelized attention weighs pairs by
+  `c_h(r) = exp(b_h(r))`, softmax adds `b_h(r)` to the score.
+* `AdditiveTerm`: a term added to the attention output or to its numerator and
+  denominator (FastRPB `W·V`, Shaw vectors).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+def offsets(Lq: int, Lk: int, q_offset: int = 0, device=None) -> Tensor:
+    """The `Lq + Lk - 1` offsets `r = -(Lq-1+q_offset) .. Lk-1-q_offset`, as int64."""
+    return torch.arange(-(Lq - 1 + q_offset), Lk - q_offset, device=device)
+
+
+def toeplitz_index(Lq: int, Lk: int, device=None) -> Tensor:
+    """`[Lq, Lk]` index into an offsets vector: entry `(i, j)` holds `j - i + Lq - 1`."""
+    i = torch.arange(Lq, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    return j - i + (Lq - 1)
+
+
+class Position(nn.Module):
+    """Base class of the log-coefficient positional terms `b_h(r)`.
+
+    Subclasses implement `bias(h, r)`: elementwise torch ops on broadcastable
+    integer tensors of head indices and offsets (so the same code serves
+    `log_coefficients`, `materialize` and FlexAttention's `score_mod`).
+    """
+
+    #: True for terms that only make sense as a softmax bias (KERPLE bias+weight).
+    softmax_only: bool = False
+    #: Human readable reason a kernelized backend gives for refusing this term.
+    kernelized_refusal: str | None = None
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        if not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        self.num_heads = num_heads
+
+    def bias(self, h: Tensor, r: Tensor) -> Tensor:  # pragma: no cover - abstract
+        """`b_h(r)` for broadcastable int tensors `h` (head) and `r` (offset)."""
+        raise NotImplementedError
+
+    def _param_device(self) -> torch.device:
+        for t in list(self.parameters()) + list(self.buffers()):
+            return t.device
+        return torch.device("cpu")
+
+    def log_coefficients(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
+        """`[H, Lq+Lk-1]`: `b_h(r)` for `r = -(Lq-1+q_offset) .. Lk-1-q_offset`."""
+        dev = self._param_device()
+        r = offsets(Lq, Lk, q_offset, device=dev)
+        h = torch.arange(self.num_heads, device=dev)[:, None]
+        return self.bias(h, r[None, :]).expand(self.num_heads, r.numel())
+
+    def materialize(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
+        """`[H, Lq, Lk]` dense bias `b_h(j - i)`. For tests and debugging only."""
+        lc = self.log_coefficients(Lq, Lk, q_offset)
+        idx = toeplitz_index(Lq, Lk, device=lc.device)
+        return lc[:, idx]
+
+    def score_mod(self, q_offset: int = 0) -> Callable:
+        """A FlexAttention `score_mod(score, b, h, q_idx, kv_idx)` adding `b_h(kv_idx - q_idx - q_offset)`."""
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + self.bias(h, kv_idx - q_idx - q_offset).to(score.dtype)
+
+        return mod
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
+
+
+class AdditiveTerm(nn.Module):
+    """Base class of terms added outside the Toeplitz product (FastRPB, Shaw)."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        if not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        self.num_heads = num_heads
