@@ -1,0 +1,192 @@
+"""The built-in backends: dense reference, SDPA, FlexAttention and the FFT Toeplitz path.
+
+Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .dispatch import Backend, Cost, Problem, machine_time, register_backend
+from .ops.common import safe_divide
+from .ops.linear.naive import kernelized_num_den_naive
+from .ops.softmax.flex import flex_available, softmax_attention_flex
+from .ops.softmax.naive import softmax_attention_naive
+from .ops.softmax.sdpa import softmax_attention_sdpa
+
+
+def _is_shaw(t) -> bool:
+    return type(t).__name__ == "ShawRelative"
+
+
+def _is_fastrpb(t) -> bool:
+    return type(t).__name__ == "FastRPB1D"
+
+
+def _masked_v(v: Tensor, kpm: Tensor | None) -> Tensor:
+    return v if kpm is None else v.masked_fill(kpm[:, None, :, None], 0.0)
+
+
+def add_fastrpb(out: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, naive: bool) -> Tensor:
+    """`out += W·v` for every FastRPB term (padding keys contribute nothing)."""
+    terms = [t for t in p.additive if _is_fastrpb(t)]
+    if not terms:
+        return out
+    vm = _masked_v(v.to(out.dtype), kpm)
+    for t in terms:
+        if naive:
+            from .ops.fastrpb.naive import fastrpb_naive
+
+            w = t.coefficients(p.Lq, p.Lk, p.q_offset).to(out.dtype)
+            out = out + fastrpb_naive(w, vm, p.Lq, causal=p.causal, q_offset=p.q_offset)
+        else:
+            out = out + t(vm, p.Lq, q_offset=p.q_offset, causal=p.causal).to(out.dtype)
+    return out
+
+
+def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, num_den, naive: bool) -> Tensor:
+    """Feature maps, the Toeplitz-weighted numerator/denominator from `num_den`, Shaw, FastRPB."""
+    phi_q = p.kernel(q, is_query=True)  # (B, H, Lq, F), float32/64
+    phi_k = p.kernel(k, is_query=False)  # (B, H, Lk, F)
+    vv = v.to(phi_q.dtype)
+    lc = None
+    if p.position is not None:
+        lc = p.position.log_coefficients(p.Lq, p.Lk, p.q_offset).to(phi_q.dtype)  # (H, R)
+    num, den = num_den(phi_q, phi_k, vv, lc, causal=p.causal, q_offset=p.q_offset, key_padding_mask=kpm)
+    for t in p.additive:
+        if _is_shaw(t):
+            n2, d2 = t.num_den(phi_q, vv, p.Lk, p.causal, p.q_offset, kpm, naive=naive)
+            num, den = num + n2, den + d2
+    out = safe_divide(num, den)
+    return add_fastrpb(out, vv, p, kpm, naive).to(q.dtype)
+
+
+def softmax_bias(q: Tensor, p: Problem) -> Tensor | None:
+    """Dense `[H, Lq, Lk]` (or `[B, H, Lq, Lk]` with Shaw) bias for the materializing softmax backends."""
+    bias = None
+    if p.position is not None:
+        bias = p.position.materialize(p.Lq, p.Lk, p.q_offset)
+    scale = p.D ** -0.5 if p.scale is None else p.scale
+    for t in p.additive:
+        if _is_shaw(t):
+            s = t.logits(q, p.Lk, p.q_offset, scale)
+            bias = s if bias is None else bias + s
+    return bias
+
+
+def _kernel_kind_reasons(p: Problem, want_softmax: bool) -> list[str]:
+    if want_softmax and not p.softmax:
+        return [f"only exact softmax (kernel is {type(p.kernel).__name__})"]
+    if not want_softmax and p.softmax:
+        return ["only kernelized attention (kernel is softmax)"]
+    return []
+
+
+class DenseBackend(Backend):
+    """Materializes the `[Lq, Lk]` weights: the reference, any kernel, any position."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        return []
+
+    def cost(self, p: Problem) -> Cost:
+        F = p.F
+        pairs = p.B * p.H * p.Lq * p.Lk
+        flops = 2 * pairs * (F + p.Dv) + 10 * pairs
+        mem = pairs * p.bytes_per_el * (4 if p.requires_grad else 2) + p.H * p.Lq * p.Lk * p.bytes_per_el
+        return Cost(machine_time(p.device, flops, 3 * mem, calls=12), mem)
+
+    def run(self, q, k, v, p, kpm):
+        if p.softmax:
+            out = softmax_attention_naive(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
+                                          key_padding_mask=kpm, scale=p.scale)
+            return add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
+        return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_naive, naive=True)
+
+
+class SDPABackend(Backend):
+    """`scaled_dot_product_attention`; the positional term as a materialized float mask."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        return _kernel_kind_reasons(p, want_softmax=True)
+
+    def cost(self, p: Problem) -> Cost:
+        pairs = p.B * p.H * p.Lq * p.Lk
+        flops = 2 * pairs * (p.D + p.Dv)
+        materialized = p.position is not None or p.additive or p.has_padding_mask or p.q_offset
+        if materialized:
+            mem = pairs * p.bytes_per_el * (3 if p.requires_grad else 1) + p.H * p.Lq * p.Lk * p.bytes_per_el
+            bytes_moved = 3 * mem
+        else:  # fused kernel, no score matrix
+            mem = p.B * p.H * p.Lq * (p.Dv + 2) * p.bytes_per_el
+            bytes_moved = mem + p.B * p.H * p.Lk * (p.D + p.Dv) * p.bytes_per_el
+        return Cost(machine_time(p.device, flops, bytes_moved, calls=4), mem)
+
+    def run(self, q, k, v, p, kpm):
+        out = softmax_attention_sdpa(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
+                                     key_padding_mask=kpm, scale=p.scale)
+        return add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
+
+
+class FlexBackend(Backend):
+    """FlexAttention with the positional term's `score_mod` (compiled on GPU)."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=True)
+        if not flex_available():
+            r.append("FlexAttention is not in this PyTorch")
+        if p.device.type == "cpu" and p.requires_grad:
+            r.append("FlexAttention has no backward on CPU")
+        if any(_is_shaw(t) for t in p.additive):
+            r.append("Shaw vectors depend on q, which score_mod cannot see")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        pairs = p.B * p.H * p.Lq * p.Lk
+        if p.causal:
+            pairs //= 2
+        flops = 2 * pairs * (p.D + p.Dv) * (2.5 if p.requires_grad else 1) + 20 * pairs
+        if p.device.type == "cpu":  # eager CPU FlexAttention materializes the scores
+            flops *= 4
+        mem = p.B * p.H * p.Lq * (p.Dv + 2) * p.bytes_per_el
+        seconds = machine_time(p.device, flops, mem, calls=2)
+        if p.device.type == "cpu":
+            seconds += 5e-3  # eager CPU FlexAttention: Python-level overhead per call
+        return Cost(seconds, mem)
+
+    def run(self, q, k, v, p, kpm):
+        mod = p.position.score_mod(p.q_offset) if p.position is not None else None
+        out = softmax_attention_flex(q, k, v, mod, causal=p.causal, q_offset=p.q_offset,
+                                     key_padding_mask=kpm, scale=p.scale)
+        return add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
+
+
+class FFTBackend(Backend):
+    """Kernelized attention with the Toeplitz RPE multiplied by FFT (Luo et al. 2021), in blocks of channels."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if p.position is not None and p.position.softmax_only:
+            r.append(p.position.kernelized_refusal or f"{type(p.position).__name__} is softmax only")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        from .ops.linear.fft import estimate_fft_cost
+
+        flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
+        if p.requires_grad:
+            flops *= 3
+        return Cost(machine_time(p.device, flops, 2 * peak, calls=30), peak)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.fft import kernelized_num_den_fft
+
+        return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_fft, naive=False)
+
+
+for _b in (
+    DenseBackend("dense", description="materialized weights; the reference for everything"),
+    SDPABackend("sdpa", description="torch scaled_dot_product_attention, bias materialized"),
+    FlexBackend("flex", description="torch FlexAttention with a score_mod"),
+    FFTBackend("fft", description="kernelized, Toeplitz RPE by FFT in channel blocks"),
+):
+    register_backend(_b)

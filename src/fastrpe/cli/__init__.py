@@ -1,0 +1,1 @@
+"""The `fastrpe` command line: one command, several subcommands."""

@@ -1,0 +1,205 @@
+"""Backends, what they support, what they cost, and the `auto` choice.
+
+Each backend answers `not_supported_reasons(problem) -> list[str]` (empty when
+it can run the call) and `cost(problem) -> Cost` estimated from the shapes;
+`auto` takes the cheapest one that fits (xformers' dispatcher does the same).
+Forcing a backend that does not fit raises one error listing its reasons.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ._validate import FastRPEError
+from .kernels import FeatureMap, Kernel, Softmax
+from .positions.base import AdditiveTerm, Position
+
+
+@dataclass
+class Problem:
+    """Everything a backend needs to decide whether, and how fast, it can run a call."""
+
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    Dv: int
+    dtype: torch.dtype
+    device: torch.device
+    kernel: Kernel
+    position: Position | None
+    additive: tuple[AdditiveTerm, ...]
+    causal: bool
+    q_offset: int
+    has_padding_mask: bool
+    requires_grad: bool
+    scale: float | None = None
+
+    @property
+    def softmax(self) -> bool:
+        return isinstance(self.kernel, Softmax)
+
+    @property
+    def F(self) -> int:
+        """Feature width of a kernelized call (D for softmax)."""
+        return self.D if self.softmax else self.kernel.num_features(self.D)
+
+    @property
+    def bytes_per_el(self) -> int:
+        """Bytes of one element in the math dtype (half inputs run in float32)."""
+        return 8 if self.dtype == torch.float64 else 4
+
+    def has_additive(self, cls_name: str) -> bool:
+        return any(type(t).__name__ == cls_name for t in self.additive)
+
+
+@dataclass
+class Cost:
+    """Estimated run time (seconds, from a flop/byte model) and peak extra memory (bytes)."""
+
+    seconds: float
+    bytes: int
+
+    def __str__(self) -> str:
+        return f"~{_fmt_time(self.seconds)}, ~{_fmt_bytes(self.bytes)}"
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.3g} {unit}"
+        b /= 1024
+    return f"{b:.3g} TiB"  # pragma: no cover
+
+
+# Rough machine model: sustained flop rate and memory bandwidth, and a per-call overhead.
+_MACHINE = {
+    "cpu": {"flops": 5e10, "bw": 1e10, "overhead": 2e-5},
+    "cuda": {"flops": 5e13, "bw": 2e12, "overhead": 1e-5},
+}
+
+
+def machine_time(device: torch.device, flops: float, bytes_moved: float, calls: int = 1) -> float:
+    m = _MACHINE.get(device.type, _MACHINE["cpu"])
+    return flops / m["flops"] + bytes_moved / m["bw"] + calls * m["overhead"]
+
+
+def memory_limit(device: torch.device) -> int:
+    """Bytes `auto` may plan for one call: half the device memory (all of it is not ours)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory // 2
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return 8 << 30
+
+
+@dataclass
+class Backend:
+    """A way to compute attention. Subclasses fill in the three methods."""
+
+    name: str
+    exact: bool = True
+    description: str = ""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def cost(self, p: Problem) -> Cost:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, p: Problem, key_padding_mask: Tensor | None) -> Tensor:
+        raise NotImplementedError  # pragma: no cover
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+@dataclass
+class Candidate:
+    backend: str
+    reasons: list[str]
+    cost: Cost | None
+    exact: bool
+
+
+@dataclass
+class Explanation:
+    """What `auto` picks for a call and why; `str()` gives a readable table."""
+
+    chosen: str | None
+    problem: Problem
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        p = self.problem
+        kern = "softmax" if p.softmax else f"{type(p.kernel).__name__} (F={p.F})"
+        pos = type(p.position).__name__ if p.position is not None else "none"
+        add = ", ".join(type(t).__name__ for t in p.additive) or "none"
+        lines = [
+            f"attention B={p.B} H={p.H} Lq={p.Lq} Lk={p.Lk} D={p.D} Dv={p.Dv} {str(p.dtype).replace('torch.', '')} "
+            f"on {p.device}; kernel={kern}; position={pos}; additive={add}; causal={p.causal}; "
+            f"q_offset={p.q_offset}; grad={p.requires_grad}",
+            f"auto picks: {self.chosen or 'nothing (no backend supports this call)'}",
+        ]
+        for c in sorted(self.candidates, key=lambda c: (bool(c.reasons), c.cost.seconds if c.cost else 0)):
+            tag = "exact" if c.exact else "APPROXIMATE"
+            if c.reasons:
+                lines.append(f"  {c.backend:10s} refused: " + "; ".join(c.reasons))
+            else:
+                mark = "*" if c.backend == self.chosen else " "
+                lines.append(f"{mark} {c.backend:10s} {c.cost}  ({tag})")
+        return "\n".join(lines)
+
+
+def explain_problem(p: Problem, allow_approximate: bool = False) -> Explanation:
+    cands = []
+    for b in BACKENDS.values():
+        reasons = list(b.not_supported_reasons(p))
+        if not reasons and not b.exact and not allow_approximate:
+            reasons_auto = ["approximate (pass backend explicitly or allow_approximate=True)"]
+        else:
+            reasons_auto = []
+        cost = None if reasons else b.cost(p)
+        if cost is not None and cost.bytes > memory_limit(p.device):
+            reasons_auto.append(f"would need {_fmt_bytes(cost.bytes)} > memory limit {_fmt_bytes(memory_limit(p.device))}")
+        cands.append(Candidate(b.name, reasons + reasons_auto, cost, b.exact))
+    ok = [c for c in cands if not c.reasons]
+    chosen = min(ok, key=lambda c: c.cost.seconds).backend if ok else None
+    return Explanation(chosen, p, cands)
+
+
+def select_backend(p: Problem, backend: str) -> Backend:
+    """The backend to run: `auto`'s choice, or the forced one if it supports the call."""
+    if backend == "auto":
+        ex = explain_problem(p)
+        if ex.chosen is None:
+            raise FastRPEError("backend: no backend supports this call:\n" + str(ex))
+        return BACKENDS[ex.chosen]
+    if backend not in BACKENDS:
+        raise FastRPEError(f"backend: unknown backend {backend!r}; known: {', '.join(['auto', *BACKENDS])}")
+    b = BACKENDS[backend]
+    reasons = b.not_supported_reasons(p)
+    if reasons:
+        raise FastRPEError(f"backend={backend!r} cannot run this call: " + "; ".join(reasons))
+    return b
+
+
+def _ceil_log2(n: int) -> float:
+    return max(1.0, math.log2(max(n, 2)))

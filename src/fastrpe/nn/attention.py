@@ -1,0 +1,91 @@
+"""Multi-head attention layer: projections + `fastrpe.attention`.
+
+Notation: B batch, L/S query/key lengths, E embed dim, H heads, D = E / H.
+"""
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from ..api import attention
+from ..kernels import FeatureMap, get_kernel
+from ..positions.base import AdditiveTerm, Position
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head attention with a relative positional term and any content kernel.
+
+    Args:
+        embed_dim: model width E.
+        num_heads: H; E must be divisible by H.
+        kernel: "softmax", a feature-map name or a `fastrpe.kernels` object (see `fastrpe.attention`).
+        position: a positional term (or list of terms) with `num_heads == H`, or None.
+        causal: mask future keys.
+        dropout: dropout on the attention output before the output projection (the same for
+            every backend; kernelized backends never form the weights to drop).
+        batch_first: inputs `[B, L, E]` if True (default), else `[L, B, E]`.
+        bias: biases in the projections.
+        kdim, vdim: key/value input widths (default E).
+        backend: passed to `fastrpe.attention` ("auto" by default).
+
+    Unlike `torch.nn.MultiheadAttention`, `forward` returns only the output tensor.
+
+    Example:
+        >>> import torch, fastrpe as fr
+        >>> mha = fr.nn.MultiheadAttention(64, 4, kernel="nprf", position=fr.positions.KerpleLog(4), causal=True)
+        >>> mha(torch.randn(2, 100, 64)).shape
+        torch.Size([2, 100, 64])
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, kernel="softmax", position=None, *, causal: bool = False,
+                 dropout: float = 0.0, batch_first: bool = True, bias: bool = True, kdim: int | None = None,
+                 vdim: int | None = None, backend: str = "auto"):
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal, self.batch_first, self.backend = causal, batch_first, backend
+        kernel = get_kernel(kernel, head_dim=self.head_dim)
+        # a FeatureMap is a module (random projections are buffers): register it
+        self.kernel = kernel
+        terms = [] if position is None else (list(position) if isinstance(position, (list, tuple)) else [position])
+        for t in terms:
+            if not isinstance(t, (Position, AdditiveTerm)):
+                raise TypeError(f"position: expected fastrpe positional terms, got {type(t).__name__}")
+            if t.num_heads != num_heads:
+                raise ValueError(f"position: {type(t).__name__} has num_heads={t.num_heads}, layer has {num_heads}")
+        self.positions = nn.ModuleList(terms)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def position(self):
+        """The positional term(s) as given to `fastrpe.attention`."""
+        t = list(self.positions)
+        return None if not t else (t[0] if len(t) == 1 else t)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return rearrange(x, "b l (h d) -> b h l d", h=self.num_heads)
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+                key_padding_mask: Tensor | None = None, q_offset: int | None = None) -> Tensor:
+        """Args: `query: [B, L, E]`, `key`/`value: [B, S, kdim/vdim]` (default: query — self-attention),
+        `key_padding_mask: [B, S]` bool (True = padding). Returns `[B, L, E]` (or `[L, B, E]`)."""
+        key = query if key is None else key
+        value = key if value is None else value
+        if not self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        q = self._heads(self.q_proj(query))  # (B, H, L, D)
+        k = self._heads(self.k_proj(key))  # (B, H, S, D)
+        v = self._heads(self.v_proj(value))  # (B, H, S, D)
+        o = attention(q, k, v, kernel=self.kernel, position=self.position, causal=self.causal, q_offset=q_offset,
+                      key_padding_mask=key_padding_mask, backend=self.backend)
+        o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
+        return o if self.batch_first else o.transpose(0, 1)
