@@ -1,16 +1,44 @@
-"""Multi-head attention layer: projections + `fastrpe.attention`.
+"""Multi-head attention layer: projections + `fastrpe.attention`, with a decode cache.
 
 Notation: B batch, L/S query/key lengths, E embed dim, H heads, D = E / H.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
 from ..api import attention
-from ..kernels import FeatureMap, get_kernel
+from ..kernels import get_kernel
 from ..positions.base import AdditiveTerm, Position
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, `[B, H, S, D]` each (empty: None).
+
+    Exact for every positional term and kernel: each step attends to the whole
+    cache with the queries at positions `S_before .. S_before + L - 1`."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+
+def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding (Su et al., "RoFormer", 2021) on `x: [B, H, L, D]` at positions `pos: [L]`."""
+    D = x.shape[-1]
+    half = D // 2
+    inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / max(half, 1))
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # (L, D/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
 class MultiheadAttention(nn.Module):
@@ -27,6 +55,7 @@ class MultiheadAttention(nn.Module):
         batch_first: inputs `[B, L, E]` if True (default), else `[L, B, E]`.
         bias: biases in the projections.
         kdim, vdim: key/value input widths (default E).
+        rotary: apply rotary embeddings to q and k (an absolute-position baseline).
         backend: passed to `fastrpe.attention` ("auto" by default).
 
     Unlike `torch.nn.MultiheadAttention`, `forward` returns only the output tensor.
@@ -40,7 +69,7 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, kernel="softmax", position=None, *, causal: bool = False,
                  dropout: float = 0.0, batch_first: bool = True, bias: bool = True, kdim: int | None = None,
-                 vdim: int | None = None, backend: str = "auto"):
+                 vdim: int | None = None, rotary: bool = False, backend: str = "auto"):
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
@@ -48,10 +77,9 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.causal, self.batch_first, self.backend = causal, batch_first, backend
-        kernel = get_kernel(kernel, head_dim=self.head_dim)
-        # a FeatureMap is a module (random projections are buffers): register it
-        self.kernel = kernel
+        self.causal, self.batch_first, self.backend, self.rotary = causal, batch_first, backend, rotary
+        # a FeatureMap is a module (random projections are buffers) and registers itself here
+        self.kernel = get_kernel(kernel, head_dim=self.head_dim)
         terms = [] if position is None else (list(position) if isinstance(position, (list, tuple)) else [position])
         for t in terms:
             if not isinstance(t, (Position, AdditiveTerm)):
@@ -74,6 +102,16 @@ class MultiheadAttention(nn.Module):
     def _heads(self, x: Tensor) -> Tensor:
         return rearrange(x, "b l (h d) -> b h l d", h=self.num_heads)
 
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, q_offset: int | None, key_padding_mask: Tensor | None) -> Tensor:
+        if self.rotary:
+            Lq, Lk = q.shape[2], k.shape[2]
+            off = q_offset if q_offset is not None else (Lk - Lq if self.causal and Lq < Lk else 0)
+            q = rotary(q, torch.arange(off, off + Lq, device=q.device))
+            k = rotary(k, torch.arange(Lk, device=k.device))
+        o = attention(q, k, v, kernel=self.kernel, position=self.position, causal=self.causal, q_offset=q_offset,
+                      key_padding_mask=key_padding_mask, backend=self.backend)  # (B, H, L, D)
+        return self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
+
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, q_offset: int | None = None) -> Tensor:
         """Args: `query: [B, L, E]`, `key`/`value: [B, S, kdim/vdim]` (default: query — self-attention),
@@ -85,7 +123,25 @@ class MultiheadAttention(nn.Module):
         q = self._heads(self.q_proj(query))  # (B, H, L, D)
         k = self._heads(self.k_proj(key))  # (B, H, S, D)
         v = self._heads(self.v_proj(value))  # (B, H, S, D)
-        o = attention(q, k, v, kernel=self.kernel, position=self.position, causal=self.causal, q_offset=q_offset,
-                      key_padding_mask=key_padding_mask, backend=self.backend)
-        o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
+        o = self._attend(q, k, v, q_offset, key_padding_mask)
         return o if self.batch_first else o.transpose(0, 1)
+
+    def step(self, x: Tensor, cache: KVCache | None = None) -> tuple[Tensor, KVCache]:
+        """Causal self-attention decoding: `x: [B, L, E]` new tokens (a prompt, or one token).
+
+        Returns the output for the new tokens and the cache extended by them. Calling
+        `step` on a prompt and then token by token gives the same outputs as `forward`
+        on the whole sequence.
+        """
+        if not self.causal:
+            raise RuntimeError("step() decodes causal self-attention; this layer has causal=False")
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        cache = cache or KVCache()
+        k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        if cache.k is not None:
+            k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        q = self._heads(self.q_proj(x))
+        o = self._attend(q, k, v, cache.length, None)
+        o = o if self.batch_first else o.transpose(0, 1)
+        return o, KVCache(k, v)

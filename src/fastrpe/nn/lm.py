@@ -1,0 +1,102 @@
+"""Causal decoder language model.
+
+Notation: B batch, L length, V vocabulary, E width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .attention import KVCache
+from .block import ABSOLUTE, Block, sinusoidal
+from .config import ConfigMixin
+
+
+@dataclass
+class LMConfig(ConfigMixin):
+    """Decoder LM. `position`: "none", "sinusoidal", "rotary" or a `fastrpe.positions` family name."""
+
+    vocab_size: int = 259
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    ff_mult: int = 4
+    dropout: float = 0.0
+    kernel: str = "softmax"
+    position: str = "kerple_log"
+    backend: str = "auto"
+    max_len: int = 4096
+
+
+class DecoderLM(nn.Module):
+    """A GPT-style causal LM whose attention is `fastrpe.nn.MultiheadAttention`."""
+
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            Block(cfg.d_model, cfg.n_heads, kernel=cfg.kernel, position=cfg.position, causal=True, cross=False,
+                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len)
+            for _ in range(cfg.n_layers)
+        )
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def _embed(self, tokens: Tensor, offset: int) -> Tensor:
+        x = self.embed(tokens)  # (B, L, E)
+        if self.cfg.position in ABSOLUTE:
+            pos = torch.arange(offset, offset + tokens.shape[1], device=tokens.device)
+            x = x + sinusoidal(pos, self.cfg.d_model).to(x.dtype)
+        return x
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """`tokens: [B, L]` -> logits `[B, L, V]`."""
+        x = self._embed(tokens, 0)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, tokens: Tensor, reduction: str = "mean") -> Tensor:
+        """Next-token cross-entropy on `tokens: [B, L+1]` (inputs `[:, :-1]`, targets `[:, 1:]`)."""
+        logits = self(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction=reduction)
+
+    def step(self, tokens: Tensor, caches: list[KVCache] | None = None) -> tuple[Tensor, list[KVCache]]:
+        """Decode: `tokens: [B, L]` new tokens -> logits `[B, L, V]` and the extended caches."""
+        caches = caches or [KVCache() for _ in self.blocks]
+        x = self._embed(tokens, caches[0].length)
+        new = []
+        for blk, c in zip(self.blocks, caches):
+            x, c = blk(x, cache=c)
+            new.append(c)
+        return self.head(self.ln_f(x)), new
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Continue `prompt: [B, P]` by `max_new_tokens` through the decode API.
+        `temperature=0` is greedy; otherwise sample (optionally from the top_k)."""
+        logits, caches = self.step(prompt)
+        out = [prompt]
+        for i in range(max_new_tokens):
+            nxt = sample(logits[:, -1], temperature, top_k, generator)  # (B, 1)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits, caches = self.step(nxt, caches)
+        return torch.cat(out, dim=1)
+
+
+def sample(logits: Tensor, temperature: float, top_k: int | None, generator) -> Tensor:
+    """`logits: [B, V]` -> next token `[B, 1]`."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
