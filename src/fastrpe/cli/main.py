@@ -9,6 +9,8 @@ import sys
 # subcommand name -> module under fastrpe.cli (imported only when used, so `fastrpe --help` is fast)
 SUBCOMMANDS = {
     "explain": "explain",
+    "bench": "bench",
+    "extrapolate": "extrapolate",
 }
 
 

@@ -1,0 +1,133 @@
+"""Run a suite: each competitor on each problem, median time and peak memory, JSON + plot."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .registry import COMPETITORS, Problem
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def _time(fn, device, repeats: int, warmup: int) -> tuple[float, int | None]:
+    """Median seconds of `fn()` and, on CUDA, the peak allocated bytes of one call."""
+    for _ in range(warmup):
+        fn()
+    peak = None
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        for _ in range(repeats):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times), peak
+
+
+def run_suite(problems: list[Problem], competitors: list[str], *, device: str = "cpu", dtype: str = "float32",
+              repeats: int = 5, warmup: int = 1, time_limit_s: float = 30.0, log=print) -> dict:
+    dev = torch.device(device)
+    dt = getattr(torch, dtype)
+    rows = []
+    slow: set[str] = set()  # competitors that exceeded the time limit at a shorter length
+    for p in problems:
+        for name in competitors:
+            row = {"problem": p.to_dict(), "competitor": name}
+            if name in slow:
+                row["skipped"] = f"exceeded {time_limit_s}s at a shorter length"
+            else:
+                try:
+                    fn = COMPETITORS[name](p, dev, dt)
+                    if isinstance(fn, str):
+                        row["skipped"] = fn
+                    else:
+                        t0 = time.perf_counter()
+                        fn()  # compile / warm caches; also our time-limit probe
+                        if time.perf_counter() - t0 > time_limit_s:
+                            slow.add(name)
+                        sec, peak = _time(fn, dev, repeats, warmup)
+                        row.update(seconds=sec, peak_bytes=peak)
+                except torch.cuda.OutOfMemoryError:
+                    row["skipped"] = "out of memory"
+                except MemoryError:
+                    row["skipped"] = "out of memory"
+                fn = None
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            msg = row.get("skipped") or f"{row['seconds'] * 1e3:9.2f} ms" + (
+                f"  {row['peak_bytes'] / 2**30:6.2f} GiB" if row.get("peak_bytes") is not None else "")
+            log(f"{p.tag():40s} {name:16s} {msg}")
+    return {"device": device_name(dev), "dtype": dtype, "repeats": repeats, "rows": rows}
+
+
+def ratios(result: dict, baseline: str = "flex-same-rpe") -> list[dict]:
+    """Per problem: every competitor's time as a multiple of `baseline`'s time (same run)."""
+    by_problem: dict[str, dict] = {}
+    for r in result["rows"]:
+        key = json.dumps(r["problem"], sort_keys=True)
+        by_problem.setdefault(key, {})[r["competitor"]] = r.get("seconds")
+    out = []
+    for key, comp in by_problem.items():
+        base = comp.get(baseline)
+        out.append({"problem": json.loads(key), "speedup_vs_" + baseline:
+                    {c: (base / s if base and s else None) for c, s in comp.items()}})
+    return out
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups: dict[str, dict[str, list]] = {}
+    for r in result["rows"]:
+        if "seconds" not in r:
+            continue
+        p = r["problem"]
+        g = f"{p['position']} {p['kernel']} {'causal' if p['causal'] else 'full'}"
+        groups.setdefault(g, {}).setdefault(r["competitor"], []).append((p["L"], r["seconds"]))
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+    for ax, (g, comps) in zip(axes[0], groups.items()):
+        for c, pts in comps.items():
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y * 1e3 for _, y in pts], marker="o", label=c)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("ms (fwd+bwd)" if result["rows"][0]["problem"]["backward"] else "ms (fwd)")
+        ax.set_title(g)
+        ax.legend(fontsize=8)
+    fig.suptitle(result["device"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

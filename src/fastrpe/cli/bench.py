@@ -1,0 +1,44 @@
+"""`fastrpe bench`: competitors side by side on a suite of problems; JSON + log-log plot."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..bench import SUITES, competitor_names
+
+    p = sub.add_parser("bench", help="time fastrpe against FlexAttention/SDPA on a suite of problems")
+    p.add_argument("--suite", default="quick", choices=sorted(SUITES))
+    p.add_argument("--competitors", default=",".join(competitor_names()))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--out", default="runs/bench")
+    return p
+
+
+def run(args) -> int:
+    from dataclasses import replace
+
+    from ..bench import SUITES, run_suite
+    from ..bench.runner import plot, ratios
+
+    problems = SUITES[args.suite]
+    if args.forward_only:
+        problems = [replace(p, backward=False) for p in problems]
+    res = run_suite(problems, [c for c in args.competitors.split(",") if c], device=args.device, dtype=args.dtype,
+                    repeats=args.repeats)
+    res["ratios"] = ratios(res)
+    res["command"] = "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                                                 if k not in ("_module", "command"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.suite}.json").write_text(json.dumps(res, indent=2))
+    png = plot(res, out / f"{args.suite}.png")
+    print(f"wrote {out / (args.suite + '.json')}" + (f" and {png}" if png else ""))
+    return 0
