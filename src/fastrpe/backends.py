@@ -52,11 +52,17 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tenso
     lc = None
     if p.position is not None:
         lc = p.position.log_coefficients(p.Lq, p.Lk, p.q_offset).to(phi_q.dtype)  # (H, R)
-    num, den = num_den(phi_q, phi_k, vv, lc, causal=p.causal, q_offset=p.q_offset, key_padding_mask=kpm)
-    for t in p.additive:
-        if _is_shaw(t):
+    num, den, log_scale = num_den(phi_q, phi_k, vv, lc, causal=p.causal, q_offset=p.q_offset, key_padding_mask=kpm)
+    shaw = [t for t in p.additive if _is_shaw(t)]
+    if shaw:
+        # the Toeplitz part is in units of exp(log_scale) per row, Shaw's in units of 1:
+        # bring both to units of exp(u), u = max(log_scale, 0), so neither can overflow
+        u = log_scale.clamp_min(0.0)
+        a, s = torch.exp(log_scale - u)[None], torch.exp(-u)[None]  # (1, H, Lq)
+        num, den = num * a[..., None], den * a
+        for t in shaw:
             n2, d2 = t.num_den(phi_q, vv, p.Lk, p.causal, p.q_offset, kpm, naive=naive)
-            num, den = num + n2, den + d2
+            num, den = num + n2 * s[..., None], den + d2 * s
     out = safe_divide(num, den)
     return add_fastrpb(out, vv, p, kpm, naive).to(q.dtype)
 
@@ -97,8 +103,9 @@ class DenseBackend(Backend):
 
     def run(self, q, k, v, p, kpm):
         if p.softmax:
+            weight = p.position.materialize_weight(p.Lq, p.Lk, p.q_offset) if p.position is not None else None
             out = softmax_attention_naive(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
-                                          key_padding_mask=kpm, scale=p.scale)
+                                          key_padding_mask=kpm, scale=p.scale, weight=weight)
             return add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
         return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_naive, naive=True)
 
@@ -107,7 +114,10 @@ class SDPABackend(Backend):
     """`scaled_dot_product_attention`; the positional term as a materialized float mask."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        return _kernel_kind_reasons(p, want_softmax=True)
+        r = _kernel_kind_reasons(p, want_softmax=True)
+        if p.position is not None and p.position.weight is not None:
+            r.append(f"{type(p.position).__name__} weighs the logits; SDPA only adds a bias")
+        return r
 
     def cost(self, p: Problem) -> Cost:
         pairs = p.B * p.H * p.Lq * p.Lk

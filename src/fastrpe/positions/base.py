@@ -53,6 +53,9 @@ class Position(nn.Module):
         """`b_h(r)` for broadcastable int tensors `h` (head) and `r` (offset)."""
         raise NotImplementedError
 
+    #: positional logit weight `w_h(r)` (softmax only; see KerpleBiasWeight), or None
+    weight = None
+
     def _param_device(self) -> torch.device:
         for t in list(self.parameters()) + list(self.buffers()):
             return t.device
@@ -71,11 +74,26 @@ class Position(nn.Module):
         idx = toeplitz_index(Lq, Lk, device=lc.device)
         return lc[:, idx]
 
+    def materialize_weight(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor | None:
+        """`[H, Lq, Lk]` logit weight `w_h(j - i)` for terms that have one, else None."""
+        if self.weight is None:
+            return None
+        dev = self._param_device()
+        r = offsets(Lq, Lk, q_offset, device=dev)
+        h = torch.arange(self.num_heads, device=dev)[:, None]
+        w = self.weight(h, r[None, :]).expand(self.num_heads, r.numel())
+        return w[:, toeplitz_index(Lq, Lk, device=dev)]
+
     def score_mod(self, q_offset: int = 0) -> Callable:
-        """A FlexAttention `score_mod(score, b, h, q_idx, kv_idx)` adding `b_h(kv_idx - q_idx - q_offset)`."""
+        """A FlexAttention `score_mod(score, b, h, q_idx, kv_idx)` adding `b_h(kv_idx - q_idx - q_offset)`
+        (and multiplying by the logit weight first, for terms that have one)."""
+        weighted = self.weight is not None
 
         def mod(score, b, h, q_idx, kv_idx):
-            return score + self.bias(h, kv_idx - q_idx - q_offset).to(score.dtype)
+            r = kv_idx - q_idx - q_offset
+            if weighted:
+                score = score * self.weight(h, r).to(score.dtype)
+            return score + self.bias(h, r).to(score.dtype)
 
         return mod
 

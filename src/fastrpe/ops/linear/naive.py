@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...positions.base import toeplitz_index
-from ..common import causal_offset_mask, stable_coefficients
+from ..common import causal_offset_mask
 
 
 def kernelized_num_den_naive(
@@ -24,7 +24,7 @@ def kernelized_num_den_naive(
     causal: bool = False,
     q_offset: int = 0,
     key_padding_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Numerator and denominator of kernelized attention with a Toeplitz RPE.
 
     Args:
@@ -39,7 +39,9 @@ def kernelized_num_den_naive(
         key_padding_mask: `[B, Lk]` bool, True marks padding keys (ignored).
 
     Returns:
-        `num: [B, H, Lq, Dv]` and `den: [B, H, Lq]`; `out = num / den`.
+        `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]`: the true
+        numerator is `num·exp(log_scale)` (a per-head maximum is taken out before `exp`);
+        `out = num / den`.
     """
     B, H, Lq, _ = phi_q.shape
     Lk = phi_k.shape[2]
@@ -51,10 +53,14 @@ def kernelized_num_den_naive(
         lc = torch.zeros(H, R, dtype=a.dtype, device=dev)
     else:
         lc = log_coeff.to(a.dtype)
-    c = stable_coefficients(lc, keep)  # (H, R)
+    if keep is not None:
+        lc = lc.masked_fill(~keep, float("-inf"))
+    m = lc.detach().amax(-1, keepdim=True)  # (H, 1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    c = torch.exp(lc - m)  # (H, R)
     a = a * c[:, toeplitz_index(Lq, Lk, device=dev)]  # (B, H, Lq, Lk)
     if key_padding_mask is not None:
         a = a.masked_fill(key_padding_mask[:, None, None, :], 0.0)
     num = a @ v.to(a.dtype)
     den = a.sum(-1)
-    return num, den
+    return num, den, m.expand(H, Lq)

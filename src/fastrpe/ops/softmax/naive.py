@@ -35,8 +35,9 @@ def softmax_attention_naive(
     q_offset: int = 0,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    weight: Tensor | None = None,
 ) -> Tensor:
-    """`softmax(scale·q·kᵀ + bias)·v` with masks.
+    """`softmax(weight ⊙ scale·q·kᵀ + bias)·v` with masks.
 
     Args:
         q: `[B, H, Lq, D]`; k: `[B, H, Lk, D]`; v: `[B, H, Lk, Dv]`.
@@ -44,6 +45,7 @@ def softmax_attention_naive(
         causal: exclude keys `j > i` (positions, with queries at `q_offset + 0..Lq-1`).
         key_padding_mask: `[B, Lk]` bool, True marks padding keys.
         scale: default `D**-0.5`.
+        weight: `[H, Lq, Lk]` positional logit weight (KerpleBiasWeight), or None.
 
     Returns:
         `[B, H, Lq, Dv]` in the math dtype (float32 for half inputs).
@@ -52,6 +54,8 @@ def softmax_attention_naive(
     scale = D ** -0.5 if scale is None else scale
     dt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     s = torch.einsum("bhid,bhjd->bhij", q.to(dt), k.to(dt)) * scale  # (B, H, Lq, Lk)
+    if weight is not None:
+        s = s * weight.to(dt)
     if bias is not None:
         s = s + bias.to(dt)
     mask = score_mask(q.shape[2], k.shape[2], causal=causal, q_offset=q_offset,

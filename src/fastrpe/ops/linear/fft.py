@@ -1,0 +1,287 @@
+"""Kernelized attention with a Toeplitz RPE by FFT, in blocks of feature channels.
+
+Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Positional
+Encoding" (NeurIPS 2021), Eq. 10-13:
+`num_i = Σ_m φ(q_i)_m Σ_j c(j-i) φ(k_j)_m [v_j, 1]` — for each feature m, a Toeplitz
+product of the `Dv + 1` channels `φ(k)_m·[v, 1]`.
+
+Memory: the channels of all features at once would be `[B, H, L, F·(Dv+1)]` (16 GiB at
+L = 64k, F = 64, fp32). Features are processed `block` at a time, the block chosen from a
+memory budget, and a custom autograd function recomputes each block in backward instead
+of saving it, so forward and backward need O(L·(Dv+1)·block) extra memory.
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, C = Dv + 1
+channels per feature, N FFT length >= Lq + Lk - 1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ...positions.base import toeplitz_index
+from ..common import causal_offset_mask
+from ..toeplitz.fft import coeff_spectrum, fft_dtype_for, fft_length
+
+DEFAULT_BUDGET = 512 << 20
+
+
+def _bytes_per_feature(B: int, H: int, Lq: int, Lk: int, Dv: int, el: int) -> int:
+    """Extra bytes one feature's channels need during a block (fwd or bwd, the larger)."""
+    N = fft_length(Lq + Lk - 1)
+    C = Dv + 1
+    # x, its spectrum (complex: 2 el), the product, the inverse (N real), the kept rows; x2 in backward
+    return B * H * C * el * (Lk + 2 * (N // 2 + 1) * 2 + N + Lq) * 2
+
+
+def fft_block_size(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
+                   memory_budget_bytes: int | None = None) -> int:
+    """Features per block so that one block's temporaries fit the budget (at least 1)."""
+    el = 8 if dtype == torch.float64 else 4
+    budget = DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
+    return int(max(1, min(F, budget // max(1, _bytes_per_feature(B, H, Lq, Lk, Dv, el)))))
+
+
+def estimate_fft_cost(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
+                      memory_budget_bytes: int | None = None) -> tuple[float, int]:
+    """(flops, peak extra bytes) of one forward call."""
+    el = 8 if dtype == torch.float64 else 4
+    N = fft_length(Lq + Lk - 1)
+    C = Dv + 1
+    fft_flops = 2 * 2.5 * N * math.log2(N) * B * H * F * C  # one rfft + one irfft per channel
+    flops = fft_flops + 4 * B * H * (Lq + Lk) * F * C
+    block = fft_block_size(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
+    peak = block * _bytes_per_feature(B, H, Lq, Lk, Dv, el) // 2 + B * H * (Lq * C + Lk * (F + C)) * el
+    return flops, int(peak)
+
+
+def _channels(phi: Tensor, vv: Tensor) -> Tensor:
+    """`φ(k)_m·[v, 1]` for a block: `[B, H, Lk, f], [B, H, Lk, C] -> [B, H, Lk, f·C]`."""
+    return (phi[..., :, None] * vv[..., None, :]).flatten(-2)
+
+
+def _toeplitz(cf: Tensor, x: Tensor, Lout: int, N: int) -> Tensor:
+    """`[B, H, Lin, K] -> [B, H, Lout, K]` with the spectrum of the flipped coefficients `cf: [H, N//2+1]`."""
+    Lin = x.shape[2]
+    y = torch.fft.irfft(torch.fft.rfft(x, n=N, dim=2) * cf[..., None], n=N, dim=2)
+    return y[:, :, Lin - 1: Lin - 1 + Lout]
+
+
+class _FFTNumDen(torch.autograd.Function):
+    """`(phi_q, phi_k, vv, c) -> y: [B, H, Lq, C]` with `y_i = Σ_m φq_im Σ_j c(j-i) φk_jm vv_j`."""
+
+    @staticmethod
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, vv: Tensor, c: Tensor, block: int):
+        B, H, Lq, F = phi_q.shape
+        Lk, C = vv.shape[2], vv.shape[3]
+        N = fft_length(Lq + Lk - 1)
+        cf = coeff_spectrum(c, N)[None]  # (1, H, N//2+1)
+        y = phi_q.new_zeros(B, H, Lq, C)
+        for s in range(0, F, block):
+            e = min(F, s + block)
+            t = _toeplitz(cf, _channels(phi_k[..., s:e], vv), Lq, N)  # (B, H, Lq, f·C)
+            y += torch.einsum("bhif,bhifc->bhic", phi_q[..., s:e], t.unflatten(-1, (e - s, C)))
+        ctx.save_for_backward(phi_q, phi_k, vv, c)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        phi_q, phi_k, vv, c = ctx.saved_tensors
+        block = ctx.block
+        B, H, Lq, F = phi_q.shape
+        Lk, C = vv.shape[2], vv.shape[3]
+        N = fft_length(Lq + Lk - 1)
+        cf = coeff_spectrum(c, N)[None]  # forward operator T
+        cf_t = coeff_spectrum(c.flip(-1), N)[None]  # transposed operator Tᵀ
+        need_c = ctx.needs_input_grad[3]
+        g_q = torch.zeros_like(phi_q) if ctx.needs_input_grad[0] else None
+        g_k = torch.zeros_like(phi_k) if ctx.needs_input_grad[1] else None
+        g_v = torch.zeros_like(vv) if ctx.needs_input_grad[2] else None
+        g_cf = None
+        for s in range(0, F, block):
+            e, f = min(F, s + block), min(F, s + block) - s
+            x = _channels(phi_k[..., s:e], vv)  # (B, H, Lk, f·C)
+            xf = torch.fft.rfft(x, n=N, dim=2)
+            if g_q is not None:
+                t = torch.fft.irfft(xf * cf[..., None], n=N, dim=2)[:, :, Lk - 1: Lk - 1 + Lq]
+                g_q[..., s:e] = torch.einsum("bhic,bhifc->bhif", gy, t.unflatten(-1, (f, C)))
+            z = _channels(phi_q[..., s:e], gy)  # (B, H, Lq, f·C): dL/dT-product per channel
+            zf = torch.fft.rfft(z, n=N, dim=2)
+            if g_k is not None or g_v is not None:
+                g = torch.fft.irfft(zf * cf_t[..., None], n=N, dim=2)[:, :, Lq - 1: Lq - 1 + Lk]
+                g = g.unflatten(-1, (f, C))  # (B, H, Lk, f, C)
+                if g_k is not None:
+                    g_k[..., s:e] = torch.einsum("bhjfc,bhjc->bhjf", g, vv)
+                if g_v is not None:
+                    g_v += torch.einsum("bhjfc,bhjf->bhjc", g, phi_k[..., s:e])
+            if need_c:
+                # dL/dc[r] = Σ_i Σ_ch z_i x_{i + r - (Lq-1)}: a cross-correlation, summed in the spectrum
+                part = (zf.conj() * xf).sum(dim=(0, 3))  # (H, N//2+1)
+                g_cf = part if g_cf is None else g_cf + part
+        g_c = None
+        if need_c:
+            corr = torch.fft.irfft(g_cf, n=N, dim=-1)  # corr[t], t = j - i (mod N)
+            R = Lq + Lk - 1
+            t = torch.arange(-(Lq - 1), Lk, device=c.device) % N
+            g_c = corr[:, t][:, :R]
+        return g_q, g_k, g_v, g_c, None
+
+
+def kernelized_num_den_fft(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    log_coeff: Tensor | None = None,
+    *,
+    causal: bool = False,
+    q_offset: int = 0,
+    key_padding_mask: Tensor | None = None,
+    memory_budget_bytes: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Same signature and results as `kernelized_num_den_naive`, by FFT in feature blocks.
+
+    Args:
+        phi_q: `[B, H, Lq, F]`; phi_k: `[B, H, Lk, F]`; v: `[B, H, Lk, Dv]`.
+        log_coeff: `[H, Lq+Lk-1]` log-coefficients (offsets `-(Lq-1+q_offset) .. Lk-1-q_offset`) or None.
+        causal, q_offset, key_padding_mask: as in the naive op.
+        memory_budget_bytes: bound on one block's temporaries (default 512 MiB).
+
+    Returns:
+        `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]` (true values are
+        `num·exp(log_scale)`): each row is scaled by the largest coefficient it sees.
+    """
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dt = fft_dtype_for(phi_q.dtype)
+    phi_q, phi_k = phi_q.to(dt), phi_k.to(dt)
+    if key_padding_mask is not None:
+        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], dim=-1)  # (B, H, Lk, C)
+    if log_coeff is None and not causal:
+        # no positional term: plain linear attention, no FFT needed
+        kv = torch.einsum("bhjf,bhjc->bhfc", phi_k, vv)  # (B, H, F, C)
+        y = torch.einsum("bhif,bhfc->bhic", phi_q, kv)
+        return y[..., :Dv], y[..., Dv], phi_q.new_zeros(H, Lq)
+    lc = torch.zeros(H, Lq + Lk - 1, dtype=dt, device=phi_q.device) if log_coeff is None else log_coeff.to(dt)
+    if causal:
+        lc = lc.masked_fill(~causal_offset_mask(Lq, Lk, q_offset, device=lc.device), float("-inf"))
+    block = fft_block_size(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes)
+    scale = row_scale(lc, Lq, Lk)  # (H, Lq)
+    if not causal:
+        y = _rescaled_product(phi_q, phi_k, vv, lc, scale, block)
+    else:
+        y = _causal_product(phi_q, phi_k, vv, lc, scale, q_offset, block)
+    return y[..., :Dv], y[..., Dv], scale
+
+
+#: FFT round-off is relative to the largest coefficient in a product; a row whose own
+#: largest coefficient is more than this many nats below it loses digits, so such rows go
+#: to a product of their own (measured: errors grow faster than eps·e^τ once φ and v vary,
+#: so τ is kept small).
+RESCALE_NATS = {torch.float32: 3.0, torch.float64: 6.0}
+
+
+def row_scale(lc: Tensor, Lq: int, Lk: int) -> Tensor:
+    """`[H, Lq]`: the largest log-coefficient row i sees (0 for rows that see none)."""
+    with torch.no_grad():
+        # row i's offsets are lc[:, Lq-1-i : Lq-1-i+Lk]: a sliding-window max, reversed
+        m = torch.nn.functional.max_pool1d(lc.detach()[None], kernel_size=Lk, stride=1)[0].flip(-1)
+        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def row_blocks(lc: Tensor, Lq: int, Lk: int, tau: float) -> list[tuple[int, int]]:
+    """Contiguous blocks of query rows whose per-row largest log-coefficient (over the
+    row's own offsets) spans at most `tau` nats in every head.
+
+    Self-attention with a decaying term is one block (every row sees offset 0); queries
+    far outside the keys, or tables with large swings, get split so that each block's
+    FFT is rescaled by a maximum its rows actually see.
+    """
+    with torch.no_grad():
+        m = torch.nn.functional.max_pool1d(lc.detach()[None], kernel_size=Lk, stride=1)[0].flip(-1)  # (H, Lq)
+        m = torch.where(torch.isfinite(m), m, torch.full_like(m, -1e30))
+        if float((m.amax(-1) - m.amin(-1)).max()) <= tau:
+            return [(0, Lq)]
+        m = m.cpu()
+    blocks, a = [], 0
+    lo, hi = m[:, 0].clone(), m[:, 0].clone()
+    for i in range(1, Lq):
+        lo, hi = torch.minimum(lo, m[:, i]), torch.maximum(hi, m[:, i])
+        if float((hi - lo).max()) > tau:
+            blocks.append((a, i))
+            a, lo, hi = i, m[:, i].clone(), m[:, i].clone()
+    blocks.append((a, Lq))
+    return blocks
+
+
+def _rescaled_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, block: int) -> Tensor:
+    """Full (non-causal) product `[B, H, Lq, C]` for `lc: [H, Lq+Lk-1]`, in units of
+    `exp(scale)` per row (`scale: [H, Lq]`), computed in row blocks that are each rescaled
+    by the largest coefficient their rows see (see `row_blocks`)."""
+    Lq, Lk = phi_q.shape[2], phi_k.shape[2]
+    parts = []
+    for a, b in row_blocks(lc, Lq, Lk, RESCALE_NATS[phi_q.dtype]):
+        lcs = lc[:, Lq - b: Lq - a + Lk - 1]  # offsets of rows a..b-1
+        m = lcs.detach().amax(-1, keepdim=True)  # (H, 1)
+        if not bool(torch.isfinite(m).any()):
+            parts.append(phi_q.new_zeros(*phi_q.shape[:2], b - a, vv.shape[-1]))
+            continue
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        y = _FFTNumDen.apply(phi_q[:, :, a:b], phi_k, vv, torch.exp(lcs - m), block)  # units of exp(m)
+        parts.append(y * torch.exp(m - scale[:, a:b])[None, :, :, None])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+#: blocks of at most this many positions are done densely by the causal recursion
+CAUSAL_LEAF = 128
+
+
+def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
+                    block: int) -> Tensor:
+    """Causal product by divide and conquer over positions: a block of queries meets a
+    block of strictly earlier keys in one FFT product, and diagonal leaves are dense.
+
+    No computation for query i ever reads a key after i, so the future cannot leak into
+    the past even through round-off; every product is rescaled by its own largest
+    coefficient. O(L log² L) time. `lc` is already masked (`-inf` for `r > 0`).
+    """
+    B, H, Lq, _ = phi_q.shape
+    Lk, C = phi_k.shape[2], vv.shape[-1]
+    out = []  # (query start, contribution) pairs, summed at the end
+
+    def lc_slice(qa, qb, ka, kb):  # offsets of query indices qa..qb-1 against keys ka..kb-1
+        s = ka - qb + Lq
+        return lc[:, s: s + (qb - qa) + (kb - ka) - 1]
+
+    def solve(lo: int, hi: int):
+        qa, qb = max(0, lo - q_offset), min(Lq, hi - q_offset)  # queries with positions in [lo, hi)
+        ka, kb = max(0, lo), min(Lk, hi)
+        if qa >= qb or ka >= kb:
+            return
+        if hi - lo <= CAUSAL_LEAF:
+            lcs = lc_slice(qa, qb, ka, kb)  # (H, nq+nk-1), -inf where r > 0
+            m = lcs.detach().amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            c = torch.exp(lcs - m)
+            a = torch.einsum("bhif,bhjf->bhij", phi_q[:, :, qa:qb], phi_k[:, :, ka:kb])
+            a = a * c[:, toeplitz_index(qb - qa, kb - ka, device=lc.device)]
+            out.append((qa, (a @ vv[:, :, ka:kb]) * torch.exp(m - scale[:, qa:qb])[None, :, :, None]))
+            return
+        mid = (lo + hi) // 2
+        solve(lo, mid)
+        solve(mid, hi)
+        # queries in [mid, hi) x keys in [lo, mid): every pair is causal, a full product
+        qa2, qb2 = max(0, mid - q_offset), min(Lq, hi - q_offset)
+        ka2, kb2 = max(0, lo), min(Lk, mid)
+        if qa2 < qb2 and ka2 < kb2:
+            out.append((qa2, _rescaled_product(phi_q[:, :, qa2:qb2], phi_k[:, :, ka2:kb2], vv[:, :, ka2:kb2],
+                                               lc_slice(qa2, qb2, ka2, kb2), scale[:, qa2:qb2], block)))
+
+    end = q_offset + Lq  # keys after the last query are never needed
+    solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
+    y = phi_q.new_zeros(B, H, Lq, C)
+    for qa, part in out:
+        y = y.index_add(2, torch.arange(qa, qa + part.shape[2], device=y.device), part)
+    return y

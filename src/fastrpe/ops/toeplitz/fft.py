@@ -1,0 +1,55 @@
+"""Toeplitz matrix times a batch of vectors in O((Lq+Lk) log(Lq+Lk)) per channel by FFT.
+
+The Toeplitz product is a convolution with the flipped coefficient vector:
+`y_i = Σ_j c[j-i+Lq-1] x_j = (flip(c) * x)[i + Lk - 1]`, computed by a circular
+convolution of length `N >= Lq + Lk - 1` (no wrap-around reaches the rows we keep).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def fft_length(n: int) -> int:
+    """Smallest power of two >= n (fast for every FFT library)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def fft_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """FFTs run in float64 for float64 inputs, float32 otherwise (half precision included)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def coeff_spectrum(coeff: Tensor, N: int) -> Tensor:
+    """`rfft(flip(coeff), N)`: `[..., R] -> [..., N//2+1]` complex."""
+    return torch.fft.rfft(coeff.flip(-1), n=N)
+
+
+def toeplitz_apply_spectrum(cf: Tensor, x: Tensor, Lq: int, N: int) -> Tensor:
+    """Toeplitz product given the coefficient spectrum `cf: [H or B,H, N//2+1]`.
+    `x: [B, H, Lk, C]` (real, FFT dtype) -> `[B, H, Lq, C]`."""
+    Lk = x.shape[2]
+    xf = torch.fft.rfft(x, n=N, dim=2)  # (B, H, N//2+1, C)
+    y = torch.fft.irfft(xf * cf[..., :, None], n=N, dim=2)  # (B, H, N, C)
+    return y[:, :, Lk - 1: Lk - 1 + Lq]
+
+
+def toeplitz_matmul_fft(coeff: Tensor, x: Tensor, Lq: int, *, fft_dtype: torch.dtype | None = None) -> Tensor:
+    """Same signature and result as `toeplitz_matmul_naive`, by FFT.
+
+    Args:
+        coeff: `[H, Lq+Lk-1]` or `[B, H, Lq+Lk-1]`.
+        x: `[B, H, Lk, C]`.
+        Lq: number of output rows.
+        fft_dtype: float32 or float64 (default: float64 for float64 inputs, else float32).
+
+    Returns:
+        `[B, H, Lq, C]` in x's dtype.
+    """
+    Lk = x.shape[2]
+    if coeff.shape[-1] != Lq + Lk - 1:
+        raise ValueError(f"coeff must have Lq+Lk-1 = {Lq + Lk - 1} entries, got {coeff.shape[-1]}")
+    dt = fft_dtype or fft_dtype_for(x.dtype)
+    N = fft_length(Lq + Lk - 1)
+    cf = coeff_spectrum(coeff.to(dt), N)
+    return toeplitz_apply_spectrum(cf, x.to(dt), Lq, N).to(x.dtype)

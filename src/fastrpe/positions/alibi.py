@@ -1,0 +1,39 @@
+"""ALiBi (Press et al., "Train Short, Test Long: Attention with Linear Biases Enables
+Input Length Extrapolation", ICLR 2022)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .base import Position
+
+
+def alibi_slopes(n: int) -> list[float]:
+    """The official slopes: geometric from 2^(-8/n) for a power of two; otherwise the
+    closest power of two's slopes plus every other slope of the next power of two."""
+
+    def power_of_2(m: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
+        return [start * start**i for i in range(m)]
+
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n - closest]
+
+
+class ALiBi(Position):
+    """`b_h(r) = -m_h·|r|` with fixed per-head slopes `m_h` (buffer `slopes: [H]`)."""
+
+    def __init__(self, num_heads: int):
+        super().__init__(num_heads)
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(num_heads), dtype=torch.float32))
+
+    def bias(self, h: Tensor, r: Tensor) -> Tensor:
+        return -self.slopes[h] * r.abs().to(self.slopes.dtype)
+
+    def decay(self) -> Tensor:
+        """Kernelized form: `c(r) = γ^|r|` with `γ_h = exp(-m_h)` (geometric, `[H]`)."""
+        return torch.exp(-self.slopes)
