@@ -95,7 +95,7 @@ class Exp(FeatureMap):
         return head_dim
 
     def features(self, x: Tensor, is_query: bool) -> Tensor:
-        return torch.exp(x - x.detach().amax(-1, keepdim=True))
+        return torch.exp(x - x.amax(-1, keepdim=True))
 
 
 class DPFP(FeatureMap):
@@ -198,7 +198,7 @@ class PRF(_RandomFeatures):
         wx = self._project(x)  # (.., F)
         e = wx - (x * self.input_scale).pow(2).sum(-1, keepdim=True) / 2
         if is_query:
-            e = e - e.detach().amax(-1, keepdim=True)
+            e = e - e.amax(-1, keepdim=True)
         else:
             e = e - self.w.to(x.dtype).pow(2).sum(-1).amax() / 2
         return torch.exp(e) / math.sqrt(self.m)
@@ -206,11 +206,14 @@ class PRF(_RandomFeatures):
 
 class TRF(_RandomFeatures):
     """Trigonometric random features (Peng et al., "Random Feature Attention", ICLR 2021):
-    `φ(x) = [sin(w·x), cos(w·x)]·exp(‖x‖²/2)/√m`, `F = 2m`, estimating `exp(q·k)`.
+    `φ(x) = [sin(w·x), cos(w·x)]/√m`, `F = 2m`, estimating the Gaussian kernel
+    `exp(-‖q-k‖²/2)` (on inputs scaled by `D^-1/4`).
 
-    The `exp(‖x‖²/2)` factor of a query cancels in attention and is dropped; a key's is kept
-    (it is exact), computed in the math dtype. TRF features can be negative, so the
-    attention denominator can be near 0: prefer `normalize=True` (RFA's setting).
+    With l2-normalized q and k (`normalize=True`, RFA's setting: `"ntrf"`) the Gaussian
+    kernel equals `exp(q·k)` times a constant, i.e. softmax attention. The factors
+    `exp(‖x‖²/2)` that would turn it into `exp(q·k)` for unnormalized inputs are left out:
+    a key's would overflow for large norms. TRF features can be negative, so the
+    attention denominator can be near 0.
     """
 
     name = "trf"
@@ -220,10 +223,7 @@ class TRF(_RandomFeatures):
 
     def features(self, x: Tensor, is_query: bool) -> Tensor:
         wx = self._project(x)
-        f = torch.cat([torch.sin(wx), torch.cos(wx)], dim=-1) / math.sqrt(self.m)
-        if is_query:
-            return f
-        return f * torch.exp((x * self.input_scale).pow(2).sum(-1, keepdim=True) / 2)
+        return torch.cat([torch.sin(wx), torch.cos(wx)], dim=-1) / math.sqrt(self.m)
 
 
 _SIMPLE = {"elu": EluPlusOne, "relu": ReLU, "exp": Exp, "dpfp": DPFP}
