@@ -238,10 +238,37 @@ def _rescaled_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scal
 CAUSAL_LEAF = 128
 
 
+def causal_segments(Lq: int, Lk: int, q_offset: int, leaf: int = CAUSAL_LEAF):
+    """Divide and conquer over positions for a causal product: yields
+    `(kind, qa, qb, ka, kb)` — query indices `qa..qb-1` against key indices `ka..kb-1` —
+    with kind "leaf" (a diagonal block: mask `j > i` inside) or "cross" (every key
+    strictly earlier than every query: a full product). Together they cover each causal
+    pair exactly once, and no segment pairs a query with a later key. O(log L) levels.
+    """
+
+    def solve(lo: int, hi: int):
+        qa, qb = max(0, lo - q_offset), min(Lq, hi - q_offset)  # queries with positions in [lo, hi)
+        ka, kb = max(0, lo), min(Lk, hi)
+        if qa >= qb or ka >= kb:
+            return
+        if hi - lo <= leaf:
+            yield "leaf", qa, qb, ka, kb
+            return
+        mid = (lo + hi) // 2
+        yield from solve(lo, mid)
+        yield from solve(mid, hi)
+        qa2, qb2 = max(0, mid - q_offset), min(Lq, hi - q_offset)
+        ka2, kb2 = max(0, lo), min(Lk, mid)
+        if qa2 < qb2 and ka2 < kb2:
+            yield "cross", qa2, qb2, ka2, kb2
+
+    end = q_offset + Lq  # keys after the last query are never needed
+    yield from solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
+
+
 def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
                     block: int) -> Tensor:
-    """Causal product by divide and conquer over positions: a block of queries meets a
-    block of strictly earlier keys in one FFT product, and diagonal leaves are dense.
+    """Causal product over `causal_segments`: diagonal leaves dense, the rest FFT products.
 
     No computation for query i ever reads a key after i, so the future cannot leak into
     the past even through round-off; every product is rescaled by its own largest
@@ -249,39 +276,18 @@ def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale:
     """
     B, H, Lq, _ = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
-    out = []  # (query start, contribution) pairs, summed at the end
-
-    def lc_slice(qa, qb, ka, kb):  # offsets of query indices qa..qb-1 against keys ka..kb-1
-        s = ka - qb + Lq
-        return lc[:, s: s + (qb - qa) + (kb - ka) - 1]
-
-    def solve(lo: int, hi: int):
-        qa, qb = max(0, lo - q_offset), min(Lq, hi - q_offset)  # queries with positions in [lo, hi)
-        ka, kb = max(0, lo), min(Lk, hi)
-        if qa >= qb or ka >= kb:
-            return
-        if hi - lo <= CAUSAL_LEAF:
-            lcs = lc_slice(qa, qb, ka, kb)  # (H, nq+nk-1), -inf where r > 0
+    y = phi_q.new_zeros(B, H, Lq, C)
+    for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset):
+        s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
+        lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
+        if kind == "leaf":
             m = lcs.detach().amax(-1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            c = torch.exp(lcs - m)
             a = torch.einsum("bhif,bhjf->bhij", phi_q[:, :, qa:qb], phi_k[:, :, ka:kb])
-            a = a * c[:, toeplitz_index(qb - qa, kb - ka, device=lc.device)]
-            out.append((qa, (a @ vv[:, :, ka:kb]) * torch.exp(m - scale[:, qa:qb])[None, :, :, None]))
-            return
-        mid = (lo + hi) // 2
-        solve(lo, mid)
-        solve(mid, hi)
-        # queries in [mid, hi) x keys in [lo, mid): every pair is causal, a full product
-        qa2, qb2 = max(0, mid - q_offset), min(Lq, hi - q_offset)
-        ka2, kb2 = max(0, lo), min(Lk, mid)
-        if qa2 < qb2 and ka2 < kb2:
-            out.append((qa2, _rescaled_product(phi_q[:, :, qa2:qb2], phi_k[:, :, ka2:kb2], vv[:, :, ka2:kb2],
-                                               lc_slice(qa2, qb2, ka2, kb2), scale[:, qa2:qb2], block)))
-
-    end = q_offset + Lq  # keys after the last query are never needed
-    solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
-    y = phi_q.new_zeros(B, H, Lq, C)
-    for qa, part in out:
-        y = y.index_add(2, torch.arange(qa, qa + part.shape[2], device=y.device), part)
+            a = a * torch.exp(lcs - m)[:, toeplitz_index(qb - qa, kb - ka, device=lc.device)]
+            part = (a @ vv[:, :, ka:kb]) * torch.exp(m - scale[:, qa:qb])[None, :, :, None]
+        else:
+            part = _rescaled_product(phi_q[:, :, qa:qb], phi_k[:, :, ka:kb], vv[:, :, ka:kb], lcs,
+                                     scale[:, qa:qb], block)
+        y = y.index_add(2, torch.arange(qa, qb, device=y.device), part)
     return y

@@ -1,0 +1,1 @@
+"""FastRPB's additive Toeplitz term `W·v` (naive reference and FFT)."""
