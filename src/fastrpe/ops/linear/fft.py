@@ -183,11 +183,25 @@ def kernelized_num_den_fft(
 RESCALE_NATS = {torch.float32: 3.0, torch.float64: 6.0}
 
 
+def sliding_max(x: Tensor, w: int) -> Tensor:
+    """`[H, R] -> [H, R-w+1]`: max over every window of w entries, in O(R) memory and time
+    (van Herk / Gil-Werman: per-block prefix and suffix maxima). `max_pool1d` with a
+    kernel as long as the sequence unfolds it and needs O(R·w) memory."""
+    H, R = x.shape
+    nb = -(-R // w)
+    pad = torch.full((H, nb * w - R), float("-inf"), dtype=x.dtype, device=x.device)
+    blocks = torch.cat([x, pad], -1).view(H, nb, w)
+    pre = blocks.cummax(-1).values.view(H, -1)  # max from each block's start
+    suf = blocks.flip(-1).cummax(-1).values.flip(-1).view(H, -1)  # max to each block's end
+    n = R - w + 1
+    return torch.maximum(suf[:, :n], pre[:, w - 1: w - 1 + n])
+
+
 def row_scale(lc: Tensor, Lq: int, Lk: int) -> Tensor:
     """`[H, Lq]`: the largest log-coefficient row i sees (0 for rows that see none)."""
     with torch.no_grad():
         # row i's offsets are lc[:, Lq-1-i : Lq-1-i+Lk]: a sliding-window max, reversed
-        m = torch.nn.functional.max_pool1d(lc.detach()[None], kernel_size=Lk, stride=1)[0].flip(-1)
+        m = sliding_max(lc.detach(), Lk).flip(-1)
         return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
@@ -200,7 +214,7 @@ def row_blocks(lc: Tensor, Lq: int, Lk: int, tau: float) -> list[tuple[int, int]
     FFT is rescaled by a maximum its rows actually see.
     """
     with torch.no_grad():
-        m = torch.nn.functional.max_pool1d(lc.detach()[None], kernel_size=Lk, stride=1)[0].flip(-1)  # (H, Lq)
+        m = sliding_max(lc.detach(), Lk).flip(-1)  # (H, Lq)
         m = torch.where(torch.isfinite(m), m, torch.full_like(m, -1e30))
         if float((m.amax(-1) - m.amin(-1)).max()) <= tau:
             return [(0, Lq)]
