@@ -100,3 +100,20 @@ def test_flex_refuses_shaw():
     q, k, v = qkv(1, 2, 5, 5, 8)
     with pytest.raises(fr.FastRPEError, match="Shaw vectors depend on q"):
         fr.attention(q, k, v, position=P.ShawRelative(2, 8, 2).double(), backend="flex")
+
+
+@pytest.mark.parametrize("kind", ["fastrpb", "shaw"])
+@pytest.mark.parametrize("backend,kernel", [("dense", "elu"), ("fft", "elu"), ("sdpa", "softmax")])
+def test_additive_terms_never_see_the_future(kind, backend, kernel):
+    H, D = 2, 8
+    q, k, v = (t.float() for t in qkv(1, H, 300, 300, D))
+    term = _terms(kind, H, D).float()
+    pos = [P.KerpleLog(H), term]
+    with torch.no_grad():
+        out = fr.attention(q, k, v, kernel=kernel, position=pos, causal=True, backend=backend)
+        for i in (0, 150, 298):
+            k2, v2 = k.clone(), v.clone()
+            k2[:, :, i + 1:] *= 30
+            v2[:, :, i + 1:] = 1e3 * torch.randn_like(v2[:, :, i + 1:])
+            out2 = fr.attention(q, k2, v2, kernel=kernel, position=pos, causal=True, backend=backend)
+            assert torch.equal(out2[:, :, : i + 1], out[:, :, : i + 1])

@@ -34,6 +34,16 @@ def sinusoidal(positions: Tensor, dim: int) -> Tensor:
     return torch.nn.functional.pad(pe, (0, dim - 2 * half))
 
 
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 style: normal(0, std) for linear and embedding weights, zero biases. Positional
+    terms keep their own initialization."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()

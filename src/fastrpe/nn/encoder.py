@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .block import ABSOLUTE, Block, sinusoidal
+from .block import ABSOLUTE, Block, init_weights, sinusoidal
 from .config import ConfigMixin
 
 
@@ -52,6 +52,7 @@ class EncoderClassifier(nn.Module):
                 blk.attn.positions.append(FastRPB1D(cfg.n_heads, cfg.max_len))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.num_classes)
+        init_weights(self)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """`tokens: [B, L]`, `padding_mask: [B, L]` bool (True = pad; default `tokens == pad_id`) -> `[B, C]`."""

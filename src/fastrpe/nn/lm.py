@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import KVCache
-from .block import ABSOLUTE, Block, sinusoidal
+from .block import ABSOLUTE, Block, init_weights, sinusoidal
 from .config import ConfigMixin
 
 
@@ -46,6 +46,7 @@ class DecoderLM(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
+        init_weights(self)
 
     def _embed(self, tokens: Tensor, offset: int) -> Tensor:
         x = self.embed(tokens)  # (B, L, E)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import KVCache
-from .block import ABSOLUTE, Block, sinusoidal
+from .block import ABSOLUTE, Block, init_weights, sinusoidal
 from .config import ConfigMixin
 from .lm import sample
 
@@ -49,6 +49,7 @@ class Seq2Seq(nn.Module):
         self.ln_e, self.ln_d = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.embed.weight
+        init_weights(self)
 
     def _embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
         x = self.embed(tokens)

@@ -18,7 +18,7 @@ def fastrpb_fft(w_coeff: Tensor, v: Tensor, Lq: int, *, causal: bool = False, q_
     if not causal:
         return toeplitz_matmul_fft(w_coeff, v, Lq)
     Lk = v.shape[2]
-    y = v.new_zeros(*v.shape[:2], Lq, v.shape[-1])
+    rows, parts = [], []
     for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset):
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         w = w_coeff[..., s: s + (qb - qa) + (kb - ka) - 1]
@@ -27,5 +27,6 @@ def fastrpb_fft(w_coeff: Tensor, v: Tensor, Lq: int, *, causal: bool = False, q_
             part = toeplitz_matmul_naive(w * (r <= 0).to(w.dtype), v[:, :, ka:kb], qb - qa)
         else:
             part = toeplitz_matmul_fft(w, v[:, :, ka:kb], qb - qa)
-        y = y.index_add(2, torch.arange(qa, qb, device=v.device), part)
-    return y
+        rows.append(torch.arange(qa, qb, device=v.device))
+        parts.append(part)
+    return v.new_zeros(*v.shape[:2], Lq, v.shape[-1]).index_add(2, torch.cat(rows), torch.cat(parts, dim=2))

@@ -290,7 +290,7 @@ def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale:
     """
     B, H, Lq, _ = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
-    y = phi_q.new_zeros(B, H, Lq, C)
+    rows, parts = [], []
     for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset):
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
@@ -303,5 +303,8 @@ def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale:
         else:
             part = _rescaled_product(phi_q[:, :, qa:qb], phi_k[:, :, ka:kb], vv[:, :, ka:kb], lcs,
                                      scale[:, qa:qb], block)
-        y = y.index_add(2, torch.arange(qa, qb, device=y.device), part)
-    return y
+        rows.append(torch.arange(qa, qb, device=phi_q.device))
+        parts.append(part)
+    # one scatter at the end: adding each part into a fresh full-size copy (out-of-place,
+    # as autograd needs) allocated O(L) per segment, O(L²/leaf) bytes in all
+    return phi_q.new_zeros(B, H, Lq, C).index_add(2, torch.cat(rows), torch.cat(parts, dim=2))
