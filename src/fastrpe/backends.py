@@ -4,11 +4,14 @@ Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 from .ops.common import safe_divide
+from .ops.linear.fft import CAUSAL_LEAF
 from .ops.linear.naive import kernelized_num_den_naive
 from .ops.softmax.flex import flex_available, softmax_attention_flex
 from .ops.softmax.naive import softmax_attention_naive
@@ -185,7 +188,10 @@ class FFTBackend(Backend):
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
         if p.requires_grad:
             flops *= 3
-        return Cost(machine_time(p.device, flops, 2 * peak, calls=30), peak)
+        if p.causal:  # divide and conquer: about one full-length product per level
+            flops *= 1 + 0.6 * max(0.0, math.log2(max(p.Lq, p.Lk) / CAUSAL_LEAF))
+        # FFTs are memory-bound: ~7x below the flop rate (measured: benchmarks/fft_memory.py)
+        return Cost(machine_time(p.device, 7 * flops, 2 * peak, calls=30), peak)
 
     def run(self, q, k, v, p, kpm):
         from .ops.linear.fft import kernelized_num_den_fft

@@ -33,5 +33,6 @@ def run(args) -> int:
     k = torch.zeros(args.batch, args.heads, Lk, args.dim, dtype=dt, device=args.device)
     v = torch.zeros(args.batch, args.heads, Lk, args.dim, dtype=dt, device=args.device)
     position = None if args.position == "none" else fr.positions.make(args.position, args.heads).to(args.device)
-    print(fr.explain(q, k, v, kernel=args.kernel, position=position, causal=args.causal))
+    with torch.set_grad_enabled(args.grad):  # learnable positional terms would otherwise imply a backward
+        print(fr.explain(q, k, v, kernel=args.kernel, position=position, causal=args.causal))
     return 0

@@ -52,7 +52,8 @@ def estimate_fft_cost(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=t
     fft_flops = 2 * 2.5 * N * math.log2(N) * B * H * F * C  # one rfft + one irfft per channel
     flops = fft_flops + 4 * B * H * (Lq + Lk) * F * C
     block = fft_block_size(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
-    peak = block * _bytes_per_feature(B, H, Lq, Lk, Dv, el) // 2 + B * H * (Lq * C + Lk * (F + C)) * el
+    # one block's temporaries, plus features, values and outputs kept for backward
+    peak = block * _bytes_per_feature(B, H, Lq, Lk, Dv, el) + 3 * B * H * (Lq * (F + C) + Lk * (F + C)) * el
     return flops, int(peak)
 
 
