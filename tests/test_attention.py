@@ -175,10 +175,11 @@ def test_auto_picks_a_supported_backend_and_explains():
     assert_close(out, ref)
 
 
-def test_auto_prefers_fft_at_long_length():
-    q, k, v = (torch.zeros(1, 1, 8192, 16) for _ in range(3))
+def test_auto_prefers_fft_where_dense_cannot_fit():
+    q, k, v = (torch.zeros(1, 1, 65536, 16) for _ in range(3))
     ex = fr.explain(q, k, v, kernel="elu", position=P.KerpleLog(1), causal=True)
     assert ex.chosen == "fft", str(ex)
+    assert "dense" in str(ex) and "memory limit" in str(ex)
 
 
 def test_q_offset_matches_slicing():
