@@ -199,10 +199,44 @@ class FFTBackend(Backend):
         return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_fft, naive=False)
 
 
+class ChunkedBackend(Backend):
+    """Causal kernelized attention in linear time: dense chunks and a running state
+    (no positional term, or a geometric decay: ALiBi, KERPLE power with fixed p = 1)."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if not p.causal:
+            r.append("causal only")
+        if p.position is not None and p.position.geometric_decay() is None:
+            r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        from .ops.linear.chunked import DEFAULT_CHUNK
+
+        T, C, F = DEFAULT_CHUNK, p.Dv + 1, p.F
+        L = max(p.Lk, p.q_offset + p.Lq)
+        flops = p.B * p.H * (2 * L * T * (F + C) + 6 * L * F * C) * (3 if p.requires_grad else 1)
+        mem = p.B * p.H * (L * T + (L // T + 1) * F * C * 2 + L * (F + C)) * p.bytes_per_el * (2 if p.requires_grad else 1)
+        return Cost(machine_time(p.device, flops, 2 * mem, calls=10 + 2 * L // T), mem)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.chunked import kernelized_num_den_chunked
+
+        gamma = p.position.geometric_decay() if p.position is not None else None
+
+        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+            return kernelized_num_den_chunked(phi_q, phi_k, vv, gamma=gamma, q_offset=q_offset,
+                                              key_padding_mask=key_padding_mask)
+
+        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+
+
 for _b in (
     DenseBackend("dense", description="materialized weights; the reference for everything"),
     SDPABackend("sdpa", description="torch scaled_dot_product_attention, bias materialized"),
     FlexBackend("flex", description="torch FlexAttention with a score_mod"),
     FFTBackend("fft", description="kernelized, Toeplitz RPE by FFT in channel blocks"),
+    ChunkedBackend("chunked", description="causal kernelized, geometric decay, linear time"),
 ):
     register_backend(_b)

@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="python-stdlib", help="embedded corpus (see fastrpe.data)")
     p.add_argument("--train-length", "-L", type=int, default=64)
     p.add_argument("--factors", default="1,2,4,8,16", help="evaluation lengths as multiples of L")
-    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--d-model", type=int, default=64)

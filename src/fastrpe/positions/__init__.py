@@ -28,6 +28,7 @@ _FACTORIES = {
     "t5": _t5,
     "alibi": lambda H, causal, max_len, **kw: ALiBi(H, **kw),
     "kerple_power": lambda H, causal, max_len, **kw: KerplePower(H, **kw),
+    "kerple_power_p1": lambda H, causal, max_len, **kw: KerplePower(H, learn_p=False, p=1.0, **kw),
     "kerple_log": lambda H, causal, max_len, **kw: KerpleLog(H, **kw),
     "kerple_log3": lambda H, causal, max_len, **kw: KerpleLog3(H, **kw),
     "kerple_bias_weight": lambda H, causal, max_len, **kw: KerpleBiasWeight(H, **kw),

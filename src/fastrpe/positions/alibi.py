@@ -34,6 +34,6 @@ class ALiBi(Position):
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         return -self.slopes[h] * r.abs().to(self.slopes.dtype)
 
-    def decay(self) -> Tensor:
-        """Kernelized form: `c(r) = γ^|r|` with `γ_h = exp(-m_h)` (geometric, `[H]`)."""
+    def geometric_decay(self) -> Tensor:
+        """Kernelized form: `c(r) = γ^|r|` with `γ_h = exp(-m_h)` (`[H]`)."""
         return torch.exp(-self.slopes)

@@ -56,6 +56,10 @@ class Position(nn.Module):
     #: positional logit weight `w_h(r)` (softmax only; see KerpleBiasWeight), or None
     weight = None
 
+    def geometric_decay(self) -> Tensor | None:
+        """`[H]` decays γ if `exp(b_h(r)) = γ_h^|r|` exactly (linear-time causal backends), else None."""
+        return None
+
     def _param_device(self) -> torch.device:
         for t in list(self.parameters()) + list(self.buffers()):
             return t.device

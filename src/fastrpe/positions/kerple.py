@@ -42,12 +42,23 @@ def abs_pow(r: Tensor, p: Tensor) -> Tensor:
 
 
 class KerplePower(Position):
-    """Power kernel: `b_h(r) = -r1_h·|r|^p_h`, `r1 > 0`, `0 < p < 2` (p = 1: ALiBi with a learned slope)."""
+    """Power kernel: `b_h(r) = -r1_h·|r|^p_h`, `r1 > 0`, `0 < p < 2` (p = 1: ALiBi with a learned slope).
 
-    def __init__(self, num_heads: int, r1=1.0, p=1.0):
+    Args:
+        learn_p: False keeps p fixed at its initial value; with p = 1 the kernelized form is
+            the geometric decay `exp(-r1)^|r|` that the linear-time `chunked` backend runs.
+    """
+
+    def __init__(self, num_heads: int, r1=1.0, p=1.0, learn_p: bool = True):
         super().__init__(num_heads)
         self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_softplus))
-        self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_2sigmoid))
+        self.learn_p = learn_p
+        if learn_p:
+            self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_2sigmoid))
+        else:
+            if not 0 < float(p) <= 2:
+                raise ValueError(f"p must be in (0, 2], got {p}")
+            self.register_buffer("fixed_p", torch.full((num_heads,), float(p)))
 
     @property
     def r1(self) -> Tensor:
@@ -55,10 +66,15 @@ class KerplePower(Position):
 
     @property
     def p(self) -> Tensor:
-        return 2 * torch.sigmoid(self.raw_p)
+        return 2 * torch.sigmoid(self.raw_p) if self.learn_p else self.fixed_p
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
-        return -self.r1[h] * abs_pow(r, self.p[h])
+        return -self.r1[h] * abs_pow(r, self.p[h].to(self.raw_r1.dtype))
+
+    def geometric_decay(self) -> Tensor | None:
+        if self.learn_p or not bool((self.fixed_p == 1).all()):
+            return None
+        return torch.exp(-self.r1)
 
 
 class KerpleLog(Position):
