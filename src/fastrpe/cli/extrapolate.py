@@ -27,6 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--positions", default=",".join(DEFAULT_POSITIONS), help="comma-separated position names")
     p.add_argument("--kernels", default=",".join(DEFAULT_KERNELS), help="comma-separated kernels")
     p.add_argument("--corpus", default="python-stdlib", help="embedded corpus (see fastrpe.data)")
+    p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus bytes to read (train + validation)")
     p.add_argument("--train-length", "-L", type=int, default=64)
     p.add_argument("--factors", default="1,2,4,8,16", help="evaluation lengths as multiples of L")
     p.add_argument("--steps", type=int, default=800)
@@ -69,7 +70,7 @@ def run(args) -> int:
     kernels = [s for s in args.kernels.split(",") if s]
     factors = [int(f) for f in args.factors.split(",")]
     L = args.train_length
-    corpus = load_corpus(args.corpus)
+    corpus = load_corpus(args.corpus, max_bytes=args.max_bytes)
     train_stream, val_stream = corpus.train, corpus.validation
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

