@@ -102,3 +102,31 @@ def test_config_refuses_unknown_and_invalid_fields():
     with pytest.raises(ValueError, match="'d_model'"):
         LMConfig.from_dict({"d_model": 30, "n_heads": 4})
     assert LMConfig.from_json(LMConfig(d_model=64).to_json()) == LMConfig(d_model=64)
+
+
+@pytest.mark.parametrize("position", ["none", "alibi", "kerple_power_p1"])
+def test_constant_memory_decoding_equals_forward(position):
+    """Kernelized attention with a geometric (or no) positional term decodes with a
+    constant-size state, and matches the full forward pass."""
+    torch.manual_seed(0)
+    model = DecoderLM(LMConfig(vocab_size=12, d_model=32, n_heads=4, position=position, kernel="elu")).double()
+    x = torch.randint(0, 12, (2, 40))
+    full = model(x)
+    logits, caches = model.step(x[:, :9])
+    assert all(isinstance(c, fr.nn.LinearState) for c in caches)
+    size = [c.S.numel() for c in caches]
+    outs = [logits]
+    for t in range(9, 40):
+        logits, caches = model.step(x[:, t:t + 1], caches)
+        outs.append(logits)
+    assert [c.S.numel() for c in caches] == size  # constant memory per step
+    torch.testing.assert_close(torch.cat(outs, 1), full)
+
+
+def test_seq2seq_beam_search_with_recurrent_decoder_state():
+    torch.manual_seed(0)
+    model = Seq2Seq(Seq2SeqConfig(vocab_size=12, d_model=32, n_heads=4, kernel="elu", position="alibi",
+                                  cross_position="none"))
+    src, _ = _copy_batch(B=3)
+    out = model.beam_search(src, max_len=6, beam_size=2)
+    assert out.shape[0] == 3

@@ -17,7 +17,7 @@ def _formula(name, pos, r: int, h: int) -> float:
     a = abs(r)
     if name == "alibi":
         return -pos.slopes[h].item() * a
-    if name == "kerple_power":
+    if name in ("kerple_power", "kerple_power_p1"):
         return -pos.r1[h].item() * a ** pos.p[h].item()
     if name == "kerple_log":
         return -pos.r1[h].item() * math.log1p(pos.r2[h].item() * a)

@@ -1,5 +1,5 @@
 """Layers and models built on `fastrpe.attention`."""
-from .attention import KVCache, MultiheadAttention, rotary  # noqa: F401
+from .attention import KVCache, LinearState, MultiheadAttention, rotary  # noqa: F401
 from .encoder import EncoderClassifier, EncoderConfig  # noqa: F401
 from .lm import DecoderLM, LMConfig  # noqa: F401
 from .seq2seq import Seq2Seq, Seq2SeqConfig  # noqa: F401

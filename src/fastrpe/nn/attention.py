@@ -11,7 +11,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..api import attention
-from ..kernels import get_kernel
+from ..kernels import FeatureMap, get_kernel
 from ..positions.base import AdditiveTerm, Position
 
 
@@ -28,6 +28,22 @@ class KVCache:
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
+
+    def select(self, index: Tensor) -> "KVCache":
+        """The cache of batch rows `index` (beam search reorders with it)."""
+        return self if self.k is None else KVCache(self.k[index], self.v[index])
+
+
+@dataclass
+class LinearState:
+    """Constant-size decode state of causal kernelized attention with a geometric decay
+    (or none): `S = Σ_j γ^(t-j) φ(k_j) ⊗ [v_j, 1]`, `[B, H, F, Dv+1]`, after `length` tokens."""
+
+    S: Tensor
+    length: int
+
+    def select(self, index: Tensor) -> "LinearState":
+        return LinearState(self.S[index], self.length)
 
 
 def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
@@ -126,10 +142,37 @@ class MultiheadAttention(nn.Module):
         o = self._attend(q, k, v, q_offset, key_padding_mask)
         return o if self.batch_first else o.transpose(0, 1)
 
-    def step(self, x: Tensor, cache: KVCache | None = None) -> tuple[Tensor, KVCache]:
+    @property
+    def recurrent_decoding(self) -> bool:
+        """True when `step` keeps a constant-size `LinearState` instead of a KV cache:
+        kernelized, causal, no additive term, and no positional term or a geometric one."""
+        pos = self.position
+        return (isinstance(self.kernel, FeatureMap) and self.causal and self.backend in ("auto", "chunked")
+                and (pos is None or (isinstance(pos, Position) and pos.geometric_decay() is not None)))
+
+    def _step_recurrent(self, x: Tensor, state: LinearState | None) -> tuple[Tensor, LinearState]:
+        from ..ops.common import safe_divide
+        from ..ops.linear.chunked import kernelized_num_den_chunked
+
+        start = 0 if state is None else state.length
+        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        if self.rotary:
+            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            q, k = rotary(q, pos), rotary(k, pos)
+        gamma = self.position.geometric_decay() if self.position is not None else None
+        num, den, _, S = kernelized_num_den_chunked(
+            self.kernel(q, is_query=True), self.kernel(k, is_query=False), v, gamma=gamma,
+            initial_state=None if state is None else state.S, return_state=True)
+        o = safe_divide(num, den).to(x.dtype)  # (B, H, L, D)
+        o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
+        return (o if self.batch_first else o.transpose(0, 1)), LinearState(S, start + x.shape[1])
+
+    def step(self, x: Tensor, cache: KVCache | LinearState | None = None):
         """Causal self-attention decoding: `x: [B, L, E]` new tokens (a prompt, or one token).
 
-        Returns the output for the new tokens and the cache extended by them. Calling
+        Returns the output for the new tokens and the cache extended by them: a `KVCache`
+        (exact for every positional term, O(L) per step), or a constant-size `LinearState`
+        when `recurrent_decoding` holds. Calling
         `step` on a prompt and then token by token gives the same outputs as `forward`
         on the whole sequence.
         """
@@ -137,6 +180,8 @@ class MultiheadAttention(nn.Module):
             raise RuntimeError("step() decodes causal self-attention; this layer has causal=False")
         if not self.batch_first:
             x = x.transpose(0, 1)
+        if isinstance(cache, LinearState) or (cache is None and self.recurrent_decoding):
+            return self._step_recurrent(x, cache)
         cache = cache or KVCache()
         k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if cache.k is not None:

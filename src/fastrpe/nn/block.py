@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import positions as P
-from .attention import KVCache, MultiheadAttention
+from .attention import KVCache, LinearState, MultiheadAttention
 
 #: position names handled by the model rather than by attention
 ABSOLUTE = ("sinusoidal",)
@@ -73,12 +73,12 @@ class Block(nn.Module):
         self.mlp = MLP(dim, ff_mult * dim, dropout)
 
     def forward(self, x: Tensor, *, padding_mask: Tensor | None = None, memory: Tensor | None = None,
-                memory_mask: Tensor | None = None, cache: KVCache | None = None, q_offset: int = 0):
+                memory_mask: Tensor | None = None, cache: KVCache | LinearState | None = None, q_offset: int = 0):
         """`x: [B, L, E]`. With `cache` (decoding), returns `(x, cache)`."""
         h = self.ln1(x)
         new_cache = None
         if cache is not None:
-            a, new_cache = self.attn.step(h, cache)
+            a, new_cache = self.attn.step(h, None if isinstance(cache, KVCache) and cache.k is None else cache)
         else:
             a = self.attn(h, key_padding_mask=padding_mask)
         x = x + a

@@ -141,7 +141,7 @@ class Seq2Seq(nn.Module):
             seqs = torch.cat([seqs[beam], tok], 1)
             finished = finished[beam] | (tok[:, 0] == cfg.eos_id) | (tok[:, 0] == cfg.pad_id)
             scores = top
-            caches = [KVCache(c.k[beam], c.v[beam]) for c in caches]
+            caches = [c.select(beam) for c in caches]
             if bool(finished.all()):
                 break
             logits, caches = self.step(tok, memory, mask, caches)

@@ -15,19 +15,11 @@ def causal_offset_mask(Lq: int, Lk: int, q_offset: int, device=None) -> Tensor:
     return r <= 0
 
 
-def stable_coefficients(log_coeff: Tensor, keep: Tensor | None = None) -> Tensor:
-    """`c = exp(b - max b)` over the last dim, with `b = -inf` allowed everywhere.
-
-    `log_coeff: [..., R]`; `keep: [R]` bool (False entries become 0). The
-    per-head maximum cancels in kernelized attention's ratio; a head whose
-    entries are all `-inf` gives all zeros, never NaN (forward or backward).
-    """
-    b = log_coeff
-    if keep is not None:
-        b = b.masked_fill(~keep, float("-inf"))
-    m = b.detach().amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return torch.exp(b - m)
+def finite_max(x: Tensor, dim: int = -1) -> Tensor:
+    """Detached max over `dim` (kept), with 0 where every entry is `-inf`: the shift taken
+    out before `exp` so that nothing overflows and an all-`-inf` row gives zeros, not NaN."""
+    m = x.detach().amax(dim=dim, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
 def safe_divide(num: Tensor, den: Tensor) -> Tensor:

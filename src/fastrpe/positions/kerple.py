@@ -110,7 +110,10 @@ class KerpleLog3(Position):
 
     r1 = KerpleLog.r1
     r2 = KerpleLog.r2
-    p = KerplePower.p
+
+    @property
+    def p(self) -> Tensor:
+        return 2 * torch.sigmoid(self.raw_p)
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         return -self.r1[h] * torch.log1p(self.r2[h] * abs_pow(r, self.p[h]))

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ...positions.base import toeplitz_index
-from ..common import causal_offset_mask
+from ..common import causal_offset_mask, finite_max
 from ..toeplitz.fft import coeff_spectrum, fft_dtype_for, fft_length
 
 DEFAULT_BUDGET = 512 << 20
@@ -239,11 +239,10 @@ def _rescaled_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scal
     parts = []
     for a, b in row_blocks(lc, Lq, Lk, RESCALE_NATS[phi_q.dtype]):
         lcs = lc[:, Lq - b: Lq - a + Lk - 1]  # offsets of rows a..b-1
-        m = lcs.detach().amax(-1, keepdim=True)  # (H, 1)
-        if not bool(torch.isfinite(m).any()):
+        if not bool(torch.isfinite(lcs).any()):  # no admissible coefficient at all
             parts.append(phi_q.new_zeros(*phi_q.shape[:2], b - a, vv.shape[-1]))
             continue
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = finite_max(lcs)  # (H, 1)
         y = _FFTNumDen.apply(phi_q[:, :, a:b], phi_k, vv, torch.exp(lcs - m), block)  # units of exp(m)
         parts.append(y * torch.exp(m - scale[:, a:b])[None, :, :, None])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
@@ -296,8 +295,7 @@ def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale:
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
         if kind == "leaf":
-            m = lcs.detach().amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            m = finite_max(lcs)
             a = torch.einsum("bhif,bhjf->bhij", phi_q[:, :, qa:qb], phi_k[:, :, ka:kb])
             a = a * torch.exp(lcs - m)[:, toeplitz_index(qb - qa, kb - ka, device=lc.device)]
             part = (a @ vv[:, :, ka:kb]) * torch.exp(m - scale[:, qa:qb])[None, :, :, None]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...positions.base import toeplitz_index
-from ..common import causal_offset_mask
+from ..common import causal_offset_mask, finite_max
 
 
 def kernelized_num_den_naive(
@@ -55,8 +55,7 @@ def kernelized_num_den_naive(
         lc = log_coeff.to(a.dtype)
     if keep is not None:
         lc = lc.masked_fill(~keep, float("-inf"))
-    m = lc.detach().amax(-1, keepdim=True)  # (H, 1)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = finite_max(lc)  # (H, 1)
     c = torch.exp(lc - m)  # (H, R)
     a = a * c[:, toeplitz_index(Lq, Lk, device=dev)]  # (B, H, Lq, Lk)
     if key_padding_mask is not None:

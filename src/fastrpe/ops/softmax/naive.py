@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import safe_divide
+from ..common import finite_max, safe_divide
 
 
 def score_mask(Lq: int, Lk: int, *, causal: bool, q_offset: int, key_padding_mask: Tensor | None,
@@ -62,7 +62,5 @@ def softmax_attention_naive(
                       key_padding_mask=key_padding_mask, device=q.device)
     if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
+    p = torch.exp(s - finite_max(s))
     return safe_divide(p @ v.to(dt), p.sum(-1))
