@@ -183,6 +183,13 @@ def kernelized_num_den_fft(
 #: so τ is kept small).
 RESCALE_NATS = {torch.float32: 3.0, torch.float64: 6.0}
 
+#: a product whose every weight is this many nats below the largest weight its rows see
+#: elsewhere changes no digit of the result (e^-60 ≈ 1e-26 against float32's 6e-8, e^-120
+#: ≈ 8e-53 against float64's 1e-16, with room for large ratios of feature magnitudes); it is
+#: skipped. The causal recursion relies on this for sharp decays, where far blocks would
+#: otherwise split into one row per FFT.
+NEGLIGIBLE_NATS = {torch.float32: 60.0, torch.float64: 120.0}
+
 
 def sliding_max(x: Tensor, w: int) -> Tensor:
     """`[H, R] -> [H, R-w+1]`: max over every window of w entries, in O(R) memory and time
@@ -198,12 +205,12 @@ def sliding_max(x: Tensor, w: int) -> Tensor:
     return torch.maximum(suf[:, :n], pre[:, w - 1: w - 1 + n])
 
 
-def row_scale(lc: Tensor, Lq: int, Lk: int) -> Tensor:
-    """`[H, Lq]`: the largest log-coefficient row i sees (0 for rows that see none)."""
+def row_scale(lc: Tensor, Lq: int, Lk: int, fill: float = 0.0) -> Tensor:
+    """`[H, Lq]`: the largest log-coefficient row i sees (`fill` for rows that see none)."""
     with torch.no_grad():
         # row i's offsets are lc[:, Lq-1-i : Lq-1-i+Lk]: a sliding-window max, reversed
         m = sliding_max(lc.detach(), Lk).flip(-1)
-        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        return torch.where(torch.isfinite(m), m, torch.full_like(m, fill))
 
 
 def row_blocks(lc: Tensor, Lq: int, Lk: int, tau: float) -> list[tuple[int, int]]:
@@ -236,10 +243,13 @@ def _rescaled_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scal
     `exp(scale)` per row (`scale: [H, Lq]`), computed in row blocks that are each rescaled
     by the largest coefficient their rows see (see `row_blocks`)."""
     Lq, Lk = phi_q.shape[2], phi_k.shape[2]
+    # how far below its own scale each row's largest coefficient in this product is
+    below = (scale - row_scale(lc, Lq, Lk, fill=float("-inf"))).amin(0)  # (Lq,), over heads: the least negligible
     parts = []
     for a, b in row_blocks(lc, Lq, Lk, RESCALE_NATS[phi_q.dtype]):
         lcs = lc[:, Lq - b: Lq - a + Lk - 1]  # offsets of rows a..b-1
-        if not bool(torch.isfinite(lcs).any()):  # no admissible coefficient at all
+        if not bool(torch.isfinite(lcs).any()) or float(below[a:b].min()) > NEGLIGIBLE_NATS[phi_q.dtype]:
+            # no admissible coefficient, or every weight is e^-NEGLIGIBLE below what the row already has
             parts.append(phi_q.new_zeros(*phi_q.shape[:2], b - a, vv.shape[-1]))
             continue
         m = finite_max(lcs)  # (H, 1)

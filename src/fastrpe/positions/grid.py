@@ -1,0 +1,279 @@
+"""2D positional terms for images: an `Hg × Wg` grid of patches flattened row-major,
+optionally preceded by one class token at index 0.
+
+Notation: `H` heads, grid `(Hg, Wg)`, `P = Hg·Wg` patches, `N = cls + P` tokens
+(self-attention only: `Lq = Lk = N`, queries and keys are the same tokens). Token
+`t >= cls` is the patch `p = t - cls` at `(row, col) = (p // Wg, p % Wg)`. The offset
+between a query at `(a, b)` and a key at `(c, d)` is `(Δrow, Δcol) = (c - a, d - b)`
+(key minus query, as in 1D). A 2D table `[H, 2Hg-1, 2Wg-1]` holds offset
+`(Δrow, Δcol)` at `[Δrow + Hg - 1, Δcol + Wg - 1]`.
+
+The class token has no grid position; it gets its own learned coefficients per head,
+`[H, 3]` in the order (cls → patch, patch → cls, cls → cls), where "x → y" means a
+query x attending to a key y.
+
+Two kinds, as in 1D:
+* `GridPosition` (log-coefficients `b_h(Δrow, Δcol)`: softmax adds them to the scores,
+  kernelized attention weighs by `exp(b)`): `Table2D` (Swin-style learned table).
+* `FastRPB2D`: the additive `W·v` term with a separable `W`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .base import Position
+
+# Order of the class-token coefficients in a `[H, 3]` tensor.
+CLS_TO_PATCH, PATCH_TO_CLS, CLS_TO_CLS = 0, 1, 2
+
+
+def check_grid(grid) -> tuple[int, int]:
+    """`grid` as a validated `(Hg, Wg)` pair of positive ints."""
+    try:
+        Hg, Wg = grid
+    except (TypeError, ValueError):
+        raise ValueError(f"grid must be a pair (Hg, Wg), got {grid!r}") from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (Hg, Wg)):
+        raise ValueError(f"grid must be a pair of positive ints, got {grid!r}")
+    return Hg, Wg
+
+
+def grid_offset_index(grid, device=None) -> tuple[Tensor, Tensor]:
+    """Two `[P, P]` int64 indices into a `[.., 2Hg-1, 2Wg-1]` table: entry `(i, j)` holds
+    `Δrow + Hg - 1` and `Δcol + Wg - 1` for query patch i and key patch j (row-major)."""
+    Hg, Wg = check_grid(grid)
+    p = torch.arange(Hg * Wg, device=device)
+    row, col = p // Wg, p % Wg
+    return row[None, :] - row[:, None] + (Hg - 1), col[None, :] - col[:, None] + (Wg - 1)
+
+
+def materialize_grid(table: Tensor, grid, cls_coeff: Tensor | None = None) -> Tensor:
+    """`[H, N, N]` dense matrix from a 2D table and optional class-token coefficients.
+
+    Args:
+        table: `[H, 2Hg-1, 2Wg-1]`, the value of offset `(Δrow, Δcol)` at `[Δrow+Hg-1, Δcol+Wg-1]`.
+        grid: `(Hg, Wg)`.
+        cls_coeff: `[H, 3]` (cls → patch, patch → cls, cls → cls), or None for no class token.
+
+    Returns:
+        `[H, N, N]` with `N = Hg·Wg (+1)`; entry `(i, j)` for query i, key j.
+    """
+    Hg, Wg = check_grid(grid)
+    if table.shape[-2:] != (2 * Hg - 1, 2 * Wg - 1):
+        raise ValueError(f"table must be [H, {2 * Hg - 1}, {2 * Wg - 1}] for grid {(Hg, Wg)}, "
+                         f"got {list(table.shape)}")
+    dr, dc = grid_offset_index(grid, device=table.device)
+    patch = table[:, dr, dc]  # (H, P, P)
+    if cls_coeff is None:
+        return patch
+    H, P = table.shape[0], Hg * Wg
+    cc = cls_coeff.to(table.dtype)
+    top = torch.cat([cc[:, CLS_TO_CLS, None], cc[:, CLS_TO_PATCH, None].expand(H, P)], dim=-1)  # (H, N)
+    rest = torch.cat([cc[:, PATCH_TO_CLS, None, None].expand(H, P, 1), patch], dim=-1)  # (H, P, N)
+    return torch.cat([top[:, None], rest], dim=1)  # (H, N, N)
+
+
+class GridPosition(Position):
+    """Base class of 2D log-coefficient terms `b_h(Δrow, Δcol)` on an `Hg × Wg` grid.
+
+    Subclasses implement `table()` (and `cls_coefficients()` when they support a class
+    token); `materialize` and `score_mod` follow from them. Being a `Position`, a grid
+    term is accepted wherever one is, but it has no 1D offsets: `log_coefficients` and
+    `bias` raise, and `materialize`/`score_mod` only accept the grid's own length `N`
+    with `q_offset = 0` (self-attention, non-causal).
+
+    Args:
+        num_heads: H.
+        grid: `(Hg, Wg)` patches.
+        cls_token: one class token at index 0 precedes the patches.
+    """
+
+    #: lets the dispatcher route to the grid ops (`ops/linear/grid.py`)
+    is_grid: bool = True
+    softmax_only: bool = False
+    kernelized_refusal: str | None = None
+
+    def __init__(self, num_heads: int, grid, cls_token: bool = False):
+        super().__init__(num_heads)
+        self.grid = check_grid(grid)
+        if not isinstance(cls_token, bool):
+            raise ValueError(f"cls_token must be a bool, got {cls_token!r}")
+        self.cls_token = cls_token
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def seq_len(self) -> int:
+        """`N = cls + Hg·Wg`: the only sequence length this term applies to."""
+        return int(self.cls_token) + self.num_patches
+
+    def table(self) -> Tensor:  # pragma: no cover - abstract
+        """`[H, 2Hg-1, 2Wg-1]`: `b_h(Δrow, Δcol)` at `[Δrow + Hg - 1, Δcol + Wg - 1]`."""
+        raise NotImplementedError
+
+    def cls_coefficients(self) -> Tensor | None:
+        """`[H, 3]`: class-token log-coefficients (cls → patch, patch → cls, cls → cls), or None."""
+        return None
+
+    def _check_call(self, Lq: int | None, Lk: int | None, q_offset: int) -> None:
+        N = self.seq_len
+        if (Lq is not None and Lq != N) or (Lk is not None and Lk != N) or q_offset != 0:
+            raise ValueError(
+                f"{type(self).__name__} on grid {self.grid}{' with a class token' if self.cls_token else ''} "
+                f"applies to self-attention over N = {N} tokens with q_offset = 0; "
+                f"got Lq={Lq}, Lk={Lk}, q_offset={q_offset}")
+
+    def log_coefficients(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
+        raise TypeError(f"{type(self).__name__} is a 2D term with no 1D offsets: use table() "
+                        "(and cls_coefficients()) with the grid ops in fastrpe.ops.linear.grid")
+
+    def bias(self, h: Tensor, r: Tensor) -> Tensor:
+        raise TypeError(f"{type(self).__name__} is a 2D term with no 1D offsets: use table()")
+
+    def materialize(self, Lq: int | None = None, Lk: int | None = None, q_offset: int = 0) -> Tensor:
+        """`[H, N, N]` dense log-bias `b_h(Δrow, Δcol)` (class-token entries from
+        `cls_coefficients()`). For tests and debugging only. `Lq`, `Lk`, `q_offset` are
+        accepted for the 1D signature and must be `N`, `N`, 0."""
+        self._check_call(Lq, Lk, q_offset)
+        return materialize_grid(self.table(), self.grid, self.cls_coefficients())
+
+    def score_mod(self, q_offset: int = 0) -> Callable:
+        """A FlexAttention `score_mod(score, b, h, q_idx, kv_idx)` adding `b_h`; rows and
+        columns come from the token indices by elementwise ops (no materialized bias)."""
+        self._check_call(None, None, q_offset)
+        Hg, Wg = self.grid
+        tab = self.table()  # (H, 2Hg-1, 2Wg-1)
+        cc = self.cls_coefficients()  # (H, 3) or None
+        ncls = int(self.cls_token)
+
+        def mod(score, b, h, q_idx, kv_idx):
+            pq = (q_idx - ncls).clamp(min=0)  # patch index (the class token maps to 0, overridden below)
+            pk = (kv_idx - ncls).clamp(min=0)
+            dr = pk // Wg - pq // Wg + (Hg - 1)
+            dc = pk % Wg - pq % Wg + (Wg - 1)
+            bias = tab[h, dr, dc]
+            if cc is not None:
+                q_cls, k_cls = q_idx < ncls, kv_idx < ncls
+                c = torch.where(q_cls & k_cls, cc[h, CLS_TO_CLS],
+                                torch.where(q_cls, cc[h, CLS_TO_PATCH], cc[h, PATCH_TO_CLS]))
+                bias = torch.where(q_cls | k_cls, c, bias)
+            return score + bias.to(score.dtype)
+
+        return mod
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, grid={self.grid}, cls_token={self.cls_token}"
+
+
+class Table2D(GridPosition):
+    """One learned scalar per head and 2D offset, `b_h(Δrow, Δcol)`, as Swin's relative
+    position bias table.
+
+    From "Swin Transformer: Hierarchical Vision Transformer using Shifted Windows" (Liu et
+    al., ICCV 2021), on a whole image grid instead of a window; used as the 2D RPE of
+    kernelized attention in "Stable, Fast and Accurate: Kernelized Attention with Relative
+    Positional Encoding" (Luo et al., NeurIPS 2021).
+
+    Args:
+        num_heads: H.
+        grid: `(Hg, Wg)` patches, flattened row-major.
+        cls_token: one class token at index 0; it gets three learned scalars per head
+            (cls → patch, patch → cls, cls → cls).
+        init_std: std of the normal initialization (0 gives all zeros).
+
+    Parameters `rel_table: [H, 2Hg-1, 2Wg-1]` (offset `(Δrow, Δcol)` at
+    `[Δrow + Hg - 1, Δcol + Wg - 1]`) and, with a class token, `cls_table: [H, 3]`.
+    """
+
+    def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0):
+        super().__init__(num_heads, grid, cls_token)
+        Hg, Wg = self.grid
+        self.rel_table = nn.Parameter(torch.randn(num_heads, 2 * Hg - 1, 2 * Wg - 1) * init_std)
+        self.cls_table = nn.Parameter(torch.randn(num_heads, 3) * init_std) if cls_token else None
+
+    def table(self) -> Tensor:
+        return self.rel_table
+
+    def cls_coefficients(self) -> Tensor | None:
+        return self.cls_table
+
+
+class FastRPB2D(nn.Module):
+    """FastRPB's additive 2D term `out += W·v` with a separable
+    `W_ij = w_h^row(Δrow) + w_h^col(Δcol)`; not normalized.
+
+    From "FastRPB: a Scalable Relative Positional Encoding for Long Sequence Tasks"
+    (ICLR 2022 submission). Separability makes `W·v` two 1D Toeplitz products (over
+    row sums and column sums, see `ops/fastrpb/grid.py`), O(N·Dv) plus two short FFTs.
+
+    Args:
+        num_heads: H.
+        grid: `(Hg, Wg)` patches, flattened row-major.
+        cls_token: one class token at index 0; its entries of W are three more learned
+            scalars per head (cls → patch, patch → cls, cls → cls).
+        init_std: normal initialization std (0: the term starts switched off).
+
+    Parameters `w_row: [H, 2Hg-1]` (`Δrow` at `Δrow + Hg - 1`), `w_col: [H, 2Wg-1]` and,
+    with a class token, `w_cls: [H, 3]`.
+    """
+
+    is_grid: bool = True
+
+    def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0):
+        super().__init__()
+        if not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if not isinstance(cls_token, bool):
+            raise ValueError(f"cls_token must be a bool, got {cls_token!r}")
+        self.num_heads = num_heads
+        self.grid = check_grid(grid)
+        self.cls_token = cls_token
+        Hg, Wg = self.grid
+        self.w_row = nn.Parameter(torch.randn(num_heads, 2 * Hg - 1) * init_std)
+        self.w_col = nn.Parameter(torch.randn(num_heads, 2 * Wg - 1) * init_std)
+        self.w_cls = nn.Parameter(torch.randn(num_heads, 3) * init_std) if cls_token else None
+
+    @property
+    def seq_len(self) -> int:
+        """`N = cls + Hg·Wg`: the only sequence length this term applies to."""
+        return int(self.cls_token) + self.grid[0] * self.grid[1]
+
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`(w_row: [H, 2Hg-1], w_col: [H, 2Wg-1], w_cls: [H, 3] or None)`."""
+        return self.w_row, self.w_col, self.w_cls
+
+    def table(self) -> Tensor:
+        """`[H, 2Hg-1, 2Wg-1]`: the patch part of W as a 2D table, `w_row(Δrow) + w_col(Δcol)`."""
+        return self.w_row[:, :, None] + self.w_col[:, None, :]
+
+    def materialize(self, Lq: int | None = None, Lk: int | None = None, q_offset: int = 0) -> Tensor:
+        """`[H, N, N]` dense W, for tests and debugging only (`Lq`, `Lk`, `q_offset` must be `N`, `N`, 0)."""
+        self._check_call(Lq, Lk, q_offset, False)
+        return materialize_grid(self.table(), self.grid, self.w_cls)
+
+    def forward(self, v: Tensor, Lq: int | None = None, q_offset: int = 0, causal: bool = False) -> Tensor:
+        """`v: [B, H, N, Dv]` -> `W·v: [B, H, N, Dv]`, without materializing W.
+
+        `Lq`, `q_offset`, `causal` are accepted for FastRPB1D's signature and must be
+        `N` (or None), 0 and False."""
+        from ..ops.fastrpb.grid import fastrpb2d_fft
+
+        self._check_call(Lq, v.shape[2], q_offset, causal)
+        w_cls = None if self.w_cls is None else self.w_cls.to(v.dtype)
+        return fastrpb2d_fft(self.w_row.to(v.dtype), self.w_col.to(v.dtype), v, self.grid, w_cls)
+
+    def _check_call(self, Lq, Lk, q_offset, causal) -> None:
+        N = self.seq_len
+        if (Lq is not None and Lq != N) or (Lk is not None and Lk != N) or q_offset != 0 or causal:
+            raise ValueError(
+                f"FastRPB2D on grid {self.grid}{' with a class token' if self.cls_token else ''} applies to "
+                f"non-causal self-attention over N = {N} tokens with q_offset = 0; "
+                f"got Lq={Lq}, Lk={Lk}, q_offset={q_offset}, causal={causal}")
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, grid={self.grid}, cls_token={self.cls_token}"
