@@ -209,14 +209,18 @@ class TRF(_RandomFeatures):
     `φ(x) = [sin(w·x), cos(w·x)]/√m`, `F = 2m`, estimating the Gaussian kernel
     `exp(-‖q-k‖²/2)` (on inputs scaled by `D^-1/4`).
 
-    With l2-normalized q and k (`normalize=True`, RFA's setting: `"ntrf"`) the Gaussian
-    kernel equals `exp(q·k)` times a constant, i.e. softmax attention. The factors
-    `exp(‖x‖²/2)` that would turn it into `exp(q·k)` for unnormalized inputs are left out:
-    a key's would overflow for large norms. TRF features can be negative, so the
-    attention denominator can be near 0.
+    With l2-normalized q and k — RFA's setting, and the default here — the Gaussian kernel
+    equals `exp(q·k)` times a constant, i.e. softmax attention. The factors `exp(‖x‖²/2)`
+    that would turn it into `exp(q·k)` for unnormalized inputs are left out: a key's would
+    overflow for large norms. TRF features can be negative, so the denominator is an
+    estimate that can approach 0; without normalization (`normalize=False`) large inputs
+    make every kernel value ~0 and the ratio pure noise, which is why it is not the default.
     """
 
     name = "trf"
+
+    def __init__(self, head_dim: int, num_features: int = 64, *, normalize: bool = True, **kw):
+        super().__init__(head_dim, num_features, normalize=normalize, **kw)
 
     def _out_features(self) -> int:
         return 2 * self.m
@@ -250,5 +254,6 @@ def get_kernel(spec, head_dim: int | None = None, num_features: int | None = Non
         if head_dim is None:
             raise ValueError(f"kernel: {spec!r} draws random projections and needs head_dim")
         proj, cls = _RANDOM[name]
+        normalize = normalize or cls is TRF  # TRF is RFA's normalized form ("trf" == "ntrf")
         return cls(head_dim, num_features or 64, projection=proj, seed=seed, normalize=normalize)
     raise ValueError(f"kernel: unknown kernel {spec!r}; known: {', '.join(NAMES)} (prefix 'n' to normalize q/k)")
