@@ -43,3 +43,15 @@ def test_bench_quick_cpu(tmp_path):
     assert rc == 0
     res = json.loads((tmp_path / "quick.json").read_text())
     assert res["rows"] and all("seconds" in r or "skipped" in r for r in res["rows"])
+
+
+def test_reproduce_approx_tiny(tmp_path):
+    rc = main(["reproduce", "approx", "--quick", "--dim", "8", "--keys", "32", "--radii", "1,4",
+               "--features", "4,16", "--trials", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "approx.json").read_text())
+    assert {r["map"] for r in res["rows"]} == {"PRF", "ORF", "sphere-PRF", "TRF"}
+    assert all(0 <= r["l1_mean"] <= 2 + 1e-9 or r["map"] == "TRF" for r in res["rows"])
+    # the paper's claim on this tiny setting: R = 1 is approximated better than R = 4
+    err = {(r["R"], r["map"], r["features"]): r["l1_mean"] for r in res["rows"]}
+    assert err[(1.0, "PRF", 16)] < err[(4.0, "PRF", 16)]

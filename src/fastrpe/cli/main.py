@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "explain": "explain",
     "bench": "bench",
     "extrapolate": "extrapolate",
+    "reproduce": "reproduce",
 }
 
 
