@@ -103,3 +103,22 @@ def test_chunked_refuses_what_it_cannot_do():
     with pytest.raises(fr.FastRPEError, match="KerpleLog is not a geometric decay"):
         fr.attention(q, k, v, kernel="elu", position=P.KerpleLog(2).double(), causal=True, backend="chunked")
     assert P.KerplePower(2).geometric_decay() is None  # learnable p: not geometric
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"Lq{a}-Lk{b}-off{c}-T{d}" for a, b, c, d in CASES])
+def test_prefix_matches_naive_and_chunked(case):
+    from fastrpe.ops.linear.prefix import kernelized_num_den_prefix
+
+    Lq, Lk, off, _ = case
+    pq, pk, v, _ = _inputs(Lq, Lk)
+    a = _true(kernelized_num_den_naive(pq, pk, v, None, causal=True, q_offset=off))
+    b = _true(kernelized_num_den_prefix(pq, pk, v, q_offset=off))
+    c = _true(kernelized_num_den_chunked(pq, pk, v, q_offset=off))
+    for x, y, z in zip(b, a, c):
+        assert_close(x, y)
+        assert_close(z, y)
+    w = [torch.randn_like(t) for t in a]
+    ga = torch.autograd.grad(sum((t * u).sum() for t, u in zip(a, w)), [pq, pk, v])
+    gb = torch.autograd.grad(sum((t * u).sum() for t, u in zip(b, w)), [pq, pk, v])
+    for x, y in zip(gb, ga):
+        assert_close(x, y)

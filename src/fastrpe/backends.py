@@ -232,11 +232,38 @@ class ChunkedBackend(Backend):
         return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
 
 
+class PrefixBackend(Backend):
+    """Scaleformer's prefix-sum causal linear attention: a baseline (O(L·F·Dv) memory)."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if not p.causal:
+            r.append("causal only")
+        if p.position is not None:
+            r.append("no positional term (use chunked for geometric decays)")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        C, F = p.Dv + 1, p.F
+        mem = p.B * p.H * p.Lk * F * C * p.bytes_per_el * (2 if p.requires_grad else 1)
+        flops = 4 * p.B * p.H * (p.Lk + p.Lq) * F * C * (3 if p.requires_grad else 1)
+        return Cost(machine_time(p.device, flops, 3 * mem, calls=6), mem)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.prefix import kernelized_num_den_prefix
+
+        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+            return kernelized_num_den_prefix(phi_q, phi_k, vv, q_offset=q_offset, key_padding_mask=key_padding_mask)
+
+        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+
+
 for _b in (
     DenseBackend("dense", description="materialized weights; the reference for everything"),
     SDPABackend("sdpa", description="torch scaled_dot_product_attention, bias materialized"),
     FlexBackend("flex", description="torch FlexAttention with a score_mod"),
     FFTBackend("fft", description="kernelized, Toeplitz RPE by FFT in channel blocks"),
     ChunkedBackend("chunked", description="causal kernelized, geometric decay, linear time"),
+    PrefixBackend("prefix", description="causal kernelized by cumulative sums (Scaleformer), baseline"),
 ):
     register_backend(_b)

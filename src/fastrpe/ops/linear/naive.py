@@ -40,8 +40,8 @@ def kernelized_num_den_naive(
 
     Returns:
         `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]`: the true
-        numerator is `num·exp(log_scale)` (a per-head maximum is taken out before `exp`);
-        `out = num / den`.
+        numerator is `num·exp(log_scale)` (each row's largest log-coefficient is taken out
+        before `exp`, so no row underflows because of another row's scale); `out = num / den`.
     """
     B, H, Lq, _ = phi_q.shape
     Lk = phi_k.shape[2]
@@ -55,11 +55,11 @@ def kernelized_num_den_naive(
         lc = log_coeff.to(a.dtype)
     if keep is not None:
         lc = lc.masked_fill(~keep, float("-inf"))
-    m = finite_max(lc)  # (H, 1)
-    c = torch.exp(lc - m)  # (H, R)
-    a = a * c[:, toeplitz_index(Lq, Lk, device=dev)]  # (B, H, Lq, Lk)
+    b = lc[:, toeplitz_index(Lq, Lk, device=dev)]  # (H, Lq, Lk)
+    m = finite_max(b)  # (H, Lq, 1): each row's own largest coefficient, so no row underflows
+    a = a * torch.exp(b - m)  # (B, H, Lq, Lk)
     if key_padding_mask is not None:
         a = a.masked_fill(key_padding_mask[:, None, None, :], 0.0)
     num = a @ v.to(a.dtype)
     den = a.sum(-1)
-    return num, den, m.expand(H, Lq)
+    return num, den, m[..., 0]
