@@ -415,3 +415,36 @@ def test_score_mod_matches_materialize(grid, cls):
         want = softmax_attention_naive(q, k, v, pos.materialize(), key_padding_mask=kpm)
         got = softmax_attention_flex(q, k, v, pos.score_mod(), key_padding_mask=kpm)
     assert_close(got, want)
+
+
+# --- through fastrpe.attention: the dispatcher knows 2D terms --------------------------
+
+import fastrpe as _fr  # noqa: E402
+from fastrpe import positions as _P  # noqa: E402
+
+
+@pytest.mark.parametrize("grid,cls", [((3, 5), True), ((4, 7), False), ((1, 6), True)], ids=["3x5-cls", "4x7", "1x6-cls"])
+def test_attention_with_grid_terms_all_backends(grid, cls):
+    pos = _P.Table2D(2, grid, cls_token=cls, init_std=0.5).double()
+    N = pos.seq_len
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, N, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for kernel, backend in [("elu", "grid_fft"), ("softmax", "sdpa")]:
+        ref = _fr.attention(q, k, v, kernel=kernel, position=pos, backend="dense")
+        out = _fr.attention(q, k, v, kernel=kernel, position=pos, backend=backend)
+        torch.testing.assert_close(out, ref)
+        params = [q, k, v, *pos.parameters()]
+        u = torch.randn_like(ref)
+        for a, b in zip(torch.autograd.grad((out * u).sum(), params), torch.autograd.grad((ref * u).sum(), params)):
+            torch.testing.assert_close(a, b)
+
+
+def test_grid_terms_refused_where_they_do_not_apply():
+    pos = _P.Table2D(2, (3, 4))
+    q = torch.randn(1, 2, 12, 8)
+    with pytest.raises(_fr.FastRPEError, match="bidirectional"):
+        _fr.attention(q, q, q, kernel="elu", position=pos, causal=True)
+    with pytest.raises(_fr.FastRPEError, match="for 12 tokens"):
+        _fr.attention(q[:, :, :5], q, q, position=pos)
+    with pytest.raises(_fr.FastRPEError, match="needs the 2D FFT"):
+        _fr.attention(q, q, q, kernel="elu", position=pos, backend="fft")

@@ -53,7 +53,7 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tenso
     phi_k = p.kernel(k, is_query=False)  # (B, H, Lk, F)
     vv = v.to(phi_q.dtype)
     lc = None
-    if p.position is not None:
+    if p.position is not None and not _is_grid(p):
         lc = p.position.log_coefficients(p.Lq, p.Lk, p.q_offset).to(phi_q.dtype)  # (H, R)
     num, den, log_scale = num_den(phi_q, phi_k, vv, lc, causal=p.causal, q_offset=p.q_offset, key_padding_mask=kpm)
     shaw = [t for t in p.additive if _is_shaw(t)]
@@ -83,6 +83,34 @@ def softmax_bias(q: Tensor, p: Problem) -> Tensor | None:
     return bias
 
 
+def _is_grid(p: Problem) -> bool:
+    return bool(getattr(p.position, "is_grid", False))
+
+
+def _grid_reasons(p: Problem) -> list[str]:
+    """A 2D grid term covers exactly its N = cls + Hg·Wg tokens, bidirectionally."""
+    if not _is_grid(p):
+        return []
+    r = []
+    N = p.position.seq_len
+    if p.Lq != N or p.Lk != N:
+        r.append(f"the 2D grid term is for {N} tokens, got Lq={p.Lq}, Lk={p.Lk}")
+    if p.causal or p.q_offset:
+        r.append("a 2D grid term is bidirectional (no causal mask, no q_offset)")
+    return r
+
+
+def _grid_num_den(op, position):
+    """Adapt a grid op to the `num_den(phi_q, phi_k, vv, lc, ...)` call of `kernelized_attention`."""
+
+    def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+        return op(phi_q, phi_k, vv, position.table().to(phi_q.dtype), position.grid,
+                  None if position.cls_coefficients() is None else position.cls_coefficients().to(phi_q.dtype),
+                  key_padding_mask=key_padding_mask)
+
+    return num_den
+
+
 def _kernel_kind_reasons(p: Problem, want_softmax: bool) -> list[str]:
     if want_softmax and not p.softmax:
         return [f"only exact softmax (kernel is {type(p.kernel).__name__})"]
@@ -95,7 +123,7 @@ class DenseBackend(Backend):
     """Materializes the `[Lq, Lk]` weights: the reference, any kernel, any position."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        return []
+        return _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         F = p.F
@@ -110,6 +138,11 @@ class DenseBackend(Backend):
             out = softmax_attention_naive(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
                                           key_padding_mask=kpm, scale=p.scale, weight=weight)
             return add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
+        if _is_grid(p):
+            from .ops.linear.grid import kernelized_num_den_grid_naive
+
+            return kernelized_attention(q, k, v, p, kpm, _grid_num_den(kernelized_num_den_grid_naive, p.position),
+                                        naive=True)
         return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_naive, naive=True)
 
 
@@ -117,7 +150,7 @@ class SDPABackend(Backend):
     """`scaled_dot_product_attention`; the positional term as a materialized float mask."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        r = _kernel_kind_reasons(p, want_softmax=True)
+        r = _kernel_kind_reasons(p, want_softmax=True) + _grid_reasons(p)
         if p.position is not None and p.position.weight is not None:
             r.append(f"{type(p.position).__name__} weighs the logits; SDPA only adds a bias")
         return r
@@ -144,7 +177,7 @@ class FlexBackend(Backend):
     """FlexAttention with the positional term's `score_mod` (compiled on GPU)."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        r = _kernel_kind_reasons(p, want_softmax=True)
+        r = _kernel_kind_reasons(p, want_softmax=True) + _grid_reasons(p)
         if not flex_available():
             r.append("FlexAttention is not in this PyTorch")
         if p.device.type == "cpu" and p.requires_grad:
@@ -180,6 +213,8 @@ class FFTBackend(Backend):
         r = _kernel_kind_reasons(p, want_softmax=False)
         if p.position is not None and p.position.softmax_only:
             r.append(p.position.kernelized_refusal or f"{type(p.position).__name__} is softmax only")
+        if _is_grid(p):
+            r.append("a 2D grid term needs the 2D FFT (backend 'grid_fft')")
         return r
 
     def cost(self, p: Problem) -> Cost:
@@ -258,6 +293,29 @@ class PrefixBackend(Backend):
         return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
 
 
+class GridFFTBackend(Backend):
+    """Kernelized attention over an image grid: the 2D offset table applied by a 2D FFT
+    (Toeplitz-block-Toeplitz), class token added exactly."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if not _is_grid(p):
+            r.append("only 2D grid positional terms")
+        return r + _grid_reasons(p)
+
+    def cost(self, p: Problem) -> Cost:
+        from .ops.linear.grid import estimate_grid_fft_cost
+
+        flops, peak = estimate_grid_fft_cost(p.B, p.H, p.position.grid, p.F, p.Dv, p.dtype)
+        return Cost(machine_time(p.device, 7 * flops * (3 if p.requires_grad else 1), 2 * peak, calls=30), peak)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.grid import kernelized_num_den_grid_fft
+
+        return kernelized_attention(q, k, v, p, kpm, _grid_num_den(kernelized_num_den_grid_fft, p.position),
+                                    naive=False)
+
+
 for _b in (
     DenseBackend("dense", description="materialized weights; the reference for everything"),
     SDPABackend("sdpa", description="torch scaled_dot_product_attention, bias materialized"),
@@ -265,5 +323,6 @@ for _b in (
     FFTBackend("fft", description="kernelized, Toeplitz RPE by FFT in channel blocks"),
     ChunkedBackend("chunked", description="causal kernelized, geometric decay, linear time"),
     PrefixBackend("prefix", description="causal kernelized by cumulative sums (Scaleformer), baseline"),
+    GridFFTBackend("grid_fft", description="kernelized over an image grid, 2D table by 2D FFT"),
 ):
     register_backend(_b)

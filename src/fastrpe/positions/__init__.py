@@ -8,6 +8,7 @@ from __future__ import annotations
 from .alibi import ALiBi, alibi_slopes  # noqa: F401
 from .base import AdditiveTerm, Position, offsets, toeplitz_index  # noqa: F401
 from .fastrpb import FastRPB1D  # noqa: F401
+from .grid import FastRPB2D, GridPosition, Table2D  # noqa: F401
 from .kerple import KerpleBiasWeight, KerpleLog, KerpleLog3, KerplePower  # noqa: F401
 from .learned import LearnedTable  # noqa: F401
 from .shaw import ShawRelative  # noqa: F401
