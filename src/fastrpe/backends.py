@@ -316,6 +316,42 @@ class GridFFTBackend(Backend):
                                     naive=False)
 
 
+class SoEBackend(Backend):
+    """Causal kernelized attention in linear time for any decaying term: exact band plus a
+    sum-of-exponentials far field. APPROXIMATE: auto uses it only when allowed."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if not p.causal:
+            r.append("causal only")
+        if p.position is None:
+            r.append("needs a positional term (use chunked without one)")
+        elif p.position.softmax_only or _is_grid(p):
+            r.append(f"{type(p.position).__name__} has no 1D kernelized form")
+        elif p.position.geometric_decay() is not None:
+            r.append(f"{type(p.position).__name__} is a geometric decay: chunked runs it exactly")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        from .ops.linear.chunked import DEFAULT_CHUNK
+        from .ops.linear.soe import DEFAULT_TERMS, DEFAULT_WINDOW
+
+        T, C, F, K, W = DEFAULT_CHUNK, p.Dv + 1, p.F, DEFAULT_TERMS, DEFAULT_WINDOW
+        L = max(p.Lk, p.q_offset + p.Lq)
+        per_pass = p.B * p.H * (2 * L * T * (F + C) + 6 * L * F * C)
+        flops = (K * per_pass + 2 * p.B * p.H * L * (T + W) * (F + C)) * (3 if p.requires_grad else 1)
+        mem = p.B * p.H * (L * (T + W) + (L // T + 1) * F * C * 2 + L * (F + C)) * p.bytes_per_el * 2
+        return Cost(machine_time(p.device, flops, 2 * mem, calls=K * (10 + 2 * L // T)), mem)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.soe import kernelized_num_den_soe
+
+        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+            return kernelized_num_den_soe(phi_q, phi_k, vv, lc, q_offset=q_offset, key_padding_mask=key_padding_mask)
+
+        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+
+
 for _b in (
     DenseBackend("dense", description="materialized weights; the reference for everything"),
     SDPABackend("sdpa", description="torch scaled_dot_product_attention, bias materialized"),
@@ -324,5 +360,6 @@ for _b in (
     ChunkedBackend("chunked", description="causal kernelized, geometric decay, linear time"),
     PrefixBackend("prefix", description="causal kernelized by cumulative sums (Scaleformer), baseline"),
     GridFFTBackend("grid_fft", description="kernelized over an image grid, 2D table by 2D FFT"),
+    SoEBackend("soe", exact=False, description="causal kernelized, any decaying term, linear time (approximate)"),
 ):
     register_backend(_b)

@@ -1,0 +1,82 @@
+"""Sum-of-exponentials backend: linear-time causal kernelized attention for any decaying
+positional term, within 1e-3 of the exact path; marked approximate in explain()."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastrpe as fr
+from fastrpe import positions as P
+from fastrpe.ops.linear.soe import soe_fit_error
+
+H, D = 3, 16
+
+
+def _pos(name):
+    if name == "kerple_log":
+        return P.KerpleLog(H, r1=[0.5, 1.5, 3.0], r2=[0.1, 1.0, 2.0])
+    if name == "kerple_power":
+        return P.KerplePower(H, r1=[0.05, 0.3, 1.0], p=[0.5, 1.0, 1.5])
+    if name == "learned":  # a table up to distance 40, constant beyond
+        t = P.LearnedTable(H, max_distance=40)
+        with torch.no_grad():
+            t.table.copy_(-0.1 * torch.arange(81.0).sub(40).abs()[None].expand(H, -1) + torch.randn(H, 81) * 0.3)
+        return t
+    return P.make(name, H, max_len=64)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "learned"])
+@pytest.mark.parametrize("Lq,Lk", [(1200, 1200), (200, 1200)])
+def test_soe_output_within_1e3_of_exact(name, Lq, Lk):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, Lq, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, H, Lk, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, H, Lk, D, generator=g, dtype=torch.float64, requires_grad=True)
+    pos = _pos(name).double()
+    kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=16).double()
+    ref = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="dense")
+    out = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="soe")
+    rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert rel < 1e-3, rel
+    params = [q, k, v, *pos.parameters()]
+    u = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * u).sum(), params)
+    g_out = torch.autograd.grad((out * u).sum(), params)
+    for a, b in zip(g_out, g_ref):
+        assert torch.isfinite(a).all()
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def test_soe_never_sees_the_future():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, 300, D, generator=g) for _ in range(3))
+    pos = _pos("kerple_log")
+    with torch.no_grad():
+        out = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe")
+        for i in (0, 150, 298):
+            k2, v2 = k.clone(), v.clone()
+            k2[:, :, i + 1:] *= 10
+            v2[:, :, i + 1:] = 1e3
+            o2 = fr.attention(q, k2, v2, kernel="elu", position=pos, causal=True, backend="soe")
+            assert torch.equal(o2[:, :, : i + 1], out[:, :, : i + 1])
+
+
+def test_explain_marks_soe_approximate_and_auto_skips_it():
+    q = torch.zeros(1, H, 2048, D)
+    ex = fr.explain(q, q, q, kernel="elu", position=_pos("kerple_log"), causal=True)
+    assert "APPROXIMATE" in str(ex) or "approximate" in str(ex)
+    assert ex.chosen != "soe"
+    ex2 = fr.explain(q, q, q, kernel="elu", position=_pos("kerple_log"), causal=True, allow_approximate=True)
+    assert any(c.backend == "soe" and not c.reasons for c in ex2.candidates)
+
+
+def test_fit_error_is_reported_and_small():
+    lc = _pos("kerple_log").double().log_coefficients(1, 2000).detach()  # b(d), d = 0..1999 (symmetric)
+    err = soe_fit_error(lc)
+    assert 0 <= err < 1e-4, err  # in units of c(0)
+
+
+def test_soe_refuses_geometric_decays():
+    q = torch.zeros(1, H, 64, D)
+    with pytest.raises(fr.FastRPEError, match="chunked runs it exactly"):
+        fr.attention(q, q, q, kernel="elu", position=P.ALiBi(H), causal=True, backend="soe")
