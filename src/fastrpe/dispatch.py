@@ -7,15 +7,13 @@ Forcing a backend that does not fit raises one error listing its reasons.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from ._validate import FastRPEError
-from .kernels import FeatureMap, Kernel, Softmax
+from .kernels import Kernel, Softmax
 from .positions.base import AdditiveTerm, Position
 
 
@@ -53,9 +51,6 @@ class Problem:
     def bytes_per_el(self) -> int:
         """Bytes of one element in the math dtype (half inputs run in float32)."""
         return 8 if self.dtype == torch.float64 else 4
-
-    def has_additive(self, cls_name: str) -> bool:
-        return any(type(t).__name__ == cls_name for t in self.additive)
 
 
 @dataclass
@@ -199,7 +194,3 @@ def select_backend(p: Problem, backend: str) -> Backend:
     if reasons:
         raise FastRPEError(f"backend={backend!r} cannot run this call: " + "; ".join(reasons))
     return b
-
-
-def _ceil_log2(n: int) -> float:
-    return max(1.0, math.log2(max(n, 2)))
