@@ -69,15 +69,16 @@ def kernelized_num_den_chunked(
     # chunk summaries: K_c = Σ_u γ^(T-1-u) φk_u ⊗ vv_u ; queries read the state decayed by γ^(s+1)
     to_end = torch.exp(lg[..., 0] * (T - 1 - t))  # (H, T)
     from_start = torch.exp(lg[..., 0] * (t + 1))  # (H, T)
-    kc = torch.einsum("bhnuf,bhnuc,hu->bhnfc", k_pos, v_pos, to_end)  # (B, H, n, F, C)
+    # two-operand contractions only: a three-operand einsum formed the [n, T, F, C] outer product
+    kc = torch.einsum("bhnuf,bhnuc->bhnfc", k_pos * to_end[None, :, None, :, None], v_pos)  # (B, H, n, F, C)
     decay_T = torch.exp(log_g * T)[None, :, None, None]  # (1, H, 1, 1)
     S = torch.zeros(B, H, F, vv.shape[-1], dtype=dt, device=dev) if initial_state is None else initial_state.to(dt)
     inter = []
-    for c in range(n):
+    for kc_c in kc.unbind(2):  # unbind, not kc[:, :, c]: each select's backward would zero-fill all of kc
         inter.append(S)
-        S = decay_T * S + kc[:, :, c]
+        S = decay_T * S + kc_c
     states = torch.stack(inter, dim=2)  # (B, H, n, F, C): state before each chunk
-    y = y + torch.einsum("bhnsf,bhnfc,hs->bhnsc", q_pos, states, from_start)
+    y = y + torch.einsum("bhnsf,bhnfc->bhnsc", q_pos * from_start[None, :, None, :, None], states)
     y = y.reshape(B, H, P, -1)[:, :, q_offset: q_offset + Lq]
     out = (y[..., :Dv], y[..., Dv], torch.zeros(H, Lq, dtype=dt, device=dev))
     if return_state:
