@@ -448,3 +448,23 @@ def test_grid_terms_refused_where_they_do_not_apply():
         _fr.attention(q[:, :, :5], q, q, position=pos)
     with pytest.raises(_fr.FastRPEError, match="needs the 2D FFT"):
         _fr.attention(q, q, q, kernel="elu", position=pos, backend="fft")
+
+
+def test_fastrpb2d_through_attention():
+    t = _P.FastRPB2D(2, (3, 4), cls_token=True, init_std=0.5).double()
+    N = t.seq_len
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, N, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for kernel, backend in [("softmax", "sdpa"), ("elu", "fft"), ("elu", "grid_fft")]:
+        pos = [t] if backend != "grid_fft" else [_P.Table2D(2, (3, 4), cls_token=True).double(), t]
+        ref = _fr.attention(q, k, v, kernel=kernel, position=pos, backend="dense")
+        out = _fr.attention(q, k, v, kernel=kernel, position=pos, backend=backend)
+        torch.testing.assert_close(out, ref)
+        base = _fr.attention(q, k, v, kernel=kernel, position=pos[:-1] or None, backend="dense")
+        torch.testing.assert_close(ref - base, (t.materialize() @ v)[:, :, :, :])  # the additive W·v
+        params = [v, *t.parameters()]
+        u = torch.randn_like(ref)
+        for a, b in zip(torch.autograd.grad((out * u).sum(), params), torch.autograd.grad((ref * u).sum(), params)):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(_fr.FastRPEError, match="bidirectional"):
+        _fr.attention(q, k, v, kernel="elu", position=t, causal=True)

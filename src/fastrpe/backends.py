@@ -23,7 +23,7 @@ def _is_shaw(t) -> bool:
 
 
 def _is_fastrpb(t) -> bool:
-    return type(t).__name__ == "FastRPB1D"
+    return type(t).__name__ in ("FastRPB1D", "FastRPB2D")
 
 
 def _masked_v(v: Tensor, kpm: Tensor | None) -> Tensor:
@@ -37,7 +37,9 @@ def add_fastrpb(out: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, naive: b
         return out
     vm = _masked_v(v.to(out.dtype), kpm)
     for t in terms:
-        if naive:
+        if getattr(t, "is_grid", False):  # 2D: W·v over the grid (bidirectional, Lq = Lk = N)
+            out = out + (t.materialize().to(out.dtype) @ vm if naive else t(vm).to(out.dtype))
+        elif naive:
             from .ops.fastrpb.naive import fastrpb_naive
 
             w = t.coefficients(p.Lq, p.Lk, p.q_offset).to(out.dtype)
@@ -89,10 +91,11 @@ def _is_grid(p: Problem) -> bool:
 
 def _grid_reasons(p: Problem) -> list[str]:
     """A 2D grid term covers exactly its N = cls + Hg·Wg tokens, bidirectionally."""
-    if not _is_grid(p):
+    grids = [t for t in (p.position, *p.additive) if getattr(t, "is_grid", False)]
+    if not grids:
         return []
     r = []
-    N = p.position.seq_len
+    N = grids[0].seq_len
     if p.Lq != N or p.Lk != N:
         r.append(f"the 2D grid term is for {N} tokens, got Lq={p.Lq}, Lk={p.Lk}")
     if p.causal or p.q_offset:
@@ -215,7 +218,7 @@ class FFTBackend(Backend):
             r.append(p.position.kernelized_refusal or f"{type(p.position).__name__} is softmax only")
         if _is_grid(p):
             r.append("a 2D grid term needs the 2D FFT (backend 'grid_fft')")
-        return r
+        return r + _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.fft import estimate_fft_cost
@@ -244,7 +247,7 @@ class ChunkedBackend(Backend):
             r.append("causal only")
         if p.position is not None and p.position.geometric_decay() is None:
             r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
-        return r
+        return r + _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.chunked import DEFAULT_CHUNK
@@ -276,7 +279,7 @@ class PrefixBackend(Backend):
             r.append("causal only")
         if p.position is not None:
             r.append("no positional term (use chunked for geometric decays)")
-        return r
+        return r + _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         C, F = p.Dv + 1, p.F
@@ -330,7 +333,7 @@ class SoEBackend(Backend):
             r.append(f"{type(p.position).__name__} has no 1D kernelized form")
         elif p.position.geometric_decay() is not None:
             r.append(f"{type(p.position).__name__} is a geometric decay: chunked runs it exactly")
-        return r
+        return r + _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.chunked import DEFAULT_CHUNK

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from .base import Position
+from .base import AdditiveTerm, Position
 
 # Order of the class-token coefficients in a `[H, 3]` tensor.
 CLS_TO_PATCH, PATCH_TO_CLS, CLS_TO_CLS = 0, 1, 2
@@ -203,7 +203,7 @@ class Table2D(GridPosition):
         return self.cls_table
 
 
-class FastRPB2D(nn.Module):
+class FastRPB2D(AdditiveTerm):
     """FastRPB's additive 2D term `out += W·v` with a separable
     `W_ij = w_h^row(Δrow) + w_h^col(Δcol)`; not normalized.
 
@@ -225,12 +225,9 @@ class FastRPB2D(nn.Module):
     is_grid: bool = True
 
     def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0):
-        super().__init__()
-        if not isinstance(num_heads, int) or num_heads <= 0:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        super().__init__(num_heads)
         if not isinstance(cls_token, bool):
             raise ValueError(f"cls_token must be a bool, got {cls_token!r}")
-        self.num_heads = num_heads
         self.grid = check_grid(grid)
         self.cls_token = cls_token
         Hg, Wg = self.grid
