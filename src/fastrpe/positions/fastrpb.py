@@ -4,49 +4,66 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import AdditiveTerm, offsets
+from .base import AdditiveTerm, offsets, toeplitz_index
 
 
 class FastRPB1D(AdditiveTerm):
     """`out += W·v` with `W_ij = w_h(j - i)` learned per head, multiplied by FFT; not normalized.
 
     From "FastRPB: a Scalable Relative Positional Encoding for Long Sequence Tasks"
-    (ICLR 2022 submission).
+    (Zubkov & Gavrilov, ICLR 2022 submission). The term is independent of the attention
+    kernel, so it serves softmax and kernelized attention alike.
+
+    Offsets outside the table (`|r| >= max_len`) have weight 0 rather than an error: the
+    term is a plain sum, so 0 means "those keys add nothing", and a model trained at
+    `max_len` still runs (without positional signal that far) on longer inputs.
 
     Args:
         num_heads: H.
-        max_len: offsets `|r| < max_len` have a weight; beyond, `w = 0`.
-        init_std: normal initialization std (0: the term starts switched off).
+        max_len: offsets `|r| < max_len` have a weight.
+        init_std: normal initialization std (default 0: the term starts switched off and
+            the model starts as plain attention).
 
     Parameter `w: [H, 2*max_len-1]`, entry `max_len - 1 + r` holds `w(r)`.
     """
 
     def __init__(self, num_heads: int, max_len: int, init_std: float = 0.0):
         super().__init__(num_heads)
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
         self.max_len = max_len
         self.w = nn.Parameter(torch.randn(num_heads, 2 * max_len - 1) * init_std)
 
     def coefficients(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
-        """`[H, Lq+Lk-1]`: `w_h(r)` for `r = -(Lq-1+q_offset) .. Lk-1-q_offset` (0 beyond the table)."""
+        """`[H, Lq+Lk-1]`: `w_h(r)` for `r = -(Lq-1+q_offset) .. Lk-1-q_offset` (0 where `|r| >= max_len`)."""
         r = offsets(Lq, Lk, q_offset, device=self.w.device)
         inside = r.abs() < self.max_len
         idx = (r + self.max_len - 1).clamp(0, 2 * self.max_len - 2)
         return self.w[:, idx] * inside.to(self.w.dtype)
 
     def materialize(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
-        """`[H, Lq, Lk]` dense W, for tests and debugging only."""
-        from .base import toeplitz_index
-
+        """`[H, Lq, Lk]` dense W (`W_ij = w_h(j - i - q_offset)`), for tests and debugging only."""
         return self.coefficients(Lq, Lk, q_offset)[:, toeplitz_index(Lq, Lk, device=self.w.device)]
 
     def forward(self, v: Tensor, Lq: int, q_offset: int = 0, causal: bool = False) -> Tensor:
-        """`v: [B, H, Lk, Dv]` -> `W·v: [B, H, Lq, Dv]`."""
+        """`W·v` by FFT.
+
+        Args:
+            v: `[B, H, Lk, Dv]` values (keys at positions `0..Lk-1`).
+            Lq: number of queries (positions `q_offset + 0..Lq-1`).
+            q_offset: position of the first query.
+            causal: drop keys after the query (`r > 0`).
+
+        Returns:
+            `[B, H, Lq, Dv]` in v's dtype.
+        """
         from ..ops.fastrpb.fft import fastrpb_fft
 
+        if v.dim() != 4 or v.shape[1] != self.num_heads:
+            raise ValueError(f"FastRPB1D has {self.num_heads} heads; v must be [B, H, Lk, Dv], got {list(v.shape)}")
+        # the coefficients stay in their own dtype: the FFT runs in float32/64 and casts them
         w = self.coefficients(Lq, v.shape[2], q_offset)
-        return fastrpb_fft(w.to(v.dtype), v, Lq, causal=causal, q_offset=q_offset)
+        return fastrpb_fft(w, v, Lq, causal=causal, q_offset=q_offset)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, max_len={self.max_len}"

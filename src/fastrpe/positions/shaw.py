@@ -13,32 +13,52 @@ class ShawRelative(AdditiveTerm):
     Scaleformer, Favier & Dal'Maz Silva 2021).
 
     Kernelized attention adds `S_ij = φ(q_i)·RP[t]` to the numerator and denominator
-    (`dim` = feature width F); softmax adds `scale·q_i·RP[t]` to the logits (`dim` = D).
-    `S_ij` can be negative, so a kernelized denominator can approach 0.
+    (Scaleformer Eq. 10; `dim` = feature width F); softmax adds `scale·q_i·RP[t]` to the
+    logits (`dim` = head width D). Note the sign: `t` is query minus key position.
+
+    RP is not constrained, so `S_ij` can be negative and a kernelized denominator can be
+    0 or negative; the caller divides with `safe_divide`. (Scaleformer itself applies φ
+    to RP as well, which keeps S positive.)
 
     Args:
         num_heads: H.
         dim: width of each vector (F for kernelized attention, D for softmax).
-        max_distance: k.
+        max_distance: k; offsets beyond share the vector of distance k.
         init_std: normal initialization std.
 
-    Parameter `rp: [H, 2k+1, dim]`.
+    Parameter `rp: [H, 2k+1, dim]`, row `t + k` holds `RP[t]`.
     """
 
     def __init__(self, num_heads: int, dim: int, max_distance: int, init_std: float = 0.02):
         super().__init__(num_heads)
-        if max_distance < 0 or dim <= 0:
-            raise ValueError(f"ShawRelative needs dim > 0 and max_distance >= 0, got {dim}, {max_distance}")
+        if not isinstance(max_distance, int) or max_distance < 0 or dim <= 0:
+            raise ValueError(f"ShawRelative needs dim > 0 and an int max_distance >= 0, got {dim}, {max_distance!r}")
         self.dim, self.max_distance = dim, max_distance
         self.rp = nn.Parameter(torch.randn(num_heads, 2 * max_distance + 1, dim) * init_std)
 
     def _check(self, x: Tensor, what: str) -> None:
+        if x.dim() != 4 or x.shape[1] != self.num_heads:
+            raise ValueError(f"position: ShawRelative has {self.num_heads} heads; the {what} must be "
+                             f"[B, H, L, {self.dim}], got {list(x.shape)}")
         if x.shape[-1] != self.dim:
             raise ValueError(f"position: ShawRelative has dim={self.dim} but the {what} have width {x.shape[-1]}")
 
-    def num_den(self, phi_q: Tensor, v: Tensor, Lk: int, causal: bool, q_offset: int,
+    def num_den(self, phi_q: Tensor, v: Tensor, Lk: int, causal: bool = False, q_offset: int = 0,
                 key_padding_mask: Tensor | None = None, naive: bool = False) -> tuple[Tensor, Tensor]:
-        """Contributions `[B, H, Lq, Dv]`, `[B, H, Lq]` to a kernelized numerator/denominator."""
+        """Contributions to a kernelized numerator and denominator, in linear time
+        (`shaw_num_den_linear`) or by materializing S (`naive=True`).
+
+        Args:
+            phi_q: `[B, H, Lq, F]` query features (positions `q_offset + 0..Lq-1`).
+            v: `[B, H, Lk, Dv]` values (positions `0..Lk-1`).
+            Lk: number of keys.
+            causal: only keys `j <= q_offset + i`.
+            q_offset: position of the first query.
+            key_padding_mask: `[B, Lk]` bool, True = padding.
+
+        Returns:
+            `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` (den may be <= 0).
+        """
         from ..ops.shaw.linear import shaw_num_den_linear
         from ..ops.shaw.naive import shaw_num_den_naive
 
@@ -46,12 +66,12 @@ class ShawRelative(AdditiveTerm):
         fn = shaw_num_den_naive if naive else shaw_num_den_linear
         return fn(phi_q, v, self.rp, Lk=Lk, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)
 
-    def logits(self, q: Tensor, Lk: int, q_offset: int, scale: float) -> Tensor:
-        """`[B, H, Lq, Lk]` softmax logit term `scale·q_i·RP[clip(i-j)]`."""
-        from ..ops.shaw.naive import shaw_scores_naive
+    def logits(self, q: Tensor, Lk: int, q_offset: int = 0, scale: float = 1.0) -> Tensor:
+        """`[B, H, Lq, Lk]` softmax logit term `scale·q_i·RP[clip(i - j, -k, k)]` for `q: [B, H, Lq, D]`."""
+        from ..ops.shaw.naive import shaw_logits
 
         self._check(q, "queries")
-        return shaw_scores_naive(q, self.rp, Lk, q_offset) * scale
+        return shaw_logits(q, self.rp, Lk, q_offset) * scale
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, dim={self.dim}, max_distance={self.max_distance}"
