@@ -1,8 +1,19 @@
 """Content kernels: how `q_i` and `k_j` are compared.
 
-Either exact softmax (`Softmax`) or a feature map `φ` with
-`κ(q, k) = φ(q)·φ(k)` (`FeatureMap` subclasses). Layout: inputs
-`[B, H, L, D]`, features `[B, H, L, F]`.
+Either exact softmax (`Softmax`) or a feature map `φ` with `κ(q, k) = φ(q)·φ(k)`
+(`FeatureMap` subclasses). Layout: inputs `[B, H, L, D]`, features `[B, H, L, F]`,
+computed in float32 (float64 for float64 inputs) whatever the input dtype.
+
+Stabilizers (exp-based maps) never let one position influence another's features:
+- a query may be rescaled by any positive factor of its own: it multiplies the numerator
+  and the denominator of its attention row alike, so it cancels exactly. Exp-based maps
+  subtract the query's own maximum exponent.
+- a key may only be rescaled by a factor shared by every key, or the kernel changes.
+  `PRF` subtracts a data-independent bound (`key_log_shift()`); `Exp` and `TRF` have none
+  and rescale each key by its own factor, which is then part of the map's definition.
+
+A term that is not normalized through `φ(k)` (Scaleformer's Shaw term, which pairs `φ(q)`
+with learned vectors instead) sees the key shift: `φ_keys = exp(-key_log_shift())·φ_exact`.
 """
 from __future__ import annotations
 
@@ -10,6 +21,12 @@ import math
 
 import torch
 from torch import Tensor, nn
+
+__all__ = ["Kernel", "Softmax", "FeatureMap", "EluPlusOne", "ReLU", "Exp", "DPFP", "PRF", "TRF",
+           "NAMES", "DEFAULT_NUM_FEATURES", "get_kernel"]
+
+#: number of random features `get_kernel` gives a random map when none is asked for
+DEFAULT_NUM_FEATURES = 64
 
 
 class Kernel:
@@ -19,7 +36,8 @@ class Kernel:
 
 
 class Softmax(Kernel):
-    """Exact softmax attention: `score_ij = scale·q_i·k_j (+ b(j-i))`."""
+    """Exact softmax attention, `score_ij = scale·q_i·k_j (+ b(j-i))` (Vaswani et al.,
+    "Attention Is All You Need", 2017)."""
 
     name = "softmax"
 
@@ -28,10 +46,14 @@ class Softmax(Kernel):
 
 
 class FeatureMap(nn.Module, Kernel):
-    """Base of the feature maps. `forward(x, is_query) -> [B, H, L, F]`.
+    """Base of the feature maps: `forward(x: [B, H, L, D], is_query) -> [B, H, L, F]`.
+
+    Inputs in bf16/fp16 are computed in float32, float64 stays float64; the features come
+    back in that compute dtype.
 
     Args:
-        normalize: l2-normalize `x` over its last dim first (NPRF, Luo et al. 2021 §3.3).
+        normalize: l2-normalize `x` over its last dim first (NPRF, Luo et al., "Stable, Fast
+            and Accurate: Kernelized Attention with Relative Positional Encoding", 2021, §3.3).
     """
 
     name = "feature_map"
@@ -43,6 +65,11 @@ class FeatureMap(nn.Module, Kernel):
     def num_features(self, head_dim: int) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def key_log_shift(self) -> Tensor | float:
+        """The constant subtracted from every key's log-features (`φ_key = exp(-shift)·φ`).
+        It cancels in normalized attention; 0 unless a map says otherwise."""
+        return 0.0
+
     def _prepare(self, x: Tensor) -> Tensor:
         x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         if self.normalize:
@@ -53,11 +80,17 @@ class FeatureMap(nn.Module, Kernel):
         raise NotImplementedError
 
     def forward(self, x: Tensor, is_query: bool = True) -> Tensor:
+        """Args: x: `[B, H, L, D]` (any leading dims); is_query: queries may be stabilized
+        differently from keys. Returns: `[B, H, L, F]`, `F = num_features(D)`."""
         return self.features(self._prepare(x), is_query)
+
+    def extra_repr(self) -> str:
+        return f"normalize={self.normalize}"
 
 
 class EluPlusOne(FeatureMap):
-    """`φ(x) = elu(x) + 1` (Katharopoulos et al., "Transformers are RNNs", 2020)."""
+    """`φ(x) = elu(x) + 1`, `F = D` (Katharopoulos et al., "Transformers are RNNs: Fast
+    Autoregressive Transformers with Linear Attention", 2020)."""
 
     name = "elu"
 
@@ -69,7 +102,9 @@ class EluPlusOne(FeatureMap):
 
 
 class ReLU(FeatureMap):
-    """`φ(x) = relu(x)` (used as a baseline in Luo et al. 2021 and FastRPB)."""
+    """`φ(x) = relu(x)`, `F = D`; the ReLU kernel baseline of Luo et al., "Stable, Fast and
+    Accurate: Kernelized Attention with Relative Positional Encoding" (2021). Rows of
+    attention whose features are all zero return 0."""
 
     name = "relu"
 
@@ -81,12 +116,13 @@ class ReLU(FeatureMap):
 
 
 class Exp(FeatureMap):
-    """SIKF, `φ(x) = exp(x)` ("FastRPB: a Scalable Relative Positional Encoding for Long
-    Sequence Tasks", ICLR 2022 submission).
+    """SIKF, `φ(x) = exp(x)`, `F = D` ("FastRPB: a Scalable Relative Positional Encoding for
+    Long Sequence Tasks", ICLR 2022 submission, 2021).
 
     Stabilized per position: `φ(x) = exp(x - max_d x)`. For a query the factor cancels
-    exactly; for a key it is part of this map's definition (each key's kernel values are
-    scaled by the positive factor `exp(-max_d k)`), so no position ever influences another.
+    exactly. A key has no data-independent bound, so for keys the shift is part of this
+    map's definition: each key's kernel values are scaled by its own positive factor
+    `exp(-max_d k)`. No position ever influences another.
     """
 
     name = "exp"
@@ -100,52 +136,68 @@ class Exp(FeatureMap):
 
 class DPFP(FeatureMap):
     """Deterministic parameter-free projection (Schlag et al., "Linear Transformers Are
-    Secretly Fast Weight Programmers", ICML 2021): `F = 2·D·nu` features
-    `relu([x, -x])_i · relu([x, -x])_{i+j}` for rolls `j = 1..nu`."""
+    Secretly Fast Weight Programmers", 2021): with `r = relu([x, -x])` (`2D` wide), the
+    `F = 2·D·nu` features `r_i · r_{i-j}` (cyclic) for rolls `j = 1..nu`. Non-negative."""
 
     name = "dpfp"
 
     def __init__(self, nu: int = 1, normalize: bool = False):
         super().__init__(normalize)
         if nu < 1:
-            raise ValueError(f"DPFP: nu must be >= 1, got {nu}")
-        self.nu = nu
+            raise ValueError(f"kernel: DPFP needs nu >= 1, got {nu}")
+        self.nu = int(nu)
 
     def num_features(self, head_dim: int) -> int:
         return 2 * head_dim * self.nu
 
     def features(self, x: Tensor, is_query: bool) -> Tensor:
         r = torch.relu(torch.cat([x, -x], dim=-1))  # (.., 2D)
-        return torch.cat([r * r.roll(j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)
+        return torch.cat([r * r.roll(j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)  # (.., 2D·nu)
+
+    def extra_repr(self) -> str:
+        return f"nu={self.nu}, normalize={self.normalize}"
 
 
 def _orthogonal_rows(m: int, d: int, g: torch.Generator) -> Tensor:
-    """`[m, d]` rows in blocks of d orthonormal rows (QR of Gaussian blocks), rescaled to
-    chi-distributed norms like i.i.d. Gaussian rows (Choromanski et al. 2021, ORF)."""
-    blocks = []
-    for _ in range(math.ceil(m / d)):
-        qm, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
-        blocks.append(qm.T)
-    w = torch.cat(blocks, 0)[:m]
+    """`[m, d]` float64 rows in blocks of d mutually orthogonal rows, each block a Haar-random
+    orthogonal matrix, rescaled to chi(d)-distributed norms so that every row is marginally
+    `N(0, I_d)` (Choromanski et al. 2021, ORF)."""
+    qm, rm = torch.linalg.qr(torch.randn(math.ceil(m / d), d, d, generator=g, dtype=torch.float64))
+    # without the sign fix, Householder QR pins the sign of a coordinate per column: not Haar
+    qm = qm * torch.where(rm.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0)[:, None, :]
+    w = qm.transpose(-1, -2).reshape(-1, d)[:m]  # (blocks·d, d): each block's rows are Q's columns
     norms = torch.randn(m, d, generator=g, dtype=torch.float64).norm(dim=-1, keepdim=True)
     return w * norms
 
 
 class _RandomFeatures(FeatureMap):
-    """Base of the random-projection maps: projection `w: [F, D]` is a buffer drawn from a
-    seeded generator and redrawn only by `redraw()`."""
+    """Base of the random-projection maps: the projection `w: [m, D]` is a buffer (it moves
+    with `.to()` and is saved in `state_dict`) drawn from a generator seeded with `seed`,
+    and redrawn only by `redraw()`.
 
-    def __init__(self, head_dim: int, num_features: int = 64, *, projection: str = "iid", seed: int = 0,
-                 input_scale: float | None = None, normalize: bool = False):
+    Args:
+        head_dim: `D`, the width of q and k.
+        num_features: `m`, the number of random projections.
+        projection: "iid" (Gaussian rows), "orthogonal" (ORF: blocks of orthogonal rows with
+            Gaussian-like norms) or "sphere" (rows uniform on the sphere of radius `√D`).
+        seed: seed of the draw.
+        input_scale: every input is multiplied by it before projecting; the default `D^-1/4`
+            makes `φ(q)·φ(k)` estimate `exp(q·k/√D)`, softmax attention's kernel.
+        normalize: l2-normalize q and k first (NPRF); the input scale applies after it.
+            False by default, True for `TRF`.
+    """
+
+    def __init__(self, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, *, projection: str = "iid",
+                 seed: int = 0, input_scale: float | None = None, normalize: bool = False):
         super().__init__(normalize)
         if projection not in ("iid", "orthogonal", "sphere"):
-            raise ValueError(f"projection must be 'iid', 'orthogonal' or 'sphere', got {projection!r}")
-        if head_dim <= 0 or num_features <= 0:
-            raise ValueError(f"head_dim and num_features must be positive, got {head_dim}, {num_features}")
-        self.head_dim, self.m, self.projection, self.seed = head_dim, num_features, projection, seed
+            raise ValueError(f"kernel: projection must be 'iid', 'orthogonal' or 'sphere', got {projection!r}")
+        if int(head_dim) <= 0 or int(num_features) <= 0:
+            raise ValueError(f"kernel: head_dim and num_features must be positive, got {head_dim}, {num_features}")
+        self.head_dim, self.m, self.projection, self.seed = int(head_dim), int(num_features), projection, int(seed)
         # φ(q)·φ(k) estimates exp(q·k/√D) when each input is scaled by D^-1/4, as softmax does
-        self.input_scale = head_dim ** -0.25 if input_scale is None else float(input_scale)
-        self.register_buffer("w", self._draw(seed))
+        self.input_scale = self.head_dim ** -0.25 if input_scale is None else float(input_scale)
+        self.register_buffer("w", self._draw(self.seed))  # (m, D)
 
     def _draw(self, seed: int) -> Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -159,10 +211,12 @@ class _RandomFeatures(FeatureMap):
             w = w / w.norm(dim=-1, keepdim=True) * math.sqrt(d)
         return w.float()
 
+    @torch.no_grad()
     def redraw(self, seed: int | None = None) -> None:
-        """Draw a new projection (seed default: the previous seed + 1)."""
-        self.seed = self.seed + 1 if seed is None else seed
-        self.w.copy_(self._draw(self.seed).to(self.w.device))
+        """Draw a new projection in place (same device and dtype) from `seed`, by default
+        the previous seed + 1."""
+        self.seed = self.seed + 1 if seed is None else int(seed)
+        self.w.copy_(self._draw(self.seed))
 
     def num_features(self, head_dim: int) -> int:
         return self._out_features()
@@ -170,90 +224,134 @@ class _RandomFeatures(FeatureMap):
     def _out_features(self) -> int:
         return self.m
 
-    def _project(self, x: Tensor) -> Tensor:
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Scaled input `s·x` and its projections `w·(s·x)`: `(.., D)`, `(.., m)`."""
         if x.shape[-1] != self.head_dim:
-            raise ValueError(f"kernel: {type(self).__name__} was built for head_dim={self.head_dim}, got {x.shape[-1]}")
-        return (x * self.input_scale) @ self.w.to(x.dtype).T  # (.., F)
+            raise ValueError(f"kernel: {type(self).__name__} was built for head_dim={self.head_dim}, "
+                             f"got inputs with last dim {x.shape[-1]}")
+        xs = x * self.input_scale
+        return xs, xs @ self.w.to(x.dtype).T
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, num_features={self.m}, projection={self.projection!r}, "
-                f"seed={self.seed}, normalize={self.normalize}")
+                f"seed={self.seed}, input_scale={self.input_scale:.4g}, normalize={self.normalize}")
 
 
 class PRF(_RandomFeatures):
     """Positive random features, FAVOR+ (Choromanski et al., "Rethinking Attention with
-    Performers", ICLR 2021): `φ(x) = exp(w·x − ‖x‖²/2)/√m`, `E[φ(q)·φ(k)] = exp(q·k)`
-    (on inputs scaled by `D^-1/4`). `projection`: "iid", "orthogonal" (ORF) or "sphere"
-    (rows uniform on `√d·S^{d−1}`). With `normalize=True` this is Luo et al.'s NPRF.
+    Performers", 2021): `φ(x) = exp(w·x − ‖x‖²/2)/√m`, `F = m`, with
+    `E[φ(q)·φ(k)] = exp(q·k)` on inputs scaled by `input_scale` (default `D^-1/4`, so the
+    estimate is of `exp(q·k/√D)`). `projection="orthogonal"` is ORF (same paper),
+    `"sphere"` is sphere-PRF and `normalize=True` is NPRF (both Luo et al., "Stable, Fast
+    and Accurate: Kernelized Attention with Relative Positional Encoding", 2021).
+    See `_RandomFeatures` for the arguments.
 
-    Stabilizers keep every position independent: a query subtracts its own max exponent
-    (cancels exactly in attention); a key subtracts the data-independent bound
-    `max_m ‖w_m‖²/2 ≥ w·x − ‖x‖²/2`, which cancels too and can never overflow.
+    Stabilizers, all exact in normalized attention, none mixing positions:
+    - a query subtracts its own maximum exponent (its features peak at `1/√m`);
+    - every key subtracts the same data-independent constant `key_log_shift()`, an upper
+      bound of the exponent: `w·x − ‖x‖²/2 ≤ ‖w‖²/2` for any x, and `≤ ‖w‖·s − s²/2`
+      (`‖w‖ ≥ s`) when the inputs are normalized to norm `s = input_scale`. Key features are therefore
+      at most `1/√m` and never overflow; very unlikely keys underflow to 0 instead (without
+      `normalize`, at float32 and large D, ~`D ≥ 150`, typical keys already do: use NPRF).
     """
 
     name = "prf"
 
+    def key_log_shift(self) -> Tensor:
+        """`max_m sup_x (w_m·x − ‖x‖²/2)` over the inputs this map can see: a 0-dim tensor."""
+        w2 = self.w.pow(2).sum(-1)  # (m,): ‖w_m‖²
+        if not self.normalize:
+            return w2.amax() / 2
+        # normalized inputs have norm r <= s: the sup over r of ‖w‖·r − r²/2 is at r = min(‖w‖, s)
+        wn = w2.sqrt()
+        r = wn.clamp(max=abs(self.input_scale))
+        return (wn * r - r * r / 2).amax()
+
     def features(self, x: Tensor, is_query: bool) -> Tensor:
-        x = x * 1.0
-        wx = self._project(x)  # (.., F)
-        e = wx - (x * self.input_scale).pow(2).sum(-1, keepdim=True) / 2
+        xs, wx = self._project(x)  # (.., D), (.., m)
+        e = wx - xs.pow(2).sum(-1, keepdim=True) / 2  # (.., m) exponents
         if is_query:
             e = e - e.amax(-1, keepdim=True)
         else:
-            e = e - self.w.to(x.dtype).pow(2).sum(-1).amax() / 2
+            e = e - self.key_log_shift().to(e.dtype)
         return torch.exp(e) / math.sqrt(self.m)
 
 
 class TRF(_RandomFeatures):
-    """Trigonometric random features (Peng et al., "Random Feature Attention", ICLR 2021):
-    `φ(x) = [sin(w·x), cos(w·x)]/√m`, `F = 2m`, estimating the Gaussian kernel
-    `exp(-‖q-k‖²/2)` (on inputs scaled by `D^-1/4`).
+    """Trigonometric random features (Peng et al., "Random Feature Attention", 2021):
+    `φ(x) = [sin(w·x), cos(w·x)]·exp(‖x‖²/2)/√m`, `F = 2m`, with `E[φ(q)·φ(k)] = exp(q·k)`
+    on inputs scaled by `input_scale` (default `D^-1/4`: `exp(q·k/√D)`). See
+    `_RandomFeatures` for the arguments.
 
-    With l2-normalized q and k — RFA's setting, and the default here — the Gaussian kernel
-    equals `exp(q·k)` times a constant, i.e. softmax attention. The factors `exp(‖x‖²/2)`
-    that would turn it into `exp(q·k)` for unnormalized inputs are left out: a key's would
-    overflow for large norms. TRF features can be negative, so the denominator is an
-    estimate that can approach 0; without normalization (`normalize=False`) large inputs
-    make every kernel value ~0 and the ratio pure noise, which is why it is not the default.
+    Stabilized per position by dropping the factor `exp(‖x‖²/2)`, so what is computed is
+    `[sin(w·x), cos(w·x)]/√m`, RFA's estimator of the Gaussian kernel `exp(−‖q−k‖²/2)`.
+    For queries this is exact (a per-query factor cancels). Keys have no data-independent
+    bound (the factor overflows float32 for norms past ~13 after scaling), so for keys
+    it is part of the map's definition: each key's kernel values are scaled by its own
+    `exp(−‖k‖²/2)`. With `normalize=True` (RFA's setting, the default) every key has the
+    same norm, the factor is shared by all keys, and `φ(q)·φ(k)` is an unbiased estimate of
+    softmax's kernel up to it.
+
+    TRF features can be negative: the estimated denominator can approach 0, and without
+    normalization large inputs make every kernel value ~0 and the attention row noise (with
+    non-finite gradients once cast to fp16). So, unlike the other maps, `normalize` defaults
+    to True here and `get_kernel("trf")` is RFA's normalized form (the same as "ntrf");
+    Luo et al.'s unnormalized TRF is `TRF(..., normalize=False)`.
     """
 
     name = "trf"
 
-    def __init__(self, head_dim: int, num_features: int = 64, *, normalize: bool = True, **kw):
-        super().__init__(head_dim, num_features, normalize=normalize, **kw)
+    def __init__(self, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, *, projection: str = "iid",
+                 seed: int = 0, input_scale: float | None = None, normalize: bool = True):
+        super().__init__(head_dim, num_features, projection=projection, seed=seed, input_scale=input_scale,
+                         normalize=normalize)
 
     def _out_features(self) -> int:
         return 2 * self.m
 
     def features(self, x: Tensor, is_query: bool) -> Tensor:
-        wx = self._project(x)
-        return torch.cat([torch.sin(wx), torch.cos(wx)], dim=-1) / math.sqrt(self.m)
+        _, wx = self._project(x)  # (.., m)
+        return torch.cat([torch.sin(wx), torch.cos(wx)], dim=-1) / math.sqrt(self.m)  # (.., 2m)
 
 
 _SIMPLE = {"elu": EluPlusOne, "relu": ReLU, "exp": Exp, "dpfp": DPFP}
-_RANDOM = {"prf": ("iid", PRF), "orf": ("orthogonal", PRF), "sphere_prf": ("sphere", PRF), "trf": ("iid", TRF)}
+_RANDOM = {"prf": (PRF, "iid"), "orf": (PRF, "orthogonal"), "sphere_prf": (PRF, "sphere"), "trf": (TRF, "iid")}
+#: kernel names `get_kernel` knows; every one but "softmax" also with the prefix "n" (normalize)
 NAMES = ("softmax", *_SIMPLE, *_RANDOM)
 
 
 def get_kernel(spec, head_dim: int | None = None, num_features: int | None = None, seed: int = 0) -> Kernel:
-    """A `Kernel` from a spec: a Kernel instance (returned as is) or a name in `NAMES`;
-    prefix "n" l2-normalizes q and k first ("nprf" is NPRF). Random maps need `head_dim`
-    and default to 64 features."""
+    """A `Kernel` from a spec.
+
+    Args:
+        spec: a `Kernel` instance (returned as is), None (softmax) or a name in `NAMES`;
+            the prefix "n" l2-normalizes q and k first ("nprf" is NPRF, "nelu", ...).
+            "trf" is always normalized (RFA's form, see `TRF`).
+        head_dim: `D`; required by the random maps ("prf", "orf", "sphere_prf", "trf").
+        num_features: random projections `m` of a random map (default
+            `DEFAULT_NUM_FEATURES` = 64); ignored by the other maps.
+        seed: seed of the random projections.
+    """
     if isinstance(spec, Kernel):
         return spec
-    if spec is None or spec == "softmax":
+    if spec is None:
         return Softmax()
     if not isinstance(spec, str):
         raise ValueError(f"kernel: expected a name or a fastrpe.kernels object, got {type(spec).__name__}")
     name, normalize = spec, False
     if name not in NAMES and name.startswith("n") and name[1:] in NAMES and name[1:] != "softmax":
         name, normalize = name[1:], True
+    if name == "softmax":
+        return Softmax()
     if name in _SIMPLE:
         return _SIMPLE[name](normalize=normalize)
     if name in _RANDOM:
         if head_dim is None:
             raise ValueError(f"kernel: {spec!r} draws random projections and needs head_dim")
-        proj, cls = _RANDOM[name]
-        normalize = normalize or cls is TRF  # TRF is RFA's normalized form ("trf" == "ntrf")
-        return cls(head_dim, num_features or 64, projection=proj, seed=seed, normalize=normalize)
-    raise ValueError(f"kernel: unknown kernel {spec!r}; known: {', '.join(NAMES)} (prefix 'n' to normalize q/k)")
+        cls, projection = _RANDOM[name]
+        m = DEFAULT_NUM_FEATURES if num_features is None else num_features
+        normalize = normalize or cls is TRF  # "trf" is RFA's normalized form, the same as "ntrf"
+        return cls(head_dim, m, projection=projection, seed=seed, normalize=normalize)
+    known = ", ".join(NAMES)
+    raise ValueError(f"kernel: unknown kernel {spec!r}; valid names: {known}, "
+                     f"and each but softmax with the prefix 'n' (l2-normalize q/k), e.g. 'nprf'")
