@@ -25,7 +25,18 @@ def alibi_slopes(n: int) -> list[float]:
 
 
 class ALiBi(Position):
-    """`b_h(r) = -m_h·|r|` with fixed per-head slopes `m_h` (buffer `slopes: [H]`)."""
+    """ALiBi: `b_h(r) = -m_h·|r|` with fixed, not learned, per-head slopes `m_h`.
+
+    From "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+    Extrapolation" (Press et al., ICLR 2022); slopes from the official `get_slopes`
+    (`alibi_slopes`): `1/2, 1/4, ..., 1/256` for 8 heads. The paper uses the causal half
+    (`r <= 0`); `|r|` makes the bias symmetric for bidirectional attention.
+
+    Args:
+        num_heads: H.
+
+    Buffer `slopes: [H]` (float32, moves and casts with the module, not trained).
+    """
 
     def __init__(self, num_heads: int):
         super().__init__(num_heads)

@@ -1,8 +1,27 @@
 """KERPLE positional biases (Chi et al., "KERPLE: Kernelized Relative Positional
 Embedding for Length Extrapolation", NeurIPS 2022).
 
-Constrained parameters are stored unconstrained and mapped: `r > 0` by softplus,
-`0 < p < 2` by `2·sigmoid` — so no optimizer step can leave the valid set.
+Each head's bias is a shift-invariant conditionally positive definite kernel of the
+distance `|r|` (Corollary 1 and §5.3 of the paper); softmax absorbs the constant that
+would make it positive definite. The paper writes the kernels of `|m - n|`; they depend
+on the distance only, so the sign convention of `r` does not matter here.
+
+Constrained parameters are stored unconstrained (`raw_*`) and mapped, never clamped in
+the forward pass, so no optimizer step can leave the valid set:
+
+* `x > 0`:        `x = EPS + softplus(raw)`
+* `0 < p <= 2`:   `p = EPS + (2 - EPS)·sigmoid(raw)`
+
+`EPS = 1e-2` is the floor at which the official code clamps every parameter; it also
+keeps `x > 0` strict in float32, where `softplus` and `sigmoid` underflow to 0. A learned
+`p` is below 2 in exact arithmetic (float32 rounding can give exactly 2, still valid);
+initial values must be below 2 (pass 1.999 for an almost-Gaussian kernel).
+
+Default initial values are the means of the official code's uniform initializations
+(`torch.rand(H)·2` for the coefficient outside the log and the exponents,
+`torch.rand(H)` for the others). Every initial value may be a number or a per-head
+sequence/tensor, e.g. `KerpleLog(H, r1=EPS + 2 * torch.rand(H), r2=EPS + torch.rand(H))`
+for the official random init (values at or below EPS are refused).
 """
 from __future__ import annotations
 
@@ -14,59 +33,96 @@ from torch import Tensor, nn
 
 from .base import Position
 
-
-def _inv_softplus(x: float) -> float:
-    return x + math.log(-math.expm1(-x))
-
-
-def _inv_2sigmoid(p: float) -> float:
-    if not 0 < p < 2:
-        raise ValueError(f"p must be in (0, 2), got {p}")
-    return math.log(p / (2 - p))
+#: floor of every positive parameter and of every exponent (the official clamp value).
+EPS = 1e-2
 
 
-def _per_head(value, H: int, f) -> Tensor:
-    v = torch.as_tensor(value, dtype=torch.float32).flatten()
+def _inv_positive(x: float) -> float:
+    """Inverse of `EPS + softplus(raw)`."""
+    if not x > EPS:
+        raise ValueError(f"KERPLE coefficients must be > {EPS}, got {x}")
+    y = x - EPS
+    return y + math.log(-math.expm1(-y))
+
+
+def _inv_exponent(p: float) -> float:
+    """Inverse of `EPS + (2 - EPS)·sigmoid(raw)`."""
+    if not EPS < p < 2:
+        raise ValueError(f"KERPLE exponents must be in ({EPS}, 2), got {p}")
+    s = (p - EPS) / (2 - EPS)
+    return math.log(s / (1 - s))
+
+
+def _positive(raw: Tensor) -> Tensor:
+    return EPS + F.softplus(raw)
+
+
+def _exponent(raw: Tensor) -> Tensor:
+    return EPS + (2 - EPS) * torch.sigmoid(raw)
+
+
+def _per_head(value, H: int, inverse) -> Tensor:
+    """`[H]` raw values whose mapped values are `value` (a number or H numbers)."""
+    v = torch.as_tensor(value, dtype=torch.float64).detach().flatten()
     if v.numel() == 1:
         v = v.expand(H)
     if v.numel() != H:
         raise ValueError(f"expected 1 or {H} initial values, got {v.numel()}")
-    return torch.tensor([f(float(x)) for x in v])
+    return torch.tensor([inverse(float(x)) for x in v], dtype=torch.float32)
 
 
 def abs_pow(r: Tensor, p: Tensor) -> Tensor:
-    """`|r|^p` with a finite gradient at `r = 0` (the value there is 0)."""
+    """`|r|^p` for integer offsets `r`, 0 at `r = 0`, with finite gradients there.
+
+    `d|r|^p/dp = |r|^p·log|r|` is `0·(-inf)` at `r = 0` and `d|r|^p/dr` is infinite for
+    `p < 1`; computing `exp(p·log|r|)` only where `r ≠ 0` keeps both finite.
+    """
     a = r.abs().to(p.dtype)
-    safe = torch.where(a > 0, a, torch.ones_like(a))
-    return torch.where(a > 0, torch.exp(p * torch.log(safe)), torch.zeros_like(a))
+    nonzero = a > 0
+    safe = torch.where(nonzero, a, torch.ones_like(a))
+    return torch.where(nonzero, torch.exp(p * torch.log(safe)), torch.zeros_like(a))
 
 
 class KerplePower(Position):
-    """Power kernel: `b_h(r) = -r1_h·|r|^p_h`, `r1 > 0`, `0 < p < 2` (p = 1: ALiBi with a learned slope).
+    """KERPLE power variant: `b_h(r) = -r1_h·|r|^p_h`, `r1 > 0`, `0 < p <= 2`.
+
+    From "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation"
+    (Chi et al., NeurIPS 2022), §4 "(power)" (the paper's `r2` is `p` here). With
+    `p = 1` it is ALiBi with a learned slope.
 
     Args:
-        learn_p: False keeps p fixed at its initial value; with p = 1 the kernelized form is
-            the geometric decay `exp(-r1)^|r|` that the linear-time `chunked` backend runs.
+        num_heads: H.
+        r1: initial coefficient(s), a number or `[H]` (official init: `U(0, 1)`, mean 0.5).
+        p: initial exponent(s), a number or `[H]` (official init: `U(0, 2)`, mean 1).
+        learn_p: False keeps p fixed (a buffer; then `0 < p <= 2` and p = 2 is allowed).
+            With p = 1 the kernelized form is the geometric decay `exp(-r1)^|r|` that
+            the linear-time `chunked` backend runs.
+
+    Parameters: `raw_r1: [H]`, `raw_p: [H]` (when learned); properties `r1`, `p`.
     """
 
-    def __init__(self, num_heads: int, r1=1.0, p=1.0, learn_p: bool = True):
+    def __init__(self, num_heads: int, r1=0.5, p=1.0, learn_p: bool = True):
         super().__init__(num_heads)
-        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_softplus))
+        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
         self.learn_p = learn_p
         if learn_p:
-            self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_2sigmoid))
+            self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_exponent))
         else:
-            if not 0 < float(p) <= 2:
+            fixed = torch.as_tensor(p, dtype=torch.float32).detach().flatten()
+            if fixed.numel() not in (1, num_heads):
+                raise ValueError(f"expected 1 or {num_heads} initial values, got {fixed.numel()}")
+            fixed = fixed.expand(num_heads).clone()
+            if not bool(((fixed > 0) & (fixed <= 2)).all()):
                 raise ValueError(f"p must be in (0, 2], got {p}")
-            self.register_buffer("fixed_p", torch.full((num_heads,), float(p)))
+            self.register_buffer("fixed_p", fixed)
 
     @property
     def r1(self) -> Tensor:
-        return F.softplus(self.raw_r1)
+        return _positive(self.raw_r1)
 
     @property
     def p(self) -> Tensor:
-        return 2 * torch.sigmoid(self.raw_p) if self.learn_p else self.fixed_p
+        return _exponent(self.raw_p) if self.learn_p else self.fixed_p
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         return -self.r1[h] * abs_pow(r, self.p[h].to(self.raw_r1.dtype))
@@ -76,77 +132,133 @@ class KerplePower(Position):
             return None
         return torch.exp(-self.r1)
 
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, learn_p={self.learn_p}"
+
 
 class KerpleLog(Position):
-    """Logarithmic kernel: `b_h(r) = -r1_h·log(1 + r2_h·|r|)`, `r1, r2 > 0`.
-    In kernelized attention: `c(r) = (1 + r2|r|)^(-r1)`, a power-law decay."""
+    """KERPLE logarithmic variant: `b_h(r) = -r1_h·log(1 + r2_h·|r|)`, `r1, r2 > 0`.
 
-    def __init__(self, num_heads: int, r1=1.0, r2=1.0):
+    From "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation"
+    (Chi et al., NeurIPS 2022), §4 "(logarithmic)", the paper's best variant. In
+    kernelized attention `c(r) = (1 + r2·|r|)^(-r1)`, a power-law decay.
+
+    Args:
+        num_heads: H.
+        r1: initial coefficient(s) outside the log, a number or `[H]`
+            (official init: `U(0, 2)`, mean 1).
+        r2: initial scale(s) inside the log, a number or `[H]` (official init: `U(0, 1)`, mean 0.5).
+
+    Parameters: `raw_r1: [H]`, `raw_r2: [H]`; properties `r1`, `r2`.
+    """
+
+    def __init__(self, num_heads: int, r1=1.0, r2=0.5):
         super().__init__(num_heads)
-        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_softplus))
-        self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_softplus))
+        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
+        self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_positive))
 
     @property
     def r1(self) -> Tensor:
-        return F.softplus(self.raw_r1)
+        return _positive(self.raw_r1)
 
     @property
     def r2(self) -> Tensor:
-        return F.softplus(self.raw_r2)
+        return _positive(self.raw_r2)
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         return -self.r1[h] * torch.log1p(self.r2[h] * r.abs().to(self.raw_r1.dtype))
 
 
 class KerpleLog3(Position):
-    """Three-parameter logarithmic kernel: `b_h(r) = -r1_h·log(1 + r2_h·|r|^p_h)`,
-    `r1, r2 > 0`, `0 < p < 2` (p = 1 is `KerpleLog`)."""
+    """KERPLE 3-parameter logarithmic variant: `b_h(r) = -r1_h·log(1 + r2_h·|r|^p_h)`,
+    `r1, r2 > 0`, `0 < p <= 2`.
 
-    def __init__(self, num_heads: int, r1=1.0, r2=1.0, p=1.0):
+    From "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation"
+    (Chi et al., NeurIPS 2022), §5.3 "(3-para-log)" and Figure 1 (the paper's `r3` is
+    `p` here); p = 1 is `KerpleLog`. The official code has no implementation of it; the
+    defaults start it at `KerpleLog`'s defaults.
+
+    Args:
+        num_heads: H.
+        r1: initial coefficient(s) outside the log, a number or `[H]`.
+        r2: initial scale(s) inside the log, a number or `[H]`.
+        p: initial exponent(s), a number or `[H]`.
+
+    Parameters: `raw_r1, raw_r2, raw_p: [H]`; properties `r1`, `r2`, `p`.
+    """
+
+    def __init__(self, num_heads: int, r1=1.0, r2=0.5, p=1.0):
         super().__init__(num_heads)
-        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_softplus))
-        self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_softplus))
-        self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_2sigmoid))
+        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
+        self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_positive))
+        self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_exponent))
 
     r1 = KerpleLog.r1
     r2 = KerpleLog.r2
 
     @property
     def p(self) -> Tensor:
-        return 2 * torch.sigmoid(self.raw_p)
+        return _exponent(self.raw_p)
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         return -self.r1[h] * torch.log1p(self.r2[h] * abs_pow(r, self.p[h]))
 
 
 class KerpleBiasWeight(Position):
-    """KERPLE-log bias plus a positional *weight* on the logits (softmax only):
-    `score_ij = w_h(r)·scale·q_i·k_j + b_h(r)` with `b_h(r) = -r1·log(1 + r2|r|)` and
-    `w_h(r) = 1 / (1 + r3·|r|)` (`r1, r2, r3 > 0`).
+    """KERPLE "bias + weight" variant (softmax only): the logit is weighted by a kernel
+    and a power bias is added,
+    `score_ij = w_h(r)·scale·q_i·k_j + b_h(r)`, `b_h(r) = -r1_h·|r|^r2_h`,
+    `w_h(r) = exp(-r3_h·|r|^r4_h)`, `r1, r3 > 0`, `0 < r2, r4 <= 2`.
+
+    From "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation"
+    (Chi et al., NeurIPS 2022), §5.3 "(bias+wht)"; official code: `ParallelKerplePower`
+    with both a bias and a weight kernel (`x*wei + bias`, bias and weight added to the
+    already-scaled logits, as here). The paper names are kept: `r2`, `r4` are exponents.
 
     The weight rescales each logit by its offset, which is not a Toeplitz reweighting of
     `φ(q)·φ(k)`: kernelized backends cannot express it and refuse it.
+
+    Args:
+        num_heads: H.
+        r1: initial bias coefficient(s) (official init `U(0, 1)`, mean 0.5).
+        r2: initial bias exponent(s) (official init `U(0, 2)`, mean 1).
+        r3: initial weight coefficient(s) (official init `U(0, 1)`, mean 0.5).
+        r4: initial weight exponent(s) (official init `U(0, 2)`, mean 1).
+        Each a number or `[H]`.
+
+    Parameters: `raw_r1, raw_r2, raw_r3, raw_r4: [H]`; properties `r1 .. r4`.
     """
 
     softmax_only = True
-    kernelized_refusal = "KerpleBiasWeight multiplies the softmax logits by a positional weight; kernelized attention has no logits to weigh"
+    kernelized_refusal = ("KerpleBiasWeight multiplies the softmax logits by a positional weight "
+                          "exp(-r3·|r|^r4); kernelized attention has no logits to weigh")
 
-    def __init__(self, num_heads: int, r1=1.0, r2=1.0, r3=0.01):
+    def __init__(self, num_heads: int, r1=0.5, r2=1.0, r3=0.5, r4=1.0):
         super().__init__(num_heads)
-        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_softplus))
-        self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_softplus))
-        self.raw_r3 = nn.Parameter(_per_head(r3, num_heads, _inv_softplus))
+        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
+        self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_exponent))
+        self.raw_r3 = nn.Parameter(_per_head(r3, num_heads, _inv_positive))
+        self.raw_r4 = nn.Parameter(_per_head(r4, num_heads, _inv_exponent))
 
-    r1 = KerpleLog.r1
-    r2 = KerpleLog.r2
+    @property
+    def r1(self) -> Tensor:
+        return _positive(self.raw_r1)
+
+    @property
+    def r2(self) -> Tensor:
+        return _exponent(self.raw_r2)
 
     @property
     def r3(self) -> Tensor:
-        return F.softplus(self.raw_r3)
+        return _positive(self.raw_r3)
+
+    @property
+    def r4(self) -> Tensor:
+        return _exponent(self.raw_r4)
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
-        return -self.r1[h] * torch.log1p(self.r2[h] * r.abs().to(self.raw_r1.dtype))
+        return -self.r1[h] * abs_pow(r, self.r2[h])
 
     def weight(self, h: Tensor, r: Tensor) -> Tensor:
-        """Multiplier of the logit at offset r: `1 / (1 + r3|r|)`."""
-        return 1.0 / (1.0 + self.r3[h] * r.abs().to(self.raw_r3.dtype))
+        """Multiplier `w_h(r) = exp(-r3·|r|^r4)` of the (scaled) logit at offset r."""
+        return torch.exp(-self.r3[h] * abs_pow(r, self.r4[h]))

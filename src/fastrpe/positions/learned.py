@@ -11,25 +11,33 @@ class LearnedTable(Position):
     """One learned scalar per head and offset `r ∈ [-max_distance, max_distance]`, clipped beyond.
 
     From "Stable, Fast and Accurate: Kernelized Attention with Relative Positional
-    Encoding" (Luo et al., NeurIPS 2021), where `b[j-i]` is a free vector.
+    Encoding" (Luo et al., NeurIPS 2021), where `b[j-i]` is a free vector; T5's bias
+    without buckets ("Exploring the Limits of Transfer Learning with a Unified
+    Text-to-Text Transformer", Raffel et al., JMLR 2020).
 
     Args:
         num_heads: H.
         max_distance: offsets beyond ±max_distance share the edge entry.
         init_std: std of the normal initialization (0 gives all zeros).
+        causal: keep only the offsets `r ∈ [-max_distance, 0]` a causal model can see
+            (half the parameters); future offsets `r > 0` then share the entry of `r = 0`.
 
-    Parameter `table: [H, 2*max_distance+1]`, entry `max_distance + r` holds `b(r)`.
+    Parameter `table: [H, 2*max_distance+1]` (`[H, max_distance+1]` when causal); entry
+    `max_distance + r` holds `b(r)`.
     """
 
-    def __init__(self, num_heads: int, max_distance: int = 128, init_std: float = 0.0):
+    def __init__(self, num_heads: int, max_distance: int = 128, init_std: float = 0.0, causal: bool = False):
         super().__init__(num_heads)
-        if max_distance < 0:
-            raise ValueError(f"max_distance must be >= 0, got {max_distance}")
-        self.max_distance = int(max_distance)
-        self.table = nn.Parameter(torch.randn(num_heads, 2 * max_distance + 1) * init_std)
+        if not isinstance(max_distance, int) or max_distance < 0:
+            raise ValueError(f"max_distance must be an int >= 0, got {max_distance!r}")
+        self.max_distance = max_distance
+        self.causal = causal
+        width = max_distance + 1 if causal else 2 * max_distance + 1
+        self.table = nn.Parameter(torch.randn(num_heads, width) * init_std)
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
-        return self.table[h, r.clamp(-self.max_distance, self.max_distance) + self.max_distance]
+        hi = 0 if self.causal else self.max_distance
+        return self.table[h, r.clamp(-self.max_distance, hi) + self.max_distance]
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, max_distance={self.max_distance}"
+        return f"num_heads={self.num_heads}, max_distance={self.max_distance}, causal={self.causal}"

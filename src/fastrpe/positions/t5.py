@@ -12,7 +12,20 @@ from .base import Position
 
 def t5_bucket(r: Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
     """T5's `_relative_position_bucket` of `r = key − query` (the same sign as T5's
-    `memory_position − context_position`), elementwise and FlexAttention-safe."""
+    `memory_position − context_position`), elementwise and FlexAttention-safe.
+
+    Bidirectional: half the buckets for `r <= 0`, half for `r > 0`. Otherwise (causal)
+    every future offset `r > 0` shares bucket 0 with `r = 0`. In each half the first
+    `max_exact = half // 2` distances get their own bucket, the rest
+    `max_exact + ⌊log(n / max_exact) / log(max_distance / max_exact) · (half - max_exact)⌋`
+    (in float32, as T5), capped at `half - 1`.
+
+    Args:
+        r: int64 offsets, any shape.
+
+    Returns:
+        int64 bucket indices in `[0, num_buckets)`, the shape of `r`.
+    """
     buckets = torch.zeros_like(r)
     if bidirectional:
         num_buckets //= 2
@@ -31,6 +44,11 @@ def t5_bucket(r: Tensor, bidirectional: bool = True, num_buckets: int = 32, max_
 
 class T5Bias(Position):
     """T5's bucketed relative bias: a learned scalar per head and bucket.
+
+    From "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
+    Transformer" (Raffel et al., JMLR 2020); buckets exactly as HuggingFace's
+    `T5Attention._relative_position_bucket` (`t5_bucket`): exact buckets for small
+    distances, logarithmic ones up to `max_distance`, one per sign when bidirectional.
 
     Args:
         num_heads: H.
