@@ -151,11 +151,13 @@ def kernelized_num_den_fft(
 
     Returns:
         `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]` (true values are
-        `num·exp(log_scale)`): each row is scaled by the largest coefficient it sees.
+        `num·exp(log_scale)`): each row is scaled by the largest coefficient it sees. The
+        FFTs run in float32 (float64 for float64 inputs); results are cast back to phi_q's dtype.
     """
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
-    dt = fft_dtype_for(phi_q.dtype)
+    out_dt = phi_q.dtype
+    dt = fft_dtype_for(out_dt)
     phi_q, phi_k = phi_q.to(dt), phi_k.to(dt)
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
@@ -163,8 +165,8 @@ def kernelized_num_den_fft(
     if log_coeff is None and not causal:
         # no positional term: plain linear attention, no FFT needed
         kv = torch.einsum("bhjf,bhjc->bhfc", phi_k, vv)  # (B, H, F, C)
-        y = torch.einsum("bhif,bhfc->bhic", phi_q, kv)
-        return y[..., :Dv], y[..., Dv], phi_q.new_zeros(H, Lq)
+        y = torch.einsum("bhif,bhfc->bhic", phi_q, kv).to(out_dt)
+        return y[..., :Dv], y[..., Dv], y.new_zeros(H, Lq)
     lc = torch.zeros(H, Lq + Lk - 1, dtype=dt, device=phi_q.device) if log_coeff is None else log_coeff.to(dt)
     if causal:
         lc = lc.masked_fill(~causal_offset_mask(Lq, Lk, q_offset, device=lc.device), float("-inf"))
@@ -174,8 +176,8 @@ def kernelized_num_den_fft(
         y = _rescaled_product(phi_q, phi_k, vv, lc, scale, block)
     else:
         y = _causal_product(phi_q, phi_k, vv, lc, scale, q_offset, block)
-    y = _certify_rows(y, phi_q, phi_k, vv, lc, scale, q_offset if causal else None)
-    return y[..., :Dv], y[..., Dv], scale
+    y = _certify_rows(y, phi_q, phi_k, vv, lc, scale, q_offset if causal else None).to(out_dt)
+    return y[..., :Dv], y[..., Dv], scale.to(out_dt)
 
 
 #: a row is trusted when the estimated round-off of its FFT products is below this fraction
