@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
@@ -44,26 +43,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _eval_ppl(model, stream: torch.Tensor, length: int, max_tokens: int, batch: int, device) -> float:
-    """Perplexity over non-overlapping windows of `length` tokens (each predicts its own tokens 1..length)."""
-    from ..data.text import eval_windows
-
-    wins = eval_windows(stream, length, max_tokens=max_tokens)  # (N, length + 1)
-    total, count = 0.0, 0
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, wins.shape[0], batch):
-            w = wins[i:i + batch].to(device)
-            total += model.loss(w, reduction="sum").item()
-            count += w[:, 1:].numel()
-    model.train()
-    return math.exp(total / max(count, 1))
-
-
 def run(args) -> int:
     from ..data.text import load_corpus
-    from ..nn import DecoderLM, LMConfig
-    from ..train.progress import progress
+    from ..nn import LMConfig
+    from ..reproduce.lm import eval_ppl, train_lm
 
     torch.manual_seed(args.seed)
     positions = [s for s in args.positions.split(",") if s]
@@ -78,31 +61,16 @@ def run(args) -> int:
     t_all = time.time()
     for kernel in kernels:
         for position in positions:
-            torch.manual_seed(args.seed)
             cfg = LMConfig(vocab_size=corpus.vocab_size, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                            kernel=kernel, position=position, max_len=L * max(factors))
-            model = DecoderLM(cfg).to(args.device)
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
-            g = torch.Generator().manual_seed(args.seed)
-            t0 = time.time()
-            bar = progress(range(args.steps), desc=f"{kernel:>7s} {position:<13s}", disable=args.no_progress)
-            for step in bar:
-                idx = torch.randint(0, train_stream.numel() - L - 1, (args.batch_size,), generator=g)
-                batch = torch.stack([train_stream[i:i + L + 1] for i in idx.tolist()]).to(args.device)
-                loss = model.loss(batch)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
-                if hasattr(bar, "set_postfix") and step % 10 == 0:
-                    bar.set_postfix(loss=f"{loss.item():.3f}")
-            train_s = time.time() - t0
-            ppl = {f * L: _eval_ppl(model, val_stream, f * L, args.eval_tokens, max(1, args.batch_size // f), args.device)
-                   for f in factors}
+            run = train_lm(cfg, train_stream, length=L, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                           seed=args.seed, device=args.device, desc=f"{kernel:>7s} {position:<13s}",
+                           progress=not args.no_progress)
+            ppl = {f * L: eval_ppl(run.model, val_stream, f * L, args.eval_tokens, max(1, args.batch_size // f),
+                                   args.device) for f in factors}
+            train_s, last = run.seconds, run.losses[-1]
             results.append({"kernel": kernel, "position": position, "train_seconds": round(train_s, 2),
-                            "final_train_loss": loss.item(), "ppl": {str(k): v for k, v in ppl.items()}})
+                            "final_train_loss": last, "ppl": {str(k): v for k, v in ppl.items()}})
     table = format_table(results, L, factors)
     print(table)
     meta = {
