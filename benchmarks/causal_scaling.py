@@ -1,9 +1,13 @@
 """Time and peak memory of causal kernelized attention against sequence length on CPU:
 prefix (Scaleformer's cumsum) vs chunked vs FFT vs dense, forward + backward.
 
-Each (backend, L) runs in a fresh subprocess; peak = ru_maxrss growth during the call.
-Writes JSON and a log-log plot, and prints the log-log slope of each backend's memory
-between 4k and the longest length it ran.
+Each (backend, L) runs in a fresh subprocess and is measured twice: the time and the
+growth of ru_maxrss (resident memory) on one call, and the allocator's peak (the most
+memory the call's tensors held at once, from the profiler's allocation events:
+`fastrpe.bench.memory`) on a second. RSS growth depends on how malloc reuses pages and
+is noisy; the allocator peak is what the memory complexity predicts. Writes JSON and a
+log-log plot, and prints the least-squares log-log slope of each backend's allocator
+peak from 4k to the longest length it ran.
 
     python benchmarks/causal_scaling.py --out benchmarks/results/causal_scaling.json
 """
@@ -32,8 +36,21 @@ t = time.perf_counter()
 out = fr.attention(q, k, v, kernel=kern, position=None, causal=True, backend=backend)
 out.sum().backward()
 sec = time.perf_counter() - t
-print(json.dumps({"seconds": sec, "peak_extra_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+q.grad = k.grad = v.grad = None
+del out
+from fastrpe.bench.memory import allocator_peak_bytes
+peak, _ = allocator_peak_bytes(
+    lambda: fr.attention(q, k, v, kernel=kern, position=None, causal=True, backend=backend).sum().backward())
+print(json.dumps({"seconds": sec, "rss_extra_bytes": rss, "peak_extra_bytes": peak}))
 """
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log y against log x."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
 
 # longest length each backend is run at on a 2-core, 24 GiB machine (beyond: minutes or out of memory)
 MAX_L = {"dense": 8192, "fft": 16384, "prefix": 32768, "chunked": 65536}
@@ -60,18 +77,18 @@ def main() -> None:
             else:
                 rows.append({"backend": b, "L": L, **json.loads(res.stdout.strip().splitlines()[-1])})
             r = rows[-1]
-            print(f"{b:8s} L={L:6d} " + (f"{r['seconds']:8.2f} s  {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
+            print(f"{b:8s} L={L:6d} " + (f"{r['seconds']:8.2f} s  allocator peak {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
+                                        f"  RSS growth {r['rss_extra_bytes'] / 2**20:8.1f} MiB"
                                         if "seconds" in r else r["skipped"]), flush=True)
     slopes = {}
     for b in a.backends.split(","):
         pts = [(r["L"], r["peak_extra_bytes"]) for r in rows if r["backend"] == b and "seconds" in r and r["L"] >= 4096]
-        if len(pts) >= 2 and pts[0][1] > 0:
-            (l0, m0), (l1, m1) = pts[0], pts[-1]
-            slopes[b] = math.log(m1 / m0) / math.log(l1 / l0)
+        if len(pts) >= 2 and all(m > 0 for _, m in pts):
+            slopes[b] = loglog_slope([p[0] for p in pts], [p[1] for p in pts])
     for b, s in slopes.items():
         print(f"memory log-log slope {b}: {s:.2f}")
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "H": a.heads, "D": a.dim, "kernel": "nelu",
-            "dtype": "float32", "rows": rows, "memory_slope_from_4k": slopes,
+            "dtype": "float32", "rows": rows, "memory_slope_from_4k": slopes, "memory": "allocator peak (peak_extra_bytes); RSS growth in rss_extra_bytes",
             "command": "python benchmarks/causal_scaling.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
@@ -89,7 +106,7 @@ def main() -> None:
                 axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
                 axes[1].plot([p[0] for p in pts], [max(p[2], 1) / 2**20 for p in pts], marker="o",
                              label=b + (f" (slope {slopes[b]:.2f})" if b in slopes else ""))
-        for ax, yl in zip(axes, ["seconds (fwd+bwd)", "peak extra MiB"]):
+        for ax, yl in zip(axes, ["seconds (fwd+bwd)", "allocator peak MiB (fwd+bwd)"]):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length")
