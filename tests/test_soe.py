@@ -80,3 +80,56 @@ def test_soe_refuses_geometric_decays():
     q = torch.zeros(1, H, 64, D)
     with pytest.raises(fr.FastRPEError, match="chunked runs it exactly"):
         fr.attention(q, q, q, kernel="elu", position=P.ALiBi(H), causal=True, backend="soe")
+
+
+def test_prefix_outputs_do_not_depend_on_the_sequence_length():
+    # one fit serves every length up to SOE_FIT_LENGTH: a prefix's outputs are bit-identical
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, H, 257, D, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = _pos("kerple_log").double()
+    with torch.no_grad():
+        full = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe")
+        for n in (1, 64, 130):
+            part = fr.attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], kernel="elu", position=pos, causal=True,
+                                backend="soe")
+            torch.testing.assert_close(part, full[:, :, :n], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "learned"])
+def test_soe_decoding_reproduces_forward_with_constant_state(name):
+    E, Hh, n_prompt, n_total = 24, 3, 37, 150  # the band (W = 64) fills and then slides
+    torch.manual_seed(0)
+    pos = _pos(name)
+    mha = fr.nn.MultiheadAttention(E, Hh, kernel="nprf", position=pos, causal=True, backend="soe").double()
+    assert mha.decode_state == "soe"
+    x = torch.randn(2, n_total, E, dtype=torch.float64)
+    with torch.no_grad():
+        full = mha(x)
+        exact = fr.nn.MultiheadAttention(E, Hh, kernel="nprf", position=pos, causal=True, backend="dense").double()
+        exact.load_state_dict(mha.state_dict())
+        ref = exact(x)
+        out, state = mha.step(x[:, :n_prompt])
+        outs, sizes = [out], []
+        for t in range(n_prompt, n_total):
+            o, state = mha.step(x[:, t:t + 1], state)
+            outs.append(o)
+            sizes.append(state.nbytes())
+    assert isinstance(state, fr.nn.SoEState) and state.length == n_total
+    dec = torch.cat(outs, 1)
+    torch.testing.assert_close(dec, full, rtol=1e-9, atol=1e-10)  # same fit: the same function
+    rel = ((dec - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert rel < 1e-3, rel  # and within the backend's accuracy of exact attention
+    assert sizes[-1] == sizes[64 - n_prompt] and max(sizes) == sizes[-1]  # constant once the band is full
+
+
+def test_soe_decode_state_select_for_beams():
+    torch.manual_seed(0)
+    mha = fr.nn.MultiheadAttention(16, 2, kernel="elu", position=P.KerpleLog(2), causal=True, backend="soe")
+    x = torch.randn(3, 10, 16)
+    with torch.no_grad():
+        _, st = mha.step(x)
+        sel = st.select(torch.tensor([2, 0]))
+        mha.step(x[[2, 0], -1:], sel)  # a selected state decodes on
+        _, st2 = mha.step(x[[2, 0]])
+    assert sel.S.shape[0] == 2 and sel.length == st.length
+    torch.testing.assert_close(sel.S, st2.S)

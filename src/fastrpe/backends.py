@@ -347,10 +347,15 @@ class SoEBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=K * (10 + 2 * L // T)), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.soe import kernelized_num_den_soe
+        from .ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, kernelized_num_den_soe, soe_plan
 
         def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-            return kernelized_num_den_soe(phi_q, phi_k, vv, lc, q_offset=q_offset, key_padding_mask=key_padding_mask)
+            # fitted from the term itself over max(L, SOE_FIT_LENGTH) distances, not from this
+            # call's coefficients: the same fit for every length up to SOE_FIT_LENGTH
+            fit_length = max(p.Lk, q_offset + p.Lq, SOE_FIT_LENGTH)
+            plan = soe_plan(causal_log_coefficients(p.position, fit_length))
+            return kernelized_num_den_soe(phi_q, phi_k, vv, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                                          plan=plan)
 
         return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
 

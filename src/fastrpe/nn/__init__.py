@@ -1,4 +1,5 @@
 """Layers and models built on `fastrpe.attention`."""
+from ..ops.linear.soe import SoEState  # noqa: F401
 from .attention import KVCache, LinearState, MultiheadAttention, rotary  # noqa: F401
 from .encoder import EncoderClassifier, EncoderConfig  # noqa: F401
 from .lm import DecoderLM, LMConfig  # noqa: F401

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..api import attention
 from ..kernels import FeatureMap, get_kernel
+from ..ops.linear.soe import SoEState
 from ..positions.base import AdditiveTerm, Position
 
 
@@ -143,36 +144,68 @@ class MultiheadAttention(nn.Module):
         return o if self.batch_first else o.transpose(0, 1)
 
     @property
-    def recurrent_decoding(self) -> bool:
-        """True when `step` keeps a constant-size `LinearState` instead of a KV cache:
-        kernelized, causal, no additive term, and no positional term or a geometric one."""
+    def decode_state(self) -> str:
+        """What `step` keeps between calls: "linear" (a constant-size `LinearState`: causal
+        kernelized attention with no positional term or a geometric decay, backend auto or
+        chunked), "soe" (a constant-size `SoEState`: backend "soe", any other decaying 1D
+        term, approximate like that backend) or "kv" (a `KVCache`: exact for everything)."""
         pos = self.position
-        return (isinstance(self.kernel, FeatureMap) and self.causal and self.backend in ("auto", "chunked")
-                and (pos is None or (isinstance(pos, Position) and pos.geometric_decay() is not None)))
+        if not (isinstance(self.kernel, FeatureMap) and self.causal):
+            return "kv"
+        if pos is None or isinstance(pos, Position) and pos.geometric_decay() is not None:
+            return "linear" if self.backend in ("auto", "chunked", "soe") else "kv"
+        if (self.backend == "soe" and isinstance(pos, Position) and not pos.softmax_only
+                and not getattr(pos, "is_grid", False)):
+            return "soe"
+        return "kv"
 
-    def _step_recurrent(self, x: Tensor, state: LinearState | None) -> tuple[Tensor, LinearState]:
-        from ..ops.common import safe_divide
-        from ..ops.linear.chunked import kernelized_num_den_chunked
+    @property
+    def recurrent_decoding(self) -> bool:
+        """True when `step` keeps a constant-size state instead of a KV cache."""
+        return self.decode_state != "kv"
 
-        start = 0 if state is None else state.length
+    def _qkv_features(self, x: Tensor, start: int):
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if self.rotary:
             pos = torch.arange(start, start + x.shape[1], device=x.device)
             q, k = rotary(q, pos), rotary(k, pos)
-        gamma = self.position.geometric_decay() if self.position is not None else None
-        num, den, _, S = kernelized_num_den_chunked(
-            self.kernel(q, is_query=True), self.kernel(k, is_query=False), v, gamma=gamma,
-            initial_state=None if state is None else state.S, return_state=True)
-        o = safe_divide(num, den).to(x.dtype)  # (B, H, L, D)
+        return self.kernel(q, is_query=True), self.kernel(k, is_query=False), v
+
+    def _output(self, num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
+        from ..ops.common import safe_divide
+
+        o = safe_divide(num, den).to(dtype)  # (B, H, L, D)
         o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
-        return (o if self.batch_first else o.transpose(0, 1)), LinearState(S, start + x.shape[1])
+        return o if self.batch_first else o.transpose(0, 1)
+
+    def _step_recurrent(self, x: Tensor, state: LinearState | None) -> tuple[Tensor, LinearState]:
+        from ..ops.linear.chunked import kernelized_num_den_chunked
+
+        start = 0 if state is None else state.length
+        phi_q, phi_k, v = self._qkv_features(x, start)
+        gamma = self.position.geometric_decay() if self.position is not None else None
+        num, den, _, S = kernelized_num_den_chunked(phi_q, phi_k, v, gamma=gamma,
+                                                    initial_state=None if state is None else state.S, return_state=True)
+        return self._output(num, den, x.dtype), LinearState(S, start + x.shape[1])
+
+    def _step_soe(self, x: Tensor, state: SoEState | None) -> tuple[Tensor, SoEState]:
+        from ..ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, soe_plan, soe_step
+
+        if state is None:
+            # the same fit as the soe backend's forward pass for any length up to SOE_FIT_LENGTH
+            plan = soe_plan(causal_log_coefficients(self.position, max(SOE_FIT_LENGTH, x.shape[1])))
+        else:
+            plan = state.plan
+        phi_q, phi_k, v = self._qkv_features(x, 0 if state is None else state.length)
+        num, den, new = soe_step(phi_q, phi_k, v, plan, state)
+        return self._output(num, den, x.dtype), new
 
     def step(self, x: Tensor, cache: KVCache | LinearState | None = None):
         """Causal self-attention decoding: `x: [B, L, E]` new tokens (a prompt, or one token).
 
         Returns the output for the new tokens and the cache extended by them: a `KVCache`
         (exact for every positional term, O(L) per step), or a constant-size `LinearState`
-        when `recurrent_decoding` holds. Calling
+        or `SoEState` (see `decode_state`). Calling
         `step` on a prompt and then token by token gives the same outputs as `forward`
         on the whole sequence.
         """
@@ -180,8 +213,11 @@ class MultiheadAttention(nn.Module):
             raise RuntimeError("step() decodes causal self-attention; this layer has causal=False")
         if not self.batch_first:
             x = x.transpose(0, 1)
-        if isinstance(cache, LinearState) or (cache is None and self.recurrent_decoding):
+        kind = self.decode_state
+        if isinstance(cache, LinearState) or (cache is None and kind == "linear"):
             return self._step_recurrent(x, cache)
+        if isinstance(cache, SoEState) or (cache is None and kind == "soe"):
+            return self._step_soe(x, cache)
         cache = cache or KVCache()
         k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if cache.k is not None:

@@ -14,6 +14,7 @@ Notation: B batch, H heads, L length, F features, C = Dv + 1, K terms, W band wi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -82,49 +83,79 @@ def soe_fit_error(log_coeff_causal: Tensor, window: int = DEFAULT_WINDOW, num_te
     return float((approx - exact).abs().max())
 
 
-def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: Tensor, *, q_offset: int = 0,
-                           key_padding_mask: Tensor | None = None, window: int = DEFAULT_WINDOW,
-                           num_terms: int = DEFAULT_TERMS, chunk_size: int = 64):
-    """Causal `(num, den, log_scale)` like `kernelized_num_den_naive(..., causal=True)`, with
-    the coefficients beyond distance `window` replaced by their sum-of-exponentials fit.
+#: the far field is fitted over distances up to max(L, SOE_FIT_LENGTH): one fit serves every
+#: call up to this length, so a prefix's outputs do not depend on how long the sequence
+#: is, and decoding (which fits once) reproduces the full forward pass
+SOE_FIT_LENGTH = 4096
 
-    Args:
-        log_coeff: `[H, Lq+Lk-1]` in the usual offset order (only `r <= 0` is used).
-    """
-    B, H, Lq, F = phi_q.shape
-    Lk, Dv = v.shape[2], v.shape[3]
-    dt = phi_q.dtype
-    dev = phi_q.device
-    L = max(Lk, q_offset + Lq)  # largest distance + 1
-    # b(-d) for d = 0..L-1 (offset r = -d sits at index Lq-1+q_offset-d; clamp for d past the vector)
-    d = torch.arange(L, device=dev)
-    idx = (Lq - 1 + q_offset - d).clamp_min(0)
-    b = log_coeff[:, idx]  # (H, L)
-    b = b - b.detach().amax(-1, keepdim=True)
-    W = min(window, L)
-    gamma = soe_rates(W, L, num_terms, device=dev)  # (K,) float64
-    if L > W:
-        rs = _far_samples(W, L).to(dev)
-        a = fit_soe(b.to(torch.float64)[:, rs], rs, gamma)  # (H, K)
+
+@dataclass
+class SoEPlan:
+    """A fitted sum of exponentials for `c(d) = exp(b(-d) - max b)`, `d = 0..fit_length-1`.
+
+    `gamma: [K]` rates, `a: [H, K]` weights (float64, differentiable in the positional
+    parameters), `corr: [H, W]` the exact coefficients minus the fitted ones on the band
+    `d < W` (float64)."""
+
+    gamma: Tensor
+    a: Tensor
+    corr: Tensor
+    window: int
+    fit_length: int
+
+    @property
+    def num_terms(self) -> int:
+        return self.gamma.numel()
+
+
+def causal_log_coefficients(position, length: int) -> Tensor:
+    """`[H, length]`: `b(-d)` for `d = 0..length-1` from a 1D positional term."""
+    return position.log_coefficients(length, 1, 0).flip(-1)
+
+
+def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_TERMS) -> SoEPlan:
+    """Fit the far field of `b: [H, N]` (`b(-d)`, `d = 0..N-1`; N is the fit length)."""
+    H, N = b.shape
+    dev = b.device
+    b = (b - b.detach().amax(-1, keepdim=True)).to(torch.float64)
+    W = min(window, N)
+    gamma = soe_rates(W, N, num_terms, device=dev)  # (K,) float64
+    if N > W:
+        rs = _far_samples(W, N).to(dev)
+        a = fit_soe(b[:, rs], rs, gamma)  # (H, K)
     else:
         a = torch.zeros(H, num_terms, dtype=torch.float64, device=dev)
-    num = phi_q.new_zeros(B, H, Lq, Dv)
-    den = phi_q.new_zeros(B, H, Lq)
-    # far field: one linear-time geometric pass per term (weights per head)
-    for kk in range(num_terms):
-        g = gamma[kk].to(dt).expand(H)
-        n_k, d_k, _ = kernelized_num_den_chunked(phi_q, phi_k, v, gamma=g, q_offset=q_offset,
-                                                 key_padding_mask=key_padding_mask, chunk_size=chunk_size)
-        w = a[:, kk].to(dt)[None, :, None]
-        num = num + n_k * w[..., None]
-        den = den + d_k * w
-    # band: exact coefficients minus what the exponentials already put there
     dW = torch.arange(W, device=dev, dtype=torch.float64)
-    fitted = (a[:, None, :] * gamma[None, None, :] ** dW[None, :, None]).sum(-1).to(dt)  # (H, W)
-    corr = torch.exp(b[:, :W].to(dt)) - fitted  # (H, W): coefficient at distance 0..W-1
-    if key_padding_mask is not None:
-        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)
+    fitted = (a[:, None, :] * gamma[None, None, :] ** dW[None, :, None]).sum(-1)  # (H, W)
+    return SoEPlan(gamma, a, torch.exp(b[:, :W]) - fitted, W, N)
+
+
+def _far_field(phi_q, phi_k, v, plan: SoEPlan, *, q_offset, key_padding_mask, chunk_size, states=None,
+               return_state=False):
+    """`Σ_k a_k·(geometric pass with γ_k)`: one linear-time chunked pass per term.
+    `states: [B, H, K, F, C]` continue from earlier keys (decoding)."""
+    B, H, Lq, _ = phi_q.shape
+    Dv, dt = v.shape[3], phi_q.dtype
+    num, den, new_states = phi_q.new_zeros(B, H, Lq, Dv), phi_q.new_zeros(B, H, Lq), []
+    for kk in range(plan.num_terms):
+        g = plan.gamma[kk].to(dt).expand(H)
+        res = kernelized_num_den_chunked(phi_q, phi_k, v, gamma=g, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                                         chunk_size=chunk_size, initial_state=None if states is None else states[:, :, kk],
+                                         return_state=return_state)
+        w = plan.a[:, kk].to(dt)[None, :, None]  # (1, H, 1)
+        num = num + res[0] * w[..., None]
+        den = den + res[1] * w
+        if return_state:
+            new_states.append(res[3])
+    return num, den, (torch.stack(new_states, 2) if return_state else None)
+
+
+def _band(phi_q, phi_k, vv, corr: Tensor, *, q_offset: int, chunk_size: int):
+    """Exact band correction: `Σ_{0 <= p_i - j < W} corr(p_i - j)·(φq_i·φk_j)·vv_j`, `[B, H, Lq, C]`."""
+    B, H, Lq, _ = phi_q.shape
+    Lk, W, dt, dev = phi_k.shape[2], corr.shape[1], phi_q.dtype, phi_q.device
+    corr = corr.to(dt)
+    y = phi_q.new_zeros(B, H, Lq, vv.shape[-1])
     pos_q = torch.arange(Lq, device=dev) + q_offset
     for s in range(0, Lq, chunk_size):
         e = min(Lq, s + chunk_size)
@@ -135,7 +166,71 @@ def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: T
         ok = (dist >= 0) & (dist < W)
         cband = torch.where(ok[None], corr[:, dist.clamp(0, W - 1)], torch.zeros((), dtype=dt, device=dev))
         att = torch.einsum("bhif,bhjf->bhij", phi_q[:, :, s:e], phi_k[:, :, k0:k1]) * cband[None]
-        y = att @ vv[:, :, k0:k1]
-        num = num.index_add(2, torch.arange(s, e, device=dev), y[..., :Dv])
-        den = den.index_add(2, torch.arange(s, e, device=dev), y[..., Dv])
-    return num, den, phi_q.new_zeros(H, Lq)
+        y = y.index_add(2, torch.arange(s, e, device=dev), att @ vv[:, :, k0:k1])
+    return y
+
+
+def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: Tensor | None = None, *,
+                           q_offset: int = 0, key_padding_mask: Tensor | None = None, window: int = DEFAULT_WINDOW,
+                           num_terms: int = DEFAULT_TERMS, chunk_size: int = 64, plan: SoEPlan | None = None):
+    """Causal `(num, den, log_scale)` like `kernelized_num_den_naive(..., causal=True)`, with
+    the coefficients beyond distance `window` replaced by their sum-of-exponentials fit.
+
+    Args:
+        log_coeff: `[H, Lq+Lk-1]` in the usual offset order (only `r <= 0` is used); the fit
+            then covers the distances of this call only. Or pass
+        plan: a fit from `soe_plan` (what the backend does, fitted to `max(L, SOE_FIT_LENGTH)`).
+    """
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dt, dev = phi_q.dtype, phi_q.device
+    if plan is None:
+        L = max(Lk, q_offset + Lq)  # largest distance + 1
+        # b(-d) for d = 0..L-1 (offset r = -d sits at index Lq-1+q_offset-d; clamp for d past the vector)
+        d = torch.arange(L, device=dev)
+        plan = soe_plan(log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)], window, num_terms)
+    num, den, _ = _far_field(phi_q, phi_k, v, plan, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                             chunk_size=chunk_size)
+    if key_padding_mask is not None:
+        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)
+    y = _band(phi_q, phi_k, vv, plan.corr, q_offset=q_offset, chunk_size=chunk_size)
+    return num + y[..., :Dv], den + y[..., Dv], phi_q.new_zeros(H, Lq)
+
+
+@dataclass
+class SoEState:
+    """Constant-size decode state of the sum-of-exponentials form after `length` tokens:
+    one geometric state per term, `S: [B, H, K, F, Dv+1]`, and the features and values of
+    the last `W - 1` tokens for the exact band, `keys: [B, H, <W, F]`, `values: [B, H, <W, Dv+1]`."""
+
+    S: Tensor
+    keys: Tensor
+    values: Tensor
+    plan: SoEPlan
+    length: int
+
+    def select(self, index: Tensor) -> SoEState:
+        return SoEState(self.S[index], self.keys[index], self.values[index], self.plan, self.length)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.S, self.keys, self.values))
+
+
+def soe_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, plan: SoEPlan, state: SoEState | None = None,
+             chunk_size: int = 64):
+    """Decode `L` new tokens (features `phi_q, phi_k: [B, H, L, F]`, `v: [B, H, L, Dv]`) after
+    `state`: returns `(num, den, new_state)`; memory independent of how many tokens came before."""
+    dt = phi_q.dtype
+    vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)
+    num, den, S = _far_field(phi_q, phi_k, v, plan, q_offset=0, key_padding_mask=None, chunk_size=chunk_size,
+                             states=None if state is None else state.S, return_state=True)
+    keys, values = phi_k, vv
+    if state is not None:
+        keys, values = torch.cat([state.keys, phi_k], 2), torch.cat([state.values, vv], 2)
+    n_prev = keys.shape[2] - phi_k.shape[2]
+    y = _band(phi_q, keys, values, plan.corr, q_offset=n_prev, chunk_size=chunk_size)
+    keep = plan.window - 1
+    tail = slice(max(0, keys.shape[2] - keep), None)
+    new = SoEState(S, keys[:, :, tail], values[:, :, tail], plan, (0 if state is None else state.length) + phi_q.shape[2])
+    return num + y[..., :v.shape[3]], den + y[..., v.shape[3]], new
