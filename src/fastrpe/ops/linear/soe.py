@@ -223,8 +223,15 @@ def soe_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, plan: SoEPlan, state: SoES
     `state`: returns `(num, den, new_state)`; memory independent of how many tokens came before."""
     dt = phi_q.dtype
     vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)
-    num, den, S = _far_field(phi_q, phi_k, v, plan, q_offset=0, key_padding_mask=None, chunk_size=chunk_size,
-                             states=None if state is None else state.S, return_state=True)
+    if phi_q.shape[2] == 1 and state is not None:
+        # one token: every term's state decays by its rate and takes the new key (distance 0)
+        g = plan.gamma.to(dt)[None, None, :, None, None]  # (1, 1, K, 1, 1)
+        S = g * state.S + torch.einsum("bhf,bhc->bhfc", phi_k[:, :, 0], vv[:, :, 0])[:, :, None]
+        y = torch.einsum("bhf,bhkfc,hk->bhc", phi_q[:, :, 0], S, plan.a.to(dt))[:, :, None]  # (B, H, 1, C)
+        num, den = y[..., :-1], y[..., -1]
+    else:
+        num, den, S = _far_field(phi_q, phi_k, v, plan, q_offset=0, key_padding_mask=None, chunk_size=chunk_size,
+                                 states=None if state is None else state.S, return_state=True)
     keys, values = phi_k, vv
     if state is not None:
         keys, values = torch.cat([state.keys, phi_k], 2), torch.cat([state.values, vv], 2)
