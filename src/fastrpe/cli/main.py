@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "bench": "bench",
     "extrapolate": "extrapolate",
     "reproduce": "reproduce",
+    "train": "train",
 }
 
 

@@ -1,0 +1,97 @@
+"""`fastrpe train`: train a model on an embedded task, with checkpoints, --resume and torchrun.
+
+Examples:
+    fastrpe train --task lm --kernel nprf --position kerple_log --steps 500 --out runs/lm
+    fastrpe train --task lm --steps 500 --out runs/lm --resume          # continue after a stop
+    torchrun --nproc_per_node 2 -m fastrpe.cli.main train --task lm --out runs/lm2   # data parallel
+
+Writes `config.json`, `task.json`, `metrics.jsonl` and `checkpoints/` (safetensors) under
+--out, and prints the final evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..train.tasks import SIZES, TASKS
+
+    p = sub.add_parser("train", help="train a model on an embedded task (checkpoints, --resume, torchrun)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="lm", choices=sorted(TASKS))
+    p.add_argument("--size", default="tiny", choices=list(SIZES), help="model size (width, layers, heads): "
+                   + ", ".join(f"{k}={v}" for k, v in SIZES.items()))
+    p.add_argument("--kernel", default="softmax", help="content kernel: softmax, nprf, elu, exp, dpfp, prf, ...")
+    p.add_argument("--position", default="kerple_log",
+                   help="none, sinusoidal, rotary or a positions family (kerple_log, alibi, t5, ...)")
+    p.add_argument("--backend", default="auto", help="attention backend (see `fastrpe explain`)")
+    p.add_argument("--fastrpb", action="store_true", help="add FastRPB (listops)")
+    p.add_argument("--dataset", default=None, help="lm: python-stdlib | shakespeare; seq2seq: copy | reverse | sort | shift")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (all processes)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--eval-every", type=int, default=0, help="0: evaluate at the end only")
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="lm: corpus bytes to read")
+    p.add_argument("--num-samples", type=int, default=4000, help="listops/seq2seq: training examples")
+    p.add_argument("--eval-samples", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda if available (the local rank's GPU under torchrun)")
+    p.add_argument("--out", default="runs/train")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def run(args) -> int:
+    from ..train import TrainConfig, init_from_env, train
+    from ..train.distributed import cleanup
+    from ..train.tasks import TaskOptions, build_task
+
+    info = init_from_env(device=args.device)
+    device = str(info.device)
+    opts = TaskOptions(task=args.task, size=args.size, kernel=args.kernel, position=args.position,
+                       backend=args.backend, seq_len=args.seq_len, batch_size=args.batch_size, dataset=args.dataset,
+                       max_bytes=args.max_bytes, num_samples=args.num_samples, eval_samples=args.eval_samples,
+                       fastrpb=args.fastrpb, seed=args.seed, device=device)
+    task = build_task(opts)
+    model = task.model.to(device)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision,
+                      seed=args.seed, eval_every=args.eval_every or args.steps, ckpt_every=args.ckpt_every, out_dir=args.out,
+                      resume=args.resume, progress=False if args.no_progress else None, log_every=10)
+    out = Path(args.out)
+    task_json = json.dumps(dataclasses.asdict(opts) | {"description": task.description}, indent=2)
+    if info.rank == 0:
+        saved = out / "task.json"
+        if args.resume and saved.exists():
+            ignore = ("device", "eval_samples", "description")  # do not change the training trajectory
+            before = {k: v for k, v in json.loads(saved.read_text()).items() if k not in ignore}
+            now = {k: v for k, v in json.loads(task_json).items() if k not in ignore}
+            if before != now:
+                diff = ", ".join(k for k in now if before.get(k) != now.get(k))
+                raise SystemExit(f"--resume: the task differs from the run in {out} ({diff}); use another --out")
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{task.description}; {n_params / 1e6:.2f}M parameters; {info.world_size} process(es) on {device}")
+    result = train(model, task.loss_fn, task.batches, cfg, eval_fn=task.eval_fn)
+    if info.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "task.json").write_text(task_json + "\n")
+        msg = f"step {result.step}: train loss {result.final_loss:.4f}" if result.final_loss is not None else \
+            f"step {result.step}"
+        if result.eval:
+            msg += "; " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items() if isinstance(v, (int, float)))
+        if result.resumed_from is not None:
+            msg += f" (resumed from step {result.resumed_from})"
+        print(msg)
+        print(f"wrote {out / 'metrics.jsonl'} and {out / 'checkpoints'}")
+    cleanup()
+    return 0
