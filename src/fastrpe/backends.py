@@ -278,7 +278,8 @@ class PrefixBackend(Backend):
         if not p.causal:
             r.append("causal only")
         if p.position is not None:
-            r.append("no positional term (use chunked for geometric decays)")
+            r.append(f"runs without a multiplicative positional term, got {type(p.position).__name__} "
+                     "(chunked runs geometric decays exactly, soe the others)")
         return r + _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
