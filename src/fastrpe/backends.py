@@ -50,7 +50,17 @@ def add_fastrpb(out: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, naive: b
 
 
 def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, num_den, naive: bool) -> Tensor:
-    """Feature maps, the Toeplitz-weighted numerator/denominator from `num_den`, Shaw, FastRPB."""
+    """Feature maps, the Toeplitz-weighted numerator/denominator from `num_den`, Shaw, FastRPB.
+
+    Runs with autocast off: features, sums and FFTs are float32 (float64 for float64 inputs)
+    whatever the caller's autocast says. Under fp16 autocast a feature product of two
+    keys with norm 1e3 overflows fp16; the output comes back in q's dtype."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _kernelized_attention(q, k, v, p, kpm, num_den, naive)
+
+
+def _kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, num_den,
+                          naive: bool) -> Tensor:
     phi_q = p.kernel(q, is_query=True)  # (B, H, Lq, F), float32/64
     phi_k = p.kernel(k, is_query=False)  # (B, H, Lk, F)
     vv = v.to(phi_q.dtype)

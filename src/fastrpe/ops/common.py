@@ -22,9 +22,19 @@ def finite_max(x: Tensor, dim: int = -1) -> Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
+def underflow_threshold(dtype: torch.dtype) -> float:
+    """`tiny / eps` of `dtype` (1e-31 in float32, 2e-292 in float64): a row whose total
+    weight is below it counts as empty. Above it, `1/den` (the gradient of `num/den`) stays
+    below `eps/tiny` and cannot overflow; below it, the weights themselves approach the
+    subnormal range and the forward value has lost its precision anyway."""
+    fi = torch.finfo(dtype)
+    return fi.tiny / fi.eps
+
+
 def safe_divide(num: Tensor, den: Tensor) -> Tensor:
-    """`num: [B, H, Lq, Dv]` / `den: [B, H, Lq]`; rows with `den == 0` give 0 (and zero gradient)."""
-    zero = den == 0
+    """`num: [B, H, Lq, Dv]` / `den: [B, H, Lq]`; rows with no weight (`|den|` below
+    `underflow_threshold`, exactly 0 included) give 0 and a zero gradient."""
+    zero = den.abs() < underflow_threshold(den.dtype)
     den_safe = torch.where(zero, torch.ones_like(den), den)
     out = num / den_safe.unsqueeze(-1)
     return torch.where(zero.unsqueeze(-1), torch.zeros_like(out), out)
