@@ -293,3 +293,28 @@ def test_errors_are_clear():
         shaw_num_den_linear(phi, v, rp, Lk=7)
     with pytest.raises(ValueError, match="key_padding_mask"):
         shaw_num_den_naive(phi, v, rp, Lk=6, key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))
+
+
+def test_positive_vectors_keep_the_denominator_positive_and_match_dense():
+    import fastrpe as fr
+    from fastrpe.ops.linear.naive import kernelized_num_den_naive
+    from fastrpe.positions import ShawRelative
+
+    torch.manual_seed(0)
+    H, L, D = 2, 19, 8
+    t = ShawRelative(H, dim=D, max_distance=3, init_std=2.0, positive=True).double()
+    q, k, v = (torch.randn(1, H, L, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    phi = fr.kernels.get_kernel("elu")
+    num, den = t.num_den(phi(q, is_query=True), v, L, causal=True)
+    assert bool((den > 0).all())  # elu+1 features · (elu(RP)+1) > 0
+    out = fr.attention(q, k, v, kernel=phi, position=t, causal=True, backend="auto")
+    # reference: materialized weights φ(q_i)·φ(k_j) + φ(q_i)·(elu(RP[clip(i-j)])+1), causal
+    pq, pk = phi(q, is_query=True), phi(k, is_query=True)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    rp = torch.nn.functional.elu(t.rp) + 1  # (H, 2k+1, D)
+    s = torch.einsum("bhid,hijd->bhij", pq, rp[:, (i - j).clamp(-3, 3) + 3])
+    w = (pq @ pk.transpose(-1, -2) + s) * (j <= i)
+    ref = (w @ v) / w.sum(-1, keepdim=True)
+    torch.testing.assert_close(out, ref)
+    _, d0, _ = kernelized_num_den_naive(pq, pk, v, None, causal=True)
+    assert bool((d0 + den > 0).all())

@@ -16,24 +16,27 @@ class ShawRelative(AdditiveTerm):
     (Scaleformer Eq. 10; `dim` = feature width F); softmax adds `scale·q_i·RP[t]` to the
     logits (`dim` = head width D). Note the sign: `t` is query minus key position.
 
-    RP is not constrained, so `S_ij` can be negative and a kernelized denominator can be
-    0 or negative; the caller divides with `safe_divide`. (Scaleformer itself applies φ
-    to RP as well, which keeps S positive.)
+    By default RP is not constrained (DESIGN.md's form), so `S_ij` can be negative and a
+    kernelized denominator can be 0 or negative; the caller divides with `safe_divide`.
+    `positive=True` uses `elu(RP) + 1 > 0` instead, as Scaleformer's own code does (it
+    applies its feature map to RP): with non-negative query features the added weights
+    are then non-negative and the denominator cannot change sign.
 
     Args:
         num_heads: H.
         dim: width of each vector (F for kernelized attention, D for softmax).
         max_distance: k; offsets beyond share the vector of distance k.
         init_std: normal initialization std.
+        positive: use `elu(RP) + 1` (kernelized attention; softmax logits use RP as is).
 
     Parameter `rp: [H, 2k+1, dim]`, row `t + k` holds `RP[t]`.
     """
 
-    def __init__(self, num_heads: int, dim: int, max_distance: int, init_std: float = 0.02):
+    def __init__(self, num_heads: int, dim: int, max_distance: int, init_std: float = 0.02, positive: bool = False):
         super().__init__(num_heads)
         if not isinstance(max_distance, int) or max_distance < 0 or dim <= 0:
             raise ValueError(f"ShawRelative needs dim > 0 and an int max_distance >= 0, got {dim}, {max_distance!r}")
-        self.dim, self.max_distance = dim, max_distance
+        self.dim, self.max_distance, self.positive = dim, max_distance, bool(positive)
         self.rp = nn.Parameter(torch.randn(num_heads, 2 * max_distance + 1, dim) * init_std)
 
     def _check(self, x: Tensor, what: str) -> None:
@@ -64,7 +67,8 @@ class ShawRelative(AdditiveTerm):
 
         self._check(phi_q, "query features")
         fn = shaw_num_den_naive if naive else shaw_num_den_linear
-        return fn(phi_q, v, self.rp, Lk=Lk, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)
+        rp = torch.nn.functional.elu(self.rp) + 1 if self.positive else self.rp
+        return fn(phi_q, v, rp, Lk=Lk, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)
 
     def logits(self, q: Tensor, Lk: int, q_offset: int = 0, scale: float = 1.0) -> Tensor:
         """`[B, H, Lq, Lk]` softmax logit term `scale·q_i·RP[clip(i - j, -k, k)]` for `q: [B, H, Lq, D]`."""
@@ -74,4 +78,4 @@ class ShawRelative(AdditiveTerm):
         return shaw_logits(q, self.rp, Lk, q_offset) * scale
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, dim={self.dim}, max_distance={self.max_distance}"
+        return f"num_heads={self.num_heads}, dim={self.dim}, max_distance={self.max_distance}, positive={self.positive}"
