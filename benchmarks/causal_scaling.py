@@ -45,6 +45,20 @@ peak, _ = allocator_peak_bytes(
 print(json.dumps({"seconds": sec, "rss_extra_bytes": rss, "peak_extra_bytes": peak}))
 """
 
+def markdown_table(rows: list[dict], backends: list[str]) -> str:
+    """Cells `time / allocator peak` per length and backend ("—" where not run)."""
+    lengths = sorted({r["L"] for r in rows})
+    cell = {(r["backend"], r["L"]): r for r in rows}
+    out = ["| L | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for L in lengths:
+        cells = []
+        for b in backends:
+            r = cell.get((b, L), {})
+            cells.append(f"{r['seconds']:.2f} s / {r['peak_extra_bytes'] / 2**20:.0f} MiB" if "seconds" in r else "—")
+        out.append(f"| {L} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def loglog_slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of log y against log x."""
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
@@ -87,6 +101,7 @@ def main() -> None:
             slopes[b] = loglog_slope([p[0] for p in pts], [p[1] for p in pts])
     for b, s in slopes.items():
         print(f"memory log-log slope {b}: {s:.2f}")
+    print("\n" + markdown_table(rows, a.backends.split(",")))
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "H": a.heads, "D": a.dim, "kernel": "nelu",
             "dtype": "float32", "rows": rows, "memory_slope_from_4k": slopes, "memory": "allocator peak (peak_extra_bytes); RSS growth in rss_extra_bytes",
             "command": "python benchmarks/causal_scaling.py " + " ".join(sys.argv[1:])}
