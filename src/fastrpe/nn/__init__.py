@@ -4,3 +4,4 @@ from .attention import KVCache, LinearState, MultiheadAttention, rotary  # noqa:
 from .encoder import EncoderClassifier, EncoderConfig  # noqa: F401
 from .lm import DecoderLM, LMConfig  # noqa: F401
 from .seq2seq import Seq2Seq, Seq2SeqConfig  # noqa: F401
+from .vit import ViTConfig, VisionTransformer  # noqa: F401
