@@ -21,6 +21,8 @@ import platform
 import subprocess
 import sys
 
+from fastrpe.bench.runner import loglog_slope
+
 CHILD = r"""
 import json, resource, sys, time, torch
 import fastrpe as fr
@@ -57,13 +59,6 @@ def markdown_table(rows: list[dict], backends: list[str]) -> str:
             cells.append(f"{r['seconds']:.2f} s / {r['peak_extra_bytes'] / 2**20:.0f} MiB" if "seconds" in r else "—")
         out.append(f"| {L} | " + " | ".join(cells) + " |")
     return "\n".join(out)
-
-
-def loglog_slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of log y against log x."""
-    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
 # longest length each backend is run at on a 2-core, 24 GiB machine (beyond: minutes or out of memory)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .memory import allocator_peak_bytes
 from .registry import COMPETITORS, Problem
 
 
@@ -21,7 +23,8 @@ def device_name(device: torch.device) -> str:
 
 
 def _time(fn, device, repeats: int, warmup: int) -> tuple[float, int | None]:
-    """Median seconds of `fn()` and, on CUDA, the peak allocated bytes of one call."""
+    """Median seconds of `fn()` and the peak bytes of one call (the CUDA allocator's peak on a
+    GPU; on CPU the allocator peak from the profiler's allocation events)."""
     for _ in range(warmup):
         fn()
     peak = None
@@ -43,30 +46,47 @@ def _time(fn, device, repeats: int, warmup: int) -> tuple[float, int | None]:
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
+        peak = allocator_peak_bytes(fn)[0]  # one more call, under the profiler
     return statistics.median(times), peak
 
 
+def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log y against log x (None with fewer than two points)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else None
+
+
 def run_suite(problems: list[Problem], competitors: list[str], *, device: str = "cpu", dtype: str = "float32",
-              repeats: int = 5, warmup: int = 1, time_limit_s: float = 30.0, log=print) -> dict:
+              repeats: int = 5, warmup: int = 1, time_limit_s: float = 30.0, log=print,
+              registry: dict | None = None) -> dict:
+    """Time every competitor on every problem (in order). A competitor whose first call on a
+    problem takes longer than `time_limit_s` is skipped, with that reason, at every longer
+    length of the same problem family. `registry` defaults to `COMPETITORS`."""
     dev = torch.device(device)
     dt = getattr(torch, dtype)
+    registry = COMPETITORS if registry is None else registry
     rows = []
-    slow: set[str] = set()  # competitors that exceeded the time limit at a shorter length
+    slow: dict[tuple, int] = {}  # (competitor, problem without L) -> the length that exceeded the limit
     for p in problems:
+        family = tuple(sorted((k, v) for k, v in p.to_dict().items() if k != "L"))
         for name in competitors:
             row = {"problem": p.to_dict(), "competitor": name}
-            if name in slow:
-                row["skipped"] = f"exceeded {time_limit_s}s at a shorter length"
+            if (name, family) in slow and p.L > slow[(name, family)]:
+                row["skipped"] = f"exceeded {time_limit_s:g} s per call at L={slow[(name, family)]}"
             else:
                 try:
-                    fn = COMPETITORS[name](p, dev, dt)
+                    fn = registry[name](p, dev, dt)
                     if isinstance(fn, str):
                         row["skipped"] = fn
                     else:
                         t0 = time.perf_counter()
                         fn()  # compile / warm caches; also our time-limit probe
                         if time.perf_counter() - t0 > time_limit_s:
-                            slow.add(name)
+                            slow[(name, family)] = p.L
                         sec, peak = _time(fn, dev, repeats, warmup)
                         row.update(seconds=sec, peak_bytes=peak)
                 except torch.cuda.OutOfMemoryError:
