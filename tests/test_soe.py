@@ -133,3 +133,49 @@ def test_soe_decode_state_select_for_beams():
         _, st2 = mha.step(x[[2, 0]])
     assert sel.S.shape[0] == 2 and sel.length == st.length
     torch.testing.assert_close(sel.S, st2.S)
+
+
+def _noisy_table(Hh=H, reach=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = P.LearnedTable(Hh, max_distance=reach, causal=True)
+    with torch.no_grad():
+        t.table.copy_(6 * torch.rand(Hh, reach + 1, generator=g) - 3)  # no decay to fit beyond the band
+    return t
+
+
+@pytest.mark.parametrize("name", ["t5", "noisy_table"])
+def test_soe_refuses_terms_it_cannot_fit(name):
+    """A term with steps or noise beyond the exact band is refused with the measured error,
+    by the forward backend, by auto even when approximation is allowed, and by decoding."""
+    pos = _noisy_table() if name == "noisy_table" else P.make("t5", H, causal=True, max_len=256)
+    if name == "t5":
+        with torch.no_grad():
+            for prm in pos.parameters():
+                prm.copy_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(0)))
+    q = torch.randn(1, H, 300, D)
+    with pytest.raises(fr.FastRPEError, match=r"misplaces .* of a row's positional weight"):
+        fr.attention(q, q, q, kernel="elu", position=pos, causal=True, backend="soe")
+    ex = fr.explain(q, q, q, kernel="elu", position=pos, causal=True, allow_approximate=True)
+    assert ex.chosen != "soe" and any(c.backend == "soe" and c.reasons for c in ex.candidates)
+    mha = fr.nn.MultiheadAttention(H * D, H, kernel="elu", position=pos, causal=True, backend="soe")
+    with pytest.raises(fr.FastRPEError, match="cannot decode"):
+        mha.step(torch.randn(1, 5, H * D))
+
+
+def test_soe_accepts_a_table_that_ends_inside_the_band():
+    """Up to the band width the table is exact; beyond it the edge entry is a constant: fits."""
+    pos = _noisy_table(reach=40)
+    q = torch.randn(1, H, 300, D, dtype=torch.float64)
+    out = fr.attention(q, q, q, kernel="elu", position=pos.double(), causal=True, backend="soe")
+    ref = fr.attention(q, q, q, kernel="elu", position=pos.double(), causal=True, backend="dense")
+    assert ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 1e-6
+
+
+@pytest.mark.parametrize("r1,r2", [(1.5, 1.0), (2.0, 0.5), (1.5, 0.3), (0.1, 0.1), (5.0, 5.0)])
+def test_weight_error_small_for_kerple_log(r1, r2):
+    """Column-equilibrated fit: every KERPLE-log shape misplaces < 1e-5 of a row's weight
+    (a ridge scaled to the slow rates' columns once left 3e-4 for r1=2, r2=0.5)."""
+    from fastrpe.ops.linear.soe import causal_log_coefficients, soe_weight_error
+
+    b = causal_log_coefficients(P.KerpleLog(1, r1=[r1], r2=[r2]).double(), 4096)
+    assert float(soe_weight_error(b)) < 1e-5

@@ -344,7 +344,17 @@ class SoEBackend(Backend):
             r.append(f"{type(p.position).__name__} has no 1D kernelized form")
         elif p.position.geometric_decay() is not None:
             r.append(f"{type(p.position).__name__} is a geometric decay: chunked runs it exactly")
+        else:
+            r += self._fit_reasons(p)
         return r + _grid_reasons(p)
+
+    @staticmethod
+    def _fit_reasons(p: Problem) -> list[str]:
+        from .ops.linear.soe import soe_fit_refusal
+
+        with torch.no_grad():
+            why = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
+        return [why] if why else []
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.chunked import DEFAULT_CHUNK

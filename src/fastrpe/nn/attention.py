@@ -10,6 +10,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from .._validate import FastRPEError
 from ..api import attention
 from ..kernels import FeatureMap, get_kernel
 from ..ops.linear.soe import SoEState
@@ -189,9 +190,13 @@ class MultiheadAttention(nn.Module):
         return self._output(num, den, x.dtype), LinearState(S, start + x.shape[1])
 
     def _step_soe(self, x: Tensor, state: SoEState | None) -> tuple[Tensor, SoEState]:
-        from ..ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, soe_plan, soe_step
+        from ..ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, soe_fit_refusal, soe_plan, soe_step
 
         if state is None:
+            with torch.no_grad():
+                why = soe_fit_refusal(self.position, x.shape[1])
+            if why:
+                raise FastRPEError(f"step: backend='soe' cannot decode with this term: {why}")
             # the same fit as the soe backend's forward pass for any length up to SOE_FIT_LENGTH
             plan = soe_plan(causal_log_coefficients(self.position, max(SOE_FIT_LENGTH, x.shape[1])))
         else:

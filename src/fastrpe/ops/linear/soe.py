@@ -31,10 +31,11 @@ FIT_FLOOR_NATS = 20.0
 
 
 def soe_rates(window: int, max_len: int, num_terms: int, dtype=torch.float64, device=None) -> Tensor:
-    """`[K]` rates: γ = 1 (a constant tail) and K-1 time scales `1/(1-γ)` log-spaced from
-    1 to 4·max_len."""
-    hi = math.log(4.0 * max(max_len, window))
-    tau = torch.exp(torch.linspace(0.0, hi, num_terms - 1, dtype=dtype, device=device))
+    """`[K]` rates: γ = 1 (a constant tail) and K-1 time scales `τ` (`γ = e^(-1/τ)`)
+    log-spaced from `window/16` to `4·max_len`: a faster rate is below e^-16 over the whole
+    far field `d >= window`, so it could only fit noise."""
+    lo, hi = math.log(max(1.0, window / 16)), math.log(4.0 * max(max_len, window))
+    tau = torch.exp(torch.linspace(lo, hi, num_terms - 1, dtype=dtype, device=device))
     return torch.cat([torch.exp(-1.0 / tau), torch.ones(1, dtype=dtype, device=device)])
 
 
@@ -50,11 +51,18 @@ def fit_soe(log_c_far: Tensor, r_far: Tensor, gamma: Tensor) -> Tensor:
     w = torch.exp(-log_c_far.to(gamma.dtype).clamp_min(-FIT_FLOOR_NATS))
     A = A * w[..., None]  # (H, N, K)
     ones = torch.ones(*w.shape, 1, dtype=gamma.dtype, device=gamma.device)
+    # unit columns first: the relative weights reach e^20, so slow rates' columns are ~1e7
+    # times the fast ones', and a ridge scaled to their mean flattened the fast terms
+    # (KERPLE-log r1=2, r2=0.5 misplaced 3e-4 of a row's weight; 8e-7 with unit columns)
+    # (a column far below the others keeps its scale: a unit column would take a huge weight
+    # that cancels, catastrophically, against the exact band correction)
+    s = A.norm(dim=-2, keepdim=True)  # (H, 1, K)
+    s = torch.maximum(s, 1e-6 * s.amax(-1, keepdim=True)).clamp_min(torch.finfo(gamma.dtype).tiny)
+    A = A / s
     # ridge-regularized normal equations: well-posed for nearly collinear exponentials, differentiable
-    AtA = A.transpose(-1, -2) @ A
-    lam = 1e-10 * AtA.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)[..., None]
     eye = torch.eye(gamma.numel(), dtype=gamma.dtype, device=gamma.device)
-    return torch.linalg.solve(AtA + lam * eye, A.transpose(-1, -2) @ ones)[..., 0]  # (H, K)
+    x = torch.linalg.solve(A.transpose(-1, -2) @ A + 1e-12 * eye, A.transpose(-1, -2) @ ones)[..., 0]
+    return x / s[..., 0, :]  # (H, K)
 
 
 def _far_samples(window: int, max_len: int, n: int = 256) -> Tensor:
@@ -128,6 +136,45 @@ def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_T
     dW = torch.arange(W, device=dev, dtype=torch.float64)
     fitted = (a[:, None, :] * gamma[None, None, :] ** dW[None, :, None]).sum(-1)  # (H, W)
     return SoEPlan(gamma, a, torch.exp(b[:, :W]) - fitted, W, N)
+
+
+#: the `soe` backend refuses a term whose fit misplaces more than this fraction of any
+#: row's positional weight (`soe_weight_error`); measured, a weight error e moves the
+#: output by at most ~2e (benchmarks/soe_accuracy.py), so 1e-4 keeps outputs under 1e-3
+SOE_MAX_WEIGHT_ERROR = 1e-4
+
+
+def soe_weight_error(b: Tensor, plan: SoEPlan | None = None) -> Tensor:
+    """`[H]`: the worst fraction of a row's positional weight the fit misplaces,
+    `max_n Σ_{d<n} |ĉ(d) - c(d)| / Σ_{d<n} c(d)` over every row length n <= N.
+
+    A causal row at position n - 1 sees distances `d < n`; its output moves with the
+    misplaced weight relative to its total weight. `b: [H, N]` holds `b(-d)`, `d < N`.
+    """
+    with torch.no_grad():
+        plan = soe_plan(b.detach()) if plan is None else plan
+        bb = b.detach().to(torch.float64)
+        c = torch.exp(bb - bb.amax(-1, keepdim=True))  # (H, N)
+        N, W = c.shape[-1], plan.window
+        if N <= W:
+            return c.new_zeros(c.shape[0])
+        d = torch.arange(W, N, dtype=torch.float64, device=c.device)
+        fitted = (plan.a[:, None, :] * plan.gamma[None, None, :] ** d[None, :, None]).sum(-1)  # (H, N-W)
+        miss = torch.cat([c.new_zeros(c.shape[0], W), (fitted - c[:, W:]).abs()], -1)
+        ratio = miss.cumsum(-1) / c.cumsum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+        return ratio.amax(-1)
+
+
+def soe_fit_refusal(position, length: int) -> str | None:
+    """Why the `soe` form must not run `position` for rows up to `length` (None: it may).
+    A term the sum of exponentials cannot represent (steps, noise beyond the exact band)
+    would make the output silently wrong rather than approximately right."""
+    fit_length = max(length, SOE_FIT_LENGTH)
+    err = float(soe_weight_error(causal_log_coefficients(position, fit_length).detach()).max())
+    if not err <= SOE_MAX_WEIGHT_ERROR:  # NaN refuses too
+        return (f"the sum-of-exponentials fit of {type(position).__name__} misplaces {err:.1e} of a row's "
+                f"positional weight (> {SOE_MAX_WEIGHT_ERROR:g}); fft is exact")
+    return None
 
 
 def _far_field(phi_q, phi_k, v, plan: SoEPlan, *, q_offset, key_padding_mask, chunk_size, states=None,
