@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import platform
 import sys
@@ -30,6 +31,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def finite_or_null(obj):
+    """`obj` with every NaN or infinite float replaced by None (JSON null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
 def run(args) -> int:
     out = Path(args.out or f"runs/reproduce/{args.experiment}")
     out.mkdir(parents=True, exist_ok=True)
@@ -38,6 +50,7 @@ def run(args) -> int:
     result["seconds"] = round(time.time() - t, 1)
     result["command"] = "fastrpe " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("fastrpe") else None
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
-    (out / f"{args.experiment}.json").write_text(json.dumps(result, indent=1))
+    # standard JSON: a number that could not be computed (a diverged run's loss) is null
+    (out / f"{args.experiment}.json").write_text(json.dumps(finite_or_null(result), indent=1, allow_nan=False))
     print(f"wrote {out / (args.experiment + '.json')}")
     return 0

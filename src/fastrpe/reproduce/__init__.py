@@ -5,4 +5,9 @@ Each experiment module exposes `add_arguments(parser)` and `run(args, out_dir) -
 training and evaluation that several of them share."""
 EXPERIMENTS = {
     "approx": "fastrpe.reproduce.approx",
+    "stability": "fastrpe.reproduce.stability",
+    "conversion": "fastrpe.reproduce.conversion",
+    "speed": "fastrpe.reproduce.speed",
+    "fastrpb": "fastrpe.reproduce.fastrpb",
+    "extrapolation": "fastrpe.reproduce.extrapolation",
 }

@@ -35,17 +35,21 @@ def random_windows(stream: Tensor, length: int, batch_size: int, g: torch.Genera
 
 def train_lm(cfg, stream: Tensor, *, length: int, steps: int, batch_size: int, lr: float, seed: int = 0,
              device: str | torch.device = "cpu", weight_decay: float = 0.01, grad_clip: float = 1.0,
-             desc: str = "", progress: bool = True, stop_on_nonfinite: bool = True) -> LMRun:
+             desc: str = "", progress: bool = True, stop_on_nonfinite: bool = True, setup=None) -> LMRun:
     """Train `DecoderLM(cfg)` for `steps` steps on windows of `length + 1` tokens.
 
     The same `seed` gives the same initialization and the same batches for every config,
-    so runs that differ only in their attention are paired.
+    so runs that differ only in their attention are paired. `setup(model)`, if given, may
+    change the model in place before the optimizer is built.
     """
     from ..nn import DecoderLM
     from ..train.progress import progress as bar_of
 
     torch.manual_seed(seed)
-    model = DecoderLM(cfg).to(device)
+    model = DecoderLM(cfg)
+    if setup is not None:
+        setup(model)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
     g = torch.Generator().manual_seed(seed)
