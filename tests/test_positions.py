@@ -426,3 +426,17 @@ def test_make_builds_every_name_and_refuses_unknown():
         assert isinstance(pos, P.Position) and pos.log_coefficients(3, 4).shape == (H, 6)
     with pytest.raises(ValueError, match="position: unknown name 'kerple'"):
         P.make("kerple", 2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: P.FastRPB1D(2, 16), lambda: P.LearnedTable(2, 8), lambda: P.Table2D(2, (3, 4), cls_token=True),
+    lambda: P.FastRPB2D(2, (3, 4), cls_token=True)], ids=["fastrpb1d", "learned", "table2d", "fastrpb2d"])
+def test_zero_init_leaves_the_global_generator_alone(make):
+    """Switching on a zero-initialized term must not change the weights the same seed gives
+    every other module (it used to draw randn and multiply by 0)."""
+    torch.manual_seed(0)
+    term = make()
+    after = torch.randn(3)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.randn(3))
+    assert all(torch.count_nonzero(p) == 0 for p in term.parameters())

@@ -72,7 +72,10 @@ def test_kernels_with_2d_terms_match_dense(kernel, cls):
 @pytest.mark.parametrize("position,fastrpb2d,cls", [("table2d", True, True), ("none", True, False)],
                          ids=["table2d+fastrpb2d-cls", "fastrpb2d-mean"])
 def test_trains_on_digits(position, fastrpb2d, cls):
-    """8×8 digits in 2×2 patches (a 4×4 grid): 150 AdamW steps lower the loss on a fixed batch."""
+    """8×8 digits in 2×2 patches (a 4×4 grid): 150 AdamW steps with a 30-step warm-up lower
+    the loss on a fixed batch. (Without warm-up, some seeds sit on the initial plateau for
+    ~200 steps, with or without the 2D terms: measured loss ratios 0.99-0.46 over seeds 0-4,
+    against 0.35-0.55 with warm-up.)"""
     torch.manual_seed(0)
     ds = load_images("digits", "train")
     x, y = ds.images, ds.labels
@@ -80,6 +83,7 @@ def test_trains_on_digits(position, fastrpb2d, cls):
                                         position=position, fastrpb2d=fastrpb2d, cls_token=cls))
     assert model.grid == (4, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
 
     def eval_loss():
         with torch.no_grad():
@@ -92,8 +96,9 @@ def test_trains_on_digits(position, fastrpb2d, cls):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
     after = eval_loss()
-    assert after < 0.85 * before, (before, after)
+    assert after < 0.7 * before, (before, after)
 
 
 def _shuffled_logits(model, x, perm, patch):
@@ -119,7 +124,8 @@ def test_patch_permutation():
         model = VisionTransformer(ViTConfig(**kw, **variant)).double().eval()
         _randomize_terms(model)
         a, b = _shuffled_logits(model, x, perm, 4)
-        assert (a - b).abs().max() > 1e-3, variant
+        # the plain model is invariant to 1e-12 in float64: a change of 1e-6 is a real one
+        assert (a - b).abs().max() > 1e-6, variant
 
 
 def test_config_validation_and_json():

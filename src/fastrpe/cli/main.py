@@ -32,7 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    return int(args._module.run(args) or 0)
+    from .._validate import FastRPEError
+    from ..data._cache import MissingDataError
+
+    try:
+        return int(args._module.run(args) or 0)
+    except (FastRPEError, MissingDataError) as e:  # the user's input or machine, not a bug: no traceback
+        print(f"fastrpe {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -113,3 +113,10 @@ class AdditiveTerm(nn.Module):
         if not isinstance(num_heads, int) or num_heads <= 0:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
+
+
+def init_normal(*shape: int, std: float) -> torch.Tensor:
+    """`N(0, std²)` entries, or zeros without drawing from the global generator when
+    `std == 0`: switching on a zero-initialized term must not change any other weight
+    that the same seed initializes."""
+    return torch.randn(*shape) * std if std else torch.zeros(*shape)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import AdditiveTerm, offsets, toeplitz_index
+from .base import AdditiveTerm, init_normal, offsets, toeplitz_index
 
 
 class FastRPB1D(AdditiveTerm):
@@ -32,7 +32,7 @@ class FastRPB1D(AdditiveTerm):
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
         self.max_len = max_len
-        self.w = nn.Parameter(torch.randn(num_heads, 2 * max_len - 1) * init_std)
+        self.w = nn.Parameter(init_normal(num_heads, 2 * max_len - 1, std=init_std))
 
     def coefficients(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
         """`[H, Lq+Lk-1]`: `w_h(r)` for `r = -(Lq-1+q_offset) .. Lk-1-q_offset` (0 where `|r| >= max_len`)."""

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from .base import AdditiveTerm, Position
+from .base import AdditiveTerm, Position, init_normal
 
 # Order of the class-token coefficients in a `[H, 3]` tensor.
 CLS_TO_PATCH, PATCH_TO_CLS, CLS_TO_CLS = 0, 1, 2
@@ -193,8 +193,8 @@ class Table2D(GridPosition):
     def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0):
         super().__init__(num_heads, grid, cls_token)
         Hg, Wg = self.grid
-        self.rel_table = nn.Parameter(torch.randn(num_heads, 2 * Hg - 1, 2 * Wg - 1) * init_std)
-        self.cls_table = nn.Parameter(torch.randn(num_heads, 3) * init_std) if cls_token else None
+        self.rel_table = nn.Parameter(init_normal(num_heads, 2 * Hg - 1, 2 * Wg - 1, std=init_std))
+        self.cls_table = nn.Parameter(init_normal(num_heads, 3, std=init_std)) if cls_token else None
 
     def table(self) -> Tensor:
         return self.rel_table
@@ -231,9 +231,9 @@ class FastRPB2D(AdditiveTerm):
         self.grid = check_grid(grid)
         self.cls_token = cls_token
         Hg, Wg = self.grid
-        self.w_row = nn.Parameter(torch.randn(num_heads, 2 * Hg - 1) * init_std)
-        self.w_col = nn.Parameter(torch.randn(num_heads, 2 * Wg - 1) * init_std)
-        self.w_cls = nn.Parameter(torch.randn(num_heads, 3) * init_std) if cls_token else None
+        self.w_row = nn.Parameter(init_normal(num_heads, 2 * Hg - 1, std=init_std))
+        self.w_col = nn.Parameter(init_normal(num_heads, 2 * Wg - 1, std=init_std))
+        self.w_cls = nn.Parameter(init_normal(num_heads, 3, std=init_std)) if cls_token else None
 
     @property
     def seq_len(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import Position
+from .base import Position, init_normal
 
 
 class LearnedTable(Position):
@@ -33,7 +33,7 @@ class LearnedTable(Position):
         self.max_distance = max_distance
         self.causal = causal
         width = max_distance + 1 if causal else 2 * max_distance + 1
-        self.table = nn.Parameter(torch.randn(num_heads, width) * init_std)
+        self.table = nn.Parameter(init_normal(num_heads, width, std=init_std))
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         hi = 0 if self.causal else self.max_distance
