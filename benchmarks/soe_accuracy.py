@@ -1,0 +1,149 @@
+"""How good is the sum-of-exponentials (`soe`) approximation? Fit error and its effect on
+the attention output, per decaying positional family and length.
+
+For each case (one head, one parameter setting) and each length L:
+* fit error: the largest absolute error of the fitted far field `Σ_k a_k γ_k^d` over every
+  distance `W <= d < L`, in units of the largest coefficient (`soe_fit_error`, on the
+  fit length the backend really uses: max(L, SOE_FIT_LENGTH));
+* output error: `soe` in float64 against the exact dense path in float64 (causal, NPRF
+  features): the worst row's relative error `max_i ‖Δout_i‖ / ‖out_i‖` and the whole
+  tensor's `‖Δout‖ / ‖out‖` — the approximation alone, no float32 round-off;
+* gradient error (L <= --grad-max-length): `‖Δg‖ / ‖g‖` for q, k, v and the positional
+  parameters, for a random cotangent.
+
+Usage: python benchmarks/soe_accuracy.py [--lengths 1024,4096,16384] [--out benchmarks/results]
+Writes soe_accuracy.json and prints a markdown table (docs/RESULTS.md quotes it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import fastrpe as fr
+from fastrpe import positions as P
+from fastrpe.ops.linear.soe import (DEFAULT_TERMS, DEFAULT_WINDOW, SOE_FIT_LENGTH, SOE_MAX_WEIGHT_ERROR,
+                                   causal_log_coefficients, soe_fit_error, soe_weight_error)
+
+
+def _table(values) -> P.LearnedTable:
+    t = P.LearnedTable(1, max_distance=len(values) - 1, causal=True)
+    with torch.no_grad():
+        # causal table: entry max_distance - d holds b(-d); values[d] = b(-d)
+        t.table[0] = torch.as_tensor(values, dtype=t.table.dtype).flip(0)
+    return t
+
+
+def cases() -> dict:
+    """name -> a one-head positional term (float64)."""
+    g = torch.Generator().manual_seed(0)
+    d = torch.arange(201.0)
+    out = {
+        "kerple_log (init)": P.KerpleLog(1),
+        "kerple_log r1=0.5 r2=0.1": P.KerpleLog(1, r1=[0.5], r2=[0.1]),
+        "kerple_log r1=3 r2=2": P.KerpleLog(1, r1=[3.0], r2=[2.0]),
+        "kerple_log3 (init)": P.KerpleLog3(1),
+        "kerple_power r1=0.05 p=0.5": P.KerplePower(1, r1=[0.05], p=[0.5]),
+        "kerple_power r1=1 p=1.5": P.KerplePower(1, r1=[1.0], p=[1.5]),
+        "t5 (causal, random buckets)": P.make("t5", 1, causal=True, max_len=4096),
+        "table to 200, smooth decay + noise": _table(-0.05 * d + 0.3 * torch.randn(201, generator=g)),
+        "table to 200, random in [-3, 3]": _table(6 * torch.rand(201, generator=g) - 3),
+    }
+    with torch.no_grad():
+        for p in out["t5 (causal, random buckets)"].parameters():
+            p.copy_(torch.randn(p.shape, generator=g).sort(descending=True).values)  # decays with distance, noisy
+    return {k: v.double() for k, v in out.items()}
+
+
+def _soe_unchecked(q, k, v, kern, pos, fit_len):
+    """The `soe` op without the backend's fit check: causal kernelized attention."""
+    from fastrpe.ops.common import safe_divide
+    from fastrpe.ops.linear.soe import kernelized_num_den_soe, soe_plan
+
+    phi_q, phi_k = kern(q, is_query=True), kern(k, is_query=False)
+    plan = soe_plan(causal_log_coefficients(pos, fit_len))
+    num, den, _ = kernelized_num_den_soe(phi_q, phi_k, v, plan=plan)
+    return safe_divide(num, den)
+
+
+def measure(name: str, pos, L: int, grad: bool, D: int, F: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, L, D, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(3))
+    kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F).double()
+    fit_len = max(L, SOE_FIT_LENGTH)
+    b = causal_log_coefficients(pos, fit_len)
+    fit, weight = soe_fit_error(b), float(soe_weight_error(b).max())
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(grad):
+        ref = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="dense")
+        # the op itself: the backend refuses terms it fits badly (the point of this table)
+        out = _soe_unchecked(q, k, v, kern, pos, fit_len)
+    diff = out - ref
+    row = {"case": name, "L": L, "fit_error": fit, "weight_error": weight,
+           "backend_accepts": weight <= SOE_MAX_WEIGHT_ERROR,
+           "output_max_row_rel": float((diff.norm(dim=-1) / ref.norm(dim=-1)).max()),
+           "output_rel": float(diff.norm() / ref.norm())}
+    if grad:
+        params = [q, k, v, *pos.parameters()]
+        u = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        g_ref = torch.autograd.grad((ref * u).sum(), params)
+        g_out = torch.autograd.grad((out * u).sum(), params)
+        names = ["q", "k", "v"] + [n for n, _ in pos.named_parameters()]
+        row["grad_rel"] = {n: float((a - b).norm() / b.norm()) if b.norm() > 0 else 0.0
+                           for n, a, b in zip(names, g_out, g_ref)}
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def markdown(rows: list[dict], lengths: list[int]) -> str:
+    head = ["case", "fit error", "weight error", "soe accepts"] + [f"output, worst row @ {L}" for L in lengths] + ["grad (worst of q, k, v, params)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in dict.fromkeys(r["case"] for r in rows):
+        rs = {r["L"]: r for r in rows if r["case"] == name}
+        fit = max(r["fit_error"] for r in rs.values())
+        grads = [max(r["grad_rel"].values()) for r in rs.values() if "grad_rel" in r]
+        weight = max(r["weight_error"] for r in rs.values())
+        cells = [name, f"{fit:.1e}", f"{weight:.1e}", "yes" if all(r["backend_accepts"] for r in rs.values()) else "no"] + [f"{rs[L]['output_max_row_rel']:.1e}" if L in rs else "—" for L in lengths]
+        cells.append(f"{max(grads):.1e}" if grads else "—")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="1024,4096,16384")
+    ap.add_argument("--grad-max-length", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--features", type=int, default=32)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    for name, pos in cases().items():
+        for L in lengths:
+            r = measure(name, pos, L, L <= args.grad_max_length, args.dim, args.features)
+            rows.append(r)
+            print(f"{name:36s} L={L:6d} fit {r['fit_error']:.1e}  weight {r['weight_error']:.1e}  worst row {r['output_max_row_rel']:.1e}  "
+                  f"tensor {r['output_rel']:.1e}" + (f"  grad {max(r['grad_rel'].values()):.1e}" if "grad_rel" in r else ""),
+                  flush=True)
+    table = markdown(rows, lengths)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python benchmarks/soe_accuracy.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+            "window": DEFAULT_WINDOW, "terms": DEFAULT_TERMS, "fit_length_min": SOE_FIT_LENGTH,
+            "dim": args.dim, "features": args.features, "kernel": "nprf", "dtype": "float64", "rows": rows,
+            "markdown": table}
+    (out / "soe_accuracy.json").write_text(json.dumps(meta, indent=1))
+    print(f"wrote {out / 'soe_accuracy.json'}")
+
+
+if __name__ == "__main__":
+    main()
