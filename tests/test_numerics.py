@@ -1,8 +1,11 @@
 """Row-wise accuracy of the exact fast paths against a float64 dense reference.
 
 FFT round-off is relative to the largest value in a product, so rows whose weights are
-all tiny could lose every digit; every row of every exact backend must stay within 1e-4
-relative error at L = 4,096 in float32, for sharp decays and large table swings.
+all tiny could lose every digit. Every row of every exact backend must stay within 1e-4
+relative error at L = 4,096 in float32, for every 1D positional family — the sharp decays
+of issue 7 (KERPLE power r1 = 2, p = 2; ALiBi slope 1; a table in [-30, 30]) and each
+family with random parameters — causal and not. The backends come from their own
+`not_supported_reasons`, so a backend that starts accepting a family is tested at once.
 """
 from __future__ import annotations
 
@@ -14,9 +17,12 @@ from fastrpe import positions as P
 
 L, H, D = 4096, 1, 16
 ROW_RTOL = 1e-4
+SHARP = ["kerple_power_r1=2_p=2", "alibi_slope_1", "table_-30_30"]
+FAMILIES = ["learned", "t5", "alibi", "kerple_power", "kerple_power_p1", "kerple_log", "kerple_log3",
+            "kerple_bias_weight"]
 
 
-def _sharp(name: str):
+def _position(name: str, causal: bool):
     g = torch.Generator().manual_seed(1)
     if name == "kerple_power_r1=2_p=2":
         return P.KerplePower(H, r1=2.0, p=1.999)  # p < 2 strictly by construction
@@ -24,24 +30,50 @@ def _sharp(name: str):
         a = P.ALiBi(H)
         a.slopes.fill_(1.0)
         return a
-    t = P.LearnedTable(H, max_distance=L)
-    with torch.no_grad():
-        t.table.copy_(torch.rand(H, 2 * L + 1, generator=g) * 60 - 30)  # entries in [-30, 30]
+    if name == "table_-30_30":
+        t = P.LearnedTable(H, max_distance=L)
+        with torch.no_grad():
+            t.table.copy_(torch.rand(H, 2 * L + 1, generator=g) * 60 - 30)  # entries in [-30, 30]
+        return t
+    t = P.make(name, H, causal=causal, max_len=L)
+    with torch.no_grad():  # random parameters, not only the initialization
+        for prm in t.parameters():
+            prm.add_(0.5 * torch.randn(prm.shape, generator=g))
     return t
 
 
-CASES = [(n, c, b) for n in ("kerple_power_r1=2_p=2", "alibi_slope_1", "table_-30_30") for c in (False, True)
-         for b in ("fft",) + (("chunked",) if n == "alibi_slope_1" and c else ())]
+def _cases():
+    x = torch.zeros(1, H, 8, D)
+    out = []
+    for name in SHARP + FAMILIES:
+        for causal in (False, True):
+            pos = _position(name, causal)
+            for kernel in ("softmax", "elu"):
+                with torch.no_grad():
+                    ex = fr.explain(x, x, x, kernel=kernel, position=pos, causal=causal)
+                out += [(name, causal, kernel, c.backend) for c in ex.candidates if c.exact and not c.reasons]
+    return out
 
 
-@pytest.mark.parametrize("name,causal,backend", CASES, ids=[f"{n}-{'causal' if c else 'full'}-{b}" for n, c, b in CASES])
-def test_every_row_within_1e4_of_float64(name, causal, backend):
+CASES = _cases()
+
+
+def test_the_matrix_covers_every_exact_1d_backend():
+    assert {b for *_, b in CASES} >= {"dense", "sdpa", "flex", "fft", "chunked"}
+    assert {n for n, *_ in CASES} == set(SHARP + FAMILIES)
+    assert {(n, c) for n, c, k, b in CASES if b == "fft"} == {(n, c) for n in SHARP + FAMILIES for c in (False, True)
+                                                            if n != "kerple_bias_weight"}
+
+
+@pytest.mark.parametrize("name,causal,kernel,backend", CASES,
+                         ids=[f"{n}-{'causal' if c else 'full'}-{k}-{b}" for n, c, k, b in CASES])
+def test_every_row_within_1e4_of_float64(name, causal, kernel, backend):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
-    pos = _sharp(name)
+    pos = _position(name, causal)
     with torch.no_grad():
-        ref = fr.attention(q, k, v, kernel="elu", position=pos.double(), causal=causal, backend="dense")
-        out = fr.attention(q.float(), k.float(), v.float(), kernel="elu", position=pos.float(), causal=causal,
+        ref = fr.attention(q, k, v, kernel=kernel, position=pos.double(), causal=causal, backend="dense")
+        out = fr.attention(q.float(), k.float(), v.float(), kernel=kernel, position=pos.float(), causal=causal,
                            backend=backend)
     rel = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)  # (1, H, L): one number per row
     worst = rel.argmax().item()
