@@ -16,6 +16,7 @@ def _records(out):
     ("lm", ["--seq-len", "32", "--kernel", "nprf", "--position", "kerple_log", "--max-bytes", "300000"]),
     ("listops", ["--seq-len", "48", "--num-samples", "300", "--kernel", "elu", "--position", "none", "--fastrpb"]),
     ("seq2seq", ["--seq-len", "8", "--num-samples", "300", "--dataset", "copy"]),
+    ("images", ["--kernel", "elu", "--fastrpb"]),
 ])
 def test_each_task_trains_and_checkpoints(tmp_path, task, extra):
     out = tmp_path / task
@@ -49,6 +50,15 @@ def test_resume_continues_and_refuses_a_different_task(tmp_path):
 def test_unknown_choices_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--task", "nope", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match="position"):
+    with pytest.raises(SystemExit, match="fastrpe train: error: .*position"):
         main(["train", "--task", "lm", "--position", "nope", "--steps", "1", "--max-bytes", "100000",
               "--out", str(tmp_path / "x")])
+
+
+def test_images_task_records_its_default_position_and_refuses_1d_ones(tmp_path):
+    out = tmp_path / "img"
+    assert main(["train", "--task", "images", "--steps", "2", "--batch-size", "4", "--eval-samples", "8",
+                 "--no-progress", "--out", str(out)]) == 0
+    assert json.loads((out / "task.json").read_text())["position"] == "table2d"
+    with pytest.raises(SystemExit, match="images task takes"):
+        main(["train", "--task", "images", "--position", "kerple_log", "--steps", "1", "--out", str(tmp_path / "x")])

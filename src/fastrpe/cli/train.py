@@ -2,6 +2,7 @@
 
 Examples:
     fastrpe train --task lm --kernel nprf --position kerple_log --steps 500 --out runs/lm
+    fastrpe train --task images --kernel elu --fastrpb --steps 300 --out runs/digits   # ViT, 2D positions
     fastrpe train --task lm --steps 500 --out runs/lm --resume          # continue after a stop
     torchrun --nproc_per_node 2 -m fastrpe.cli.main train --task lm --out runs/lm2   # data parallel
 
@@ -25,11 +26,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", choices=list(SIZES), help="model size (width, layers, heads): "
                    + ", ".join(f"{k}={v}" for k, v in SIZES.items()))
     p.add_argument("--kernel", default="softmax", help="content kernel: softmax, nprf, elu, exp, dpfp, prf, ...")
-    p.add_argument("--position", default="kerple_log",
-                   help="none, sinusoidal, rotary or a positions family (kerple_log, alibi, t5, ...)")
+    p.add_argument("--position", default=None,
+                   help="lm/listops/seq2seq: none, sinusoidal, rotary or a positions family (kerple_log, alibi, t5, "
+                   "...; default kerple_log); images: none, learned_abs, sinusoidal2d, table2d (default)")
     p.add_argument("--backend", default="auto", help="attention backend (see `fastrpe explain`)")
-    p.add_argument("--fastrpb", action="store_true", help="add FastRPB (listops)")
-    p.add_argument("--dataset", default=None, help="lm: python-stdlib | shakespeare; seq2seq: copy | reverse | sort | shift")
+    p.add_argument("--fastrpb", action="store_true", help="add FastRPB (listops: 1D, images: 2D)")
+    p.add_argument("--dataset", default=None, help="lm: python-stdlib | shakespeare; seq2seq: copy | reverse | sort | "
+                   "shift; images: digits | mnist | fashion-mnist")
+    p.add_argument("--patch-size", type=int, default=None, help="images: patch side (default 2 for 8×8, else 4)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (all processes)")
     p.add_argument("--steps", type=int, default=500)
@@ -54,15 +58,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from ..train import TrainConfig, init_from_env, train
     from ..train.distributed import cleanup
-    from ..train.tasks import TaskOptions, build_task
+    from ..train.tasks import TaskOptions, build_task, with_defaults
 
     info = init_from_env(device=args.device)
     device = str(info.device)
-    opts = TaskOptions(task=args.task, size=args.size, kernel=args.kernel, position=args.position,
+    opts = with_defaults(TaskOptions(task=args.task, size=args.size, kernel=args.kernel, position=args.position,
                        backend=args.backend, seq_len=args.seq_len, batch_size=args.batch_size, dataset=args.dataset,
                        max_bytes=args.max_bytes, num_samples=args.num_samples, eval_samples=args.eval_samples,
-                       fastrpb=args.fastrpb, seed=args.seed, device=device)
-    task = build_task(opts)
+                       fastrpb=args.fastrpb, patch_size=args.patch_size, seed=args.seed, device=device))
+    try:
+        task = build_task(opts)
+    except ValueError as e:  # an option that does not fit the task: say which, no traceback
+        raise SystemExit(f"fastrpe train: error: {e}") from None
     model = task.model.to(device)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision,

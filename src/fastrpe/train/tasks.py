@@ -6,6 +6,7 @@ resumed run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class TaskOptions:
     task: str = "lm"
     size: str = "tiny"
     kernel: str = "softmax"
-    position: str = "kerple_log"
+    position: str | None = None  # default per task: kerple_log (sequences), table2d (images)
     backend: str = "auto"
     seq_len: int = 128
     batch_size: int = 16
@@ -36,6 +37,7 @@ class TaskOptions:
     num_samples: int = 4000
     eval_samples: int = 500
     fastrpb: bool = False
+    patch_size: int | None = None  # images: default 2 for 8×8 digits, 4 for 28×28 MNIST
     seed: int = 0
     device: str = "cpu"
 
@@ -166,14 +168,63 @@ def seq2seq_task(o: TaskOptions) -> Task:
                 f"sequence-to-sequence '{name}', {kw['min_len']}..{o.seq_len} symbols")
 
 
+def images_task(o: TaskOptions) -> Task:
+    from ..data.images import load_images
+    from ..nn import ViTConfig, VisionTransformer
+    from ..nn.vit import VIT_POSITIONS
+
+    d, n, h = _dims(o)
+    name = o.dataset or "digits"
+    position = o.position
+    if position not in VIT_POSITIONS:
+        raise ValueError(f"position: the images task takes {', '.join(VIT_POSITIONS)}, got {position!r}")
+    train, test = load_images(name, "train"), load_images(name, "test")
+    C, H, W = train.images.shape[1:]
+    patch = o.patch_size or (2 if max(H, W) <= 16 else 4)
+    model = VisionTransformer(ViTConfig(image_size=(H, W), patch_size=patch, channels=C, num_classes=train.num_classes,
+                                        d_model=d, n_layers=n, n_heads=h, kernel=o.kernel, position=position,
+                                        fastrpb2d=o.fastrpb, backend=o.backend))
+
+    def sample(g: torch.Generator, bs: int):
+        idx = torch.randint(0, len(train), (bs,), generator=g)
+        return train.images[idx], train.labels[idx]
+
+    def loss_fn(m, batch):
+        x, y = _to(batch, o.device)
+        logits = m(x)
+        return nn.functional.cross_entropy(logits.float(), y), {"acc": (logits.argmax(-1) == y).float().mean()}
+
+    m_eval = min(len(test), o.eval_samples)
+    val_batches = [(test.images[i:min(m_eval, i + o.batch_size)], test.labels[i:min(m_eval, i + o.batch_size)])
+                   for i in range(0, m_eval, o.batch_size)]
+    grid = model.grid
+    return Task(model, loss_fn, seeded_batches(sample, o.batch_size, o.seed),
+                lambda m: _classification_eval(m, val_batches, o.device, lambda mm, b: (mm(b[0]), b[1])),
+                f"image classification on {name} ({H}×{W}, {patch}×{patch} patches: a {grid[0]}×{grid[1]} grid), "
+                f"ViT with {position}" + (" + FastRPB 2D" if o.fastrpb else ""))
+
+
 TASKS: dict[str, Callable[[TaskOptions], Task]] = {
     "lm": lm_task,
     "listops": listops_task,
     "seq2seq": seq2seq_task,
+    "images": images_task,
 }
 
 
+#: the positional term a task uses when none is given
+DEFAULT_POSITION = {"images": "table2d"}
+
+
+def with_defaults(o: TaskOptions) -> TaskOptions:
+    """`o` with its per-task defaults filled in (what `task.json` records)."""
+    if o.position is None:
+        o = dataclasses.replace(o, position=DEFAULT_POSITION.get(o.task, "kerple_log"))
+    return o
+
+
 def build_task(o: TaskOptions) -> Task:
+    o = with_defaults(o)
     if o.task not in TASKS:
         raise ValueError(f"task: unknown {o.task!r}; known: {', '.join(TASKS)}")
     if o.seq_len < 2 or o.batch_size < 1:
