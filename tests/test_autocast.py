@@ -86,3 +86,45 @@ def test_error_within_a_small_factor_of_dense_under_autocast(backend, kernel, po
     if backend == "soe":
         err_dense = max(err_dense, rel(_run("dense", kernel, pos, causal, q64, k64, v64, None)))
     assert err <= 4 * max(err_dense, EPS[dtype]), (err, err_dense)
+
+
+MAPS = ["softmax", "elu", "relu", "exp", "dpfp", "prf", "orf", "sphere_prf", "trf", "nprf", "ntrf"]
+
+
+def _full_matrix():
+    """(kernel, backend, position, causal) for every feature map and every backend that takes
+    it with a gradient (by the backend's own reasons), with the first positional term of
+    KERPLE-log / ALiBi / none that the backend accepts."""
+    x = torch.zeros(1, H, L, D, requires_grad=True)
+    cases = []
+    for kernel in MAPS:
+        kern = fr.kernels.get_kernel(kernel, head_dim=D, num_features=32)
+        for causal in (False, True):
+            chosen = {}
+            for position in ("kerple_log", "alibi", "none"):
+                ex = fr.explain(x, x, x, kernel=kern, position=_position(position), causal=causal,
+                                allow_approximate=True)
+                for c in ex.candidates:
+                    if not c.reasons and c.backend not in chosen:
+                        chosen[c.backend] = position
+            cases += [(kernel, b, p, causal) for b, p in sorted(chosen.items())]
+    return cases
+
+
+FULL = _full_matrix()
+
+
+def test_full_matrix_covers_every_map_and_1d_backend():
+    assert {k for k, *_ in FULL} == set(MAPS)
+    assert {b for _, b, *_ in FULL} == {"dense", "sdpa", "fft", "chunked", "prefix", "soe"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kernel,backend,position,causal", FULL,
+                         ids=[f"{k}-{b}-{p}-{'causal' if c else 'full'}" for k, b, p, c in FULL])
+def test_every_map_and_backend_finite_under_autocast(kernel, backend, position, causal, dtype):
+    q, k, v = _qkv(1e3)
+    out = _run(backend, kernel, _position(position), causal, q, k, v, dtype)
+    assert torch.isfinite(out).all()
+    grads = torch.autograd.grad(out.float().sum(), [q, k, v])
+    assert all(torch.isfinite(g).all() for g in grads)

@@ -147,10 +147,13 @@ class DenseBackend(Backend):
 
     def run(self, q, k, v, p, kpm):
         if p.softmax:
-            weight = p.position.materialize_weight(p.Lq, p.Lk, p.q_offset) if p.position is not None else None
-            out = softmax_attention_naive(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
-                                          key_padding_mask=kpm, scale=p.scale, weight=weight)
-            return add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
+            # the reference computes scores in float32 whatever autocast says: under fp16
+            # autocast, q·k at norm 1e3 (2.5e5) overflowed fp16 and the row became NaN
+            with torch.autocast(q.device.type, enabled=False):
+                weight = p.position.materialize_weight(p.Lq, p.Lk, p.q_offset) if p.position is not None else None
+                out = softmax_attention_naive(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
+                                              key_padding_mask=kpm, scale=p.scale, weight=weight)
+                return add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
         if _is_grid(p):
             from .ops.linear.grid import kernelized_num_den_grid_naive
 
