@@ -18,6 +18,8 @@ def test_readme_python_example_runs():
     assert ns["out"].shape == (2, 8, 128, 64)
     assert ns["y"].shape == (2, 50, 512)
     assert torch.isfinite(ns["y"]).all()
+    assert ns["tokens"].shape[0] == 1 and ns["tokens"].shape[1] >= 20
+    assert ns["logits"].shape == (2, 10)
 
 
 def test_readme_starts_with_install_and_test_commands():
