@@ -119,12 +119,10 @@ def ratios(result: dict, baseline: str = "flex-same-rpe") -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     groups: dict[str, dict[str, list]] = {}
     for r in result["rows"]:

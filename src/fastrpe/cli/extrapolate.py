@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..reproduce.lm import add_model_arguments
+
 DEFAULT_POSITIONS = ["none", "sinusoidal", "alibi", "t5", "kerple_power", "kerple_log"]
 DEFAULT_KERNELS = ["softmax", "nprf"]
 
@@ -30,14 +32,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--train-length", "-L", type=int, default=64)
     p.add_argument("--factors", default="1,2,4,8,16", help="evaluation lengths as multiples of L")
     p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens scored at each length")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="runs/extrapolate", help="directory for results.json and plot.png")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -96,12 +93,10 @@ def format_table(results: list[dict], L: int, factors: list[int]) -> str:
 
 
 def plot(results: list[dict], L: int, factors: list[int], path: Path):
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     kernels = sorted({r["kernel"] for r in results})
     fig, axes = plt.subplots(1, len(kernels), figsize=(5.5 * len(kernels), 4), squeeze=False, sharey=True)

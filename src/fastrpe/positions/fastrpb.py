@@ -1,7 +1,6 @@
 """FastRPB 1D: a learned Toeplitz term added to the attention output."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from .base import AdditiveTerm, init_normal, offsets, toeplitz_index

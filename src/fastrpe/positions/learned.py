@@ -1,7 +1,6 @@
 """Learned per-offset table (Raffel et al. 2020 without buckets; Luo et al. 2021's `b[j-i]`)."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from .base import Position, init_normal

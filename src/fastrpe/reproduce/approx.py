@@ -69,12 +69,10 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, radii, path) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(radii), figsize=(4.5 * len(radii), 3.8), squeeze=False, sharey=True)
     for ax, R in zip(axes[0], radii):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lm import eval_nll, train_lm
+from .lm import add_model_arguments, eval_nll, train_lm
 
 VARIANTS = {  # label: (normalized q/k, position)
     "softmax": (False, "none"),
@@ -38,15 +38,10 @@ def add_arguments(p) -> None:
     p.add_argument("--draws", type=int, default=None, help="random-feature draws per m (default 5, quick 3)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 1500, quick 400)")
     p.add_argument("--train-length", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--temperature", type=float, default=8.0, help="initial logit range of the normalized models")
     p.add_argument("--max-bytes", type=int, default=None, help="corpus bytes (default 8e6, quick 1e6)")
     p.add_argument("--eval-tokens", type=int, default=8192)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _attention_layers(model: nn.Module):
@@ -128,12 +123,10 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, r in enumerate(result["rows"]):

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import math
 
-import torch
 
-from .lm import eval_nll, train_lm
+from .lm import add_model_arguments, eval_nll, train_lm
 
 DEFAULT_POSITIONS = ["kerple_log", "kerple_power", "alibi", "t5", "sinusoidal", "rotary"]
 
@@ -44,16 +43,11 @@ def add_arguments(p) -> None:
     p.add_argument("--factors", default="1,2,4,8,16", help="evaluation lengths as multiples of L")
     p.add_argument("--positions", default=",".join(DEFAULT_POSITIONS), help="comma-separated position names")
     p.add_argument("--kernels", default="softmax", help="comma-separated kernels, e.g. softmax,nprf")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="validation tokens scored at each length (default 16384, quick 4096)")
     p.add_argument("--max-bytes", type=int, default=None, help="corpus bytes (default 8e6, quick 1e6)")
     p.add_argument("--alpha", type=float, default=0.05, help="significance level of the paired test")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,14 +268,13 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import ScalarFormatter
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
+    from matplotlib.ticker import ScalarFormatter
+
     kernels, lengths, L = result["kernels"], result["lengths"], result["train_length"]
     fig, axes = plt.subplots(1, len(kernels), figsize=(5.5 * len(kernels), 4), squeeze=False, sharey=True)
     for ax, kernel in zip(axes[0], kernels):

@@ -373,12 +373,10 @@ def _print_table(summary: list[dict], seeds: int) -> None:
 
 
 def _plot(result: dict, path) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     tasks, kernels = result["tasks"], result["kernels"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(1.3 * len(kernels) + 2.5, 3.6) if len(tasks) == 1

@@ -25,6 +25,18 @@ class LMRun:
     diverged: bool = False
 
 
+def add_model_arguments(p) -> None:
+    """The small causal LM's options, shared by `fastrpe extrapolate` and the LM reproductions
+    (the same defaults, so their runs are comparable): batch, learning rate, width, depth,
+    heads and device."""
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def random_windows(stream: Tensor, length: int, batch_size: int, g: torch.Generator) -> Tensor:
     """`[batch_size, length + 1]` windows of `stream` at uniform random starts."""
     if stream.numel() < length + 2:

@@ -145,12 +145,10 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, positions: list[str], path) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(2, len(positions), figsize=(5 * len(positions), 7.5), squeeze=False)
     names = sorted({r["competitor"] for r in result["rows"]})

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .lm import eval_nll, train_lm
+from .lm import add_model_arguments, eval_nll, train_lm
 
 CONFIGS = {  # label: (kernel, position)
     "PRF": ("prf", "none"),
@@ -32,15 +32,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seeds", type=int, default=None, help="runs per configuration (default 5, quick 3)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 1500, quick 300)")
     p.add_argument("--train-length", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--max-bytes", type=int, default=None, help="corpus bytes (default 8e6, quick 1e6)")
     p.add_argument("--eval-tokens", type=int, default=8192)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def unigram_nll(train: torch.Tensor, val: torch.Tensor, vocab: int) -> float:
@@ -106,12 +101,10 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, labels: list[str], path) -> None:
-    try:
-        import matplotlib
+    from ..plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(labels), figsize=(3.6 * len(labels), 3.4), squeeze=False, sharey=True)
     for ax, label in zip(axes[0], labels):
