@@ -135,7 +135,6 @@ def _plot(result: dict, path) -> None:
         ax.plot(xs, [p["val_loss"] for p in r["prf"]], marker="o", color=color, label=f"{r['model']} → PRF")
         ax.axhline(r["softmax_val_loss"], color=color, ls="--", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xlabel("random features m (no fine-tuning)")
     ax.set_ylabel("validation loss (nats/byte); dashed: softmax")
     ax.set_title("softmax models converted to PRF", fontsize=9)
