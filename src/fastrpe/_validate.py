@@ -46,9 +46,11 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, check_finite: bool = True) -> 
     if D == 0 or v.shape[3] == 0:
         raise FastRPEError(f"head dimension must be positive, got D={D}, Dv={v.shape[3]}")
     if check_finite:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not bool(torch.isfinite(t).all()):
-                raise FastRPEError(f"{name} contains non-finite values (inf or NaN)")
+        # one host sync for all three (a GPU stalls at each bool()); names only on failure
+        ok = torch.stack([torch.isfinite(t).all() for t in (q, k, v)])
+        if not bool(ok.all()):
+            name = next(n for n, good in zip("qkv", ok.tolist()) if not good)
+            raise FastRPEError(f"{name} contains non-finite values (inf or NaN)")
 
 
 def resolve_q_offset(Lq: int, Lk: int, causal: bool, q_offset: int | None) -> int:
