@@ -23,3 +23,37 @@ def test_peak_is_linear_in_the_size_of_a_linear_computation():
 
     small, big = run(10_000), run(40_000)
     assert 3.5 < big / small < 4.5
+
+
+def test_slow_competitor_timed_once_then_skipped_at_longer_lengths():
+    """Over the time limit: one timed call instead of `repeats`, and the longer lengths of the
+    same family are skipped with the reason; other families are unaffected."""
+    import time
+
+    from fastrpe.bench.registry import Problem
+    from fastrpe.bench.runner import run_suite
+
+    calls = {"slow": 0, "fast": 0}
+
+    def slow(p, device, dtype):
+        def fn():
+            calls["slow"] += 1
+            time.sleep(0.03 if p.L > 8 else 0.0)
+        return fn
+
+    def fast(p, device, dtype):
+        def fn():
+            calls["fast"] += 1
+        return fn
+
+    probs = [Problem(L=L, position=pos) for pos in ("alibi", "none") for L in (8, 16, 32)]
+    res = run_suite(probs, ["slow", "fast"], repeats=4, warmup=1, time_limit_s=0.02, registry={"slow": slow, "fast": fast},
+                    log=lambda m: None)
+    rows = {(r["competitor"], r["problem"]["position"], r["problem"]["L"]): r for r in res["rows"]}
+    assert rows[("slow", "alibi", 8)]["repeats"] == 4
+    assert rows[("slow", "alibi", 16)]["repeats"] == 1
+    assert "exceeded" in rows[("slow", "alibi", 32)]["skipped"]
+    assert rows[("slow", "none", 16)]["repeats"] == 1  # its own family: measured, not skipped
+    assert all("seconds" in rows[("fast", pos, L)] for pos in ("alibi", "none") for L in (8, 16, 32))
+    # per (family, length): probe + warm-up + repeats + profiled call; over the limit: probe + 1 + profiled
+    assert calls["slow"] == 2 * ((1 + 1 + 4 + 1) + (1 + 1 + 1))
