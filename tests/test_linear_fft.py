@@ -6,7 +6,6 @@ three are compared directly.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -89,7 +88,7 @@ def test_fft_matches_naive(case, causal, rpe):
 @pytest.fixture
 def small_leaves(monkeypatch):
     """Causal recursion with 4-position leaves, so that short sequences use many FFT levels."""
-    monkeypatch.setattr(fftmod, "causal_segments", functools.partial(fftmod.causal_segments, leaf=4))
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *args, **kwargs: 4)
 
 
 @pytest.mark.parametrize("case", [(2, 3, 63, 100, 37, 8, 5), (2, 3, 100, 63, 0, 8, 5), (1, 3, 63, 63, 0, 8, 60)],
@@ -278,3 +277,63 @@ def test_block_size_and_cost_estimates():
     assert m1 < 2 << 30 and m2 < 2 << 30  # the default budget keeps 64k tokens (one head) under 2 GiB
     # float64 doubles the bytes per feature: half as many features fit the same budget
     assert fft_block_size(1, 1, 4096, 4096, 64, 64, torch.float64, 256 << 20) < sizes[2]
+
+
+MIXED = [("alibi8", False, 1500, 1500), ("alibi8", True, 1500, 1500), ("power_mix", True, 700, 1900),
+         ("power_mix", False, 900, 1400)]
+
+
+@pytest.mark.parametrize("kernel", ["elu", "relu"])
+@pytest.mark.parametrize("name,causal,Lq,Lk", MIXED, ids=[f"{n}-{'causal' if c else 'full'}-Lq{a}-Lk{b}"
+                                                          for n, c, a, b in MIXED])
+def test_heads_with_different_decays_and_key_windows(name, causal, Lq, Lk, kernel):
+    """Heads that split rows differently are blocked one at a time, and each row block reads
+    only the keys within e^-60 of its rows' scale: every row stays within 1e-4 (float32) of
+    float64 dense, with relu features (zero products) sending rows to the exact recompute."""
+    import fastrpe as fr
+    from fastrpe import positions as P
+
+    if name == "alibi8":
+        pos = P.ALiBi(8)  # slopes 1/2 .. 1/256: the steep heads need a few keys, the flat ones all
+    else:
+        pos = P.KerplePower(4, r1=[2.0, 0.5, 0.05, 0.02], p=[1.9, 1.0, 0.5, 1.5])
+    H = pos.num_heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, Lq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, H, Lk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        ref = fr.attention(q, k, v, kernel=kernel, position=pos.double(), causal=causal, backend="dense")
+        out = fr.attention(q.float(), k.float(), v.float(), kernel=kernel, position=pos.float(), causal=causal,
+                           backend="fft")
+        dense32 = fr.attention(q.float(), k.float(), v.float(), kernel=kernel, position=pos.float(), causal=causal,
+                               backend="dense")
+    # a row whose weight is below float32's underflow floor (tiny/eps of its own scale) is
+    # empty in float32 by convention (relu rows whose near keys all give 0): fft agrees with
+    # float32 dense on exactly which rows those are, and every other row is accurate
+    empty = dense32.norm(dim=-1) == 0
+    assert torch.equal(out.norm(dim=-1) == 0, empty)
+    rel = (out.double() - ref).norm(dim=-1)[~empty] / ref.norm(dim=-1)[~empty]
+    assert rel.max() < 1e-4, rel.max()
+
+
+def test_key_window():
+    from fastrpe.ops.linear.fft import _key_window
+
+    # two rows, five keys: offsets lcs[t] for t = 0..5; key j meets offsets j, j+1
+    lcs = torch.tensor([[-100.0, -100.0, -1.0, -100.0, -100.0, -100.0]])
+    assert _key_window(lcs, torch.tensor([[-10.0]]), 2, 5) == (1, 3)  # keys 1 and 2 meet offset 2
+    assert _key_window(lcs, torch.tensor([[0.0]]), 2, 5) == (0, 0)  # nothing alive
+    assert _key_window(lcs, torch.tensor([[-200.0]]), 2, 5) == (0, 5)
+    lcs2 = torch.stack([lcs[0], lcs[0].roll(3)])  # a second head alive elsewhere: the union
+    assert _key_window(lcs2, torch.tensor([[-10.0], [-10.0]]), 2, 5) == (1, 5)
+
+
+def test_causal_leaf_follows_the_memory_budget():
+    from fastrpe.ops.linear.fft import CAUSAL_LEAF, CAUSAL_LEAF_MAX, causal_leaf
+
+    assert causal_leaf(1, 2) == CAUSAL_LEAF_MAX  # 4·2·4096²·4 B = 512 MiB: fits the default budget
+    assert causal_leaf(4, 8) == 1024
+    assert causal_leaf(64, 16, torch.float64) == CAUSAL_LEAF  # never below the smallest leaf
+    budget = 4 * 512 ** 2 * 4
+    small = causal_leaf(1, 1, memory_budget_bytes=budget)  # the largest leaf whose 4 copies fit
+    assert small == 512 and 4 * small ** 2 * 4 <= budget < 4 * (2 * small) ** 2 * 4

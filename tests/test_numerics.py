@@ -78,3 +78,13 @@ def test_every_row_within_1e4_of_float64(name, causal, kernel, backend):
     rel = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)  # (1, H, L): one number per row
     worst = rel.argmax().item()
     assert rel.max().item() < ROW_RTOL, f"row {worst}: relative error {rel.max().item():.2e}"
+
+
+@pytest.mark.parametrize("name", SHARP + ["kerple_log", "t5"])
+def test_every_row_within_1e4_with_many_causal_levels(name, monkeypatch):
+    """The same bound with the causal recursion forced down to 128-position leaves (five FFT
+    levels at L = 4,096; the default leaf follows the memory budget and is larger here)."""
+    import fastrpe.ops.linear.fft as fftmod
+
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *args, **kwargs: 128)
+    test_every_row_within_1e4_of_float64(name, True, "elu", "fft")

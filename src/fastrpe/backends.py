@@ -11,7 +11,6 @@ from torch import Tensor
 
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 from .ops.common import safe_divide
-from .ops.linear.fft import CAUSAL_LEAF
 from .ops.linear.naive import kernelized_num_den_naive
 from .ops.softmax.flex import flex_available, softmax_attention_flex
 from .ops.softmax.naive import softmax_attention_naive
@@ -234,13 +233,14 @@ class FFTBackend(Backend):
         return r + _grid_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
-        from .ops.linear.fft import estimate_fft_cost
+        from .ops.linear.fft import causal_leaf, estimate_fft_cost
 
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
         if p.requires_grad:
             flops *= 3
         if p.causal:  # divide and conquer: about one full-length product per level
-            flops *= 1 + 0.6 * max(0.0, math.log2(max(p.Lq, p.Lk) / CAUSAL_LEAF))
+            leaf = causal_leaf(p.B, p.H, p.dtype)
+            flops *= 1 + 0.6 * max(0.0, math.log2(max(p.Lq, p.Lk) / leaf))
         # FFTs are memory-bound: ~7x below the flop rate (measured: benchmarks/fft_memory.py)
         return Cost(machine_time(p.device, 7 * flops, 2 * peak, calls=30), peak)
 
