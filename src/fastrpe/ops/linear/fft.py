@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ...positions.base import toeplitz_index
 from ..common import causal_offset_mask, finite_max
@@ -396,6 +397,15 @@ def causal_segments(Lq: int, Lk: int, q_offset: int, leaf: int = CAUSAL_LEAF):
     yield from solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
 
 
+def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: Tensor) -> Tensor:
+    """A diagonal leaf of the causal recursion, dense: `[B, H, n, C]` in the rows' own units
+    (`lcs` is masked: `-inf` for keys after a query)."""
+    m = finite_max(lcs)
+    a = torch.einsum("bhif,bhjf->bhij", phi_q, phi_k)  # (B, H, n, k)
+    a = a * torch.exp(lcs - m)[:, toeplitz_index(phi_q.shape[2], phi_k.shape[2], device=lcs.device)]
+    return (a @ vv) * torch.exp(m - scale)[None, :, :, None]
+
+
 def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
                     block: int, leaf: int = CAUSAL_LEAF) -> Tensor:
     """Causal product over `causal_segments`: diagonal leaves dense, the rest FFT products.
@@ -411,10 +421,13 @@ def _causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale:
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
         if kind == "leaf":
-            m = finite_max(lcs)
-            a = torch.einsum("bhif,bhjf->bhij", phi_q[:, :, qa:qb], phi_k[:, :, ka:kb])
-            a = a * torch.exp(lcs - m)[:, toeplitz_index(qb - qa, kb - ka, device=lc.device)]
-            part = (a @ vv[:, :, ka:kb]) * torch.exp(m - scale[:, qa:qb])[None, :, :, None]
+            args = (phi_q[:, :, qa:qb], phi_k[:, :, ka:kb], vv[:, :, ka:kb], lcs, scale[:, qa:qb])
+            if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+                # recomputed in backward: autograd would otherwise keep every leaf's [leaf, leaf]
+                # weights until then (O(L·leaf) bytes: 3.3 GiB at 64k with 2048-position leaves)
+                part = checkpoint(_leaf_product, *args, use_reentrant=False)
+            else:
+                part = _leaf_product(*args)
         else:
             part = _rescaled_product(phi_q[:, :, qa:qb], phi_k[:, :, ka:kb], vv[:, :, ka:kb], lcs,
                                      scale[:, qa:qb], block)
