@@ -337,3 +337,30 @@ def test_causal_leaf_follows_the_memory_budget():
     budget = 4 * 512 ** 2 * 4
     small = causal_leaf(1, 1, memory_budget_bytes=budget)  # the largest leaf whose 4 copies fit
     assert small == 512 and 4 * small ** 2 * 4 <= budget < 4 * (2 * small) ** 2 * 4
+
+
+def test_causal_saved_bytes_do_not_grow_with_the_leaf():
+    """Leaves are recomputed in backward: what autograd keeps is O(L·(F + Dv)) whatever the
+    leaf size (it was O(L·leaf): every leaf's dense weights, 3.3 GiB at 64k tokens)."""
+
+    def saved_bytes(leaf, L=2048):
+        pq, pk, v, lc = _inputs(1, 1, L, L, 4, 4, lc_scale=0.0)
+        storages = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        orig = fftmod.causal_leaf
+        fftmod.causal_leaf = lambda *a, **k: leaf
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                kernelized_num_den_fft(pq, pk, v, lc, causal=True)
+        finally:
+            fftmod.causal_leaf = orig
+        return sum(storages.values())
+
+    small, big = saved_bytes(64), saved_bytes(1024)
+    dense_leaves = 2048 * 1024 * 8  # the [L, leaf] float64 weights that are no longer kept
+    assert big < 2 * small and big < dense_leaves / 4, (small, big)
