@@ -163,9 +163,14 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain_problem(p: Problem, allow_approximate: bool = False) -> Explanation:
+def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_only: bool = False) -> Explanation:
+    """Every backend's reasons and cost, and the cheapest one that may run. With
+    `eligible_only`, backends that `auto` may not pick anyway (approximate ones, unless
+    allowed) are left out instead of asked: their reasons can cost a fit per call."""
     cands = []
     for b in BACKENDS.values():
+        if eligible_only and not b.exact and not allow_approximate:
+            continue
         reasons = list(b.not_supported_reasons(p))
         if not reasons and not b.exact and not allow_approximate:
             reasons_auto = ["approximate (pass backend explicitly or allow_approximate=True)"]
@@ -183,9 +188,9 @@ def explain_problem(p: Problem, allow_approximate: bool = False) -> Explanation:
 def select_backend(p: Problem, backend: str) -> Backend:
     """The backend to run: `auto`'s choice, or the forced one if it supports the call."""
     if backend == "auto":
-        ex = explain_problem(p)
+        ex = explain_problem(p, eligible_only=True)
         if ex.chosen is None:
-            raise FastRPEError("backend: no backend supports this call:\n" + str(ex))
+            raise FastRPEError("backend: no backend supports this call:\n" + str(explain_problem(p)))
         return BACKENDS[ex.chosen]
     if backend not in BACKENDS:
         raise FastRPEError(f"backend: unknown backend {backend!r}; known: {', '.join(['auto', *BACKENDS])}")

@@ -103,6 +103,22 @@ def _classification_eval(model, batches, device, forward) -> dict[str, float]:
     return {"val_loss": loss / max(total, 1), "val_acc": correct / max(total, 1)}
 
 
+def _classification_loss(device):
+    """Loss of a classifier on `(inputs, labels)` batches, with its accuracy as a metric."""
+
+    def loss_fn(m, batch):
+        x, y = _to(batch, device)
+        logits = m(x)
+        return nn.functional.cross_entropy(logits.float(), y), {"acc": (logits.argmax(-1) == y).float().mean()}
+
+    return loss_fn
+
+
+def _classifier_eval(val_batches, device):
+    """Evaluation of a classifier on fixed `(inputs, labels)` batches."""
+    return lambda m: _classification_eval(m, val_batches, device, lambda mm, b: (mm(b[0]), b[1]))
+
+
 def listops_task(o: TaskOptions) -> Task:
     from ..data.listops import VOCAB, ListOpsDataset, collate
     from ..nn import EncoderClassifier, EncoderConfig
@@ -121,15 +137,10 @@ def listops_task(o: TaskOptions) -> Task:
         b = collate([train[i] for i in idx])
         return b.tokens, b.labels
 
-    def loss_fn(m, batch):
-        x, y = _to(batch, o.device)
-        logits = m(x)
-        return nn.functional.cross_entropy(logits.float(), y), {"acc": (logits.argmax(-1) == y).float().mean()}
-
     val_batches = [(b.tokens, b.labels) for b in (collate([val[j] for j in range(i, min(len(val), i + o.batch_size))])
                                                   for i in range(0, len(val), o.batch_size))]
-    return Task(model, loss_fn, seeded_batches(sample, o.batch_size, o.seed),
-                lambda m: _classification_eval(m, val_batches, o.device, lambda mm, b: (mm(b[0]), b[1])),
+    return Task(model, _classification_loss(o.device), seeded_batches(sample, o.batch_size, o.seed),
+                _classifier_eval(val_batches, o.device),
                 f"ListOps classification, {lo}..{o.seq_len} tokens")
 
 
@@ -189,17 +200,12 @@ def images_task(o: TaskOptions) -> Task:
         idx = torch.randint(0, len(train), (bs,), generator=g)
         return train.images[idx], train.labels[idx]
 
-    def loss_fn(m, batch):
-        x, y = _to(batch, o.device)
-        logits = m(x)
-        return nn.functional.cross_entropy(logits.float(), y), {"acc": (logits.argmax(-1) == y).float().mean()}
-
     m_eval = min(len(test), o.eval_samples)
     val_batches = [(test.images[i:min(m_eval, i + o.batch_size)], test.labels[i:min(m_eval, i + o.batch_size)])
                    for i in range(0, m_eval, o.batch_size)]
     grid = model.grid
-    return Task(model, loss_fn, seeded_batches(sample, o.batch_size, o.seed),
-                lambda m: _classification_eval(m, val_batches, o.device, lambda mm, b: (mm(b[0]), b[1])),
+    return Task(model, _classification_loss(o.device), seeded_batches(sample, o.batch_size, o.seed),
+                _classifier_eval(val_batches, o.device),
                 f"image classification on {name} ({H}×{W}, {patch}×{patch} patches: a {grid[0]}×{grid[1]} grid), "
                 f"ViT with {position}" + (" + FastRPB 2D" if o.fastrpb else ""))
 

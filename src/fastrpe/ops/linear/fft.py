@@ -331,15 +331,14 @@ def _rescaled_heads(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale:
     parts = []
     for a, b in blocks:
         lcs = lc[:, Lq - b: Lq - a + Lk - 1]  # offsets of rows a..b-1
-        zero = phi_q.new_zeros(*phi_q.shape[:2], b - a, vv.shape[-1])
-        if not bool(torch.isfinite(lcs).any()) or float(below[a:b].min()) > neg:
-            # no admissible coefficient, or every weight is e^-NEGLIGIBLE below what the row already has
-            parts.append(zero)
-            continue
-        # keys whose every weight is e^-NEGLIGIBLE below every row's own scale change no digit
-        k0, k1 = _key_window(lcs.detach(), scale[:, a:b].detach().amin(-1, keepdim=True) - neg, b - a, Lk)
-        if k1 <= k0:
-            parts.append(zero)
+        # no admissible coefficient, or every weight is e^-NEGLIGIBLE below what the row already has
+        skip = not bool(torch.isfinite(lcs).any()) or float(below[a:b].min()) > neg
+        if not skip:
+            # keys whose every weight is e^-NEGLIGIBLE below every row's own scale change no digit
+            k0, k1 = _key_window(lcs.detach(), scale[:, a:b].detach().amin(-1, keepdim=True) - neg, b - a, Lk)
+            skip = k1 <= k0
+        if skip:
+            parts.append(phi_q.new_zeros(*phi_q.shape[:2], b - a, vv.shape[-1]))
             continue
         lcs = lcs[:, k0: k1 + (b - a) - 1]
         m = finite_max(lcs)  # (H, 1)
