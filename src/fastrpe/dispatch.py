@@ -7,6 +7,8 @@ Forcing a backend that does not fit raises one error listing its reasons.
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +125,7 @@ BACKENDS: dict[str, Backend] = {}
 
 def register_backend(backend: Backend) -> Backend:
     BACKENDS[backend.name] = backend
+    clear_dispatch_cache()
     return backend
 
 
@@ -185,13 +188,57 @@ def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_onl
     return Explanation(chosen, p, cands)
 
 
-def select_backend(p: Problem, backend: str) -> Backend:
-    """The backend to run: `auto`'s choice, or the forced one if it supports the call."""
-    if backend == "auto":
-        ex = explain_problem(p, eligible_only=True)
-        if ex.chosen is None:
+# `auto`'s decisions, cached per problem signature: asking every backend for its reasons and
+# cost on every call is work a training loop repeats with identical shapes. Exact backends'
+# reasons depend on shapes, dtypes, flags and the *structure* of the kernel and terms (their
+# class and configuration, never their parameter values), so the key holds those. A term's
+# decisions live in a weak table keyed by the term object itself (they die with it, and an id
+# reused by a later object can never hit them). After changing a term's configuration in
+# place (not its parameters), call `clear_dispatch_cache()`.
+_AUTO_CACHE: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
+_AUTO_CACHE_NO_POSITION: OrderedDict = OrderedDict()
+_AUTO_CACHE_SIZE = 256
+
+
+def clear_dispatch_cache() -> None:
+    """Forget every cached `auto` decision (backends registered, terms reconfigured in place)."""
+    _AUTO_CACHE.clear()
+    _AUTO_CACHE_NO_POSITION.clear()
+
+
+def _structure(obj) -> tuple:
+    """A kernel's or term's class and configuration (`extra_repr`), not its parameter values."""
+    extra = obj.extra_repr() if hasattr(obj, "extra_repr") else repr(obj)
+    return type(obj).__module__, type(obj).__qualname__, extra
+
+
+def _signature(p: Problem) -> tuple:
+    return (p.B, p.H, p.Lq, p.Lk, p.D, p.Dv, p.dtype, p.device, _structure(p.kernel), p.F,
+            tuple((_structure(t), id(t)) for t in p.additive), p.causal, p.q_offset, p.has_padding_mask,
+            p.requires_grad, p.scale, tuple(BACKENDS))
+
+
+def _auto_choice(p: Problem) -> str:
+    table = _AUTO_CACHE_NO_POSITION if p.position is None else _AUTO_CACHE.setdefault(p.position, OrderedDict())
+    key = _signature(p) if p.position is None else (_signature(p), _structure(p.position))
+    chosen = table.get(key)
+    if chosen is None:
+        chosen = explain_problem(p, eligible_only=True).chosen
+        if chosen is None:
             raise FastRPEError("backend: no backend supports this call:\n" + str(explain_problem(p)))
-        return BACKENDS[ex.chosen]
+        table[key] = chosen
+        if len(table) > _AUTO_CACHE_SIZE:
+            table.popitem(last=False)
+    else:
+        table.move_to_end(key)
+    return chosen
+
+
+def select_backend(p: Problem, backend: str) -> Backend:
+    """The backend to run: `auto`'s choice (cached per problem signature), or the forced one
+    if it supports the call."""
+    if backend == "auto":
+        return BACKENDS[_auto_choice(p)]
     if backend not in BACKENDS:
         raise FastRPEError(f"backend: unknown backend {backend!r}; known: {', '.join(['auto', *BACKENDS])}")
     b = BACKENDS[backend]

@@ -1,0 +1,82 @@
+"""`auto`'s decision is cached per problem signature and never outlives what it was made for."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import fastrpe as fr
+from fastrpe import dispatch
+
+
+@pytest.fixture
+def count_explains(monkeypatch):
+    calls = []
+    real = dispatch.explain_problem
+
+    def counting(p, *a, **kw):
+        calls.append(p)
+        return real(p, *a, **kw)
+
+    monkeypatch.setattr(dispatch, "explain_problem", counting)
+    dispatch.clear_dispatch_cache()
+    return calls
+
+
+def _qkv(L=16, H=2, D=8):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, H, L, D, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_repeated_calls_decide_once(count_explains):
+    q, k, v = _qkv()
+    pos = fr.positions.KerpleLog(2)
+    outs = [fr.attention(q, k, v, "nelu", pos, causal=True) for _ in range(5)]
+    assert len(count_explains) == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_a_new_shape_flag_or_term_decides_again(count_explains):
+    q, k, v = _qkv()
+    pos = fr.positions.KerpleLog(2)
+    fr.attention(q, k, v, "nelu", pos, causal=True)
+    fr.attention(q[:, :, :7], k, v, "nelu", pos, causal=True)  # Lq
+    fr.attention(q, k, v, "nelu", pos, causal=False)  # causal
+    fr.attention(q, k, v, "softmax", pos, causal=True)  # kernel
+    fr.attention(q, k, v, "nelu", fr.positions.KerpleLog(2), causal=True)  # another term object
+    assert len(count_explains) == 5
+
+
+def test_structure_not_parameters_is_the_key(count_explains):
+    """Same term, other parameter values: cached. Other configuration: decided again."""
+    q, k, v = _qkv()
+    pos = fr.positions.T5Bias(2)
+    fr.attention(q, k, v, "nelu", pos, causal=True)
+    with torch.no_grad():
+        for prm in pos.parameters():
+            prm.add_(1.0)
+    fr.attention(q, k, v, "nelu", pos, causal=True)
+    assert len(count_explains) == 1
+
+
+def test_decisions_die_with_their_term():
+    q, k, v = _qkv()
+    pos = fr.positions.KerpleLog(2)
+    fr.attention(q, k, v, "nelu", pos, causal=True)
+    assert pos in dispatch._AUTO_CACHE
+    n = len(dispatch._AUTO_CACHE)
+    del pos
+    gc.collect()
+    assert len(dispatch._AUTO_CACHE) == n - 1
+
+
+def test_cached_choice_equals_a_fresh_one():
+    q, k, v = _qkv(L=33)
+    pos = fr.positions.ALiBi(2)
+    for causal in (True, False):
+        dispatch.clear_dispatch_cache()
+        fresh = fr.explain(q, k, v, "nelu", pos, causal=causal).chosen
+        p, _ = fr.api._problem(q, k, v, "nelu", pos, causal, None, None, None)
+        assert dispatch.select_backend(p, "auto").name == fresh
+        assert dispatch.select_backend(p, "auto").name == fresh  # from the cache
