@@ -395,3 +395,46 @@ for _b in (
     SoEBackend("soe", exact=False, description="causal kernelized, any decaying term, linear time (approximate)"),
 ):
     register_backend(_b)
+
+
+# --- finite-support terms: exact band plus constant tails (ops/linear/band.py) ---
+class BandBackend(Backend):
+    """Kernelized attention with a finite-support term (T5 buckets, a clipped learned table):
+    an exact band `|r| < W` plus constant tails as running sums. Exact, linear time, causal or not."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if p.position is None:
+            r.append("needs a finite-support positional term (chunked runs none)")
+        elif p.position.softmax_only or _is_grid(p):
+            r.append(f"{type(p.position).__name__} has no 1D kernelized form")
+        elif p.position.finite_support() is None:
+            r.append(f"{type(p.position).__name__} is not constant beyond a finite distance")
+        return r + _grid_reasons(p)
+
+    def cost(self, p: Problem) -> Cost:
+        from .ops.linear.band import DEFAULT_CHUNK
+
+        T = max(DEFAULT_CHUNK, p.position.finite_support())
+        X, tails = (2 * T, 1) if p.causal else (3 * T, 2)
+        C, F = p.Dv + 1, p.F
+        flops = p.B * p.H * (2 * p.Lq * X * (F + C) + 2 * p.Lk * F * C + 2 * tails * p.Lq * F * C)
+        flops *= 3 if p.requires_grad else 1
+        mem = (p.B * p.H * (2 * p.Lq * X + (p.Lk // T + 3) * F * C * (1 + tails) + p.Lq * (F + C))
+               + p.H * p.Lq * X) * p.bytes_per_el * (2 if p.requires_grad else 1)
+        return Cost(machine_time(p.device, flops, 2 * mem, calls=30), mem)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.band import kernelized_num_den_band
+
+        W = p.position.finite_support()
+
+        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+            return kernelized_num_den_band(phi_q, phi_k, vv, lc, window=W, causal=causal, q_offset=q_offset,
+                                           key_padding_mask=key_padding_mask)
+
+        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+
+
+register_backend(BandBackend("band", description="kernelized, finite-support term (T5, clipped table): "
+                                                 "exact band + constant tails, linear time"))

@@ -34,6 +34,10 @@ class LearnedTable(Position):
         width = max_distance + 1 if causal else 2 * max_distance + 1
         self.table = nn.Parameter(init_normal(num_heads, width, std=init_std))
 
+    def finite_support(self) -> int:
+        """Offsets beyond `±max_distance` share the edge entries."""
+        return max(self.max_distance, 1)
+
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         hi = 0 if self.causal else self.max_distance
         return self.table[h, r.clamp(-self.max_distance, hi) + self.max_distance]

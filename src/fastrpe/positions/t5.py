@@ -68,6 +68,13 @@ class T5Bias(Position):
         self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
         self.embedding = nn.Parameter(torch.zeros(num_buckets, num_heads))
 
+    def finite_support(self) -> int:
+        """The first distance in the last bucket (at most `max_distance`; beyond, every offset
+        shares it on either side; causal future offsets share bucket 0)."""
+        n = torch.arange(2 * self.max_distance + 2)
+        last = t5_bucket(-n, self.bidirectional, self.num_buckets, self.max_distance)
+        return int(torch.nonzero(last == last[-1])[0, 0])
+
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         return self.embedding[t5_bucket(r, self.bidirectional, self.num_buckets, self.max_distance), h]
 
