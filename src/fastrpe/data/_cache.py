@@ -7,8 +7,9 @@ downloaded.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from .._io import atomic_write  # noqa: F401  (one implementation: fsync'ed, umask-respecting)
 
 
 def cache_dir() -> Path:
@@ -16,20 +17,6 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("FASTRPE_CACHE") or Path.home() / ".cache" / "fastrpe")
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a concurrent reader sees the old file or the whole new
-    one, never a prefix (a unique temporary name, then `os.replace`)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class MissingDataError(RuntimeError):

@@ -39,13 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed as D
-from .checkpoint import (
-    CheckpointManager,
-    RngState,
-    atomic_write,
-    load_checkpoint,
-    read_checkpoint,
-)
+from .._io import atomic_write
+from .checkpoint import CheckpointManager, RngState, load_checkpoint
 from .config import BOOKKEEPING_FIELDS, TrainConfig
 from .schedule import Schedule
 
@@ -308,7 +303,8 @@ def _gather_rng() -> list[RngState] | None:
     return [RngState(cpu[r], [c[r] for c in cuda], js[r]["python"], js[r]["numpy"]) for r in range(len(cpu))]
 
 
-def _seed_all(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and every CUDA device), python `random` and numpy with `seed`."""
     torch.manual_seed(seed)
     random.seed(seed)
     try:
@@ -424,9 +420,10 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
 
     # ---- start: resume or seed ----
     start, resumed_from = 0, None
-    latest = manager.latest() if (cfg.resume and manager is not None) else None
-    if latest is not None:
-        ckpt = read_checkpoint(latest)
+    # the newest checkpoint that verifies (a damaged newest one is skipped with a warning)
+    ckpt = manager.latest_checkpoint() if (cfg.resume and manager is not None) else None
+    if ckpt is not None:
+        latest = ckpt.path
         _warn_config_change(ckpt.config, cfg, str(latest))
         load_checkpoint(ckpt, model, opt, scaler=scaler, restore_rng=True, rank=rank)
         start = resumed_from = ckpt.step
@@ -435,7 +432,7 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
         if manager is not None and not cfg.resume and manager.checkpoints():
             raise ValueError(f"train: {manager.directory} already holds checkpoints; set resume=True to continue "
                              "that run, or use another out_dir")
-        _seed_all(cfg.seed + rank)
+        seed_everything(cfg.seed + rank)
         D.broadcast_parameters(model)
     D.barrier()  # every rank has read the checkpoint before rank 0 may write (and prune) any
     if main and out_dir is not None:
