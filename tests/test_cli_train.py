@@ -34,31 +34,42 @@ def test_each_task_trains_and_checkpoints(tmp_path, task, extra):
     assert json.loads((out / "task.json").read_text())["task"] == task
 
 
-def test_resume_continues_and_refuses_a_different_task(tmp_path):
+def _one_error_line(capsys, *fragments):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fastrpe train: error:"), err
+    for f in fragments:
+        assert f in err[0], err
+    return err[0]
+
+
+def test_resume_continues_and_refuses_a_different_task(tmp_path, capsys):
     common = ["train", "--task", "lm", "--seq-len", "16", "--max-bytes", "200000", "--batch-size", "4",
               "--eval-samples", "4", "--ckpt-every", "5", "--no-progress", "--out", str(tmp_path)]
     assert main([*common, "--steps", "10"]) == 0
     assert main([*common, "--steps", "15", "--resume"]) == 0
     steps = [r["step"] for r in _records(tmp_path) if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == 15
-    with pytest.raises(SystemExit, match="kernel"):
-        main([*common, "--steps", "20", "--resume", "--kernel", "nprf"])
-    with pytest.raises(ValueError, match="already holds checkpoints"):
-        main([*common, "--steps", "20"])
+    capsys.readouterr()
+    assert main([*common, "--steps", "20", "--resume", "--kernel", "nprf"]) == 2
+    _one_error_line(capsys, "--resume: the task differs", "kernel")
+    assert main([*common, "--steps", "20"]) == 2
+    _one_error_line(capsys, "already holds checkpoints", "--resume")
 
 
-def test_unknown_choices_are_refused(tmp_path):
-    with pytest.raises(SystemExit):
-        main(["train", "--task", "nope", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="fastrpe train: error: .*position"):
-        main(["train", "--task", "lm", "--position", "nope", "--steps", "1", "--max-bytes", "100000",
-              "--out", str(tmp_path / "x")])
+def test_unknown_choices_are_refused(tmp_path, capsys):
+    assert main(["train", "--task", "nope", "--out", str(tmp_path)]) == 2
+    _one_error_line(capsys, "--task", "invalid choice")
+    assert main(["train", "--task", "lm", "--position", "nope", "--steps", "1", "--max-bytes", "100000",
+                 "--out", str(tmp_path / "x")]) == 2
+    _one_error_line(capsys, "position")
 
 
-def test_images_task_records_its_default_position_and_refuses_1d_ones(tmp_path):
+def test_images_task_records_its_default_position_and_refuses_1d_ones(tmp_path, capsys):
     out = tmp_path / "img"
     assert main(["train", "--task", "images", "--steps", "2", "--batch-size", "4", "--eval-samples", "8",
                  "--no-progress", "--out", str(out)]) == 0
     assert json.loads((out / "task.json").read_text())["position"] == "table2d"
-    with pytest.raises(SystemExit, match="images task takes"):
-        main(["train", "--task", "images", "--position", "kerple_log", "--steps", "1", "--out", str(tmp_path / "x")])
+    capsys.readouterr()
+    assert main(["train", "--task", "images", "--position", "kerple_log", "--steps", "1",
+                 "--out", str(tmp_path / "x")]) == 2
+    _one_error_line(capsys, "images task takes")

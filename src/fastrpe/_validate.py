@@ -5,6 +5,8 @@ wrong tensor sees which one at once.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -81,3 +83,102 @@ def check_key_padding_mask(mask: Tensor | None, B: int, Lk: int, device: torch.d
     if mask.device != device:
         raise FastRPEError(f"key_padding_mask is on {mask.device}, q/k/v on {device}")
     return mask
+
+
+def check_scale(scale) -> None:
+    """`scale`: None or a finite positive number (inf made every softmax row NaN)."""
+    if scale is None:
+        return
+    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
+    if not ok:
+        raise FastRPEError(f"scale must be a finite positive number or None, got {scale!r}")
+
+
+def check_backend_name(backend, where: str = "backend") -> None:
+    """`backend`: "auto" or a registered backend name (checked at construction, not at the first call)."""
+    from . import backends as _backends  # noqa: F401  (registers the built-in backends)
+    from .dispatch import BACKENDS
+
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise FastRPEError(f"{where}: unknown backend {backend!r}; known: {', '.join(['auto', *BACKENDS])}")
+
+
+def check_features(x, name: str, width: int, where: str, *, dims: tuple[int, ...] = (3,),
+                   layout: str = "[B, L, E]") -> None:
+    """A layer input: a floating tensor of rank in `dims` whose last dimension is `width`."""
+    if not isinstance(x, Tensor):
+        raise FastRPEError(f"{where}: {name} must be a torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dim() not in dims:
+        raise FastRPEError(f"{where}: {name} must have {' or '.join(map(str, dims))} dimensions {layout}, "
+                           f"got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise FastRPEError(f"{where}: {name} must be a floating point tensor, got dtype {x.dtype} "
+                           "(token ids go through an embedding first)")
+    if x.shape[-1] != width:
+        raise FastRPEError(f"{where}: {name}'s last dimension must be {width}, got shape {tuple(x.shape)}")
+
+
+def check_same_dtype(x, param: Tensor, name: str, where: str) -> None:
+    """An input must have the dtype of the layer's weights (mixed dtypes fail inside a matmul), except
+    under autocast, which casts for the matmul itself."""
+    if x.dtype == param.dtype or torch.is_autocast_enabled(x.device.type):
+        return
+    raise FastRPEError(f"{where}: {name} has dtype {x.dtype} but the layer's weights are {param.dtype}; "
+                       f"convert one of them (e.g. layer.to({x.dtype}))")
+
+
+def check_tokens(tokens, vocab_size: int, name: str, where: str, *, dims: tuple[int, ...] = (2,)) -> None:
+    """Token ids: an integer tensor `[B, L]` with every id in `0 .. vocab_size-1`."""
+    if not isinstance(tokens, Tensor):
+        raise FastRPEError(f"{where}: {name} must be an integer torch.Tensor [B, L], got {type(tokens).__name__}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise FastRPEError(f"{where}: {name} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.dim() not in dims:
+        raise FastRPEError(f"{where}: {name} must have {' or '.join(map(str, dims))} dimensions [B, L], "
+                           f"got shape {tuple(tokens.shape)}")
+    if tokens.numel():
+        lo, hi = torch.aminmax(tokens)  # one pass, two host reads
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise FastRPEError(f"{where}: {name} holds id {bad}, outside the vocabulary 0..{vocab_size - 1}")
+
+
+def check_device(device, where: str = "device") -> torch.device:
+    """A device string/object that exists on this machine (cuda needs a GPU; cuda:N needs N GPUs)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise FastRPEError(f"{where}: {device!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise FastRPEError(f"{where}: {device!r} asked for, but no CUDA GPU is available here; use cpu")
+        if dev.index is not None and dev.index >= n:
+            raise FastRPEError(f"{where}: {device!r} asked for, but only {n} CUDA GPU(s) exist")
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise FastRPEError(f"{where}: {device!r} asked for, but MPS is not available here; use cpu")
+    elif dev.type != "cpu":
+        raise FastRPEError(f"{where}: device type {dev.type!r} is not supported (use cpu, cuda or cuda:N)")
+    return dev
+
+
+_ZERO_ROWS_WARNED: set[str] = set()
+
+
+def warn_zero_rows_once(den: Tensor, what: str) -> None:
+    """Warn once per process (per feature map) when some query rows come back with zero total
+    weight: the documented rule for unnormalized `exp`/`prf` at huge q/k norms (their features
+    underflow, so the row's output is 0), but a user should hear about it. `den: [..., L]`."""
+    if what in _ZERO_ROWS_WARNED or not isinstance(den, Tensor) or den.numel() == 0:
+        return
+    if not bool((den == 0).any()):
+        return
+    _ZERO_ROWS_WARNED.add(what)
+    import warnings
+
+    warnings.warn(f"{what}: some query rows have zero total weight (their features underflowed, e.g. q/k norms "
+                  "near 1e3) and return 0; normalize q/k (kernel='n" + what + "') or scale the inputs down",
+                  RuntimeWarning, stacklevel=3)

@@ -55,10 +55,83 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _check_args(args) -> None:
+    """Refuse, naming the option, what cannot run: before any data is read or model built."""
+    import math
+
+    from .._validate import FastRPEError
+
+    def need(ok: bool, option: str, why: str) -> None:
+        if not ok:
+            raise FastRPEError(f"{option}: {why}, got {getattr(args, option[2:].replace('-', '_'))!r}")
+
+    for opt in ("--steps", "--seq-len", "--batch-size", "--num-samples", "--eval-samples", "--max-bytes"):
+        need(getattr(args, opt[2:].replace("-", "_")) >= 1, opt, "must be >= 1")
+    need(args.seq_len >= 2, "--seq-len", "must be >= 2 (an input and a target)")
+    for opt in ("--warmup-steps", "--eval-every", "--ckpt-every"):
+        need(getattr(args, opt[2:].replace("-", "_")) >= 0, opt, "must be >= 0 (0: off)")
+    need(math.isfinite(args.lr) and args.lr > 0, "--lr", "must be a finite number > 0")
+    for opt in ("--weight-decay", "--grad-clip"):
+        v = getattr(args, opt[2:].replace("-", "_"))
+        need(math.isfinite(v) and v >= 0, opt, "must be a finite number >= 0")
+    need(args.patch_size is None or args.patch_size >= 1, "--patch-size", "must be >= 1")
+    need(0 <= args.seed < 2**63, "--seed", "must be in [0, 2**63)")
+
+
+def _check_out(out: Path, resume: bool) -> None:
+    """`--out` must be a directory we can write; one holding checkpoints needs --resume."""
+    from .._validate import FastRPEError
+    from ..train.checkpoint import CheckpointManager
+    from ..train.loop import CHECKPOINT_DIR
+
+    if out.exists() and not out.is_dir():
+        raise FastRPEError(f"--out: {out} exists and is not a directory")
+    if not resume and CheckpointManager(out / CHECKPOINT_DIR).checkpoints():
+        raise FastRPEError(f"--out: {out} already holds checkpoints of a run; add --resume to continue it, "
+                           "or choose another --out")
+
+
+def _check_task(saved: Path, task_json: str) -> None:
+    """`--resume` continues the run recorded in `task.json` only with the same task options."""
+    from .._validate import FastRPEError
+
+    ignore = ("device", "eval_samples", "description")  # do not change the training trajectory
+    try:
+        before = json.loads(saved.read_text())
+    except json.JSONDecodeError as e:
+        raise FastRPEError(f"--resume: {saved} is not valid JSON ({e}); it records the run's task") from None
+    if not isinstance(before, dict):
+        raise FastRPEError(f"--resume: {saved} does not hold the run's task options")
+    before = {k: v for k, v in before.items() if k not in ignore}
+    now = {k: v for k, v in json.loads(task_json).items() if k not in ignore}
+    if before != now:
+        diff = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in now if before.get(k) != now.get(k))
+        raise FastRPEError(f"--resume: the task differs from the run in {saved.parent} ({diff}); "
+                           "use another --out")
+
+
 def run(args) -> int:
+    import torch
+
+    from .._validate import FastRPEError, check_device
     from ..train import TrainConfig, init_from_env, train
+    from ..train.checkpoint import atomic_write
     from ..train.distributed import cleanup
+    from ..train.loop import seed_everything
     from ..train.tasks import TaskOptions, build_task, with_defaults
+
+    _check_args(args)
+    if args.device is not None:
+        check_device(args.device, "--device")
+    dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.precision == "fp16" and dev.type != "cuda":
+        raise FastRPEError("--precision: fp16 needs a CUDA device (loss scaling); use bf16 or fp32 on the CPU")
+    out = Path(args.out)
+    _check_out(out, args.resume)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision,
+                      seed=args.seed, eval_every=args.eval_every or args.steps, ckpt_every=args.ckpt_every, out_dir=args.out,
+                      resume=args.resume, progress=False if args.no_progress else None, log_every=10)
 
     info = init_from_env(device=args.device)
     device = str(info.device)
@@ -66,32 +139,24 @@ def run(args) -> int:
                        backend=args.backend, seq_len=args.seq_len, batch_size=args.batch_size, dataset=args.dataset,
                        max_bytes=args.max_bytes, num_samples=args.num_samples, eval_samples=args.eval_samples,
                        fastrpb=args.fastrpb, patch_size=args.patch_size, seed=args.seed, device=device))
-    try:
-        task = build_task(opts)
-    except ValueError as e:  # an option that does not fit the task: say which, no traceback
-        raise SystemExit(f"fastrpe train: error: {e}") from None
+    task_json = json.dumps(dataclasses.asdict(opts), indent=2)
+    saved = out / "task.json"
+    if args.resume and saved.is_file():  # before anything is built: a changed task is refused at once
+        _check_task(saved, task_json)
+    # seeded before the model is built, so a seed fixes the initial weights (and a run killed
+    # before its first checkpoint restarts from the same ones); every rank builds the same model
+    seed_everything(args.seed)
+    task = build_task(opts)  # an option that does not fit the task raises ValueError naming it
     model = task.model.to(device)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision,
-                      seed=args.seed, eval_every=args.eval_every or args.steps, ckpt_every=args.ckpt_every, out_dir=args.out,
-                      resume=args.resume, progress=False if args.no_progress else None, log_every=10)
-    out = Path(args.out)
-    task_json = json.dumps(dataclasses.asdict(opts) | {"description": task.description}, indent=2)
     if info.rank == 0:
-        saved = out / "task.json"
-        if args.resume and saved.exists():
-            ignore = ("device", "eval_samples", "description")  # do not change the training trajectory
-            before = {k: v for k, v in json.loads(saved.read_text()).items() if k not in ignore}
-            now = {k: v for k, v in json.loads(task_json).items() if k not in ignore}
-            if before != now:
-                diff = ", ".join(k for k in now if before.get(k) != now.get(k))
-                raise SystemExit(f"--resume: the task differs from the run in {out} ({diff}); use another --out")
+        # written at the start, so that --resume of an interrupted run is checked against it
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(saved, (json.dumps(json.loads(task_json) | {"description": task.description}, indent=2)
+                             + "\n").encode())
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{task.description}; {n_params / 1e6:.2f}M parameters; {info.world_size} process(es) on {device}")
     result = train(model, task.loss_fn, task.batches, cfg, eval_fn=task.eval_fn)
     if info.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "task.json").write_text(task_json + "\n")
         msg = f"step {result.step}: train loss {result.final_loss:.4f}" if result.final_loss is not None else \
             f"step {result.step}"
         if result.eval:
