@@ -9,7 +9,7 @@ from fastrpe import positions as P
 
 E, H, L, PROMPT = 16, 2, 23, 7
 FAMILIES = ["none", "learned", "t5", "alibi", "kerple_power", "kerple_power_p1", "kerple_log", "kerple_log3",
-            "kerple_bias_weight", "fastrpb", "shaw"]
+            "kerple_bias_weight", "fastrpb", "shaw", "geometric"]
 BACKENDS = ["auto", "dense", "sdpa", "flex", "fft", "chunked", "prefix", "soe"]
 
 

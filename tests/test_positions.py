@@ -38,6 +38,9 @@ def _build(name: str, num_heads: int = H):
         "kerple_log": lambda: P.KerpleLog(num_heads),
         "kerple_log3": lambda: P.KerpleLog3(num_heads),
         "kerple_bias_weight": lambda: P.KerpleBiasWeight(num_heads),
+        "geometric": lambda: P.GeometricDecay(num_heads, gamma=[1.0, 0.9999, 0.5, 0.9][:num_heads]),
+        "geometric_learned": lambda: P.GeometricDecay(num_heads, gamma=[0.999, 0.5, 0.9, 0.99][:num_heads],
+                                                      learnable=True),
     }
     pos = builders[name]()
     g = torch.Generator().manual_seed(0)
@@ -48,8 +51,8 @@ def _build(name: str, num_heads: int = H):
 
 
 FAMILIES = ["learned", "learned_causal", "t5", "t5_causal", "alibi", "kerple_power", "kerple_power_fixed_p",
-            "kerple_log", "kerple_log3", "kerple_bias_weight"]
-LEARNABLE = [f for f in FAMILIES if f != "alibi"]
+            "kerple_log", "kerple_log3", "kerple_bias_weight", "geometric", "geometric_learned"]
+LEARNABLE = [f for f in FAMILIES if f not in ("alibi", "geometric")]
 KERPLE = ["kerple_power", "kerple_log", "kerple_log3", "kerple_bias_weight"]
 
 
@@ -62,6 +65,9 @@ def _formula(pos) -> Callable[[int, int], float]:
     if isinstance(pos, P.ALiBi):
         m = _floats(pos.slopes)
         return lambda h, r: -m[h] * abs(r)
+    if isinstance(pos, P.GeometricDecay):  # c = γ^|r|
+        gam = _floats(pos.gamma.double())
+        return lambda h, r: abs(r) * math.log(gam[h]) if gam[h] < 1 else 0.0
     if isinstance(pos, P.KerplePower):
         r1, p = _floats(pos.r1), _floats(pos.p)
         return lambda h, r: -r1[h] * abs(r) ** p[h]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from .alibi import ALiBi, alibi_slopes  # noqa: F401
 from .base import AdditiveTerm, Position, offsets, toeplitz_index  # noqa: F401
 from .fastrpb import FastRPB1D  # noqa: F401
+from .geometric import GeometricDecay, retnet_gammas  # noqa: F401
 from .grid import FastRPB2D, GridPosition, Table2D  # noqa: F401
 from .kerple import KerpleBiasWeight, KerpleLog, KerpleLog3, KerplePower  # noqa: F401
 from .learned import LearnedTable  # noqa: F401
@@ -28,6 +29,7 @@ _FACTORIES = {
     "learned": _learned,
     "t5": _t5,
     "alibi": lambda H, causal, max_len, **kw: ALiBi(H, **kw),
+    "geometric": lambda H, causal, max_len, **kw: GeometricDecay(H, **kw),
     "kerple_power": lambda H, causal, max_len, **kw: KerplePower(H, **kw),
     "kerple_power_p1": lambda H, causal, max_len, **kw: KerplePower(H, learn_p=False, p=1.0, **kw),
     "kerple_log": lambda H, causal, max_len, **kw: KerpleLog(H, **kw),

@@ -30,7 +30,8 @@ class ALiBi(Position):
     From "Train Short, Test Long: Attention with Linear Biases Enables Input Length
     Extrapolation" (Press et al., ICLR 2022); slopes from the official `get_slopes`
     (`alibi_slopes`): `1/2, 1/4, ..., 1/256` for 8 heads. The paper uses the causal half
-    (`r <= 0`); `|r|` makes the bias symmetric for bidirectional attention.
+    (`r <= 0`); `|r|` makes the bias symmetric for bidirectional attention. It is
+    `GeometricDecay(num_heads, gamma=exp(-slopes))` with the official slopes.
 
     Args:
         num_heads: H.
