@@ -42,9 +42,10 @@ def test_stability_tiny(tmp_path):
     assert (tmp_path / "stability.png").exists()
 
 
-def test_stability_refuses_unknown_config(tmp_path):
-    with pytest.raises(SystemExit, match="unknown configuration"):
-        main(["reproduce", "stability", "--configs", "PRF,nope", "--steps", "1", *TINY_LM, "--out", str(tmp_path)])
+def test_stability_refuses_unknown_config(tmp_path, capsys):
+    assert main(["reproduce", "stability", "--configs", "PRF,nope", "--steps", "1", *TINY_LM,
+                 "--out", str(tmp_path)]) == 2
+    assert "unknown configuration" in capsys.readouterr().err
 
 
 def test_conversion_tiny(tmp_path):
@@ -101,6 +102,6 @@ def test_speed_tiny(tmp_path):
     assert (tmp_path / "speed.png").exists()
 
 
-def test_speed_refuses_unknown_competitor(tmp_path):
-    with pytest.raises(SystemExit, match="unknown competitor"):
-        main(["reproduce", "speed", "--lengths", "32", "--competitors", "nope", "--out", str(tmp_path)])
+def test_speed_refuses_unknown_competitor(tmp_path, capsys):
+    assert main(["reproduce", "speed", "--lengths", "32", "--competitors", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown competitor" in capsys.readouterr().err

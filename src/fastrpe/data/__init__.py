@@ -54,6 +54,7 @@ from .text import (
     TokenStream,
     eval_windows,
     load_corpus,
+    random_windows,
     shakespeare_files,
 )
 from .tokenizers import ByteTokenizer, SentencePieceTokenizer, get_tokenizer
@@ -88,6 +89,7 @@ __all__ = [
     "load_images",
     "load_mnist",
     "patchify",
+    "random_windows",
     "unpatchify",
 ]
 

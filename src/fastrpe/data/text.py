@@ -53,6 +53,7 @@ __all__ = [
     "corpus_files",
     "eval_windows",
     "load_corpus",
+    "random_windows",
     "shakespeare_files",
     "split_files",
     "stdlib_files",
@@ -244,6 +245,19 @@ def eval_windows(stream: Tensor, length: int, max_tokens: int | None = None) -> 
     return stream[idx]
 
 
+def random_windows(stream: Tensor, length: int, batch_size: int, generator: torch.Generator) -> Tensor:
+    """`[batch_size, length + 1]` windows of the 1-D `stream` at uniform random starts.
+
+    Every window that fits is possible: starts `0 .. len(stream) - length - 1`. This is the one
+    training sampler of the LM runs (`fastrpe train`, `fastrpe extrapolate`, the reproductions).
+    """
+    n = stream.numel() - length  # number of valid starts
+    if length < 1 or n < 1:
+        raise ValueError(f"stream of {stream.numel()} tokens is too short for windows of {length + 1}")
+    start = torch.randint(0, n, (batch_size,), generator=generator)
+    return stream[start[:, None] + torch.arange(length + 1)[None, :]]  # (B, L+1)
+
+
 class TokenStream:
     """A 1-D token stream cut into language-model windows `[B, L+1]`."""
 
@@ -257,11 +271,7 @@ class TokenStream:
 
     def random_windows(self, batch_size: int, length: int, generator: torch.Generator) -> Tensor:
         """`[batch_size, length + 1]` windows starting at uniform random positions."""
-        n = self.tokens.numel() - length  # number of valid starts
-        if n < 1:
-            raise ValueError(f"stream of {self.tokens.numel()} tokens is too short for windows of {length}")
-        start = torch.randint(0, n, (batch_size,), generator=generator)
-        return self.tokens[start[:, None] + torch.arange(length + 1)[None, :]]
+        return random_windows(self.tokens, length, batch_size, generator)
 
     def train_batches(self, batch_size: int, length: int, *, seed: int = 0, steps: int | None = None) -> Iterator[Tensor]:
         """`steps` (default: endless) random batches from a generator seeded with `seed`."""

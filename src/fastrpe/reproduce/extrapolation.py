@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-
+from .._validate import FastRPEError
 from .lm import add_model_arguments, eval_nll, train_lm
 
 DEFAULT_POSITIONS = ["kerple_log", "kerple_power", "alibi", "t5", "sinusoidal", "rotary"]
@@ -223,13 +223,13 @@ def run(args, out_dir) -> dict:
     kernels = [s for s in args.kernels.split(",") if s]
     known_pos = ("none", "sinusoidal", "rotary", *POSITION_NAMES)
     if any(p not in known_pos for p in positions):
-        raise SystemExit(f"extrapolation: unknown position(s) {[p for p in positions if p not in known_pos]}; "
+        raise FastRPEError(f"extrapolation: unknown position(s) {[p for p in positions if p not in known_pos]}; "
                          f"known: {', '.join(known_pos)}")
     for k in kernels:
         try:
             get_kernel(k, head_dim=max(1, args.d_model // args.heads))
         except ValueError as e:
-            raise SystemExit(f"extrapolation: {e}") from None
+            raise FastRPEError(f"extrapolation: {e}") from None
     lengths = [f * L for f in factors]
     corpus = load_corpus("python-stdlib", max_bytes=max_bytes)
     runs = []

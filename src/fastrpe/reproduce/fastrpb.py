@@ -43,6 +43,8 @@ FastRPB still helps on top of them.
 """
 from __future__ import annotations
 
+from .._validate import FastRPEError
+
 import math
 import time
 
@@ -116,9 +118,9 @@ def _image_data(name: str, n_eval: int | None, batch_size: int):
     try:
         train, test = load_images(name, "train"), load_images(name, "test")
     except MissingDataError as e:
-        raise SystemExit(f"fastrpb: {e}") from None
+        raise FastRPEError(f"fastrpb: {e}") from None
     except ValueError as e:
-        raise SystemExit(f"fastrpb: --image-dataset: {e}") from None
+        raise FastRPEError(f"fastrpb: --image-dataset: {e}") from None
     x_val, y_val = test.images[:n_eval], test.labels[:n_eval]
 
     def sample(g: torch.Generator):
@@ -255,9 +257,9 @@ def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
 def _csv(value: str, known: tuple[str, ...] | None, what: str) -> list[str]:
     items = [s.strip() for s in value.split(",") if s.strip()]
     if not items:
-        raise SystemExit(f"fastrpb: --{what} is empty")
+        raise FastRPEError(f"fastrpb: --{what} is empty")
     if known is not None and (bad := [s for s in items if s not in known]):
-        raise SystemExit(f"fastrpb: unknown {what} {bad}; known: {', '.join(known)}")
+        raise FastRPEError(f"fastrpb: unknown {what} {bad}; known: {', '.join(known)}")
     return items
 
 
@@ -281,14 +283,14 @@ def _run(args, out_dir) -> dict:
         try:
             get_kernel(k, head_dim=d_model // args.heads)
         except ValueError as e:
-            raise SystemExit(f"fastrpb: --kernels: {e}") from None
+            raise FastRPEError(f"fastrpb: --kernels: {e}") from None
     seeds = args.seeds or (1 if args.quick else 3)
     steps = args.steps or (300 if args.quick else 3000)
     L = args.listops_length or (64 if args.quick else 512)
     n_train = args.listops_train or (3000 if args.quick else 20_000)
     n_eval_listops = args.eval_samples or (500 if args.quick else 2000)
     if min(seeds, steps, L - 10, n_train, n_eval_listops, args.batch_size, d_model, args.layers, args.heads) < 1:
-        raise SystemExit("fastrpb: --seeds, --steps, --listops-train, --eval-samples, --batch-size, --d-model, "
+        raise FastRPEError("fastrpb: --seeds, --steps, --listops-train, --eval-samples, --batch-size, --d-model, "
                          "--layers, --heads must be positive and --listops-length at least 11")
     common = {"d_model": d_model, "layers": args.layers, "heads": args.heads, "base_position": args.base_position}
 

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from .._validate import FastRPEError
 from ..bench.registry import Problem, _position, fastrpe_backend, flex_same_position, sdpa_no_rpe
 
 POSITIONS = ("kerple_log", "alibi", "none")
@@ -117,7 +118,7 @@ def run(args, out_dir) -> dict:
         names = [c.strip() for c in args.competitors.split(",") if c.strip()]
         unknown = [c for c in names if c not in comps]
         if unknown:
-            raise SystemExit(f"speed: unknown competitor(s) {unknown}; known: {', '.join(comps)}")
+            raise FastRPEError(f"speed: unknown competitor(s) {unknown}; known: {', '.join(comps)}")
         comps = {c: comps[c] for c in names}
     problems = [Problem(position=pos, kernel="nprf", causal=True, L=L, H=args.heads, D=args.dim,
                         features=args.features, backward=True)

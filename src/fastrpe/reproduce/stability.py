@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from .._validate import FastRPEError
 from .lm import add_model_arguments, eval_nll, train_lm
 
 CONFIGS = {  # label: (kernel, position)
@@ -60,7 +61,7 @@ def run(args, out_dir) -> dict:
     labels = [c for c in args.configs.split(",") if c]
     unknown = [c for c in labels if c not in CONFIGS]
     if unknown:
-        raise SystemExit(f"stability: unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+        raise FastRPEError(f"stability: unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
     corpus = load_corpus("python-stdlib", max_bytes=max_bytes)
     L = args.train_length
     floor = unigram_nll(corpus.train, corpus.validation, corpus.vocab_size)

@@ -7,7 +7,6 @@ resumed run sees exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .evaluation import classification_metrics
 from .loop import seeded_batches
 
 #: model sizes: width, layers, heads
@@ -62,7 +62,8 @@ def _to(batch, device):
 
 
 def lm_task(o: TaskOptions) -> Task:
-    from ..data.text import eval_windows, load_corpus
+    from ..data.text import eval_windows, load_corpus, random_windows
+    from .evaluation import lm_metrics
     from ..nn import DecoderLM, LMConfig
 
     d, n, h = _dims(o)
@@ -74,33 +75,15 @@ def lm_task(o: TaskOptions) -> Task:
                                position=o.position, backend=o.backend, max_len=max(4096, o.seq_len)))
 
     def sample(g: torch.Generator, bs: int):
-        idx = torch.randint(0, train.numel() - o.seq_len - 1, (bs,), generator=g)
-        return torch.stack([train[i:i + o.seq_len + 1] for i in idx.tolist()])
+        return random_windows(train, o.seq_len, bs, g)
 
-    wins = eval_windows(val, o.seq_len, max_tokens=o.eval_samples * o.seq_len)
+    eval_windows(val, o.seq_len)  # a validation text too short is an error now, not at the first evaluation
 
     def evaluate(m) -> dict[str, float]:
-        total, count = 0.0, 0
-        for i in range(0, wins.shape[0], o.batch_size):
-            w = wins[i:i + o.batch_size].to(o.device)
-            total += m.loss(w, reduction="sum").item()
-            count += w[:, 1:].numel()
-        loss = total / max(count, 1)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        return lm_metrics(m, val, o.seq_len, o.eval_samples * o.seq_len, o.batch_size, o.device)
 
     return Task(model, lambda m, b: m.loss(b.to(o.device)), seeded_batches(sample, o.batch_size, o.seed), evaluate,
                 f"causal LM on {corpus.name} (byte tokens), windows of {o.seq_len}")
-
-
-def _classification_eval(model, batches, device, forward) -> dict[str, float]:
-    correct = total = 0
-    loss = 0.0
-    for batch in batches:
-        logits, y = forward(model, _to(batch, device))
-        loss += nn.functional.cross_entropy(logits.float(), y, reduction="sum").item()
-        correct += int((logits.argmax(-1) == y).sum())
-        total += y.numel()
-    return {"val_loss": loss / max(total, 1), "val_acc": correct / max(total, 1)}
 
 
 def _classification_loss(device):
@@ -116,7 +99,7 @@ def _classification_loss(device):
 
 def _classifier_eval(val_batches, device):
     """Evaluation of a classifier on fixed `(inputs, labels)` batches."""
-    return lambda m: _classification_eval(m, val_batches, device, lambda mm, b: (mm(b[0]), b[1]))
+    return lambda m: classification_metrics(m, val_batches, device)
 
 
 def listops_task(o: TaskOptions) -> Task:
