@@ -10,7 +10,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from .._validate import FastRPEError
+from .._validate import FastRPEError, check_backend_name, check_features, check_same_dtype
 from ..api import attention
 from ..kernels import FeatureMap, get_kernel
 from ..ops.linear.soe import SoEState
@@ -89,10 +89,17 @@ class MultiheadAttention(nn.Module):
                  dropout: float = 0.0, batch_first: bool = True, bias: bool = True, kdim: int | None = None,
                  vdim: int | None = None, rotary: bool = False, backend: str = "auto"):
         super().__init__()
-        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
+                raise FastRPEError(f"MultiheadAttention: {name} must be a positive int, got {val!r}")
+        if embed_dim % num_heads:
+            raise FastRPEError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
+        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
+            raise FastRPEError(f"MultiheadAttention: dropout must be in [0, 1), got {dropout!r}")
+        for name, val in (("causal", causal), ("batch_first", batch_first), ("bias", bias), ("rotary", rotary)):
+            if not isinstance(val, bool):
+                raise FastRPEError(f"MultiheadAttention: {name} must be a bool, got {val!r}")
+        check_backend_name(backend, "MultiheadAttention: backend")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
         self.causal, self.batch_first, self.backend, self.rotary = causal, batch_first, backend, rotary
@@ -117,6 +124,12 @@ class MultiheadAttention(nn.Module):
         t = list(self.positions)
         return None if not t else (t[0] if len(t) == 1 else t)
 
+    def _check_input(self, x, name: str, width: int, where: str) -> None:
+        """`x: [B, L, width]` (`[L, B, width]` when not batch_first), floating, in the weights' dtype."""
+        layout = "[B, L, E]" if self.batch_first else "[L, B, E]"
+        check_features(x, name, width, where, layout=layout)
+        check_same_dtype(x, self.q_proj.weight, name, where)
+
     def _heads(self, x: Tensor) -> Tensor:
         return rearrange(x, "b l (h d) -> b h l d", h=self.num_heads)
 
@@ -136,6 +149,15 @@ class MultiheadAttention(nn.Module):
         `key_padding_mask: [B, S]` bool (True = padding). Returns `[B, L, E]` (or `[L, B, E]`)."""
         key = query if key is None else key
         value = key if value is None else value
+        self._check_input(query, "query", self.embed_dim, "MultiheadAttention")
+        self._check_input(key, "key", self.k_proj.in_features, "MultiheadAttention")
+        self._check_input(value, "value", self.v_proj.in_features, "MultiheadAttention")
+        b = 0 if self.batch_first else 1
+        if not query.shape[b] == key.shape[b] == value.shape[b]:
+            raise FastRPEError(f"MultiheadAttention: batch sizes differ: query {query.shape[b]}, key {key.shape[b]}, "
+                               f"value {value.shape[b]}")
+        if key.shape[1 - b] != value.shape[1 - b]:
+            raise FastRPEError(f"MultiheadAttention: key has {key.shape[1 - b]} positions, value {value.shape[1 - b]}")
         if not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         q = self._heads(self.q_proj(query))  # (B, H, L, D)
@@ -215,7 +237,18 @@ class MultiheadAttention(nn.Module):
         on the whole sequence.
         """
         if not self.causal:
-            raise RuntimeError("step() decodes causal self-attention; this layer has causal=False")
+            raise FastRPEError("step() decodes causal self-attention; this layer has causal=False")
+        self._check_input(x, "x", self.embed_dim, "MultiheadAttention.step")
+        if self.k_proj.in_features != self.embed_dim or self.v_proj.in_features != self.embed_dim:
+            raise FastRPEError("MultiheadAttention.step: decodes self-attention, but this layer has kdim/vdim "
+                               f"({self.k_proj.in_features}/{self.v_proj.in_features}) != embed_dim ({self.embed_dim})")
+        if cache is not None and not isinstance(cache, (KVCache, LinearState, SoEState)):
+            raise FastRPEError(f"MultiheadAttention.step: cache must be None, a KVCache, LinearState or SoEState "
+                               f"(what step returned), got {type(cache).__name__}")
+        if isinstance(cache, KVCache) and cache.k is not None:
+            B = x.shape[0 if self.batch_first else 1]
+            if cache.k.shape[0] != B:
+                raise FastRPEError(f"MultiheadAttention.step: x has batch {B}, the cache {cache.k.shape[0]}")
         if not self.batch_first:
             x = x.transpose(0, 1)
         kind = self.decode_state

@@ -1,0 +1,418 @@
+"""Triton kernels for causal kernelized attention with a per-head geometric decay
+`c(r) = γ_h^|r|`, forward and backward (the fast sibling of `chunked.py`; the dense
+reference is `naive.py`).
+
+Chunk-parallel form, as flash-linear-attention's `chunk` kernels: four kernels, two of
+them sequential over chunks and light (the states), two parallel over chunks and heavy
+(the outputs and the gradients):
+
+  1. `_fwd_state`:  S_{n+1} = γ^(e_n - e_{n-1}) S_n + Σ_{u in chunk n} γ^(e_n - 1 - u) φk_u ⊗ [v_u, 1]
+  2. `_fwd_out`:    y_s = γ^(s + 1 - e_{n-1}) φq_s S_n + Σ_{u <= s} γ^(s - u) (φq_s·φk_u) [v_u, 1]
+  3. `_bwd_state`:  dS_n = γ^(e_n - e_{n-1}) dS_{n+1} + Σ_s γ^(s + 1 - e_{n-1}) φq_s ⊗ dy_s
+  4. `_bwd_grads`:  dφq, dφk, dv of each chunk from S_n and dS_{n+1}
+
+where `e_n = min((n+1)·T, Lk)`: the state after chunk n holds the keys before e_n,
+relative to key e_n - 1, so the last state is exactly the state after key Lk - 1 (no
+division by a decay that may underflow). Every decay factor is `exp(log γ · d)` with
+`d >= 0`: nothing overflows, whatever γ. The denominator rides along as the state's
+extra column `z` (the value 1), kept apart from the `[F, Dv]` tiles so that `tl.dot`
+sees power-of-two widths.
+
+The gradient of `log γ` needs no kernel: every weight is `γ^(p_i - j)`, so
+`d/d log γ = Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j + (Lk-1)<S_fin, dS_fin> + <S_0, dS_0>`
+(the initial state is a key at position -1, the final state a query at Lk - 1).
+
+Inputs bf16/fp16/fp32/fp64; accumulation in fp32 (fp64 for fp64 inputs). On the GPU the
+`tl.dot` operands are in the input dtype (bf16 tensor cores); the interpreter
+(`TRITON_INTERPRET=1`, the CPU tests) computes bf16 dots wrongly in triton 3.9, so there
+the operands are rounded to the input dtype and multiplied in the accumulation dtype.
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, T (BT) chunk
+length, N chunks, BF/BV/BDV power-of-two tile widths (>= 16 for `tl.dot`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from ..._validate import FastRPEError
+
+try:  # triton is the optional extra `[triton]`
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = tl = None
+    HAS_TRITON = False
+
+DEFAULT_CHUNK = 64
+
+
+def interpreting() -> bool:
+    """True when `TRITON_INTERPRET=1` is set now (Triton then runs kernels on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: whether this module's kernels were decorated under the interpreter: `triton.jit` reads
+#: TRITON_INTERPRET when it decorates, not when it runs
+INTERPRETED = HAS_TRITON and interpreting()
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why these kernels cannot run on `device` (None: they can)."""
+    if not HAS_TRITON:
+        return "needs triton (pip install 'fastrpe[triton]')"
+    if device.type == "cuda" and not INTERPRETED:
+        return None
+    if device.type == "cpu" and INTERPRETED:
+        return None
+    return "needs CUDA and triton (or TRITON_INTERPRET=1, set before the kernels are imported, for CPU tests)"
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """`a @ b` with operands rounded to DT and products summed in ACC."""
+        if INTERP:
+            return tl.dot(a.to(DT).to(ACC), b.to(DT).to(ACC), out_dtype=ACC)
+        elif DT == tl.float32 or DT == tl.float64:
+            return tl.dot(a.to(DT), b.to(DT), input_precision="ieee", out_dtype=ACC)
+        else:
+            return tl.dot(a.to(DT), b.to(DT), out_dtype=ACC)
+
+    @triton.jit
+    def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, H, Lk, F, Dv, N,
+                          BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                          DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (B·H, BDV/BV). h[:, 0] holds the initial state; writes h[:, 1..N]."""
+        bh = tl.program_id(0).to(tl.int64)
+        iv = tl.program_id(1)
+        lg = tl.load(lg_ptr + bh % H).to(ACC)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = iv * BV + tl.arange(0, BV)
+        k_base = k_ptr + bh * Lk * F
+        v_base = v_ptr + bh * Lk * Dv
+        h_base = h_ptr + bh * (N + 1) * BF * BDV
+        z_base = z_ptr + bh * (N + 1) * BF
+        S = tl.load(h_base + f[:, None] * BDV + c[None, :])  # (BF, BV)
+        z = tl.load(z_base + f)  # (BF,)
+        for n in range(N):
+            pos = n * BT + t
+            km = pos < Lk
+            kk = tl.load(k_base + pos[:, None] * F + f[None, :], mask=km[:, None] & (f[None, :] < F), other=0.0).to(ACC)
+            vv = tl.load(v_base + pos[:, None] * Dv + c[None, :], mask=km[:, None] & (c[None, :] < Dv), other=0.0)
+            e_prev = tl.minimum(n * BT, Lk)
+            e_n = tl.minimum(n * BT + BT, Lk)
+            kdec = tl.where(pos < e_n, tl.exp(lg * (e_n - 1 - pos).to(ACC)), 0.0)  # (BT,)
+            kt = kk * kdec[:, None]
+            g = tl.exp(lg * (e_n - e_prev).to(ACC))
+            S = S * g + _dot(tl.trans(kt), vv, DT, ACC, INTERP)
+            z = z * g + tl.sum(kt, 0)
+            tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S)
+            tl.store(z_base + (n + 1) * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
+
+    @triton.jit
+    def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset,
+                        BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (N, B·H, BDV/BV): the outputs of chunk n from the state entering it."""
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        iv = tl.program_id(2)
+        lg = tl.load(lg_ptr + bh % H).to(ACC)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = iv * BV + tl.arange(0, BV)
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        km = pos < Lk
+        fm = f[None, :] < F
+        q = tl.load(q_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=qm[:, None] & fm, other=0.0).to(ACC)
+        k = tl.load(k_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=km[:, None] & fm, other=0.0).to(ACC)
+        v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & (c[None, :] < Dv),
+                    other=0.0)
+        S = tl.load(h_ptr + (bh * (N + 1) + n) * BF * BDV + f[:, None] * BDV + c[None, :])  # (BF, BV)
+        z = tl.load(z_ptr + (bh * (N + 1) + n) * BF + f)  # (BF,)
+        e_prev = tl.minimum(n * BT, Lk)
+        qt = q * tl.exp(lg * (pos - e_prev + 1).to(ACC))[:, None]
+        d = t[:, None] - t[None, :]
+        if STRICT:
+            keep = d > 0
+        else:
+            keep = d >= 0
+        D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
+        A = _dot(q, tl.trans(k), DT, ACC, INTERP) * D
+        o = _dot(qt, S, DT, ACC, INTERP) + _dot(A, v, DT, ACC, INTERP)
+        tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty),
+                 mask=qm[:, None] & (c[None, :] < Dv))
+        den = tl.sum(qt * z[None, :], 1) + tl.sum(A, 1)
+        # the first value block writes den
+        tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
+
+    @triton.jit
+    def _bwd_state_kernel(q_ptr, do_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, H, Lq, Lk, F, Dv, N, q_offset,
+                          BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                          DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (B·H, BDV/BV). dh[:, N] holds the final state's gradient; writes dh[:, 0..N-1]
+        (dh[:, n] = gradient of the state entering chunk n; dh[:, 0] is the initial state's)."""
+        bh = tl.program_id(0).to(tl.int64)
+        iv = tl.program_id(1)
+        lg = tl.load(lg_ptr + bh % H).to(ACC)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = iv * BV + tl.arange(0, BV)
+        dh_base = dh_ptr + bh * (N + 1) * BF * BDV
+        dz_base = dz_ptr + bh * (N + 1) * BF
+        dS = tl.load(dh_base + N * BF * BDV + f[:, None] * BDV + c[None, :])  # (BF, BV)
+        dz = tl.load(dz_base + N * BF + f)
+        for i in range(N):
+            n = N - 1 - i
+            pos = n * BT + t
+            qi = pos - q_offset
+            qm = (qi >= 0) & (qi < Lq)
+            q = tl.load(q_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=qm[:, None] & (f[None, :] < F),
+                        other=0.0).to(ACC)
+            do = tl.load(do_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=qm[:, None] & (c[None, :] < Dv),
+                         other=0.0)
+            dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
+            e_prev = tl.minimum(n * BT, Lk)
+            e_n = tl.minimum(n * BT + BT, Lk)
+            qt = q * tl.exp(lg * (pos - e_prev + 1).to(ACC))[:, None]
+            g = tl.exp(lg * (e_n - e_prev).to(ACC))
+            dS = dS * g + _dot(tl.trans(qt), do, DT, ACC, INTERP)
+            dz = dz * g + tl.sum(qt * dd[:, None], 0)
+            tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS)
+            tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
+
+    @triton.jit
+    def _bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr,
+                          dq_ptr, dk_ptr, dv_ptr, H, Lq, Lk, F, Dv, N, q_offset,
+                          BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                          STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (N, B·H): dφq, dφk, dv of chunk n (every value column in one program:
+        dφq and dφk sum over them)."""
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        lg = tl.load(lg_ptr + bh % H).to(ACC)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        km = pos < Lk
+        fm = f[None, :] < F
+        cm = c[None, :] < Dv
+        q = tl.load(q_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=qm[:, None] & fm, other=0.0).to(ACC)
+        k = tl.load(k_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=km[:, None] & fm, other=0.0).to(ACC)
+        v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & cm, other=0.0)
+        do = tl.load(do_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=qm[:, None] & cm, other=0.0)
+        dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
+        hoff = (bh * (N + 1) + n) * BF * BDV + f[:, None] * BDV + c[None, :]
+        zoff = (bh * (N + 1) + n) * BF + f
+        S = tl.load(h_ptr + hoff)  # (BF, BDV): state entering chunk n
+        z = tl.load(z_ptr + zoff)
+        dS = tl.load(dh_ptr + hoff + BF * BDV)  # gradient of the state leaving chunk n
+        dz = tl.load(dz_ptr + zoff + BF)
+        e_prev = tl.minimum(n * BT, Lk)
+        e_n = tl.minimum(n * BT + BT, Lk)
+        qdec = tl.exp(lg * (pos - e_prev + 1).to(ACC))
+        kdec = tl.where(pos < e_n, tl.exp(lg * (e_n - 1 - pos).to(ACC)), 0.0)
+        d = t[:, None] - t[None, :]
+        if STRICT:
+            keep = d > 0
+        else:
+            keep = d >= 0
+        D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
+        A = _dot(q, tl.trans(k), DT, ACC, INTERP) * D
+        dA = (_dot(do, tl.trans(v), DT, ACC, INTERP) + dd[:, None]) * D  # dy·[v, 1] within the chunk
+        dq = _dot(dA, k, DT, ACC, INTERP) + qdec[:, None] * (_dot(do, tl.trans(S), DT, ACC, INTERP)
+                                                              + dd[:, None] * z[None, :])
+        dk = _dot(tl.trans(dA), q, DT, ACC, INTERP) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, INTERP)
+                                                                        + dz[None, :])
+        dv = _dot(tl.trans(A), do, DT, ACC, INTERP) + _dot(k * kdec[:, None], dS, DT, ACC, INTERP)
+        tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & fm)
+        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
+        tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
+
+
+_TL_DTYPE = {}
+if HAS_TRITON:
+    _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                 torch.float64: tl.float64}
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (x - 1).bit_length()))
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation (and state) dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _ChunkedDecay(torch.autograd.Function):
+    """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence."""
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool):
+        B, H, Lq, F = phi_q.shape
+        Lk, Dv = v.shape[2], v.shape[3]
+        dev, dt = phi_q.device, phi_q.dtype
+        acc = acc_dtype(dt)
+        BT, BF, BDV = chunk, _pow2(F), _pow2(Dv)
+        BV = min(BDV, 64)
+        N = -(-max(Lk, q_offset + Lq) // BT)
+        h = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
+        z = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
+        if init is not None:
+            h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
+            z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
+        num = torch.empty(B, H, Lq, Dv, dtype=dt, device=dev)
+        den = torch.empty(B, H, Lq, dtype=dt, device=dev)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        _fwd_state_kernel[(B * H, BDV // BV)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
+                                              BT=BT, BF=BF, BV=BV, BDV=BDV, **meta)
+        _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num, den, H, Lq, Lk, F, Dv, N, q_offset,
+                                               BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **meta)
+        state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
+        ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init)
+        ctx.cfg = (q_offset, BT, BF, BDV, BV, N, strict)
+        return num, den, state
+
+    @staticmethod
+    def backward(ctx, dnum, dden, dstate):
+        phi_q, phi_k, v, log_g, h, z, state, init = ctx.saved_tensors
+        q_offset, BT, BF, BDV, BV, N, strict = ctx.cfg
+        B, H, Lq, F = phi_q.shape
+        Lk, Dv = v.shape[2], v.shape[3]
+        dev, dt = phi_q.device, phi_q.dtype
+        acc = acc_dtype(dt)
+        dnum = torch.zeros_like(phi_q[..., :1].expand(B, H, Lq, Dv)) if dnum is None else dnum.to(dt).contiguous()
+        dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.to(dt).contiguous()
+        dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
+        dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
+        if dstate is not None:
+            dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
+            dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        _bwd_state_kernel[(B * H, BDV // BV)](phi_q, dnum, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
+                                              BT=BT, BF=BF, BV=BV, BDV=BDV, **meta)
+        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+        dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
+        _bwd_grads_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, log_g, h, z, dh, dz, dq, dk, dv,
+                                      H, Lq, Lk, F, Dv, N, q_offset, BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
+        dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
+        dlg = None
+        if ctx.needs_input_grad[3]:
+            # d/dlog γ = Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j + (Lk-1)<S_fin, dS_fin> + <S_0, dS_0>
+            f64 = torch.float64
+            pq = torch.arange(Lq, device=dev, dtype=f64) + q_offset
+            pk = torch.arange(Lk, device=dev, dtype=f64)
+            dlg = ((phi_q.to(acc) * dq).sum(-1).to(f64) * pq).sum((0, 2))
+            dlg = dlg - ((phi_k.to(acc) * dk).sum(-1).to(f64) * pk).sum((0, 2))
+            if dstate is not None:
+                dlg = dlg + (Lk - 1) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
+            if init is not None:
+                dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
+            dlg = dlg.to(log_g.dtype)
+        return (dq.to(dt), dk.to(dt), dv.to(dt), dlg, dinit.to(init.dtype) if init is not None else None,
+                None, None, None)
+
+
+def _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size):
+    if not HAS_TRITON:
+        raise FastRPEError("the triton kernels need triton: pip install 'fastrpe[triton]'")
+    why = triton_unavailable_reason(phi_q.device)
+    if why is not None:
+        raise FastRPEError(f"phi_q: the triton kernels cannot run on {phi_q.device}: {why}")
+    dt = phi_q.dtype
+    if dt not in _TL_DTYPE:
+        raise FastRPEError(f"phi_q: dtype {dt} is not supported (float16, bfloat16, float32, float64)")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise FastRPEError(f"chunk_size: must be a power of two >= 16 (tl.dot), got {chunk_size}")
+    if v.shape[2] < 1:
+        raise FastRPEError("v: needs at least one key")
+    H = phi_q.shape[1]
+    if key_padding_mask is not None:
+        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    acc = acc_dtype(dt)
+    if gamma is None:
+        log_g = torch.zeros(H, dtype=acc, device=phi_q.device)
+    else:
+        if gamma.shape != (H,):
+            raise FastRPEError(f"gamma: expected shape ({H},), got {tuple(gamma.shape)}")
+        log_g = torch.log(gamma.to(acc))
+    return phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(), log_g.contiguous()
+
+
+def kernelized_num_den_triton_chunked(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    gamma: Tensor | None = None,
+    q_offset: int = 0,
+    key_padding_mask: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    initial_state: Tensor | None = None,
+    return_state: bool = False,
+):
+    """Causal `num`, `den` (and `log_scale`, all zeros) with weights `γ_h^(p_i - j)`, `j <= p_i`:
+    the contract of `kernelized_num_den_chunked`, by Triton kernels (forward and backward).
+
+    Args:
+        phi_q: `[B, H, Lq, F]` at positions `q_offset + 0..Lq-1`; phi_k: `[B, H, Lk, F]`;
+            v: `[B, H, Lk, Dv]` (cast to phi_q's dtype).
+        gamma: `[H]` decays in (0, 1] (differentiable), or None for 1.
+        key_padding_mask: `[B, Lk]` bool, True = padding.
+        chunk_size: T, a power of two >= 16.
+        initial_state: `[B, H, F, Dv+1]` state of keys before position 0 (differentiable).
+        return_state: also return the state after key Lk - 1.
+
+    Returns:
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` in phi_q's dtype (+ `state
+        [B, H, F, Dv+1]` in the accumulation dtype, float32 or float64, if asked).
+    """
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    q, k, vv, log_g = _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size)
+    if initial_state is not None:
+        if initial_state.shape != (B, H, F, Dv + 1):
+            raise FastRPEError(f"initial_state: expected shape {(B, H, F, Dv + 1)}, got {tuple(initial_state.shape)}")
+        initial_state = initial_state.to(acc_dtype(q.dtype))
+    num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False)
+    out = (num, den, phi_q.new_zeros(H, Lq))
+    return (*out, state) if return_state else out
+
+
+def kernelized_num_den_triton_bidirectional(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    gamma: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+):
+    """Non-causal `num_i = Σ_j γ_h^|i-j| (φq_i·φk_j) v_j` (and `den`, `log_scale` zeros) in
+    linear time: the causal scan (`j <= i`) plus the strictly causal scan of the reversed
+    sequences (`j > i`); exact, no term is counted twice. `Lq == Lk`, no q_offset.
+
+    Args and Returns as `kernelized_num_den_triton_chunked` (no states)."""
+    B, H, Lq, F = phi_q.shape
+    Lk = v.shape[2]
+    if Lq != Lk:
+        raise FastRPEError(f"phi_q: the bidirectional decay kernel needs Lq == Lk, got Lq={Lq}, Lk={Lk}")
+    q, k, vv, log_g = _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size)
+    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False)
+    rev = (q.flip(2).contiguous(), k.flip(2).contiguous(), vv.flip(2).contiguous())
+    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True)
+    return n1 + n2.flip(2), d1 + d2.flip(2), phi_q.new_zeros(H, Lq)

@@ -1,0 +1,202 @@
+"""Triton geometric-decay kernels (`ops/linear/triton_chunked.py`) against the dense
+reference (`ops/linear/naive.py`, Luo et al. 2021 Eq. 10) and the state's definition.
+
+Without CUDA the kernels run on the CPU under the Triton interpreter. Triton reads
+TRITON_INTERPRET when it decorates (its own library functions too, at `import triton`)
+and again when it runs, so it is set here, before triton is imported, for the whole
+process; the `triton_chunked` backend still refuses CPU calls unless a test opts in.
+"""
+import os
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from fastrpe.ops.linear import triton_chunked as tc  # noqa: E402
+from fastrpe._validate import FastRPEError  # noqa: E402
+from fastrpe.ops.linear.naive import kernelized_num_den_naive  # noqa: E402
+from fastrpe.testing import assert_close, assert_lowp_close  # noqa: E402
+
+DEV = torch.device("cuda" if _CUDA else "cpu")
+pytestmark = pytest.mark.skipif(tc.triton_unavailable_reason(DEV) is not None,
+                                reason=str(tc.triton_unavailable_reason(DEV)))
+
+
+def _inputs(B, H, Lq, Lk, F, Dv, dtype, seed=0, init=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64)  # non-negative, like PRF features
+    k = torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)
+    gamma = torch.linspace(0.5, 1.0, H, dtype=torch.float64)  # 1.0: no positional term
+    s0 = torch.rand(B, H, F, Dv + 1, generator=g, dtype=torch.float64) if init else None
+    out = [t.to(DEV, dtype) for t in (q, k, v)] + [gamma.to(DEV), None if s0 is None else s0.to(DEV)]
+    return [t if t is None else t.requires_grad_() for t in out]
+
+
+def _log_coeff(gamma, Lq, Lk, q_offset, causal=True):
+    """`[H, Lq+Lk-1]`: `b(r) = |r|·log γ` over offsets `r = -(Lq-1+q_offset) .. Lk-1-q_offset`."""
+    r = torch.arange(-(Lq - 1 + q_offset), Lk - q_offset, device=gamma.device, dtype=gamma.dtype)
+    return r.abs()[None, :] * torch.log(gamma)[:, None]
+
+
+def reference(q, k, v, gamma, s0, *, q_offset=0, kpm=None):
+    """Causal geometric decay from the definitions: the dense weights `γ^(p_i - j)` (naive op),
+    the initial state as keys before position 0 (`γ^(p_i + 1)·φq_i·S0`) and the final state
+    `Σ_j γ^(Lk-1-j) φk_j ⊗ [v_j, 1] + γ^Lk·S0`."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    num, den, ls = kernelized_num_den_naive(q, k, v, _log_coeff(gamma, Lq, Lk, q_offset), causal=True,
+                                            q_offset=q_offset, key_padding_mask=kpm)
+    num, den = num * ls.exp()[None, :, :, None], den * ls.exp()[None]
+    kk = k if kpm is None else k.masked_fill(kpm[:, None, :, None], 0.0)
+    vv = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    w = gamma[:, None] ** (Lk - 1 - torch.arange(Lk, device=q.device, dtype=gamma.dtype))  # (H, Lk)
+    state = torch.einsum("hj,bhjf,bhjc->bhfc", w, kk, vv)
+    if s0 is not None:
+        p = torch.arange(Lq, device=q.device, dtype=gamma.dtype) + q_offset
+        y = torch.einsum("hi,bhif,bhfc->bhic", gamma[:, None] ** (p + 1), q, s0)
+        num, den = num + y[..., :-1], den + y[..., -1]
+        state = state + gamma[None, :, None, None] ** Lk * s0
+    return num, den, state
+
+
+def _loss(outs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
+
+
+def _grads(outs, leaves):
+    leaves = [t for t in leaves if t is not None]
+    return torch.autograd.grad(_loss(outs), leaves)
+
+
+CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, chunk
+    pytest.param(1, 2, 63, 63, 12, 10, 0, 16, id="B1-H2-T63-F12-Dv10-C16"),
+    pytest.param(2, 2, 1, 1, 12, 10, 0, 16, id="B2-H2-T1"),
+    pytest.param(1, 2, 37, 37, 32, 16, 0, 32, id="B1-H2-T37-F32-Dv16-C32"),
+    pytest.param(1, 2, 5, 40, 12, 10, 35, 16, id="decode-Lq5-Lk40-off35"),
+    pytest.param(1, 2, 20, 50, 12, 10, 10, 16, id="Lq20-Lk50-off10"),
+    pytest.param(1, 2, 30, 20, 12, 10, 0, 16, id="queries-past-keys-Lq30-Lk20"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
+def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
+    q, k, v, gamma, s0 = _inputs(B, H, Lq, Lk, F, Dv, dtype)
+    num, den, ls, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset, chunk_size=chunk,
+                                                               initial_state=s0, return_state=True)
+    assert not ls.any()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().clone().requires_grad_()
+    ref = reference(q64, k64, v64, g64, s64, q_offset=q_offset)
+    for name, a, b in zip(("num", "den", "state"), (num, den, state), ref):
+        assert_close(a, b.detach(), dtype, msg=name)
+    got = _grads((num, den, state), (q, k, v, gamma, s0))
+    want = _grads(ref, (q64, k64, v64, g64, s64))
+    for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
+        assert_close(a, b, dtype, msg=name)
+
+
+def test_key_padding_and_no_decay():
+    q, k, v, _, _ = _inputs(2, 2, 45, 45, 12, 10, torch.float64, init=False)
+    kpm = torch.zeros(2, 45, dtype=torch.bool, device=DEV)
+    kpm[0, 30:] = True
+    kpm[1, :7] = True
+    num, den, _, state = tc.kernelized_num_den_triton_chunked(q, k, v, key_padding_mask=kpm, chunk_size=16,
+                                                              return_state=True)
+    ones = torch.ones(2, dtype=torch.float64, device=DEV)
+    ref = reference(q, k, v, ones, None, kpm=kpm)
+    for a, b in zip((num, den, state), ref):
+        assert_close(a, b, torch.float64)
+    for a, b in zip(_grads((num, den, state), (q, k, v)), _grads(ref, (q, k, v))):
+        assert_close(a, b, torch.float64)
+
+
+def test_state_continues_across_calls():
+    """Context parallelism / decoding: the second half from the first half's final state
+    gives the full pass's outputs and final state, and gradients flow through the state."""
+    q, k, v, gamma, s0 = _inputs(1, 2, 50, 50, 12, 10, torch.float64)
+    full = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, initial_state=s0, chunk_size=16,
+                                                return_state=True)
+    a = tc.kernelized_num_den_triton_chunked(q[:, :, :21], k[:, :, :21], v[:, :, :21], gamma=gamma, initial_state=s0,
+                                             chunk_size=16, return_state=True)
+    b = tc.kernelized_num_den_triton_chunked(q[:, :, 21:], k[:, :, 21:], v[:, :, 21:], gamma=gamma,
+                                             initial_state=a[3], chunk_size=16, return_state=True)
+    split = (torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2), b[3])
+    for x, y in zip(split, (full[0], full[1], full[3])):
+        assert_close(x, y, torch.float64)
+    for x, y in zip(_grads(split, (q, k, v, gamma, s0)), _grads((full[0], full[1], full[3]), (q, k, v, gamma, s0))):
+        assert_close(x, y, torch.float64)
+
+
+@pytest.mark.parametrize("L", [1, 63], ids=["T1", "T63"])
+def test_bidirectional_matches_reference(L):
+    q, k, v, gamma, _ = _inputs(1, 2, L, L, 12, 10, torch.float64, init=False)
+    kpm = torch.zeros(1, L, dtype=torch.bool, device=DEV)
+    kpm[0, L // 2:L // 2 + 3] = True
+    num, den, _ = tc.kernelized_num_den_triton_bidirectional(q, k, v, gamma=gamma, key_padding_mask=kpm, chunk_size=16)
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    g64 = gamma.detach().clone().requires_grad_()
+    rn, rd, ls = kernelized_num_den_naive(q64, k64, v64, _log_coeff(g64, L, L, 0), causal=False, key_padding_mask=kpm)
+    assert not ls.any()  # the diagonal's coefficient is the row max, 1
+    assert_close(num, rn.detach())
+    assert_close(den, rd.detach())
+    for a, b in zip(_grads((num, den), (q, k, v, gamma)), _grads((rn, rd), (q64, k64, v64, g64))):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_low_precision_against_float64(dtype):
+    """bf16/fp16 inputs: error against float64 within a small factor of the naive path's."""
+    q, k, v, gamma, _ = _inputs(1, 2, 63, 63, 12, 10, dtype, init=False)
+    num, den, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, chunk_size=16)
+    assert num.dtype == dtype and den.dtype == dtype
+    lc = _log_coeff(gamma.detach(), 63, 63, 0)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r64 = kernelized_num_den_naive(q64, k64, v64, lc, causal=True)[:2]
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    rl = kernelized_num_den_naive(ql, kl, vl, lc.to(dtype), causal=True)[:2]
+    for name, a, n, r in zip(("num", "den"), (num, den), rl, r64):
+        assert_lowp_close(a, n, r.detach(), msg=name)
+    got, lowp, want = _grads((num, den), (q, k, v)), _grads(rl, (ql, kl, vl)), _grads(r64, (q64, k64, v64))
+    for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
+        assert_lowp_close(a, n, r, msg=name)
+
+
+def test_refusals_name_the_argument():
+    q, k, v, gamma, _ = _inputs(1, 2, 8, 8, 12, 10, torch.float64, init=False)
+    with pytest.raises(FastRPEError, match="chunk_size"):
+        tc.kernelized_num_den_triton_chunked(q, k, v, chunk_size=24)
+    with pytest.raises(FastRPEError, match="initial_state"):
+        tc.kernelized_num_den_triton_chunked(q, k, v, initial_state=torch.zeros(1, 2, 12, 10, device=DEV))
+    with pytest.raises(FastRPEError, match="gamma"):
+        tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma[:1])
+    with pytest.raises(FastRPEError, match="Lq == Lk"):
+        tc.kernelized_num_den_triton_bidirectional(q[:, :, :5], k, v)
+
+
+@pytest.mark.gpu
+def test_gpu_realistic_size_bf16():
+    """L=4096, H=8, F=32, Dv=64, bf16 on the GPU: forward, final state and gradients vs float64."""
+    if not _CUDA:
+        pytest.skip("needs CUDA")
+    B, H, L, F, Dv = 1, 8, 4096, 32, 64
+    q, k, v, gamma, s0 = _inputs(B, H, L, L, F, Dv, torch.bfloat16)
+    gamma = (1 - torch.exp(torch.linspace(-8, -3, H, device=DEV, dtype=torch.float64))).requires_grad_()
+    q.data /= F  # keep the dense reference's sums moderate
+    out = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, initial_state=s0, return_state=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().clone().requires_grad_()
+    ref = reference(q64, k64, v64, g64, s64)
+    for a, b in zip((out[0], out[1], out[3]), ref):
+        scale = b.abs().max().item()
+        assert (a.double() - b.detach()).abs().max().item() <= 2e-2 * scale
+    got = _grads((out[0], out[1], out[3]), (q, k, v, gamma, s0))
+    want = _grads(ref, (q64, k64, v64, g64, s64))
+    for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
+        scale = b.abs().max().item()
+        assert (a.double() - b).abs().max().item() <= 3e-2 * scale, name
