@@ -200,3 +200,55 @@ def test_gpu_realistic_size_bf16():
     for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
         scale = b.abs().max().item()
         assert (a.double() - b).abs().max().item() <= 3e-2 * scale, name
+
+
+# ---------------------------------------------------------------------------------------------
+# The `triton_chunked` backend
+
+
+@pytest.fixture
+def interpret_on_cpu(monkeypatch):
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", not _CUDA)
+
+
+def test_backend_refuses_cpu_without_opt_in():
+    import fastrpe as fr
+
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(FastRPEError, match="needs CUDA and triton"):
+        fr.attention(q, k, v, kernel="elu", causal=True, backend="triton_chunked")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_backend_matches_dense(interpret_on_cpu, causal):
+    """Through the public API, learnable decays: output and every gradient (γ's included)."""
+    import fastrpe as fr
+    from fastrpe.positions.geometric import GeometricDecay
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 16, dtype=torch.float64, device=DEV, requires_grad=True) for _ in range(3))
+    pos = GeometricDecay(2, gamma=[0.8, 0.97], learnable=True).double().to(DEV)
+    kpm = torch.zeros(2, 37, dtype=torch.bool, device=DEV)
+    kpm[1, 30:] = True
+    outs, grads = [], []
+    for backend in ("triton_chunked", "dense"):
+        out = fr.attention(q, k, v, kernel="elu", position=pos, causal=causal, key_padding_mask=kpm, backend=backend)
+        outs.append(out)
+        grads.append(torch.autograd.grad(_loss([out]), (q, k, v, *pos.parameters())))
+    assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert_close(a, b)
+
+
+def test_backend_refusals_say_why(interpret_on_cpu):
+    import fastrpe as fr
+    from fastrpe.positions.kerple import KerpleLog
+
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, device=DEV) for _ in range(3))
+    with pytest.raises(FastRPEError, match="not a geometric decay"):
+        fr.attention(q, k, v, kernel="elu", position=KerpleLog(2).double().to(DEV), causal=True,
+                     backend="triton_chunked")
+    with pytest.raises(FastRPEError, match="Lq == Lk"):
+        fr.attention(q[:, :, :5], k, v, kernel="elu", causal=False, backend="triton_chunked")

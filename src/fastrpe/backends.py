@@ -438,3 +438,6 @@ class BandBackend(Backend):
 
 register_backend(BandBackend("band", description="kernelized, finite-support term (T5, clipped table): "
                                                  "exact band + constant tails, linear time"))
+
+from .backends_triton import register as _register_triton  # noqa: E402  (imports no triton until a call runs)
+_register_triton()

@@ -261,7 +261,7 @@ class _ChunkedDecay(torch.autograd.Function):
     """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool):
+    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -274,8 +274,8 @@ class _ChunkedDecay(torch.autograd.Function):
         if init is not None:
             h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
             z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
-        num = torch.empty(B, H, Lq, Dv, dtype=dt, device=dev)
-        den = torch.empty(B, H, Lq, dtype=dt, device=dev)
+        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
+        den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
         _fwd_state_kernel[(B * H, BDV // BV)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
                                               BT=BT, BF=BF, BV=BV, BDV=BDV, **meta)
@@ -294,8 +294,9 @@ class _ChunkedDecay(torch.autograd.Function):
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
         acc = acc_dtype(dt)
-        dnum = torch.zeros_like(phi_q[..., :1].expand(B, H, Lq, Dv)) if dnum is None else dnum.to(dt).contiguous()
-        dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.to(dt).contiguous()
+        # the kernels round dy to the input dtype only where it enters a tl.dot
+        dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
+        dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
         dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
         dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
         if dstate is not None:
@@ -324,7 +325,7 @@ class _ChunkedDecay(torch.autograd.Function):
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
         return (dq.to(dt), dk.to(dt), dv.to(dt), dlg, dinit.to(init.dtype) if init is not None else None,
-                None, None, None)
+                None, None, None, None)
 
 
 def _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size):
@@ -364,6 +365,7 @@ def kernelized_num_den_triton_chunked(
     chunk_size: int = DEFAULT_CHUNK,
     initial_state: Tensor | None = None,
     return_state: bool = False,
+    out_dtype: torch.dtype | None = None,
 ):
     """Causal `num`, `den` (and `log_scale`, all zeros) with weights `γ_h^(p_i - j)`, `j <= p_i`:
     the contract of `kernelized_num_den_chunked`, by Triton kernels (forward and backward).
@@ -376,9 +378,11 @@ def kernelized_num_den_triton_chunked(
         chunk_size: T, a power of two >= 16.
         initial_state: `[B, H, F, Dv+1]` state of keys before position 0 (differentiable).
         return_state: also return the state after key Lk - 1.
+        out_dtype: dtype of num and den (default phi_q's; float32 keeps the fp32 sums of
+            bf16 features unrounded).
 
     Returns:
-        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` in phi_q's dtype (+ `state
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` in out_dtype (+ `state
         [B, H, F, Dv+1]` in the accumulation dtype, float32 or float64, if asked).
     """
     B, H, Lq, F = phi_q.shape
@@ -388,7 +392,8 @@ def kernelized_num_den_triton_chunked(
         if initial_state.shape != (B, H, F, Dv + 1):
             raise FastRPEError(f"initial_state: expected shape {(B, H, F, Dv + 1)}, got {tuple(initial_state.shape)}")
         initial_state = initial_state.to(acc_dtype(q.dtype))
-    num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False)
+    num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False,
+                                          out_dtype or phi_q.dtype)
     out = (num, den, phi_q.new_zeros(H, Lq))
     return (*out, state) if return_state else out
 
@@ -401,6 +406,7 @@ def kernelized_num_den_triton_bidirectional(
     gamma: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    out_dtype: torch.dtype | None = None,
 ):
     """Non-causal `num_i = Σ_j γ_h^|i-j| (φq_i·φk_j) v_j` (and `den`, `log_scale` zeros) in
     linear time: the causal scan (`j <= i`) plus the strictly causal scan of the reversed
@@ -412,7 +418,8 @@ def kernelized_num_den_triton_bidirectional(
     if Lq != Lk:
         raise FastRPEError(f"phi_q: the bidirectional decay kernel needs Lq == Lk, got Lq={Lq}, Lk={Lk}")
     q, k, vv, log_g = _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size)
-    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False)
+    od = out_dtype or phi_q.dtype
+    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False, od)
     rev = (q.flip(2).contiguous(), k.flip(2).contiguous(), vv.flip(2).contiguous())
-    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True)
+    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True, od)
     return n1 + n2.flip(2), d1 + d2.flip(2), phi_q.new_zeros(H, Lq)

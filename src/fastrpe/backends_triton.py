@@ -1,0 +1,124 @@
+"""The Triton backends (extra `[triton]`): registered by `backends.py` when triton imports.
+
+`triton_chunked`: kernelized attention with no positional term or a geometric decay
+`γ_h^|r|` (ALiBi, KERPLE power p = 1, GeometricDecay), causal (any Lq, Lk, q_offset) or
+bidirectional (Lq = Lk), by the kernels of `ops/linear/triton_chunked.py`.
+
+The kernel module is imported only when a call runs: `triton.jit` decides when it decorates
+whether a kernel is compiled for the GPU or interpreted on the CPU (`TRITON_INTERPRET=1`).
+On the CPU the backend refuses unless `INTERPRET_ON_CPU` is set (tests do): the
+interpreter is far too slow for `auto` to consider it.
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, T chunk.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+from .dispatch import Backend, Cost, Problem, machine_time, register_backend
+
+#: let the backend run CPU tensors under the Triton interpreter (tests only; needs
+#: TRITON_INTERPRET=1 before triton is imported)
+INTERPRET_ON_CPU = False
+
+_KERNELS = "fastrpe.ops.linear.triton_chunked"
+
+
+def _triton_reason(p: Problem) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "needs triton (pip install 'fastrpe[triton]')"
+    mod = sys.modules.get(_KERNELS)
+    if mod is not None:
+        why = mod.triton_unavailable_reason(p.device)
+        if why is None and p.device.type == "cpu" and not INTERPRET_ON_CPU:
+            return "needs CUDA and triton (the CPU interpreter is for tests: INTERPRET_ON_CPU)"
+        return why
+    if p.device.type == "cuda":
+        return None
+    if p.device.type == "cpu" and INTERPRET_ON_CPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    return "needs CUDA and triton"
+
+
+def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
+                           dot_dtype=None):
+    """The `NumDen` inner-product algorithm by the Triton kernels; coeffs: `[H]` decays γ or
+    None (γ = 1). `dot_dtype` (e.g. bfloat16) rounds the features and values for the tensor
+    cores; sums stay float32 and num, den come back in phi_q's dtype."""
+    from .ops.linear import triton_chunked as tk
+
+    if key_log_scale is not None:
+        raise ValueError("triton_chunked: keys stabilized per key (a running maximum) need the dense algorithm")
+    out_dtype = phi_q.dtype
+    if dot_dtype is not None and dot_dtype != phi_q.dtype:
+        phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
+    if causal:
+        return tk.kernelized_num_den_triton_chunked(phi_q, phi_k, v, gamma=coeffs, q_offset=q_offset,
+                                                    key_padding_mask=key_padding_mask, out_dtype=out_dtype)
+    if q_offset:
+        raise ValueError(f"triton_chunked: the bidirectional decay needs q_offset = 0, got {q_offset}")
+    return tk.kernelized_num_den_triton_bidirectional(phi_q, phi_k, v, gamma=coeffs,
+                                                      key_padding_mask=key_padding_mask, out_dtype=out_dtype)
+
+
+class TritonChunkedBackend(Backend):
+    """Kernelized attention with a geometric decay (or none) in linear time, Triton kernels
+    forward and backward; bf16 inputs run bf16 tensor-core products with fp32 sums."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        from .backends import _grid_reasons, _kernel_kind_reasons
+
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        why = _triton_reason(p)
+        if why:
+            r.append(why)
+        if p.position is not None and p.position.geometric_decay() is None:
+            r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
+        if not p.causal and (p.Lq != p.Lk or p.q_offset):
+            r.append(f"the bidirectional decay needs Lq == Lk and q_offset = 0, got Lq={p.Lq}, Lk={p.Lk}, "
+                     f"q_offset={p.q_offset}")
+        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            r.append(f"dtype {p.dtype} is not supported")
+        return r + _grid_reasons(p)
+
+    def cost(self, p: Problem) -> Cost:
+        T, C, F = 64, p.Dv + 1, p.F
+        L = max(p.Lk, p.q_offset + p.Lq)
+        passes = 1 if p.causal else 2
+        # the chunked model's flops and memory without its Python loop over chunks: 4 launches
+        flops = passes * p.B * p.H * (2 * L * T * (F + C) + 6 * L * F * C) * (3 if p.requires_grad else 1)
+        el = 2 if p.dtype in (torch.float16, torch.bfloat16) else p.bytes_per_el
+        mem = passes * p.B * p.H * ((L // T + 1) * F * C * 4 * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
+        seconds = machine_time(p.device, flops, 2 * mem, calls=passes * 6)
+        if p.device.type != "cuda":
+            seconds *= 1e4  # the interpreter: never `auto`'s choice
+        return Cost(seconds, mem)
+
+    def run(self, q, k, v, p, kpm):
+        from . import backends
+
+        gamma = p.position.geometric_decay() if p.position is not None else None
+        dot_dtype = torch.bfloat16 if (p.dtype == torch.bfloat16 and p.device.type == "cuda") else None
+
+        def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
+            return num_den_triton_chunked(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
+                                          key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
+                                          dot_dtype=dot_dtype)
+
+        if hasattr(backends, "_kernelized"):  # the composition in ops/kernelized.py
+            return backends._kernelized(q, k, v, p, kpm, num_den, gamma)
+
+        def old_num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+            return num_den(phi_q, phi_k, vv, gamma, causal=causal, q_offset=q_offset,
+                           key_padding_mask=key_padding_mask)
+
+        return backends.kernelized_attention(q, k, v, p, kpm, old_num_den, naive=False)
+
+
+def register() -> None:
+    register_backend(TritonChunkedBackend(
+        "triton_chunked", description="kernelized, geometric decay, linear time, Triton kernels (CUDA)"))
