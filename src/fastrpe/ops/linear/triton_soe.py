@@ -1,0 +1,368 @@
+"""Triton kernels for causal kernelized attention with any decaying term in one fused pass,
+from a sum-of-exponentials fit (`soe.SoEPlan`): the fast sibling of `soe.py` (the dense
+reference is `naive.py` with the plan's coefficients).
+
+The plan gives `c(d) = Σ_k a_k γ_k^d` beyond the band and `c(d) = Σ_k a_k γ_k^d + corr(d)`
+exactly for `d < W`. With chunks of `T >= W` positions, a query in chunk n sees
+
+  * near field, key chunks n and n-1 (`d < 2T`): each chunk pair's `φ(q)·φ(k)` formed once
+    and weighted by the coefficient table `cn[h, d]`, `d = 0..2T-1` (exact below W);
+  * far field, key chunks <= n-2 (`d > T >= W`): K decayed states
+    `S_k(n-1) = Σ_{j < (n-1)T} γ_k^((n-1)T-1-j) φk_j ⊗ [v_j, 1]` read with the weights
+    `wq[h, k, s] = a_hk γ_k^(T+s+1)` (query s of the chunk is T+s+1 past their reference).
+
+Kernels: `_soe_state` (K states, sequential over chunks, parallel over terms),
+`_soe_out` (parallel over chunks: one `[T, 2T]` product, then K `[T, F]x[F, Dv]` reads),
+`_soe_bwd_state` (the states' gradients, reverse), `_soe_bwd_grads` (dφq, dφk, dv, and the
+gradients of the tables `cn` and `wq`, which carry autograd back to the plan's `a` and
+`corr`, so a learnable positional term trains through this path).
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, K terms, W band,
+T (BT) chunk, N chunks, NS chunk groups of the gradient kernel.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..._validate import FastRPEError
+from .soe import SoEPlan
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, INTERPRETED, _pow2, acc_dtype,
+                             triton_unavailable_reason)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .triton_chunked import _dot
+
+    @triton.jit
+    def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
+                          BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                          DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (B·H, BDV/BV, K): h[bh, k, n] = S_k(n), the keys of chunks < n decayed to nT - 1."""
+        bh = tl.program_id(0).to(tl.int64)
+        iv = tl.program_id(1)
+        kk = tl.program_id(2)
+        lg = tl.load(lgk_ptr + kk).to(ACC)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = iv * BV + tl.arange(0, BV)
+        kdec = tl.exp(lg * (BT - 1 - t).to(ACC))  # (BT,)
+        g = tl.exp(lg * BT)
+        S = tl.zeros([BF, BV], dtype=ACC)
+        z = tl.zeros([BF], dtype=ACC)
+        h_base = h_ptr + (bh * K + kk) * N * BF * BDV
+        z_base = z_ptr + (bh * K + kk) * N * BF
+        for n in range(N):
+            tl.store(h_base + n * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
+            tl.store(z_base + n * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
+            pos = n * BT + t
+            km = pos < Lk
+            k = tl.load(k_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=km[:, None] & (f[None, :] < F),
+                        other=0.0).to(ACC)
+            v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & (c[None, :] < Dv),
+                        other=0.0)
+            kt = k * kdec[:, None]
+            S = S * g + _dot(tl.trans(kt), v, DT, ACC, INTERP)
+            z = z * g + tl.sum(kt, 0)
+
+    @triton.jit
+    def _load_rows(ptr, rows, ok, cols, ncols, width):
+        """`[len(rows), len(cols)]` tile of a row-major `[*, width]` block (zeros outside)."""
+        return tl.load(ptr + rows[:, None] * width + cols[None, :], mask=ok[:, None] & (cols[None, :] < ncols),
+                       other=0.0)
+
+    @triton.jit
+    def _soe_out_kernel(q_ptr, k_ptr, v_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, num_ptr, den_ptr,
+                        H, Lq, Lk, F, Dv, N, K, q_offset,
+                        BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                        DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (N, B·H, BDV/BV): outputs of query chunk n."""
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        iv = tl.program_id(2)
+        hh = bh % H
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = iv * BV + tl.arange(0, BV)
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        q = _load_rows(q_ptr + bh * Lq * F, qi, qm, f, F, F).to(ACC)
+        k0 = _load_rows(k_ptr + bh * Lk * F, pos, pos < Lk, f, F, F).to(ACC)  # key chunk n
+        k1 = _load_rows(k_ptr + bh * Lk * F, pos - BT, (pos >= BT) & (pos - BT < Lk), f, F, F).to(ACC)  # chunk n-1
+        v0 = _load_rows(v_ptr + bh * Lk * Dv, pos, pos < Lk, c, Dv, Dv)
+        v1 = _load_rows(v_ptr + bh * Lk * Dv, pos - BT, (pos >= BT) & (pos - BT < Lk), c, Dv, Dv)
+        d0 = t[:, None] - t[None, :]
+        M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)  # (BT, BT)
+        M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)  # distances 1..2T-1
+        A0 = _dot(q, tl.trans(k0), DT, ACC, INTERP) * M0
+        A1 = _dot(q, tl.trans(k1), DT, ACC, INTERP) * M1
+        o = _dot(A0, v0, DT, ACC, INTERP) + _dot(A1, v1, DT, ACC, INTERP)
+        den = tl.sum(A0, 1) + tl.sum(A1, 1)
+        if n >= 1:
+            for kk in range(K):
+                w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
+                off = ((bh * K + kk) * N + n - 1) * BF
+                S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
+                zs = tl.load(z_ptr + off + f)
+                qw = q * w[:, None]
+                o += _dot(qw, S, DT, ACC, INTERP)
+                den += tl.sum(qw * zs[None, :], 1)
+        tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty),
+                 mask=qm[:, None] & (c[None, :] < Dv))
+        # the first value block writes den
+        tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
+
+    @triton.jit
+    def _soe_bwd_state_kernel(q_ptr, do_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K, q_offset,
+                              BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                              DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (B·H, BDV/BV, K): dh[bh, k, n] = gradient of S_k(n) (read by query chunk n+1,
+        and through S_k(n+1) = γ^T S_k(n) + ... by every later one); dh[bh, k, N] stays 0."""
+        bh = tl.program_id(0).to(tl.int64)
+        iv = tl.program_id(1)
+        kk = tl.program_id(2)
+        hh = bh % H
+        lg = tl.load(lgk_ptr + kk).to(ACC)
+        g = tl.exp(lg * BT)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = iv * BV + tl.arange(0, BV)
+        w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
+        D = tl.zeros([BF, BV], dtype=ACC)
+        dz = tl.zeros([BF], dtype=ACC)
+        dh_base = dh_ptr + (bh * K + kk) * (N + 1) * BF * BDV
+        dz_base = dz_ptr + (bh * K + kk) * (N + 1) * BF
+        for i in range(N):
+            n = N - 1 - i
+            pos = (n + 1) * BT + t  # query chunk n + 1 reads S_k(n)
+            qi = pos - q_offset
+            qm = (qi >= 0) & (qi < Lq)
+            qw = _load_rows(q_ptr + bh * Lq * F, qi, qm, f, F, F).to(ACC) * w[:, None]
+            do = _load_rows(do_ptr + bh * Lq * Dv, qi, qm, c, Dv, Dv)
+            dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
+            D = D * g + _dot(tl.trans(qw), do, DT, ACC, INTERP)
+            dz = dz * g + tl.sum(qw * dd[:, None], 0)
+            tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], D.to(dh_ptr.dtype.element_ty))
+            tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
+
+    @triton.jit
+    def _soe_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, lgk_ptr, h_ptr, z_ptr, dh_ptr,
+                              dz_ptr, dq_ptr, dk_ptr, dv_ptr, p0_ptr, p1_ptr, dwq_ptr,
+                              H, Lq, Lk, F, Dv, N, K, NS, q_offset,
+                              BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                              DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (NS, B·H): chunks n = g, g + NS, ...: dφq of query chunk n, dφk and dv of key
+        chunk n, and this program's sums for the tables' gradients: p0/p1 `[BT, BT]` (near
+        pairs, diagonal by diagonal later) and dwq `[K, BT]`."""
+        gi = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        hh = bh % H
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        d0 = t[:, None] - t[None, :]
+        M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
+        M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
+        P0 = tl.zeros([BT, BT], dtype=ACC)
+        P1 = tl.zeros([BT, BT], dtype=ACC)
+        qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
+        dob, ddb = do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+        dwq_base = dwq_ptr + (bh * NS + gi) * K * BT
+        for n in range(gi, N, NS):
+            pos = n * BT + t
+            qi = pos - q_offset
+            qm = (qi >= 0) & (qi < Lq)
+            qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
+            don = _load_rows(dob, qi, qm, c, Dv, Dv)
+            ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+            qm2 = (qi + BT >= 0) & (qi + BT < Lq)  # query chunk n + 1
+            q2 = _load_rows(qb, qi + BT, qm2, f, F, F).to(ACC)
+            do2 = _load_rows(dob, qi + BT, qm2, c, Dv, Dv)
+            dd2 = tl.load(ddb + qi + BT, mask=qm2, other=0.0).to(ACC)
+            km = pos < Lk
+            kn = _load_rows(kb, pos, km, f, F, F).to(ACC)
+            vn = _load_rows(vb, pos, km, c, Dv, Dv)
+            km1 = (pos >= BT) & (pos - BT < Lk)  # key chunk n - 1
+            k1 = _load_rows(kb, pos - BT, km1, f, F, F).to(ACC)
+            v1 = _load_rows(vb, pos - BT, km1, c, Dv, Dv)
+            # near, pair (n, n): every gradient
+            R0 = _dot(qn, tl.trans(kn), DT, ACC, INTERP)
+            G0 = _dot(don, tl.trans(vn), DT, ACC, INTERP) + ddn[:, None]
+            P0 += R0 * G0
+            dA0 = G0 * M0
+            dq = _dot(dA0, kn, DT, ACC, INTERP)
+            dk = _dot(tl.trans(dA0), qn, DT, ACC, INTERP)
+            dv = _dot(tl.trans(R0 * M0), don, DT, ACC, INTERP)
+            # near, pair (n, n-1): the queries' side
+            R1 = _dot(qn, tl.trans(k1), DT, ACC, INTERP)
+            G1 = _dot(don, tl.trans(v1), DT, ACC, INTERP) + ddn[:, None]
+            P1 += R1 * G1
+            dq += _dot(G1 * M1, k1, DT, ACC, INTERP)
+            # near, pair (n+1, n): the keys' side
+            R2 = _dot(q2, tl.trans(kn), DT, ACC, INTERP)
+            G2 = _dot(do2, tl.trans(vn), DT, ACC, INTERP) + dd2[:, None]
+            dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, INTERP)
+            dv += _dot(tl.trans(R2 * M1), do2, DT, ACC, INTERP)
+            # far field: chunk n's queries read S_k(n-1); chunk n's keys enter S_k(n+1)
+            for kk in range(K):
+                lg = tl.load(lgk_ptr + kk).to(ACC)
+                kdec = tl.exp(lg * (BT - 1 - t).to(ACC))
+                off1 = ((bh * K + kk) * (N + 1) + n + 1) * BF
+                dS = tl.load(dh_ptr + off1 * BDV + f[:, None] * BDV + c[None, :])
+                dzs = tl.load(dz_ptr + off1 + f)
+                dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, INTERP) + dzs[None, :])
+                dv += _dot(kn * kdec[:, None], dS, DT, ACC, INTERP)
+                if n >= 1:
+                    w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
+                    off = ((bh * K + kk) * N + n - 1) * BF
+                    S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
+                    zs = tl.load(z_ptr + off + f)
+                    dq += w[:, None] * (_dot(don, tl.trans(S), DT, ACC, INTERP) + ddn[:, None] * zs[None, :])
+                    X = _dot(qn, S, DT, ACC, INTERP)
+                    dw = tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
+                    tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
+            tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
+            tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & (f[None, :] < F))
+            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & (c[None, :] < Dv))
+        pb = (bh * NS + gi) * BT * BT + t[:, None] * BT + t[None, :]
+        tl.store(p0_ptr + pb, P0)
+        tl.store(p1_ptr + pb, P1)
+
+
+def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
+    """`[H, 2T]`: Σ of P0 over `s - u = d` (d < T) plus Σ of P1 over `s + T - u = d`."""
+    H = P0.shape[0]
+    t = torch.arange(T, device=P0.device)
+    d0 = t[:, None] - t[None, :]
+    keep = d0 >= 0
+    out = P0.new_zeros(H, 2 * T)
+    out.index_add_(1, d0[keep], P0[:, keep])
+    out.index_add_(1, (d0 + T).flatten(), P1.flatten(1))
+    return out
+
+
+class _SoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype):
+        B, H, Lq, F = phi_q.shape
+        Lk, Dv = v.shape[2], v.shape[3]
+        K = lgk.numel()
+        dev, dt = phi_q.device, phi_q.dtype
+        acc = acc_dtype(dt)
+        BF, BDV = _pow2(F), _pow2(Dv)
+        BV = min(BDV, 64)
+        N = -(-max(Lk, q_offset + Lq) // T)
+        # the states enter tl.dot in the input dtype anyway: store them so (half the bytes for bf16)
+        hdt = dt if dt in (torch.float16, torch.bfloat16) else acc
+        h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=dev)
+        z = torch.empty(B * H, K, N, BF, dtype=acc, device=dev)
+        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
+        den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        _soe_state_kernel[(B * H, BDV // BV, K)](phi_k, v, lgk, h, z, Lk, F, Dv, N, K,
+                                                 BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+        _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq, h, z, num, den, H, Lq, Lk, F, Dv, N, K,
+                                               q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, h, z)
+        ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt)
+        return num, den
+
+    @staticmethod
+    def backward(ctx, dnum, dden):
+        phi_q, phi_k, v, cn, wq, lgk, h, z = ctx.saved_tensors
+        q_offset, T, BF, BDV, BV, N, hdt = ctx.cfg
+        B, H, Lq, F = phi_q.shape
+        Lk, Dv = v.shape[2], v.shape[3]
+        K = lgk.numel()
+        dev, dt = phi_q.device, phi_q.dtype
+        acc = acc_dtype(dt)
+        dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
+        dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        dh = torch.zeros(B * H, K, N + 1, BF, BDV, dtype=hdt, device=dev)
+        dz = torch.zeros(B * H, K, N + 1, BF, dtype=acc, device=dev)
+        _soe_bwd_state_kernel[(B * H, BDV // BV, K)](phi_q, dnum, dden, wq, lgk, dh, dz, H, Lq, F, Dv, N, K, q_offset,
+                                                     BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+        NS = min(N, 128)
+        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+        dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
+        p0 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
+        p1 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
+        dwq = torch.zeros(B * H, NS, K, T, dtype=acc, device=dev)
+        _soe_bwd_grads_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wq, lgk, h, z, dh, dz, dq, dk, dv,
+                                           p0, p1, dwq, H, Lq, Lk, F, Dv, N, K, NS, q_offset,
+                                           BT=T, BF=BF, BDV=BDV, **meta)
+        dcn = dwq_h = None
+        if ctx.needs_input_grad[3]:
+            dcn = _diagonal_sums(p0.view(B, H, NS, T, T).sum((0, 2)), p1.view(B, H, NS, T, T).sum((0, 2)), T)
+            dcn = dcn.to(cn.dtype)
+        if ctx.needs_input_grad[4]:
+            dwq_h = dwq.view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
+        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None
+
+
+def soe_tables(plan: SoEPlan, T: int) -> tuple[Tensor, Tensor]:
+    """The plan as the kernels read it (float64, differentiable in `plan.a`, `plan.corr`):
+    `cn: [H, 2T]` the coefficient at distance `d = 0..2T-1` (exact below W, fitted beyond) and
+    `wq: [H, K, T]` the far-field weight `a_hk γ_k^(T+s+1)` of query s of a chunk."""
+    d = torch.arange(2 * T, device=plan.a.device, dtype=torch.float64)
+    g = plan.gamma.to(torch.float64)
+    a = plan.a.to(torch.float64)
+    cn = (a[:, None, :] * g[None, None, :] ** d[None, :, None]).sum(-1)  # (H, 2T)
+    cn = cn + torch.nn.functional.pad(plan.corr.to(torch.float64), (0, 2 * T - plan.window))
+    s = torch.arange(T, device=plan.a.device, dtype=torch.float64)
+    wq = a[:, :, None] * g[None, :, None] ** (T + s + 1)[None, None, :]  # (H, K, T)
+    return cn, wq
+
+
+def kernelized_num_den_triton_soe(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    plan: SoEPlan,
+    *,
+    q_offset: int = 0,
+    key_padding_mask: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    out_dtype: torch.dtype | None = None,
+):
+    """Causal `(num, den, log_scale)` with the coefficients of `plan` (exact below its window,
+    its sum of exponentials beyond), in one fused Triton pass, forward and backward.
+
+    Args:
+        phi_q: `[B, H, Lq, F]` at positions `q_offset + 0..Lq-1`; phi_k: `[B, H, Lk, F]`;
+            v: `[B, H, Lk, Dv]` (cast to phi_q's dtype).
+        plan: `SoEPlan` (`soe.soe_plan`); gradients flow to `plan.a` and `plan.corr`.
+        key_padding_mask: `[B, Lk]` bool, True = padding.
+        chunk_size: T; raised to the window's power of two if smaller (T >= W).
+        out_dtype: dtype of num and den (default phi_q's).
+
+    Returns:
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq] zeros)`.
+    """
+    why = triton_unavailable_reason(phi_q.device)
+    if why is not None:
+        raise FastRPEError(f"phi_q: the triton kernels cannot run on {phi_q.device}: {why}")
+    dt = phi_q.dtype
+    if dt not in _TL_DTYPE:
+        raise FastRPEError(f"phi_q: dtype {dt} is not supported (float16, bfloat16, float32, float64)")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise FastRPEError(f"chunk_size: must be a power of two >= 16 (tl.dot), got {chunk_size}")
+    B, H, Lq, F = phi_q.shape
+    if plan.a.shape[0] != H:
+        raise FastRPEError(f"plan: fitted for {plan.a.shape[0]} heads, phi_q has {H}")
+    if v.shape[2] < 1:
+        raise FastRPEError("v: needs at least one key")
+    T = max(chunk_size, _pow2(plan.window))
+    if key_padding_mask is not None:
+        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    acc = acc_dtype(dt)
+    cn, wq = soe_tables(plan, T)
+    lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
+    num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(),
+                          cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, out_dtype or dt)
+    return num, den, phi_q.new_zeros(H, Lq)
