@@ -50,31 +50,29 @@ def add_model_arguments(p) -> None:
 
 class StepBar(Callback):
     """A `fastrpe.train` callback that shows a progress bar over `total` steps (tqdm when
-    installed, else nothing), with the last train loss; `advance(n)` moves it by `n` steps
-    that were not trained (a resumed part). One bar can follow several runs."""
+    installed, else nothing), with the last train loss. One bar can follow several runs
+    (`start_run`, `end_run`); a resumed run moves it past the steps it had finished."""
 
     def __init__(self, total: int, desc: str = ""):
         from ..train.progress import progress
 
         self.bar = progress(None, desc=desc, total=total)
-        self.last = None
+        self.last = 0
 
     def _sync(self, step: int) -> None:
-        if self.last is None:  # the first step seen: a resumed run starts past 0
-            self.last = step - 1
-        if self.bar is not None and step > self.last:
+        if self.bar is not None and step > self.last:  # a resumed run jumps over its finished steps
             self.bar.update(step - self.last)
-        self.last = step
-
-    def advance(self, n: int) -> None:
-        if self.bar is not None and n:
-            self.bar.update(n)
+        self.last = max(self.last, step)
 
     def start_run(self, desc: str | None = None) -> None:
-        """The next steps belong to another run (they count from its own step 0)."""
-        self.last = None
+        """The next steps belong to another run (counted from its own step 0)."""
+        self.last = 0
         if self.bar is not None and desc is not None:
             self.bar.set_description(desc, refresh=False)
+
+    def end_run(self, steps: int) -> None:
+        """The current run has reached `steps` (also when it had nothing left to train)."""
+        self._sync(steps)
 
     def on_step_end(self, state) -> None:
         self._sync(state.step)
