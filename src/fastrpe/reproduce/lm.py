@@ -3,7 +3,7 @@ training stack (`fastrpe.train.train`).
 
 `train_lm` builds a `DecoderLM` from a seed and trains it on random windows of a token
 stream (`data.text.random_windows`, batch `s` drawn from a generator seeded by `(seed, s)`)
-with `lm_train_config`'s hyper-parameters: AdamW, linear warm-up over the first 10 % of the
+with `train_config`'s hyper-parameters: AdamW, linear warm-up over the first 10 % of the
 steps then cosine decay to 0, clipping at 1. Given an `out_dir` it checkpoints and resumes
 exactly. `eval_nll` scores non-overlapping windows (KERPLE's protocol). Both are
 deterministic given the seed.
@@ -86,10 +86,10 @@ class StepBar(Callback):
             self.bar.close()
 
 
-def lm_train_config(*, steps: int, batch_size: int, lr: float, seed: int = 0, weight_decay: float = 0.01,
-                    grad_clip: float = 1.0, out_dir: str | Path | None = None, ckpt_every: int = 0,
-                    progress: bool = False):
-    """The `TrainConfig` of every small-LM run: AdamW (betas 0.9, 0.999; decay `weight_decay`
+def train_config(*, steps: int, batch_size: int, lr: float, seed: int = 0, weight_decay: float = 0.01,
+                 grad_clip: float = 1.0, out_dir: str | Path | None = None, ckpt_every: int = 0,
+                 progress: bool = False):
+    """The `TrainConfig` of every reproduction's run (the small LMs and FastRPB's classifiers): AdamW (betas 0.9, 0.999; decay `weight_decay`
     on matrices only), warm-up over 10 % of the steps to `lr`, cosine decay to 0, clipping at
     `grad_clip`, a record every step. With `out_dir`: checkpoints every `ckpt_every` steps and
     at the end, and resumption from the newest one."""
@@ -126,7 +126,7 @@ def train_lm(cfg, stream: Tensor, *, length: int, steps: int, batch_size: int, l
              desc: str = "", progress: bool = True, setup=None, out_dir: str | Path | None = None,
              ckpt_every: int = 0, callbacks: Sequence = ()) -> LMRun:
     """Train `DecoderLM(cfg)` for `steps` steps on windows of `length + 1` tokens through
-    `fastrpe.train.train` (hyper-parameters: `lm_train_config`).
+    `fastrpe.train.train` (hyper-parameters: `train_config`).
 
     The same `seed` gives the same initialization and the same batches for every config,
     so runs that differ only in their attention are paired. `setup(model)`, if given, may
@@ -146,8 +146,8 @@ def train_lm(cfg, stream: Tensor, *, length: int, steps: int, batch_size: int, l
     if setup is not None:
         setup(model)
     model = model.to(device)
-    config = lm_train_config(steps=steps, batch_size=batch_size, lr=lr, seed=seed, weight_decay=weight_decay,
-                             grad_clip=grad_clip, out_dir=out_dir, ckpt_every=ckpt_every, progress=progress)
+    config = train_config(steps=steps, batch_size=batch_size, lr=lr, seed=seed, weight_decay=weight_decay,
+                          grad_clip=grad_clip, out_dir=out_dir, ckpt_every=ckpt_every)  # the bar is StepBar
     batches = seeded_batches(lambda g, bs: random_windows(stream, length, bs, g), batch_size, seed)
     run = LMRun(model)
 
