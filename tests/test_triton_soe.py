@@ -1,0 +1,148 @@
+"""Fused sum-of-exponentials Triton kernel (`ops/linear/triton_soe.py`) against a dense
+reference written from the plan's definition: `c(d) = Σ_k a_k γ_k^d + [d < W]·corr(d)`,
+weights `c(p_i - j)` for `j <= p_i` (Luo et al. 2021 Eq. 10 with that coefficient).
+
+Interpreter set-up as in test_triton_chunked.py (TRITON_INTERPRET before triton imports).
+"""
+import os
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from fastrpe.ops.linear import triton_soe as ts  # noqa: E402
+from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
+from fastrpe._validate import FastRPEError  # noqa: E402
+from fastrpe.ops.linear.soe import SoEPlan, soe_plan  # noqa: E402
+from fastrpe.testing import assert_close, assert_lowp_close  # noqa: E402
+
+DEV = torch.device("cuda" if _CUDA else "cpu")
+pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
+                                reason=str(triton_unavailable_reason(DEV)))
+
+
+def _plan(H, window, terms, fit_length=256):
+    """A KERPLE-log-like decay per head, fitted; `a` and `corr` as leaves with gradients."""
+    d = torch.arange(fit_length, dtype=torch.float64)
+    r1 = torch.linspace(0.5, 2.0, H, dtype=torch.float64)
+    b = -r1[:, None] * torch.log1p(0.3 * d)[None]
+    p = soe_plan(b, window=window, num_terms=terms)
+    return SoEPlan(p.gamma.to(DEV), p.a.detach().to(DEV).requires_grad_(), p.corr.detach().to(DEV).requires_grad_(),
+                   p.window, p.fit_length)
+
+
+def _inputs(B, H, Lq, Lk, F, Dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64)
+    k = torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)
+    return [t.to(DEV, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def reference(q, k, v, plan, q_offset=0, kpm=None):
+    """Dense causal sums with the plan's coefficients."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    L = max(Lk, q_offset + Lq)
+    d = torch.arange(L, device=q.device, dtype=torch.float64)
+    c = (plan.a[:, None, :] * plan.gamma[None, None, :] ** d[None, :, None]).sum(-1)  # (H, L)
+    c = c + torch.nn.functional.pad(plan.corr, (0, L - plan.window))
+    dist = (torch.arange(Lq, device=q.device) + q_offset)[:, None] - torch.arange(Lk, device=q.device)[None, :]
+    w = torch.where(dist >= 0, c[:, dist.clamp_min(0)], torch.zeros((), dtype=c.dtype, device=q.device))
+    a = torch.einsum("bhif,bhjf->bhij", q, k) * w.to(q.dtype)
+    if kpm is not None:
+        a = a.masked_fill(kpm[:, None, None, :], 0.0)
+    return a @ v, a.sum(-1)
+
+
+def _grads(outs, leaves, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
+    return torch.autograd.grad(loss, leaves)
+
+
+CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk
+    pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, id="T63-F12-Dv10-W8-C16"),
+    pytest.param(2, 1, 1, 1, 12, 10, 0, 8, 16, id="T1"),
+    pytest.param(1, 2, 50, 50, 12, 10, 0, 16, 16, id="T50-W16-C16"),
+    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-chunk-raised-to-32"),
+    pytest.param(1, 2, 5, 60, 12, 10, 55, 8, 16, id="decode-Lq5-Lk60-off55"),
+    pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, id="Lq20-Lk50-off10"),
+    pytest.param(1, 2, 40, 25, 12, 10, 0, 8, 16, id="queries-past-keys"),
+]
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk", CASES)
+def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk):
+    q, k, v = _inputs(B, H, Lq, Lk, F, Dv, torch.float64)
+    plan = _plan(H, window, 4)
+    num, den, ls = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk)
+    assert not ls.any()
+    rn, rd = reference(q, k, v, plan, q_offset)
+    assert_close(num, rn.detach())
+    assert_close(den, rd.detach())
+    leaves = (q, k, v, plan.a, plan.corr)
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), _grads((num, den), leaves), _grads((rn, rd), leaves)):
+        assert_close(a, b, msg=name)
+
+
+def test_soe_float32_and_padding():
+    q, k, v = _inputs(2, 1, 63, 63, 12, 10, torch.float32)
+    plan = _plan(1, 8, 4)
+    kpm = torch.zeros(2, 63, dtype=torch.bool, device=DEV)
+    kpm[0, 40:] = True
+    kpm[1, :5] = True
+    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, key_padding_mask=kpm, chunk_size=16)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rn, rd = reference(q64, k64, v64, plan, kpm=kpm)
+    assert_close(num, rn.detach(), torch.float32)
+    assert_close(den, rd.detach(), torch.float32)
+    got = _grads((num, den), (q, k, v, plan.a, plan.corr))
+    want = _grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
+        assert_close(a, b, torch.float32, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_soe_low_precision_against_float64(dtype):
+    q, k, v = _inputs(1, 2, 63, 63, 12, 10, dtype)
+    plan = _plan(2, 8, 5)
+    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r64 = reference(q64, k64, v64, plan)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    rl = reference(ql, kl, vl, plan)
+    for name, a, n, r in zip(("num", "den"), (num, den), rl, r64):
+        assert_lowp_close(a, n, r.detach(), msg=name)
+    got, lowp, want = _grads((num, den), (q, k, v)), _grads(rl, (ql, kl, vl)), _grads(r64, (q64, k64, v64))
+    for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
+        assert_lowp_close(a, n, r, msg=name)
+
+
+def test_soe_refusals_name_the_argument():
+    q, k, v = _inputs(1, 2, 8, 8, 12, 10, torch.float64)
+    with pytest.raises(FastRPEError, match="chunk_size"):
+        ts.kernelized_num_den_triton_soe(q, k, v, _plan(2, 8, 4), chunk_size=24)
+    with pytest.raises(FastRPEError, match="plan"):
+        ts.kernelized_num_den_triton_soe(q, k, v, _plan(3, 8, 4))
+
+
+@pytest.mark.gpu
+def test_soe_gpu_realistic_size_bf16():
+    """L=4096, H=8, F=32, Dv=64, 16 terms, W=64, bf16 on the GPU against the float64 reference."""
+    if not _CUDA:
+        pytest.skip("needs CUDA")
+    q, k, v = _inputs(1, 8, 4096, 4096, 32, 64, torch.bfloat16)
+    plan = _plan(8, 64, 16, fit_length=4096)
+    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rn, rd = reference(q64, k64, v64, plan)
+    out, ref = num.double() / den.double()[..., None], rn / rd[..., None]
+    assert (out - ref.detach()).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    got = _grads((num, den), (q, k, v, plan.a, plan.corr))
+    want = _grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
+        assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item(), name
