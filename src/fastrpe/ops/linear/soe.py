@@ -17,9 +17,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as Fn
 from torch import Tensor
-
-from .chunked import kernelized_num_den_chunked
 
 DEFAULT_WINDOW = 64
 DEFAULT_TERMS = 16
@@ -177,56 +176,36 @@ def soe_fit_refusal(position, length: int) -> str | None:
     return None
 
 
-def _far_field(phi_q, phi_k, v, plan: SoEPlan, *, q_offset, key_padding_mask, chunk_size, states=None,
-               return_state=False):
-    """`Σ_k a_k·(geometric pass with γ_k)`: one linear-time chunked pass per term.
-    `states: [B, H, K, F, C]` continue from earlier keys (decoding)."""
-    B, H, Lq, _ = phi_q.shape
-    Dv, dt = v.shape[3], phi_q.dtype
-    num, den, new_states = phi_q.new_zeros(B, H, Lq, Dv), phi_q.new_zeros(B, H, Lq), []
-    for kk in range(plan.num_terms):
-        g = plan.gamma[kk].to(dt).expand(H)
-        res = kernelized_num_den_chunked(phi_q, phi_k, v, gamma=g, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                                         chunk_size=chunk_size, initial_state=None if states is None else states[:, :, kk],
-                                         return_state=return_state)
-        w = plan.a[:, kk].to(dt)[None, :, None]  # (1, H, 1)
-        num = num + res[0] * w[..., None]
-        den = den + res[1] * w
-        if return_state:
-            new_states.append(res[3])
-    return num, den, (torch.stack(new_states, 2) if return_state else None)
-
-
-def _band(phi_q, phi_k, vv, corr: Tensor, *, q_offset: int, chunk_size: int):
-    """Exact band correction: `Σ_{0 <= p_i - j < W} corr(p_i - j)·(φq_i·φk_j)·vv_j`, `[B, H, Lq, C]`."""
-    B, H, Lq, _ = phi_q.shape
-    Lk, W, dt, dev = phi_k.shape[2], corr.shape[1], phi_q.dtype, phi_q.device
-    corr = corr.to(dt)
-    y = phi_q.new_zeros(B, H, Lq, vv.shape[-1])
-    pos_q = torch.arange(Lq, device=dev) + q_offset
-    for s in range(0, Lq, chunk_size):
-        e = min(Lq, s + chunk_size)
-        k0, k1 = max(0, int(pos_q[s]) - W + 1), min(Lk, int(pos_q[e - 1]) + 1)
-        if k1 <= k0:
-            continue
-        dist = pos_q[s:e, None] - torch.arange(k0, k1, device=dev)[None, :]  # (T, nk)
-        ok = (dist >= 0) & (dist < W)
-        cband = torch.where(ok[None], corr[:, dist.clamp(0, W - 1)], torch.zeros((), dtype=dt, device=dev))
-        att = torch.einsum("bhif,bhjf->bhij", phi_q[:, :, s:e], phi_k[:, :, k0:k1]) * cband[None]
-        y = y.index_add(2, torch.arange(s, e, device=dev), att @ vv[:, :, k0:k1])
-    return y
+def _near_coefficients(plan: SoEPlan, T: int) -> Tensor:
+    """`[H, 2T]` float64: the coefficient at distance `d = 0..2T-1`, exact below W, fitted beyond."""
+    d = torch.arange(2 * T, device=plan.a.device, dtype=torch.float64)
+    w = (plan.a[:, None, :] * plan.gamma[None, None, :] ** d[None, :, None]).sum(-1)  # (H, 2T)
+    return w + torch.nn.functional.pad(plan.corr, (0, 2 * T - plan.window))
 
 
 def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: Tensor | None = None, *,
                            q_offset: int = 0, key_padding_mask: Tensor | None = None, window: int = DEFAULT_WINDOW,
-                           num_terms: int = DEFAULT_TERMS, chunk_size: int = 64, plan: SoEPlan | None = None):
+                           num_terms: int = DEFAULT_TERMS, chunk_size: int = 64, plan: SoEPlan | None = None,
+                           initial_state: Tensor | None = None, return_state: bool = False):
     """Causal `(num, den, log_scale)` like `kernelized_num_den_naive(..., causal=True)`, with
     the coefficients beyond distance `window` replaced by their sum-of-exponentials fit.
 
+    One pass over chunks of `T >= W` positions: each query chunk's product with key chunks
+    `c-1, c` is formed once and weighted by the exact coefficients below W (fitted ones up to
+    2T); keys further away are read from K decayed states `[B, H, K, F, C]`, all K updated
+    in one step per chunk.
+
     Args:
+        phi_q: `[B, H, Lq, F]` at positions `q_offset + 0..Lq-1`; phi_k: `[B, H, Lk, F]`; v: `[B, H, Lk, Dv]`.
         log_coeff: `[H, Lq+Lk-1]` in the usual offset order (only `r <= 0` is used); the fit
             then covers the distances of this call only. Or pass
         plan: a fit from `soe_plan` (what the backend does, fitted to `max(L, SOE_FIT_LENGTH)`).
+        initial_state: `[B, H, K, F, Dv+1]` `Σ_j γ_k^(-1-j) φ(k_j) ⊗ [v_j, 1]` of keys `j < 0`,
+            read with the fitted coefficients only (decoding adds the exact band of its last keys).
+        return_state: also return that state after the last key (position Lk - 1).
+
+    Returns:
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` (+ `state` if asked).
     """
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
@@ -236,13 +215,62 @@ def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: T
         # b(-d) for d = 0..L-1 (offset r = -d sits at index Lq-1+q_offset-d; clamp for d past the vector)
         d = torch.arange(L, device=dev)
         plan = soe_plan(log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)], window, num_terms)
-    num, den, _ = _far_field(phi_q, phi_k, v, plan, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                             chunk_size=chunk_size)
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)
-    y = _band(phi_q, phi_k, vv, plan.corr, q_offset=q_offset, chunk_size=chunk_size)
-    return num + y[..., :Dv], den + y[..., Dv], phi_q.new_zeros(H, Lq)
+    vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)  # (B, H, Lk, C)
+    C, K = Dv + 1, plan.num_terms
+    T = max(chunk_size, plan.window)
+    n = -(-max(Lk, q_offset + Lq) // T)
+    c0, c1 = q_offset // T, (q_offset + Lq - 1) // T  # the query chunks
+    m = c1 - c0 + 1
+    pad_q = (q_offset - c0 * T, (c1 + 1) * T - q_offset - Lq)
+    k_pos = Fn.pad(phi_k, (0, 0, 0, n * T - Lk)).view(B, H, n, T, F)
+    v_pos = Fn.pad(vv, (0, 0, 0, n * T - Lk)).view(B, H, n, T, C)
+    q_pos = Fn.pad(phi_q, (0, 0, *pad_q)).view(B, H, m, T, F)
+
+    # near field: key chunks c-1 and c, every pair's coefficient from one [H, T, 2T] table
+    kp = Fn.pad(k_pos, (0, 0, 0, 0, 1, 0))  # (B, H, n+1, T, F): chunk c sits at c+1
+    vp = Fn.pad(v_pos, (0, 0, 0, 0, 1, 0))
+    kwin = torch.cat([kp[:, :, c0: c0 + m], kp[:, :, c0 + 1: c0 + 1 + m]], 3)  # (B, H, m, 2T, F)
+    vwin = torch.cat([vp[:, :, c0: c0 + m], vp[:, :, c0 + 1: c0 + 1 + m]], 3)  # (B, H, m, 2T, C)
+    t = torch.arange(T, device=dev)
+    dist = t[:, None] + T - torch.arange(2 * T, device=dev)[None, :]  # (T, 2T): query s, key x
+    near = _near_coefficients(plan, T)[:, dist.clamp(0, 2 * T - 1)].masked_fill(dist[None] < 0, 0.0).to(dt)
+    a = torch.einsum("bhmsf,bhmxf->bhmsx", q_pos, kwin) * near[None, :, None]  # (B, H, m, T, 2T)
+    y = torch.einsum("bhmsx,bhmxc->bhmsc", a, vwin)  # (B, H, m, T, C)
+
+    # far field: keys in chunks <= c-2 (distance > T >= W), from K decayed states
+    gam = plan.gamma  # (K,) float64
+    to_end = (gam[:, None] ** (T - 1 - t).to(gam.dtype)).to(dt)  # (K, T)
+    outer = (k_pos[..., :, None] * v_pos[..., None, :]).flatten(-2)  # (B, H, n, T, F·C)
+    kc = (to_end @ outer).view(B, H, n, K, F, C)  # chunk summaries, one (K, T) @ (T, F·C) per chunk
+    gT = (gam ** T).to(dt)[:, None, None]  # (K, 1, 1)
+    S = kc.new_zeros(B, H, K, F, C) if initial_state is None else initial_state.to(dt)
+    # S: keys before chunk c (and the initial state) decayed to position cT - 1;
+    # Z[c] = γ^T·S(c-1): what query chunk c reads beyond its window (Z[0]: the initial state)
+    Z, Sb = [S], [S]
+    ck = (Lk - 1) // T  # the chunk of the last key
+    last = max(c1, ck) if return_state else c1
+    for c, kc_c in enumerate(kc.unbind(2)):  # unbind: each select's backward would zero-fill all of kc
+        if c >= last:
+            break
+        Z.append(gT * Sb[-1])
+        Sb.append(Z[-1] + kc_c)
+    Zq = torch.stack(Z[c0: c1 + 1], 2)  # (B, H, m, K, F, C)
+    # query s of chunk c is s + 1 positions past Z[c]'s reference point
+    qfar = (plan.a[:, :, None] * gam[None, :, None] ** (t + 1).to(gam.dtype)).to(dt)  # (H, K, T)
+    u = q_pos @ Zq.permute(0, 1, 2, 4, 3, 5).flatten(-2)  # (B, H, m, T, K·C): φq·Z_k for every term
+    y = y + (u.view(B, H, m, T, K, C) * qfar.transpose(1, 2)[None, :, None, :, :, None]).sum(-2)
+    y = y.reshape(B, H, m * T, C)[:, :, pad_q[0]: pad_q[0] + Lq]
+    out = (y[..., :Dv], y[..., Dv], phi_q.new_zeros(H, Lq))
+    if not return_state:
+        return out
+    # after key Lk - 1: the chunks before its chunk ck, then that chunk's e real keys
+    e = Lk - ck * T
+    to_last = (gam[:, None] ** (e - 1 - t[:e]).to(gam.dtype)).to(dt)  # (K, e)
+    kl = k_pos[:, :, ck, None, :e] * to_last[None, None, :, :, None]  # (B, H, K, e, F)
+    state = (gam ** e).to(dt)[:, None, None] * Sb[ck] + kl.transpose(-1, -2) @ v_pos[:, :, ck, None, :e]
+    return (*out, state)
 
 
 @dataclass
@@ -264,27 +292,42 @@ class SoEState:
         return sum(t.numel() * t.element_size() for t in (self.S, self.keys, self.values))
 
 
+def _band_correction(phi_q: Tensor, keys: Tensor, values: Tensor, corr: Tensor, q_offset: int) -> Tensor:
+    """`Σ_{0 <= p_i - j < W} corr(p_i - j)·(φq_i·φk_j)·values_j`, `[B, H, Lq, C]`, dense over the
+    few keys given (decoding: the last W - 1 keys and the new ones; queries at `q_offset + i`)."""
+    Lq, Lk, W = phi_q.shape[2], keys.shape[2], corr.shape[1]
+    d = (torch.arange(Lq, device=phi_q.device) + q_offset)[:, None] - torch.arange(Lk, device=phi_q.device)[None, :]
+    cw = corr.to(phi_q.dtype)[:, d.clamp(0, W - 1)].masked_fill(((d < 0) | (d >= W))[None], 0.0)  # (H, Lq, Lk)
+    return (torch.einsum("bhif,bhjf->bhij", phi_q, keys) * cw[None]) @ values
+
+
 def soe_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, plan: SoEPlan, state: SoEState | None = None,
              chunk_size: int = 64):
     """Decode `L` new tokens (features `phi_q, phi_k: [B, H, L, F]`, `v: [B, H, L, Dv]`) after
     `state`: returns `(num, den, new_state)`; memory independent of how many tokens came before."""
     dt = phi_q.dtype
+    L, Dv = phi_q.shape[2], v.shape[3]
     vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)
-    if phi_q.shape[2] == 1 and state is not None:
+    nb = 0 if state is None else state.keys.shape[2]  # buffered keys, at positions -nb..-1
+    if L == 1 and state is not None:
         # one token: every term's state decays by its rate and takes the new key (distance 0)
         g = plan.gamma.to(dt)[None, None, :, None, None]  # (1, 1, K, 1, 1)
         S = g * state.S + torch.einsum("bhf,bhc->bhfc", phi_k[:, :, 0], vv[:, :, 0])[:, :, None]
         y = torch.einsum("bhf,bhkfc,hk->bhc", phi_q[:, :, 0], S, plan.a.to(dt))[:, :, None]  # (B, H, 1, C)
-        num, den = y[..., :-1], y[..., -1]
+        # the exact band over the buffered keys and the new one
+        y = y + _band_correction(phi_q, torch.cat([state.keys, phi_k], 2), torch.cat([state.values, vv], 2),
+                                 plan.corr, nb)
     else:
-        num, den, S = _far_field(phi_q, phi_k, v, plan, q_offset=0, key_padding_mask=None, chunk_size=chunk_size,
-                                 states=None if state is None else state.S, return_state=True)
+        num, den, _, S = kernelized_num_den_soe(phi_q, phi_k, v, plan=plan, chunk_size=chunk_size,
+                                                initial_state=None if state is None else state.S, return_state=True)
+        y = torch.cat([num, den[..., None]], -1)
+        if nb:  # the state's keys are read with fitted coefficients: add the exact band of the buffered ones
+            r = min(L, plan.window - 1)  # only the first W - 1 new queries reach them
+            y = torch.cat([y[:, :, :r] + _band_correction(phi_q[:, :, :r], state.keys, state.values, plan.corr, nb),
+                           y[:, :, r:]], 2)
     keys, values = phi_k, vv
     if state is not None:
         keys, values = torch.cat([state.keys, phi_k], 2), torch.cat([state.values, vv], 2)
-    n_prev = keys.shape[2] - phi_k.shape[2]
-    y = _band(phi_q, keys, values, plan.corr, q_offset=n_prev, chunk_size=chunk_size)
-    keep = plan.window - 1
-    tail = slice(max(0, keys.shape[2] - keep), None)
-    new = SoEState(S, keys[:, :, tail], values[:, :, tail], plan, (0 if state is None else state.length) + phi_q.shape[2])
-    return num + y[..., :v.shape[3]], den + y[..., v.shape[3]], new
+    tail = slice(max(0, keys.shape[2] - (plan.window - 1)), None)
+    new = SoEState(S, keys[:, :, tail], values[:, :, tail], plan, (0 if state is None else state.length) + L)
+    return y[..., :Dv], y[..., Dv], new
