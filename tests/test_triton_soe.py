@@ -146,3 +146,40 @@ def test_soe_gpu_realistic_size_bf16():
     want = _grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
     for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
         assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item(), name
+
+
+@pytest.fixture
+def interpret_on_cpu(monkeypatch):
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", not _CUDA)
+
+
+def test_backend_matches_dense_within_the_fit(interpret_on_cpu):
+    """`triton_soe` through the public API, learnable KERPLE-log: output and gradients (the
+    term's parameters included) within the fit's 1e-3 of the exact dense backend."""
+    import fastrpe as fr
+    from fastrpe.positions.kerple import KerpleLog
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64, device=DEV, requires_grad=True) for _ in range(3))
+    pos = KerpleLog(2).double().to(DEV)
+    res = []
+    for backend in ("triton_soe", "dense"):
+        out = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend=backend)
+        res.append((out, _grads([out], (q, k, v, *pos.parameters()))))
+    (o1, g1), (o2, g2) = res
+    assert (o1 - o2).abs().max().item() <= 1e-3 * o2.abs().max().item()
+    for a, b in zip(g1, g2):
+        assert (a - b).abs().max().item() <= 1e-3 * b.abs().max().item()
+
+
+def test_backend_refuses_geometric_and_bidirectional(interpret_on_cpu):
+    import fastrpe as fr
+    from fastrpe.positions.alibi import ALiBi
+
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, device=DEV) for _ in range(3))
+    with pytest.raises(FastRPEError, match="geometric decay"):
+        fr.attention(q, k, v, kernel="elu", position=ALiBi(2).double().to(DEV), causal=True, backend="triton_soe")
+    with pytest.raises(FastRPEError, match="causal only"):
+        fr.attention(q, k, v, kernel="elu", position=ALiBi(2).double().to(DEV), causal=False, backend="triton_soe")

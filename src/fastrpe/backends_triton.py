@@ -1,8 +1,10 @@
-"""The Triton backends (extra `[triton]`): registered by `backends.py` when triton imports.
+"""The Triton backends (extra `[triton]`), registered by one line at the end of `backends.py`.
 
 `triton_chunked`: kernelized attention with no positional term or a geometric decay
 `γ_h^|r|` (ALiBi, KERPLE power p = 1, GeometricDecay), causal (any Lq, Lk, q_offset) or
 bidirectional (Lq = Lk), by the kernels of `ops/linear/triton_chunked.py`.
+`triton_soe`: the `soe` backend's problems (causal, any decaying term, APPROXIMATE beyond
+the exact band) by the fused kernel of `ops/linear/triton_soe.py`.
 
 The kernel module is imported only when a call runs: `triton.jit` decides when it decorates
 whether a kernel is compiled for the GPU or interpreted on the CPU (`TRITON_INTERPRET=1`).
@@ -26,6 +28,15 @@ from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 INTERPRET_ON_CPU = False
 
 _KERNELS = "fastrpe.ops.linear.triton_chunked"
+
+
+def _shared_reasons(p: Problem) -> list[str]:
+    """Kernelized only, no 2D grid, no running maximum over keys (as every linear-time path)."""
+    from . import backends
+
+    r = backends._kernel_kind_reasons(p, want_softmax=False) + backends._grid_reasons(p)
+    running_max = getattr(backends, "_running_max_reasons", None)  # causal SIKF, where it exists
+    return r + (running_max(p) if running_max else [])
 
 
 def _triton_reason(p: Problem) -> str | None:
@@ -70,9 +81,7 @@ class TritonChunkedBackend(Backend):
     forward and backward; bf16 inputs run bf16 tensor-core products with fp32 sums."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        from .backends import _grid_reasons, _kernel_kind_reasons
-
-        r = _kernel_kind_reasons(p, want_softmax=False)
+        r = _shared_reasons(p)
         why = _triton_reason(p)
         if why:
             r.append(why)
@@ -83,7 +92,7 @@ class TritonChunkedBackend(Backend):
                      f"q_offset={p.q_offset}")
         if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             r.append(f"dtype {p.dtype} is not supported")
-        return r + _grid_reasons(p)
+        return r
 
     def cost(self, p: Problem) -> Cost:
         T, C, F = 64, p.Dv + 1, p.F
@@ -99,8 +108,6 @@ class TritonChunkedBackend(Backend):
         return Cost(seconds, mem)
 
     def run(self, q, k, v, p, kpm):
-        from . import backends
-
         gamma = p.position.geometric_decay() if p.position is not None else None
         dot_dtype = torch.bfloat16 if (p.dtype == torch.bfloat16 and p.device.type == "cuda") else None
 
@@ -109,16 +116,89 @@ class TritonChunkedBackend(Backend):
                                           key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
                                           dot_dtype=dot_dtype)
 
-        if hasattr(backends, "_kernelized"):  # the composition in ops/kernelized.py
-            return backends._kernelized(q, k, v, p, kpm, num_den, gamma)
+        return _compose(q, k, v, p, kpm, num_den, gamma)
 
-        def old_num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-            return num_den(phi_q, phi_k, vv, gamma, causal=causal, q_offset=q_offset,
-                           key_padding_mask=key_padding_mask)
 
-        return backends.kernelized_attention(q, k, v, p, kpm, old_num_den, naive=False)
+def _compose(q, k, v, p, kpm, num_den, coeffs):
+    """The kernelized composition (features, Shaw, FastRPB) around the inner-product algorithm."""
+    from . import backends
+
+    if hasattr(backends, "_kernelized"):  # the composition in ops/kernelized.py
+        return backends._kernelized(q, k, v, p, kpm, num_den, coeffs)
+
+    def old_num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
+        return num_den(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)
+
+    return backends.kernelized_attention(q, k, v, p, kpm, old_num_den, naive=False)
+
+
+def num_den_triton_soe(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
+                       dot_dtype=None):
+    """The `NumDen` inner-product algorithm by the fused SoE kernel; coeffs: the `SoEPlan`."""
+    from .ops.linear.triton_soe import kernelized_num_den_triton_soe
+
+    if not causal:
+        raise ValueError("triton_soe: causal only (got causal=False)")
+    if key_log_scale is not None:
+        raise ValueError("triton_soe: keys stabilized per key (a running maximum) need the dense algorithm")
+    out_dtype = phi_q.dtype
+    if dot_dtype is not None and dot_dtype != phi_q.dtype:
+        phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
+    return kernelized_num_den_triton_soe(phi_q, phi_k, v, coeffs, q_offset=q_offset, key_padding_mask=key_padding_mask,
+                                         out_dtype=out_dtype)
+
+
+class TritonSoEBackend(Backend):
+    """The `soe` backend's form (exact band, sum-of-exponentials far field: APPROXIMATE) in
+    one fused Triton pass, forward and backward; refuses what `soe` refuses."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        from .dispatch import BACKENDS
+
+        soe = BACKENDS.get("soe")
+        r = list(soe.not_supported_reasons(p)) if soe is not None else ["needs the soe backend's fit"]
+        r = [x.replace("chunked runs it exactly", "chunked/triton_chunked run it exactly") for x in r]
+        why = _triton_reason(p)
+        if why:
+            r.append(why)
+        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            r.append(f"dtype {p.dtype} is not supported")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        from .ops.linear.soe import DEFAULT_TERMS, DEFAULT_WINDOW
+
+        T, C, F, K = max(64, DEFAULT_WINDOW), p.Dv + 1, p.F, DEFAULT_TERMS
+        L = max(p.Lk, p.q_offset + p.Lq)
+        # one [T, 2T] near product per chunk, K state updates and K state reads: no K passes
+        flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
+        el = 2 if p.dtype in (torch.float16, torch.bfloat16) else p.bytes_per_el
+        mem = p.B * p.H * ((L // T + 1) * K * F * C * el * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
+        seconds = machine_time(p.device, flops, 2 * mem, calls=12)
+        if p.device.type != "cuda":
+            seconds *= 1e4  # the interpreter: never `auto`'s choice
+        return Cost(seconds, mem)
+
+    def run(self, q, k, v, p, kpm):
+        from .ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, soe_plan
+
+        # the soe backend's fit: from the term itself over max(L, SOE_FIT_LENGTH) distances
+        fit_length = max(p.Lk, p.q_offset + p.Lq, SOE_FIT_LENGTH)
+        with torch.autocast(q.device.type, enabled=False):
+            plan = soe_plan(causal_log_coefficients(p.position, fit_length))
+        dot_dtype = torch.bfloat16 if (p.dtype == torch.bfloat16 and p.device.type == "cuda") else None
+
+        def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
+            return num_den_triton_soe(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
+                                      key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
+                                      dot_dtype=dot_dtype)
+
+        return _compose(q, k, v, p, kpm, num_den, plan)
 
 
 def register() -> None:
     register_backend(TritonChunkedBackend(
         "triton_chunked", description="kernelized, geometric decay, linear time, Triton kernels (CUDA)"))
+    register_backend(TritonSoEBackend(
+        "triton_soe", exact=False,
+        description="causal kernelized, any decaying term, one fused Triton pass (approximate, CUDA)"))
