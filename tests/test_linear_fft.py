@@ -1,4 +1,4 @@
-"""Kernelized attention with a Toeplitz RPE by FFT (`ops/linear/fft.py`) against the naive op.
+"""Kernelized attention with a Toeplitz RPE by FFT (`ops/linear/fft/`) against the naive op.
 
 Both return `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`, the true values being
 `num·exp(log_scale)` and `den·exp(log_scale)`; the FFT op uses the same per-row scale, so the
@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import fastrpe.ops.linear.fft as fftmod
+import fastrpe.ops.linear.fft.product as fftproduct
+from fastrpe.ops.linear.fft import plan as fftplan
 from fastrpe.ops.common import safe_divide
 from fastrpe.ops.linear.fft import estimate_fft_cost, fft_block_size, kernelized_num_den_fft
 from fastrpe.ops.linear.naive import kernelized_num_den_naive
@@ -110,10 +112,10 @@ def test_feature_blocks_follow_the_budget_and_agree(causal, monkeypatch, small_l
     B, H, Lq, Lk, F, Dv = 2, 3, 40, 40, 8, 5
     pq, pk, v, _ = _inputs(B, H, Lq, Lk, F, Dv)
     lc = (-0.05 * torch.arange(-(Lq - 1), Lk).abs().double()).expand(H, -1).clone().requires_grad_()
-    per_feature = fftmod._bytes_per_feature(B, H, Lq, Lk, Dv, 8)
+    per_feature = fftplan._bytes_per_feature(B, H, Lq, Lk, Dv, 8)
     calls = []
-    orig = fftmod._channels
-    monkeypatch.setattr(fftmod, "_channels", lambda phi, vv: calls.append(phi.shape[-1]) or orig(phi, vv))
+    orig = fftproduct._channels
+    monkeypatch.setattr(fftproduct, "_channels", lambda phi, vv: calls.append(phi.shape[-1]) or orig(phi, vv))
     results = {}
     for block in (1, 3, F):
         budget = block * per_feature
@@ -215,7 +217,7 @@ def test_gradcheck_blocked_function(Lq, Lk, block):
     pk = torch.rand(1, 2, Lk, 3, generator=g, dtype=torch.float64, requires_grad=True)
     vv = torch.randn(1, 2, Lk, 2, generator=g, dtype=torch.float64, requires_grad=True)
     c = torch.rand(2, Lq + Lk - 1, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *t: fftmod._FFTNumDen.apply(*t, block), (pq, pk, vv, c), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: fftproduct._FFTNumDen.apply(*t, block), (pq, pk, vv, c), fast_mode=True)
 
 
 NO_LEAK = [(300, 300, 0, torch.float64, True), (300, 300, 0, torch.float32, True),
@@ -314,18 +316,6 @@ def test_heads_with_different_decays_and_key_windows(name, causal, Lq, Lk, kerne
     assert torch.equal(out.norm(dim=-1) == 0, empty)
     rel = (out.double() - ref).norm(dim=-1)[~empty] / ref.norm(dim=-1)[~empty]
     assert rel.max() < 1e-4, rel.max()
-
-
-def test_key_window():
-    from fastrpe.ops.linear.fft import _key_window
-
-    # two rows, five keys: offsets lcs[t] for t = 0..5; key j meets offsets j, j+1
-    lcs = torch.tensor([[-100.0, -100.0, -1.0, -100.0, -100.0, -100.0]])
-    assert _key_window(lcs, torch.tensor([[-10.0]]), 2, 5) == (1, 3)  # keys 1 and 2 meet offset 2
-    assert _key_window(lcs, torch.tensor([[0.0]]), 2, 5) == (0, 0)  # nothing alive
-    assert _key_window(lcs, torch.tensor([[-200.0]]), 2, 5) == (0, 5)
-    lcs2 = torch.stack([lcs[0], lcs[0].roll(3)])  # a second head alive elsewhere: the union
-    assert _key_window(lcs2, torch.tensor([[-10.0], [-10.0]]), 2, 5) == (1, 5)
 
 
 def test_causal_leaf_follows_the_memory_budget():

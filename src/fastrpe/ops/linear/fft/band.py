@@ -1,0 +1,69 @@
+"""The near band of a non-causal product, dense: offsets `|r| <= w` around each row's diagonal.
+
+FFT round-off is spread over all outputs of a product, so a row whose weight sits in a few
+nearby keys (a sharp decay) with `φ(q_i)·φ(k_j) = 0` there (relu features) has a true
+value far below the product's noise. Taking the offsets `-w .. w` out of the FFT and
+computing them densely leaves the FFT only the far coefficients, whose noise is then
+relative to them: for sharp decays it vanishes, and such rows are certified instead of
+recomputed. (The causal recursion has this already: its diagonal leaves are dense.)
+
+Rows are taken `w` at a time; a block of rows at positions `a .. a+w-1` meets the keys
+`a+q_offset-w .. a+q_offset+2w-1`, so the band is one batched `[w, 3w]` product per block:
+O(Lq·w·(F + C)) time and memory, with static shapes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as nnf
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+#: half width of the dense near band of non-causal products
+NEAR_BAND = 32
+
+
+def far_coefficients(lc: Tensor, Lq: int, q_offset: int, w: int) -> Tensor:
+    """`lc: [H, R]` with the band offsets `-w .. w` set to `-inf` (what the FFT multiplies)."""
+    origin = Lq - 1 + q_offset  # index of offset 0
+    idx = torch.arange(lc.shape[-1], device=lc.device)
+    return lc.masked_fill((idx - origin).abs() <= w, float("-inf"))
+
+
+def band_covers_all(Lq: int, Lk: int, q_offset: int, w: int) -> bool:
+    """Whether every offset lies in the band (then no FFT is needed)."""
+    return -(Lq - 1 + q_offset) >= -w and Lk - 1 - q_offset <= w
+
+
+def _band(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int, w: int) -> Tensor:
+    B, H, Lq, F = phi_q.shape
+    Lk, C, R = phi_k.shape[2], vv.shape[-1], lc.shape[-1]
+    nb = -(-Lq // w)
+    dev = phi_q.device
+    pq = nnf.pad(phi_q, (0, 0, 0, nb * w - Lq)).view(B, H, nb, w, F)
+    kidx = (torch.arange(nb, device=dev)[:, None] * w + q_offset - w + torch.arange(3 * w, device=dev))  # (nb, 3w)
+    kvalid = (kidx >= 0) & (kidx < Lk)
+    kflat = kidx.clamp(0, Lk - 1).flatten()
+    pk = phi_k.index_select(2, kflat).view(B, H, nb, 3 * w, F)
+    v = vv.index_select(2, kflat).view(B, H, nb, 3 * w, C)
+    t = torch.arange(w, device=dev)[:, None]
+    u = torch.arange(3 * w, device=dev)[None, :]
+    r = u - w - t  # (w, 3w): offset of (row a+t, key a+q_offset-w+u)
+    lci = (r + Lq - 1 + q_offset).clamp(0, R - 1)
+    rvalid = (torch.arange(nb * w, device=dev) < Lq).view(nb, w)
+    keep = (r.abs() <= w)[None] & kvalid[:, None, :] & rvalid[:, :, None]  # (nb, w, 3w)
+    s = nnf.pad(scale, (0, nb * w - Lq)).view(H, nb, w)
+    x = lc[:, lci][:, None] - s[..., None]  # (H, nb, w, 3w), <= 0 inside the band
+    wgt = torch.exp(torch.where(keep[None], x, torch.full_like(x, float("-inf"))))  # masked before exp: no inf·0
+    a = torch.einsum("bhntf,bhnuf->bhntu", pq, pk) * wgt  # (B, H, nb, w, 3w)
+    y = (a @ v).view(B, H, nb * w, C)
+    return y[:, :, :Lq]
+
+
+def band_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
+                 w: int = NEAR_BAND) -> Tensor:
+    """`[B, H, Lq, C]` in the rows' units `exp(scale)`: the terms with offsets `|r| <= w`, dense.
+    Recomputed in backward (checkpoint), so autograd keeps no `[Lq, 3w]` weights."""
+    args = (phi_q, phi_k, vv, lc, scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+        return checkpoint(_band, *args, q_offset, w, use_reentrant=False)
+    return _band(*args, q_offset, w)

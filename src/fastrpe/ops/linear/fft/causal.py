@@ -1,0 +1,101 @@
+"""Causal products by divide and conquer over positions, decided from shapes alone.
+
+The positions are split in halves down to dense diagonal leaves; every pair (later half's
+queries, earlier half's keys) is one full FFT product with no mask, so no computation for
+query i ever reads a key after i (the future cannot leak into the past, even through
+round-off). O(L log² L) time; the schedule depends on `(Lq, Lk, q_offset, leaf)` only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ...toeplitz.fft import fft_length
+from .plan import CAUSAL_LEAF
+from .product import scaled_product
+
+
+def _tree(Lq: int, Lk: int, q_offset: int, leaf: int):
+    """`causal_segments` with each cross segment's half size h (its offsets lie in `[-(2h-1), -1]`)."""
+
+    def solve(lo: int, hi: int):
+        qa, qb = max(0, lo - q_offset), min(Lq, hi - q_offset)  # queries with positions in [lo, hi)
+        ka, kb = max(0, lo), min(Lk, hi)
+        if qa >= qb or ka >= kb:
+            return
+        if hi - lo <= leaf:
+            yield "leaf", qa, qb, ka, kb, 0
+            return
+        mid = (lo + hi) // 2
+        yield from solve(lo, mid)
+        yield from solve(mid, hi)
+        qa2, qb2 = max(0, mid - q_offset), min(Lq, hi - q_offset)
+        ka2, kb2 = max(0, lo), min(Lk, mid)
+        if qa2 < qb2 and ka2 < kb2:
+            yield "cross", qa2, qb2, ka2, kb2, mid - lo
+
+    end = q_offset + Lq  # keys after the last query are never needed
+    yield from solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
+
+
+def causal_segments(Lq: int, Lk: int, q_offset: int, leaf: int = CAUSAL_LEAF):
+    """Divide and conquer over positions for a causal product: yields
+    `(kind, qa, qb, ka, kb)` — query indices `qa..qb-1` against key indices `ka..kb-1` —
+    with kind "leaf" (a diagonal block: mask `j > i` inside) or "cross" (every key
+    strictly earlier than every query: a full product). Together they cover each causal
+    pair exactly once, and no segment pairs a query with a later key. O(log L) levels.
+    """
+    for kind, qa, qb, ka, kb, _ in _tree(Lq, Lk, q_offset, leaf):
+        yield kind, qa, qb, ka, kb
+
+
+def causal_levels(Lq: int, Lk: int, q_offset: int, leaf: int) -> list[tuple[int, int]]:
+    """`[(h, N)]` per level of cross products: half size h and the smallest FFT length used
+    at that level (round-off per entry is relatively largest for short FFTs)."""
+    levels: dict[int, int] = {}
+    for kind, qa, qb, ka, kb, h in _tree(Lq, Lk, q_offset, leaf):
+        if kind == "cross":
+            N = fft_length((qb - qa) + (kb - ka) - 1)
+            levels[h] = min(N, levels.get(h, N))
+    return sorted(levels.items())
+
+
+def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: Tensor) -> Tensor:
+    """A diagonal leaf of the causal recursion, dense: `[B, H, n, C]` in the rows' own units
+    (`lcs: [H, n+k-1]` is masked: `-inf` for keys after a query; `scale: [H, n]` is each
+    row's largest log-coefficient, so no weight exceeds 1 and none underflows because of
+    another row's scale)."""
+    k = phi_k.shape[2]
+    w = torch.exp(lcs.unfold(-1, k, 1).flip(-2) - scale[..., None])  # (H, n, k): row i's offsets start at n-1-i
+    a = torch.einsum("bhif,bhjf->bhij", phi_q, phi_k) * w  # (B, H, n, k)
+    return a @ vv
+
+
+def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
+                   block: int, leaf: int = CAUSAL_LEAF) -> Tensor:
+    """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) over `causal_segments`:
+    diagonal leaves dense, the rest FFT products each rescaled by its own largest
+    coefficient. `lc` is already masked (`-inf` for `r > 0`). Every segment is computed:
+    the schedule is static."""
+    B, H, Lq, _ = phi_q.shape
+    Lk, C = phi_k.shape[2], vv.shape[-1]
+    rows, parts = [], []
+    for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset, leaf):
+        s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
+        lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
+        args = (phi_q[:, :, qa:qb], phi_k[:, :, ka:kb], vv[:, :, ka:kb], lcs, scale[:, qa:qb])
+        if kind == "leaf":
+            if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+                # recomputed in backward: autograd would otherwise keep every leaf's [leaf, leaf]
+                # weights until then (O(L·leaf) bytes: 3.3 GiB at 64k with 2048-position leaves)
+                part = checkpoint(_leaf_product, *args, use_reentrant=False)
+            else:
+                part = _leaf_product(*args)
+        else:
+            part = scaled_product(*args, block)
+        rows.append(torch.arange(qa, qb, device=phi_q.device))
+        parts.append(part)
+    # one scatter at the end: adding each part into a fresh full-size copy (out-of-place,
+    # as autograd needs) allocated O(L) per segment, O(L²/leaf) bytes in all
+    return phi_q.new_zeros(B, H, Lq, C).index_add(2, torch.cat(rows), torch.cat(parts, dim=2))

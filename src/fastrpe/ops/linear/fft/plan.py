@@ -1,0 +1,97 @@
+"""Memory and work planning for the FFT path, from shapes alone.
+
+Everything here is a host-side function of the problem's shapes, dtype and memory budget:
+the schedule it fixes (feature block, causal leaf, how many rows may be recomputed
+exactly) never depends on tensor values, so the op has no data-dependent control flow and
+no host synchronization (it can be captured by CUDA graphs and `torch.compile`).
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, C = Dv + 1
+channels per feature, N FFT length >= Lq + Lk - 1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...toeplitz.fft import fft_length
+
+#: bound on one block's temporaries when the caller gives none
+DEFAULT_BUDGET = 512 << 20
+
+#: blocks of at most this many positions are done densely by the causal recursion (the
+#: smallest leaf; `causal_leaf` picks a larger one when the memory budget allows)
+CAUSAL_LEAF = 128
+#: the largest leaf: measured on CPU (KERPLE-log, H = 2, F = 32, fwd + bwd) each doubling
+#: from 128 to 2048 saves time — 16.9 s -> 9.0 s at L = 16k — since a dense leaf costs
+#: O(leaf) per position and every FFT level a full-length product of F·(Dv+1) channels
+CAUSAL_LEAF_MAX = 2048
+
+#: rows that may be recomputed exactly per (batch, head): at least this many, and at least
+#: one in RECOMPUTE_FRACTION of the rows (a dense row costs Lk·(F + C) multiply-adds, so the
+#: rows cost at most 1/RECOMPUTE_FRACTION of dense attention; see `certify.py`)
+RECOMPUTE_MIN_ROWS = 64
+RECOMPUTE_FRACTION = 128
+
+
+def element_size(dtype) -> int:
+    """Bytes per real entry of the FFT dtype."""
+    return 8 if dtype == torch.float64 else 4
+
+
+def budget_or_default(memory_budget_bytes: int | None) -> int:
+    return DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
+
+
+def _bytes_per_feature(B: int, H: int, Lq: int, Lk: int, Dv: int, el: int) -> int:
+    """Extra bytes one feature's channels need during a block (fwd or bwd, the larger)."""
+    N = fft_length(Lq + Lk - 1)
+    C = Dv + 1
+    # x, its spectrum (complex: 2 el), the product, the inverse (N real), the kept rows; x2 in backward
+    return B * H * C * el * (Lk + 2 * (N // 2 + 1) * 2 + N + Lq) * 2
+
+
+def fft_block_size(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
+                   memory_budget_bytes: int | None = None) -> int:
+    """Features per block so that one block's temporaries fit the budget (at least 1)."""
+    budget = budget_or_default(memory_budget_bytes)
+    per = max(1, _bytes_per_feature(B, H, Lq, Lk, Dv, element_size(dtype)))
+    return int(max(1, min(F, budget // per)))
+
+
+def recompute_capacity(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
+                       memory_budget_bytes: int | None = None) -> tuple[int, int]:
+    """`(rows, chunk)`: how many rows per (batch, head) the exact recomputation handles, and
+    how many it materializes at a time (`[B, H, chunk, Lk]` weights, a few copies, within
+    the budget)."""
+    rows = min(Lq, max(RECOMPUTE_MIN_ROWS, math.ceil(Lq / RECOMPUTE_FRACTION)))
+    per_row = B * H * Lk * element_size(dtype) * 6  # weights, coefficients, their grads
+    chunk = int(max(1, min(rows, budget_or_default(memory_budget_bytes) // max(1, per_row))))
+    return rows, chunk
+
+
+def estimate_fft_cost(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
+                      memory_budget_bytes: int | None = None) -> tuple[float, int]:
+    """(flops, peak extra bytes) of one forward call."""
+    el = element_size(dtype)
+    N = fft_length(Lq + Lk - 1)
+    C = Dv + 1
+    fft_flops = 2 * 2.5 * N * math.log2(N) * B * H * F * C  # one rfft + one irfft per channel
+    rows, _ = recompute_capacity(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
+    flops = fft_flops + 4 * B * H * (Lq + Lk) * F * C + 2 * B * H * rows * Lk * (F + C)
+    block = fft_block_size(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
+    # one block's temporaries, plus features, values and outputs kept for backward
+    peak = block * _bytes_per_feature(B, H, Lq, Lk, Dv, el) + 3 * B * H * (Lq * (F + C) + Lk * (F + C)) * el
+    return flops, int(peak)
+
+
+def causal_leaf(B: int, H: int, dtype=torch.float32, memory_budget_bytes: int | None = None) -> int:
+    """Diagonal leaf size of the causal recursion: the largest power of two from CAUSAL_LEAF
+    to CAUSAL_LEAF_MAX whose dense `[B, H, leaf, leaf]` weights (about 4 copies with the
+    backward pass) fit the memory budget."""
+    el = element_size(dtype)
+    budget = budget_or_default(memory_budget_bytes)
+    leaf = CAUSAL_LEAF
+    while leaf < CAUSAL_LEAF_MAX and 4 * B * H * (2 * leaf) ** 2 * el <= budget:
+        leaf *= 2
+    return leaf

@@ -1,0 +1,106 @@
+"""The FFT product itself: a custom autograd function over blocks of feature channels.
+
+Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Positional
+Encoding" (NeurIPS 2021), Eq. 10-13:
+`num_i = Σ_m φ(q_i)_m Σ_j c(j-i) φ(k_j)_m [v_j, 1]` — for each feature m, a Toeplitz
+product of the `Dv + 1` channels `φ(k)_m·[v, 1]`.
+
+Memory: the channels of all features at once would be `[B, H, L, F·(Dv+1)]` (16 GiB at
+L = 64k, F = 64, fp32). Features are processed `block` at a time (a static loop: the block
+comes from shapes and the memory budget), and backward recomputes each block instead of
+saving it, so forward and backward need O(L·(Dv+1)·block) extra memory.
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, C = Dv + 1
+channels per feature, N FFT length >= Lq + Lk - 1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...common import finite_max
+from ...toeplitz.fft import coeff_spectrum, fft_length
+from .scale import to_row_units
+
+
+def _channels(phi: Tensor, vv: Tensor) -> Tensor:
+    """`φ(k)_m·[v, 1]` for a block: `[B, H, Lk, f], [B, H, Lk, C] -> [B, H, Lk, f·C]`."""
+    return (phi[..., :, None] * vv[..., None, :]).flatten(-2)
+
+
+def _toeplitz(cf: Tensor, x: Tensor, Lout: int, N: int) -> Tensor:
+    """`[B, H, Lin, K] -> [B, H, Lout, K]` with the spectrum of the flipped coefficients `cf: [H, N//2+1]`."""
+    Lin = x.shape[2]
+    y = torch.fft.irfft(torch.fft.rfft(x, n=N, dim=2) * cf[..., None], n=N, dim=2)
+    return y[:, :, Lin - 1: Lin - 1 + Lout]
+
+
+class _FFTNumDen(torch.autograd.Function):
+    """`(phi_q, phi_k, vv, c) -> y: [B, H, Lq, C]` with `y_i = Σ_m φq_im Σ_j c(j-i) φk_jm vv_j`."""
+
+    @staticmethod
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, vv: Tensor, c: Tensor, block: int):
+        B, H, Lq, F = phi_q.shape
+        Lk, C = vv.shape[2], vv.shape[3]
+        N = fft_length(Lq + Lk - 1)
+        cf = coeff_spectrum(c, N)[None]  # (1, H, N//2+1)
+        y = phi_q.new_zeros(B, H, Lq, C)
+        for s in range(0, F, block):
+            e = min(F, s + block)
+            t = _toeplitz(cf, _channels(phi_k[..., s:e], vv), Lq, N)  # (B, H, Lq, f·C)
+            y += torch.einsum("bhif,bhifc->bhic", phi_q[..., s:e], t.unflatten(-1, (e - s, C)))
+        ctx.save_for_backward(phi_q, phi_k, vv, c)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        phi_q, phi_k, vv, c = ctx.saved_tensors
+        block = ctx.block
+        B, H, Lq, F = phi_q.shape
+        Lk, C = vv.shape[2], vv.shape[3]
+        N = fft_length(Lq + Lk - 1)
+        cf = coeff_spectrum(c, N)[None]  # forward operator T
+        cf_t = coeff_spectrum(c.flip(-1), N)[None]  # transposed operator Tᵀ
+        need_c = ctx.needs_input_grad[3]
+        g_q = torch.zeros_like(phi_q) if ctx.needs_input_grad[0] else None
+        g_k = torch.zeros_like(phi_k) if ctx.needs_input_grad[1] else None
+        g_v = torch.zeros_like(vv) if ctx.needs_input_grad[2] else None
+        g_cf = None
+        for s in range(0, F, block):
+            e, f = min(F, s + block), min(F, s + block) - s
+            x = _channels(phi_k[..., s:e], vv)  # (B, H, Lk, f·C)
+            xf = torch.fft.rfft(x, n=N, dim=2)
+            if g_q is not None:
+                t = torch.fft.irfft(xf * cf[..., None], n=N, dim=2)[:, :, Lk - 1: Lk - 1 + Lq]
+                g_q[..., s:e] = torch.einsum("bhic,bhifc->bhif", gy, t.unflatten(-1, (f, C)))
+            z = _channels(phi_q[..., s:e], gy)  # (B, H, Lq, f·C): dL/dT-product per channel
+            zf = torch.fft.rfft(z, n=N, dim=2)
+            if g_k is not None or g_v is not None:
+                g = torch.fft.irfft(zf * cf_t[..., None], n=N, dim=2)[:, :, Lq - 1: Lq - 1 + Lk]
+                g = g.unflatten(-1, (f, C))  # (B, H, Lk, f, C)
+                if g_k is not None:
+                    g_k[..., s:e] = torch.einsum("bhjfc,bhjc->bhjf", g, vv)
+                if g_v is not None:
+                    g_v += torch.einsum("bhjfc,bhjf->bhjc", g, phi_k[..., s:e])
+            if need_c:
+                # dL/dc[r] = Σ_i Σ_ch z_i x_{i + r - (Lq-1)}: a cross-correlation, summed in the spectrum
+                part = (zf.conj() * xf).sum(dim=(0, 3))  # (H, N//2+1)
+                g_cf = part if g_cf is None else g_cf + part
+        g_c = None
+        if need_c:
+            corr = torch.fft.irfft(g_cf, n=N, dim=-1)  # corr[t], t = j - i (mod N)
+            R = Lq + Lk - 1
+            t = torch.arange(-(Lq - 1), Lk, device=c.device) % N
+            g_c = corr[:, t][:, :R]
+        return g_q, g_k, g_v, g_c, None
+
+
+def scaled_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, block: int) -> Tensor:
+    """`[B, H, Lq, C]` in the rows' units `exp(scale)` (`scale: [H, Lq]`) for the log-coefficients
+    `lc: [H, Lq+Lk-1]`: one FFT product on `exp(lc - m)`, `m` the per-head largest entry
+    (computed on the device), then each row brought to its own units. Rows whose own
+    maximum is far below `m` lose digits here; the certificate (`certify.py`) finds them."""
+    m = finite_max(lc)  # (H, 1)
+    y = _FFTNumDen.apply(phi_q, phi_k, vv, torch.exp(lc - m), block)
+    return to_row_units(y, m, scale)
