@@ -446,3 +446,59 @@ def test_zero_init_leaves_the_global_generator_alone(make):
     torch.manual_seed(0)
     assert torch.equal(after, torch.randn(3))
     assert all(torch.count_nonzero(p) == 0 for p in term.parameters())
+
+
+# ---------------------------------------------------------------------------
+# KERPLE: the official per-head random initialization beside the means
+
+
+RANDOM_INIT = {  # family: (parameter, scale of its official U(0, 1) draw) in the official draw order
+    "kerple_log": [("r1", 2.0), ("r2", 1.0)],
+    "kerple_power": [("p", 2.0), ("r1", 1.0)],
+    "kerple_log3": [("r1", 2.0), ("r2", 1.0), ("p", 2.0)],
+    "kerple_bias_weight": [("r2", 2.0), ("r1", 1.0), ("r4", 2.0), ("r3", 1.0)],
+}
+
+
+@pytest.mark.parametrize("family", list(RANDOM_INIT))
+def test_kerple_random_init_draws_each_head_as_the_official_code(family):
+    H8 = 8
+    pos = P.make(family, H8, init="random", seed=7)
+    g = torch.Generator().manual_seed(7)
+    for name, scale in RANDOM_INIT[family]:
+        want = (torch.rand(H8, generator=g, dtype=torch.float64) * scale).clamp_min(P.kerple.EPS + 1e-4)
+        assert_close(getattr(pos, name).double(), want, torch.float32, msg=name)
+        assert len(set(_floats(getattr(pos, name)))) == H8  # one draw per head
+    again = P.make(family, H8, init="random", generator=torch.Generator().manual_seed(7))
+    other = P.make(family, H8, init="random", seed=8)
+    for (a, b), (_, c) in zip(zip(pos.parameters(), again.parameters()), zip(pos.parameters(), other.parameters())):
+        assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_kerple_mean_init_is_unchanged_and_explicit_values_win():
+    log = P.KerpleLog(2)
+    assert _floats(log.r1) == pytest.approx([1.0, 1.0], rel=1e-6)
+    assert _floats(log.r2) == pytest.approx([0.5, 0.5], rel=1e-6)
+    power = P.KerplePower(2)
+    assert _floats(power.r1) == pytest.approx([0.5, 0.5], rel=1e-6)
+    assert _floats(power.p) == pytest.approx([1.0, 1.0], rel=1e-6)
+    mixed = P.KerpleLog(3, r1=1.5, init="random", seed=0)
+    assert _floats(mixed.r1) == pytest.approx([1.5] * 3, rel=1e-6) and len(set(_floats(mixed.r2))) == 3
+    fixed = P.KerplePower(3, learn_p=False, init="random", seed=0)  # a fixed p stays 1: chunked still runs it
+    assert _floats(fixed.p) == [1.0] * 3 and fixed.geometric_decay() is not None
+
+
+def test_kerple_random_init_draws_below_the_floor_start_just_above_it():
+    def first_draw(s):
+        return float(torch.rand(1, generator=torch.Generator().manual_seed(s), dtype=torch.float64))
+
+    seed = next(s for s in range(5000) if first_draw(s) < 0.004)  # p = 2·draw < EPS
+    pos = P.KerplePower(1, init="random", seed=seed)
+    assert P.kerple.EPS < float(pos.p.detach()) < P.kerple.EPS + 2e-4
+
+
+def test_kerple_init_refuses_unknown_names_and_two_sources():
+    with pytest.raises(ValueError, match="init: expected one of mean, random"):
+        P.KerpleLog(2, init="uniform")
+    with pytest.raises(ValueError, match="either generator or seed"):
+        P.KerpleLog(2, init="random", seed=1, generator=torch.Generator())

@@ -17,11 +17,16 @@ keeps `x > 0` strict in float32, where `softplus` and `sigmoid` underflow to 0. 
 `p` is below 2 in exact arithmetic (float32 rounding can give exactly 2, still valid);
 initial values must be below 2 (pass 1.999 for an almost-Gaussian kernel).
 
-Default initial values are the means of the official code's uniform initializations
-(`torch.rand(H)·2` for the coefficient outside the log and the exponents,
-`torch.rand(H)` for the others). Every initial value may be a number or a per-head
-sequence/tensor, e.g. `KerpleLog(H, r1=EPS + 2 * torch.rand(H), r2=EPS + torch.rand(H))`
-for the official random init (values at or below EPS are refused).
+Initialization (`init=`): "mean" (default) starts every head at the mean of the official
+code's uniform draws; "random" draws each head's parameters as the official code does
+(`ParallelKerpleLog` / `ParallelKerplePower` in github.com/chijames/KERPLE): `2·U(0, 1)`
+for the coefficient outside the log and for the exponents, `U(0, 1)` for the others,
+from `generator` (or `torch.Generator().manual_seed(seed)`; default the global
+generator) so that a run can be reproduced. The official code clamps draws below `EPS` up
+to `EPS` at the first forward pass; here they start at `EPS + 1e-4` (`EPS` itself is the
+map's unreachable floor). An explicit value (a number or a per-head sequence/tensor, e.g.
+`KerpleLog(H, r1=1.5)`) overrides the init for that parameter; values at or below EPS are
+refused.
 """
 from __future__ import annotations
 
@@ -61,6 +66,32 @@ def _exponent(raw: Tensor) -> Tensor:
     return EPS + (2 - EPS) * torch.sigmoid(raw)
 
 
+INITS = ("mean", "random")
+#: where a random draw below the floor starts (the official code clamps it to the floor)
+_DRAW_FLOOR = EPS + 1e-4
+
+
+class _Init:
+    """Initial values per parameter: the given value, the official draw's mean, or a draw."""
+
+    def __init__(self, H: int, init: str, generator: torch.Generator | None, seed: int | None):
+        if init not in INITS:
+            raise ValueError(f"init: expected one of {', '.join(INITS)}, got {init!r}")
+        if generator is not None and seed is not None:
+            raise ValueError("pass either generator or seed, not both")
+        self.H, self.init = H, init
+        self.gen = torch.Generator().manual_seed(int(seed)) if seed is not None else generator
+
+    def __call__(self, value, scale: float):
+        """`value` if given, else `scale·U(0, 1)` per head ("random") or its mean `scale/2`."""
+        if value is not None:
+            return value
+        if self.init == "mean":
+            return scale / 2
+        draw = torch.rand(self.H, generator=self.gen, dtype=torch.float64) * scale
+        return draw.clamp_min(_DRAW_FLOOR)
+
+
 def _per_head(value, H: int, inverse) -> Tensor:
     """`[H]` raw values whose mapped values are `value` (a number or H numbers)."""
     v = torch.as_tensor(value, dtype=torch.float64).detach().flatten()
@@ -96,14 +127,20 @@ class KerplePower(Position):
         p: initial exponent(s), a number or `[H]` (official init: `U(0, 2)`, mean 1).
         learn_p: False keeps p fixed (a buffer; then `0 < p <= 2` and p = 2 is allowed).
             With p = 1 the kernelized form is the geometric decay `exp(-r1)^|r|` that
-            the linear-time `chunked` backend runs.
+            the linear-time `chunked` backend runs. A fixed p defaults to 1 under either init.
+        init: "mean" or "random" (the official per-head draws; see the module docstring).
+        generator, seed: the source of the "random" draws (default: the global generator).
 
     Parameters: `raw_r1: [H]`, `raw_p: [H]` (when learned); properties `r1`, `p`.
     """
 
-    def __init__(self, num_heads: int, r1=0.5, p=1.0, learn_p: bool = True):
+    def __init__(self, num_heads: int, r1=None, p=None, learn_p: bool = True, *, init: str = "mean",
+                 generator: torch.Generator | None = None, seed: int | None = None):
         super().__init__(num_heads)
-        self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
+        pick = _Init(num_heads, init, generator, seed)
+        # the official code draws the exponent first, then the coefficient
+        p = pick(p, 2.0) if learn_p else (1.0 if p is None else p)
+        self.raw_r1 = nn.Parameter(_per_head(pick(r1, 1.0), num_heads, _inv_positive))
         self.learn_p = learn_p
         if learn_p:
             self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_exponent))
@@ -148,12 +185,17 @@ class KerpleLog(Position):
         r1: initial coefficient(s) outside the log, a number or `[H]`
             (official init: `U(0, 2)`, mean 1).
         r2: initial scale(s) inside the log, a number or `[H]` (official init: `U(0, 1)`, mean 0.5).
+        init: "mean" or "random" (the official per-head draws; see the module docstring).
+        generator, seed: the source of the "random" draws (default: the global generator).
 
     Parameters: `raw_r1: [H]`, `raw_r2: [H]`; properties `r1`, `r2`.
     """
 
-    def __init__(self, num_heads: int, r1=1.0, r2=0.5):
+    def __init__(self, num_heads: int, r1=None, r2=None, *, init: str = "mean",
+                 generator: torch.Generator | None = None, seed: int | None = None):
         super().__init__(num_heads)
+        pick = _Init(num_heads, init, generator, seed)
+        r1, r2 = pick(r1, 2.0), pick(r2, 1.0)  # the official order: outside, then inside the log
         self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
         self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_positive))
 
@@ -183,12 +225,18 @@ class KerpleLog3(Position):
         r1: initial coefficient(s) outside the log, a number or `[H]`.
         r2: initial scale(s) inside the log, a number or `[H]`.
         p: initial exponent(s), a number or `[H]`.
+        init: "mean" or "random": r1, r2 drawn as `KerpleLog`'s, p as `KerplePower`'s exponent
+            (`U(0, 2)`; the official code has no 3-parameter variant to follow).
+        generator, seed: the source of the "random" draws (default: the global generator).
 
     Parameters: `raw_r1, raw_r2, raw_p: [H]`; properties `r1`, `r2`, `p`.
     """
 
-    def __init__(self, num_heads: int, r1=1.0, r2=0.5, p=1.0):
+    def __init__(self, num_heads: int, r1=None, r2=None, p=None, *, init: str = "mean",
+                 generator: torch.Generator | None = None, seed: int | None = None):
         super().__init__(num_heads)
+        pick = _Init(num_heads, init, generator, seed)
+        r1, r2, p = pick(r1, 2.0), pick(r2, 1.0), pick(p, 2.0)
         self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
         self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_positive))
         self.raw_p = nn.Parameter(_per_head(p, num_heads, _inv_exponent))
@@ -225,6 +273,8 @@ class KerpleBiasWeight(Position):
         r3: initial weight coefficient(s) (official init `U(0, 1)`, mean 0.5).
         r4: initial weight exponent(s) (official init `U(0, 2)`, mean 1).
         Each a number or `[H]`.
+        init: "mean" or "random" (the official per-head draws; see the module docstring).
+        generator, seed: the source of the "random" draws (default: the global generator).
 
     Parameters: `raw_r1, raw_r2, raw_r3, raw_r4: [H]`; properties `r1 .. r4`.
     """
@@ -233,8 +283,15 @@ class KerpleBiasWeight(Position):
     kernelized_refusal = ("KerpleBiasWeight multiplies the softmax logits by a positional weight "
                           "exp(-r3·|r|^r4); kernelized attention has no logits to weigh")
 
-    def __init__(self, num_heads: int, r1=0.5, r2=1.0, r3=0.5, r4=1.0):
+    def __init__(self, num_heads: int, r1=None, r2=None, r3=None, r4=None, *, init: str = "mean",
+                 generator: torch.Generator | None = None, seed: int | None = None):
         super().__init__(num_heads)
+        pick = _Init(num_heads, init, generator, seed)
+        # the official order: bias exponent, bias coefficient, weight exponent, weight coefficient
+        r2 = pick(r2, 2.0)
+        r1 = pick(r1, 1.0)
+        r4 = pick(r4, 2.0)
+        r3 = pick(r3, 1.0)
         self.raw_r1 = nn.Parameter(_per_head(r1, num_heads, _inv_positive))
         self.raw_r2 = nn.Parameter(_per_head(r2, num_heads, _inv_exponent))
         self.raw_r3 = nn.Parameter(_per_head(r3, num_heads, _inv_positive))
