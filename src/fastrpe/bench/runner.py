@@ -22,9 +22,13 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
 
 
-def _time(fn, device, repeats: int, warmup: int) -> tuple[float, int | None]:
+def _time(fn, device, repeats: int, warmup: int, totals: dict | None = None,
+          cpu_peak: bool = True) -> tuple[float, int | None]:
     """Median seconds of `fn()` and the peak bytes of one call (the CUDA allocator's peak on a
-    GPU; on CPU the allocator peak from the profiler's allocation events)."""
+    GPU; on CPU the allocator peak from the profiler's allocation events). On a GPU the peak
+    is counted above what was allocated before the timed calls (inputs and their gradients
+    included there); `totals`, if given, receives `peak_total_bytes`, the allocator's peak
+    with everything counted. `cpu_peak=False` skips the profiled call on CPU (peak None)."""
     for _ in range(warmup):
         fn()
     peak = None
@@ -41,13 +45,57 @@ def _time(fn, device, repeats: int, warmup: int) -> tuple[float, int | None]:
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e) / 1e3)
         peak = torch.cuda.max_memory_allocated(device) - base
+        if totals is not None:
+            totals["peak_total_bytes"] = torch.cuda.max_memory_allocated(device)
     else:
         for _ in range(repeats):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-        peak = allocator_peak_bytes(fn)[0]  # one more call, under the profiler
+        peak = allocator_peak_bytes(fn)[0] if cpu_peak else None  # one more call, under the profiler
     return statistics.median(times), peak
+
+
+class CallTimeout(Exception):
+    """A call ran past the hard cap of `run_suite(call_cap_s=...)`."""
+
+
+class _hard_cap:
+    """Raise `CallTimeout` in the main thread after `seconds` (SIGALRM; a no-op where there
+    is none or off the main thread). It interrupts Python between kernel launches, not a
+    kernel already running on the device."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.armed = False
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if not self.seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+            return self
+
+        def handler(signum, frame):
+            raise CallTimeout(f"exceeded the hard cap of {self.seconds:g} s per call")
+
+        self.old = signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.armed:
+            import signal
+
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+        return False
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
 
 
 def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
@@ -62,45 +110,77 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
 
 def run_suite(problems: list[Problem], competitors: list[str], *, device: str = "cpu", dtype: str = "float32",
               repeats: int = 5, warmup: int = 1, time_limit_s: float = 30.0, log=print,
-              registry: dict | None = None) -> dict:
+              registry: dict | None = None, select=None, catch_errors: bool = False,
+              call_cap_s: float | None = None, done: set | None = None, on_row=None,
+              cpu_peak: bool = True) -> dict:
     """Time every competitor on every problem (in order). A competitor whose first call on a
     problem takes longer than `time_limit_s` is timed once more (not `repeats` times) and
-    skipped, with that reason, at every longer length of the same problem family.
-    `registry` defaults to `COMPETITORS`."""
+    skipped, with that reason, at every longer length of the same problem family; one that
+    ran out of memory is skipped at the longer lengths too. `registry` defaults to `COMPETITORS`.
+
+    `select(problem, name) -> bool` leaves pairs out (no row). `catch_errors` records any
+    other exception as the row's reason instead of raising. `call_cap_s` interrupts a call
+    (warm-up or timed) after that many seconds (see `_hard_cap`). `done` holds
+    `(problem.tag(), name)` pairs already measured (resuming): they are not run again.
+    `on_row(row)` is called after every row. A setup's closure may carry a dict `extra`
+    (accuracy, notes), copied into its row. `cpu_peak=False`: no profiled peak on CPU."""
     dev = torch.device(device)
     dt = getattr(torch, dtype)
     registry = COMPETITORS if registry is None else registry
     rows = []
-    slow: dict[tuple, int] = {}  # (competitor, problem without L) -> the length that exceeded the limit
+    slow: dict[tuple, tuple[int, str]] = {}  # (competitor, problem without L) -> (length, why skipped beyond)
     for p in problems:
         family = tuple(sorted((k, v) for k, v in p.to_dict().items() if k != "L"))
         for name in competitors:
+            if select is not None and not select(p, name):
+                continue
+            if done is not None and (p.tag(), name) in done:
+                continue
             row = {"problem": p.to_dict(), "competitor": name}
-            if (name, family) in slow and p.L > slow[(name, family)]:
-                row["skipped"] = f"exceeded {time_limit_s:g} s per call at L={slow[(name, family)]}"
+            if (name, family) in slow and p.L > slow[(name, family)][0]:
+                row["skipped"] = slow[(name, family)][1]
             else:
+                fn, crashed = None, True
                 try:
                     fn = registry[name](p, dev, dt)
                     if isinstance(fn, str):
                         row["skipped"] = fn
                     else:
-                        t0 = time.perf_counter()
-                        fn()  # compile / warm caches; also our time-limit probe
-                        n = repeats
-                        if time.perf_counter() - t0 > time_limit_s:
-                            slow[(name, family)] = p.L
-                            n = 1  # one timed call (the probe may include compilation), not `repeats`
-                        sec, peak = _time(fn, dev, n, 0 if n == 1 else warmup)
-                        row.update(seconds=sec, peak_bytes=peak, repeats=n)
-                except torch.cuda.OutOfMemoryError:
+                        row.update(getattr(fn, "extra", None) or {})
+                        with _hard_cap(call_cap_s):
+                            t0 = time.perf_counter()
+                            fn()  # compile / warm caches; also our time-limit probe
+                            if dev.type == "cuda":
+                                torch.cuda.synchronize(dev)
+                            n = repeats
+                            if time.perf_counter() - t0 > time_limit_s:
+                                slow[(name, family)] = (p.L, f"exceeded {time_limit_s:g} s per call at L={p.L}")
+                                n = 1  # one timed call (the probe may include compilation), not `repeats`
+                            totals: dict = {}
+                            sec, peak = _time(fn, dev, n, 0 if n == 1 else warmup, totals, cpu_peak)
+                        row.update(seconds=sec, peak_bytes=peak, repeats=n, **totals)
+                    crashed = False
+                except (torch.cuda.OutOfMemoryError, MemoryError):
                     row["skipped"] = "out of memory"
-                except MemoryError:
-                    row["skipped"] = "out of memory"
+                    slow[(name, family)] = (p.L, f"out of memory at L={p.L}")
+                except CallTimeout as e:
+                    row["skipped"] = str(e)
+                    slow[(name, family)] = (p.L, f"{e} at L={p.L}")
+                except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
+                    if not catch_errors:
+                        raise
+                    row["skipped"] = "error: " + _first_line(e)
+                    if "out of memory" in str(e).lower():
+                        slow[(name, family)] = (p.L, f"out of memory at L={p.L}")
                 fn = None
-                gc.collect()
+                # a full collection costs ~1 s once dynamo has run; only after an exception (its
+                # traceback's frames can hold the call's tensors in a cycle) is it needed
+                gc.collect() if crashed else gc.collect(1)
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
             msg = row.get("skipped") or f"{row['seconds'] * 1e3:9.2f} ms" + (
                 f"  {row['peak_bytes'] / 2**30:6.2f} GiB" if row.get("peak_bytes") is not None else "")
             log(f"{p.tag():40s} {name:16s} {msg}")

@@ -1,0 +1,1070 @@
+"""The GPU suite, `fastrpe bench --suite gpu`: issue 12's comparison in one process.
+
+Problems: B=1, H=8, D=64, 32 features (fastrpe kernel `nprf`), bf16, forward+backward,
+L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal except
+`learned_full`). Competitors, each a registry entry for `runner.run_suite`:
+
+* `flex`: `torch.compile(flex_attention)` with the family's `score_mod` and, when causal,
+  a causal `block_mask` from `create_block_mask` (what a user runs; softmax attention);
+* `sdpa`: `scaled_dot_product_attention` without a positional term (FlashAttention on a
+  GPU: the exact-softmax ceiling), on the family `none`;
+* `fla-chunk_simple_gla`: flash-linear-attention's chunked geometric decay (ALiBi's
+  `log γ = -m` per head as `g_gamma`, no normalizer), on `alibi`;
+  `fla-chunk_linear_attn`: its normalized linear attention without a decay, on `none`
+  (fla takes raw `[B, T, H, K]` tensors of width K = 32: no feature map is charged to it);
+* `fastrpe-<backend>` for every backend in `fastrpe.dispatch.BACKENDS` (registered when the
+  suite starts, so backends added later appear by themselves) and `fastrpe-auto`, through
+  `fastrpe.attention(..., backend=...)`; a backend that refuses the call is recorded with
+  its own `not_supported_reasons`.
+
+Positional parameters are frozen everywhere (gradients for q, k, v only). Times are median
+CUDA-event milliseconds over `repeats` calls after warm-up (compilation excluded), memory
+the allocator's peak above what the inputs and their gradients hold (`peak_bytes`) and in
+all (`peak_total_bytes`). A call out of memory, past the hard cap, or failing, is recorded
+with its reason and the longer lengths of that pair are skipped.
+
+Besides the timings: the output error of every fastrpe backend at `accuracy_length` against
+a float64 reference of Luo et al.'s Eq. 10 on sampled rows (`sampled_reference`), a
+decoding section (one token at `decode_context` with a constant-size state against
+KV-cache steps), and a host-synchronization section (each linear-time and FFT backend,
+forward+backward under `torch.cuda.set_sync_debug_mode("error")`). `check` evaluates the
+issue's "What it must show" criteria from the JSON.
+
+`smoke=True` runs the same code at toy sizes on CPU (eager FlexAttention, forward only,
+labeled as such; fla skipped): it tests the harness, it measures nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .registry import Problem
+
+DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
+FAMILIES = ("alibi", "kerple_log", "kerple_power", "t5", "learned", "learned_full")
+DECAYING = ("alibi", "kerple_log", "kerple_power")
+#: families the fastrpe paths must compute to within `ACCURACY_TOL` of exact (float32 inputs)
+ACCURACY_TOL = 1e-3
+SOFTMAX_ONLY_BACKENDS = ("dense", "sdpa", "flex")  # not linear-time or FFT paths: no sync check
+#: fastrpe rows timed and shown but not counted as fastrpe's result in the criteria: the
+#: materializing reference (quadratic memory) and the softmax backends
+NOT_CONTENDERS = ("fastrpe-dense", "fastrpe-sdpa", "fastrpe-flex")
+
+
+@dataclass
+class GpuConfig:
+    """What the suite runs. The defaults are the issue's problem on a GPU."""
+
+    lengths: tuple = DEFAULT_LENGTHS
+    families: tuple = FAMILIES
+    B: int = 1
+    H: int = 8
+    D: int = 64
+    features: int = 32
+    kernel: str = "nprf"
+    dtype: str = "bfloat16"
+    repeats: int = 10
+    warmup: int = 2
+    time_limit_s: float = 2.0  # a first call slower than this: timed once, longer lengths skipped
+    call_cap_s: float = 120.0  # hard cap on one call (interrupts Python between launches)
+    budget_s: float | None = None  # stop starting new rows after this many seconds (resume later)
+    accuracy_length: int = 65536
+    accuracy_rows: int = 32
+    decode_context: int = 65536
+    decode_prompt: int = 2048  # tokens that build the constant-size states (see `decode_rows`)
+    sync_length: int = 4096
+    smoke: bool = False
+    device: str = "cuda"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def smoke_config(**overrides) -> GpuConfig:
+    """Toy sizes on CPU: the suite's code path in seconds, numbers meaningless."""
+    kw = dict(lengths=(48, 96), B=1, H=2, D=16, features=8, dtype="float32", repeats=1, warmup=0,
+              time_limit_s=30.0, call_cap_s=None, accuracy_length=96, accuracy_rows=8, decode_context=128,
+              decode_prompt=40, sync_length=64, smoke=True, device="cpu")
+    kw.update(overrides)
+    return GpuConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+def family_causal(family: str) -> bool:
+    return family != "learned_full"
+
+
+def make_position(family: str, H: int, L: int):
+    """The positional term of a family, with fixed (seeded) parameters, frozen."""
+    import fastrpe as fr
+
+    g = torch.Generator().manual_seed(1)
+    if family == "none":
+        return None
+    if family == "alibi":
+        pos = fr.positions.ALiBi(H)
+    elif family == "kerple_log":
+        pos = fr.positions.KerpleLog(H)
+    elif family == "kerple_power":
+        # exponents spread over (0, 2) as the paper initializes them (p = 1 alone would be ALiBi)
+        pos = fr.positions.KerplePower(H, p=torch.linspace(0.5, 1.5, H))
+    elif family == "t5":
+        pos = fr.positions.T5Bias(H, bidirectional=False)
+        with torch.no_grad():
+            pos.embedding.copy_(torch.randn(pos.embedding.shape, generator=g))
+    elif family in ("learned", "learned_full"):
+        # an arbitrary table over all offsets: nothing to clip, nothing decays
+        pos = fr.positions.LearnedTable(H, max_distance=max(L - 1, 0), causal=family_causal(family))
+        with torch.no_grad():
+            pos.table.copy_(torch.randn(pos.table.shape, generator=g))
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    return pos.requires_grad_(False)
+
+
+def problems(cfg: GpuConfig) -> list[Problem]:
+    """Every (length, family) problem, shortest lengths first (a run cut short has them)."""
+    out = []
+    for L in sorted(cfg.lengths):
+        for fam in ("none", *cfg.families):
+            out.append(Problem(position=fam, kernel=cfg.kernel, causal=family_causal(fam), L=L, B=cfg.B, H=cfg.H,
+                               D=cfg.D, features=cfg.features, backward=True))
+    return out
+
+
+def _qkv(p: Problem, device, dtype, layout: str = "bhld", k_width: int | None = None):
+    """Seeded inputs, `[B, H, L, D]` (or fla's `[B, L, H, K]`), requiring grad."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    kw = p.D if k_width is None else k_width
+
+    def one(width):
+        shape = (p.B, p.H, p.L, width) if layout == "bhld" else (p.B, p.L, p.H, width)
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_(p.backward)
+
+    return one(kw), one(kw), one(p.D)
+
+
+def _closure(fn, q, k, v, backward: bool):
+    def run():
+        out = fn(q, k, v)
+        if backward:
+            out.float().sum().backward()
+        return out
+
+    return run
+
+
+# ----------------------------------------------------------------------------- competitors
+
+_FLEX_COMPILED = None
+
+
+def _flex_compiled():
+    """One `torch.compile(flex_attention)`; the recompile limit raised (a shape or score_mod
+    per problem) and, where torch allows, made an error rather than a silent eager fallback."""
+    global _FLEX_COMPILED
+    if _FLEX_COMPILED is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        cfg = torch._dynamo.config
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 1024))
+        if hasattr(cfg, "fail_on_recompile_limit_hit"):
+            cfg.fail_on_recompile_limit_hit = True
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+_BLOCK_MASKS: dict = {}
+
+
+def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, str]:
+    """A causal `BlockMask` for `L × L` and how it was built (cached per length: every family
+    uses the same one). Compiled construction where this torch offers it: the plain
+    construction materializes the dense mask and runs out of memory first."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (L, str(device), compiled)
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS.clear()  # problems come length by length: hold one length's mask at most
+        if compiled:
+            try:
+                _BLOCK_MASKS[key] = (create_block_mask(_causal_mask, None, None, L, L, device=device, _compile=True),
+                                     "create_block_mask(_compile=True)")
+            except TypeError:  # no _compile argument in this torch
+                compiled = False
+        if not compiled:
+            _BLOCK_MASKS[key] = (create_block_mask(_causal_mask, None, None, L, L, device=device),
+                                 "create_block_mask")
+    return _BLOCK_MASKS[key]
+
+
+def flex_setup(smoke: bool):
+    def setup(p: Problem, device, dtype):
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError:
+            return "FlexAttention is not in this PyTorch"
+        if p.position == "none":
+            return "no positional term (see sdpa)"
+        if device.type != "cuda" and not smoke:
+            return "needs CUDA (eager Flex on CPU is not a baseline)"
+        pos = make_position(p.position, p.H, p.L).to(device)
+        mod = pos.score_mod(0)
+        extra = {"score_mod": type(pos).__name__}
+        backward = p.backward
+        if device.type == "cuda":
+            fn = _flex_compiled()
+            extra["flex"] = "torch.compile(flex_attention, dynamic=False)"
+        else:
+            fn = flex_attention
+            extra["flex"] = "EAGER FlexAttention (smoke mode only; not a baseline)"
+            if backward:
+                backward = False
+                extra["note"] = "forward only: FlexAttention has no backward on CPU"
+        bm = None
+        if p.causal:
+            bm, how = causal_block_mask(p.L, device, compiled=device.type == "cuda")
+            extra["block_mask"] = how
+        q, k, v = _qkv(replace(p, backward=backward), device, dtype)
+        def flex(q, k, v):
+            if device.type == "cuda":
+                return fn(q, k, v, score_mod=mod, block_mask=bm)
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # eager-mode advice (smoke only)
+                return fn(q, k, v, score_mod=mod, block_mask=bm)
+
+        run = _closure(flex, q, k, v, backward)
+        run.extra = extra
+        return run
+
+    return setup
+
+
+def sdpa_setup(p: Problem, device, dtype):
+    if p.position != "none":
+        return "SDPA here is the ceiling without a positional term (family none)"
+    q, k, v = _qkv(p, device, dtype)
+    run = _closure(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal),
+                   q, k, v, p.backward)
+    run.extra = {"note": "no positional term"}
+    return run
+
+
+def fla_version() -> str | None:
+    try:
+        import fla
+
+        return getattr(fla, "__version__", "unknown")
+    except Exception:  # noqa: BLE001 - absent or broken: the fla rows say why
+        return None
+
+
+def _fla_import(name: str):
+    """(function, None) or (None, why not)."""
+    try:
+        if name == "chunk_simple_gla":
+            from fla.ops.simple_gla import chunk_simple_gla as f
+        else:
+            from fla.ops.linear_attn import chunk_linear_attn as f
+        return f, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"flash-linear-attention (fla-core) not importable: {type(e).__name__}: {e}"
+
+
+def fla_simple_gla_setup(p: Problem, device, dtype):
+    """fla's `chunk_simple_gla` with ALiBi's per-head log-decay `g_gamma = -m` (`[H]`),
+    `[B, T, H, K]` inputs, K = features, no normalizer."""
+    if p.position != "alibi":
+        return "geometric decay: runs on the alibi family"
+    f, why = _fla_import("chunk_simple_gla")
+    if why:
+        return why
+    if device.type != "cuda":
+        return "fla's Triton kernels need CUDA"
+    from fastrpe.positions import alibi_slopes
+
+    g_gamma = -torch.tensor(alibi_slopes(p.H), dtype=torch.float32, device=device)  # log γ_h per step
+    q, k, v = _qkv(p, device, dtype, layout="blhd", k_width=p.features)
+    run = _closure(lambda q, k, v: f(q, k, v, g_gamma=g_gamma, scale=p.features ** -0.5)[0], q, k, v, p.backward)
+    run.extra = {"layout": "[B, T, H, K]", "K": p.features, "note": "geometric decay (ALiBi slopes), no normalizer"}
+    return run
+
+
+def fla_linear_attn_setup(p: Problem, device, dtype):
+    """fla's `chunk_linear_attn(normalize=True)` without a decay, `[B, T, H, K]`, K = features."""
+    if p.position != "none":
+        return "no positional term: runs on the family none"
+    f, why = _fla_import("chunk_linear_attn")
+    if why:
+        return why
+    if device.type != "cuda":
+        return "fla's Triton kernels need CUDA"
+    q, k, v = _qkv(p, device, dtype, layout="blhd", k_width=p.features)
+    run = _closure(lambda q, k, v: f(q, k, v, scale=p.features ** -0.5, normalize=True)[0], q, k, v, p.backward)
+    run.extra = {"layout": "[B, T, H, K]", "K": p.features, "note": "normalized, no positional term"}
+    return run
+
+
+def _kernel(p: Problem, device):
+    import fastrpe as fr
+
+    kern = fr.kernels.get_kernel(p.kernel, head_dim=p.D, num_features=p.features)
+    return kern.to(device) if isinstance(kern, torch.nn.Module) else kern
+
+
+def sample_rows(L: int, n: int) -> torch.Tensor:
+    """`n` query rows spread over `0..L-1`, the first and the last included."""
+    return torch.unique(torch.linspace(0, L - 1, max(min(n, L), 1)).round().long())
+
+
+def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Kernelized attention with RPE at query rows `rows` in float64, from Luo et al.,
+    "Stable, Fast and Accurate: Kernelized Attention with Relative Positional Encoding"
+    (NeurIPS 2021), Eq. 10: `out_i = Σ_j φ(q_i)·φ(k_j)·c(j-i)·v_j / Σ_j φ(q_i)·φ(k_j)·c(j-i)`,
+    `c = exp(b)`, causal keeping `j ≤ i`. One `[H, rows, L]` weight block, not `L × L`.
+    Returns `[B, H, len(rows), Dv]`."""
+    L = k.shape[2]
+    rows = rows.to(q.device)
+    with torch.no_grad():
+        pq = kern(q[:, :, rows].double(), is_query=True)  # (B, H, n, F)
+        pk = kern(k.double(), is_query=False)  # (B, H, L, F)
+        w = torch.einsum("bhnf,bhlf->bhnl", pq, pk)
+        if pos is not None:
+            j = torch.arange(L, device=q.device)
+            r = j[None, :] - rows[:, None]  # (n, L): key minus query position
+            h = torch.arange(q.shape[1], device=q.device)[:, None, None]
+            b = pos.bias(h, r[None]).double()  # (H, n, L)
+            if causal:
+                b = b.masked_fill(r[None] > 0, float("-inf"))
+            b = b - b.amax(-1, keepdim=True).clamp_min(-1e300)  # any constant cancels (Eq. 10)
+            w = w * torch.exp(b)[None]
+        elif causal:
+            w = w.masked_fill((torch.arange(L, device=q.device)[None, :] > rows[:, None])[None, None], 0.0)
+        num = torch.einsum("bhnl,bhld->bhnd", w, v.double())
+        den = w.sum(-1, keepdim=True)
+        return num / den
+
+
+def fastrpe_setup(backend: str, cfg: GpuConfig):
+    def setup(p: Problem, device, dtype):
+        import fastrpe as fr
+        from fastrpe.api import _problem
+        from fastrpe.dispatch import BACKENDS, explain_problem
+
+        if p.position == "none":
+            return "runs the positional families"
+        pos = make_position(p.position, p.H, p.L).to(device)
+        kern = _kernel(p, device)
+        q, k, v = _qkv(p, device, dtype)
+        extra = {}
+        try:
+            prob, _ = _problem(q, k, v, kern, pos, p.causal, None, None, None)
+        except fr.FastRPEError as e:
+            return str(e)
+        if backend == "auto":
+            chosen = explain_problem(prob, eligible_only=True).chosen
+            if chosen is None:
+                return "auto: no backend supports this call"
+            extra.update(auto_picks=chosen, exact=BACKENDS[chosen].exact)
+        else:
+            b = BACKENDS.get(backend)
+            if b is None:
+                return f"backend {backend!r} is not registered"
+            reasons = b.not_supported_reasons(prob)
+            if reasons:
+                return "; ".join(reasons)
+            extra["exact"] = b.exact
+
+        def call(q, k, v):
+            return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
+
+        if p.L == cfg.accuracy_length:
+            extra.update(accuracy(call, kern, pos, q, k, v, p.causal, cfg.accuracy_rows))
+        run = _closure(call, q, k, v, p.backward)
+        run.extra = extra
+        return run
+
+    return setup
+
+
+def accuracy(call, kern, pos, q, k, v, causal: bool, n_rows: int) -> dict:
+    """Max abs output error at sampled rows against `sampled_reference`, with the inputs in
+    float32 (`max_abs_err_fp32`, what the issue's 1e-3 is judged on) and in the timed dtype
+    (`max_abs_err`), plus the reference's scale."""
+    rows = sample_rows(q.shape[2], n_rows)
+    out = {}
+    with torch.no_grad():
+        ref = sampled_reference(kern, pos, q, k, v, rows, causal)
+        out["ref_max_abs"] = float(ref.abs().max())
+        for tag, dt in (("max_abs_err", q.dtype), ("max_abs_err_fp32", torch.float32)):
+            if tag == "max_abs_err_fp32" and q.dtype == torch.float32:
+                out[tag] = out["max_abs_err"]
+                continue
+            got = call(q.detach().to(dt), k.detach().to(dt), v.detach().to(dt))[:, :, rows.to(q.device)]
+            out[tag] = float((got.double() - ref).abs().max())
+            del got
+    out["accuracy_rows"] = int(rows.numel())
+    return out
+
+
+def registry(cfg: GpuConfig) -> dict:
+    """Competitor name -> setup, fastrpe's backends read from `BACKENDS` now."""
+    from fastrpe.dispatch import BACKENDS
+
+    reg = {
+        "sdpa": sdpa_setup,
+        "fla-chunk_linear_attn": fla_linear_attn_setup,
+        "fla-chunk_simple_gla": fla_simple_gla_setup,
+        "flex": flex_setup(cfg.smoke),
+    }
+    for name in ("auto", *BACKENDS):
+        reg[f"fastrpe-{name}"] = fastrpe_setup(name, cfg)
+    return reg
+
+
+_APPLIES = {
+    "sdpa": lambda fam: fam == "none",
+    "fla-chunk_linear_attn": lambda fam: fam == "none",
+    "fla-chunk_simple_gla": lambda fam: fam == "alibi",
+    "flex": lambda fam: fam != "none",
+}
+
+
+def applies(p: Problem, name: str) -> bool:
+    """Pairs that make sense (fastrpe on the positional families; see the module doc)."""
+    rule = _APPLIES.get(name)
+    if rule is not None:
+        return rule(p.position)
+    if name.startswith("fastrpe-grid"):
+        return False  # 2D grids only: no 1D problem here
+    return p.position != "none"
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
+    """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
+    constant-size states (`LinearState` for ALiBi, `SoEState` for KERPLE-log) against KV
+    caches of that length (the same layer exact, and softmax + ALiBi), and the bare SDPA
+    op on a KV cache (no projections, no positional term: the cheapest KV step there is).
+
+    A constant-size state is built from a `decode_prompt`-token prompt and its `length` set
+    to the context (its size and its step's work do not depend on the length); a KV cache
+    is filled with seeded keys and values of the full context length."""
+    import fastrpe as fr
+    from fastrpe.bench.runner import _time
+    from fastrpe.nn.attention import KVCache, LinearState
+
+    H, D, ctx = cfg.H, cfg.D, cfg.decode_context
+    E = H * D
+    g = torch.Generator().manual_seed(0)
+    rows = []
+
+    def layer(kernel, position, backend):
+        torch.manual_seed(0)
+        return fr.nn.MultiheadAttention(E, H, kernel=kernel, position=position, causal=True,
+                                        backend=backend).to(device=device, dtype=dtype).eval()
+
+    def nprf():
+        return fr.kernels.get_kernel(cfg.kernel, head_dim=D, num_features=cfg.features)
+
+    x = torch.randn(cfg.B, 1, E, generator=g).to(device=device, dtype=dtype)
+    prompt = torch.randn(cfg.B, min(cfg.decode_prompt, ctx), E, generator=g).to(device=device, dtype=dtype)
+
+    def kv_cache():
+        kk = torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype)
+        return KVCache(kk, torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype))
+
+    def state_of(mha):
+        with torch.no_grad():
+            _, st = mha.step(prompt)
+        return replace(st, length=ctx) if not isinstance(st, KVCache) else st
+
+    cases = [
+        ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of, "constant"),
+        ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of,
+         "constant"),
+        ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"),
+         lambda m: kv_cache(), "kv"),
+        ("kv-cache (alibi, softmax)", lambda: layer("softmax", fr.positions.ALiBi(H), "auto"), lambda m: kv_cache(),
+         "kv"),
+    ]
+    for name, make, state, kind in cases:
+        row = {"method": name, "kind": kind, "context": ctx}
+        try:
+            mha = make()
+            st = state(mha)
+            row["state_bytes"] = _state_bytes(st)
+            if isinstance(st, LinearState):
+                row["state"] = "LinearState"
+            with torch.no_grad():
+                sec, peak = _time(lambda: mha.step(x, st), device, cfg.repeats, cfg.warmup, cpu_peak=not cfg.smoke)
+            row.update(seconds=sec, peak_bytes=peak)
+        except Exception as e:  # noqa: BLE001 - recorded
+            from .runner import _first_line
+
+            row["skipped"] = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else _first_line(e)
+        rows.append(row)
+        log(_decode_line(row))
+        mha = st = None
+    # the bare op: one query against the whole cache, FlashAttention's decode
+    row = {"method": "kv-cache sdpa op (no RPE, no projections)", "kind": "kv-op", "context": ctx}
+    try:
+        cache = kv_cache()
+        qq = torch.randn(cfg.B, H, 1, D, generator=g).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            sec, peak = _time(lambda: torch.nn.functional.scaled_dot_product_attention(qq, cache.k, cache.v), device,
+                              cfg.repeats, cfg.warmup, cpu_peak=not cfg.smoke)
+        row.update(seconds=sec, peak_bytes=peak, state_bytes=_state_bytes(cache))
+    except Exception as e:  # noqa: BLE001
+        from .runner import _first_line
+
+        row["skipped"] = _first_line(e)
+    rows.append(row)
+    log(_decode_line(row))
+    return rows
+
+
+def _state_bytes(st) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(st).values() if isinstance(t, torch.Tensor))
+
+
+def _decode_line(row: dict) -> str:
+    msg = row.get("skipped") or f"{row['seconds'] * 1e3:9.3f} ms  state {row['state_bytes'] / 2**20:9.2f} MiB"
+    return f"decode ctx={row['context']:<8d} {row['method']:44s} {msg}"
+
+
+# ----------------------------------------------------------------------------- host syncs
+
+
+def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
+    """Each linear-time and FFT backend (every registered backend but the softmax ones),
+    forward+backward at `sync_length` under `torch.cuda.set_sync_debug_mode("error")`, after one
+    warm-up call (plans and compiled kernels may be built on first use). `ok: False` with the
+    error when the hot path synchronizes with the host; skipped with the reason when the backend
+    refuses the family."""
+    if device.type != "cuda":
+        return [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+    import fastrpe as fr
+    from fastrpe.api import _problem
+    from fastrpe.dispatch import BACKENDS
+
+    rows = []
+    for name, b in BACKENDS.items():
+        if name in SOFTMAX_ONLY_BACKENDS:
+            continue
+        for fam in ("alibi", "kerple_log", "t5", "learned", "learned_full"):
+            p = Problem(position=fam, kernel=cfg.kernel, causal=family_causal(fam), L=cfg.sync_length, B=cfg.B,
+                        H=cfg.H, D=cfg.D, features=cfg.features)
+            row = {"backend": name, "family": fam, "L": p.L}
+            pos = make_position(fam, p.H, p.L).to(device)
+            kern = _kernel(p, device)
+            q, k, v = _qkv(p, device, dtype)
+            reasons = b.not_supported_reasons(_problem(q, k, v, kern, pos, p.causal, None, None, None)[0])
+            if reasons:
+                row["skipped"] = "; ".join(reasons)
+            else:
+                run = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal,
+                                                            backend=name), q, k, v, True)
+                try:
+                    run()
+                    torch.cuda.synchronize(device)
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        run()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.synchronize(device)
+                    row["ok"] = True
+                except Exception as e:  # noqa: BLE001 - the sync error is the finding
+                    from .runner import _first_line
+
+                    row.update(ok=False, error=_first_line(e))
+            rows.append(row)
+            log(f"sync {name:10s} {fam:13s} " + (row.get("skipped") or ("ok" if row["ok"] else row["error"])))
+    return rows
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def environment(device: torch.device) -> dict:
+    from .runner import device_name
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # noqa: BLE001
+        tv = None
+    env = {"device": device_name(device), "torch": torch.__version__, "triton": tv, "fla": fla_version(),
+           "python": platform.python_version(), "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return env
+
+
+def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, log=print) -> dict:
+    """Run everything `cfg` asks for, writing `out/gpu.json` after every row (a run cut short
+    keeps what it measured; `resume` skips what `out/gpu.json` already holds), then the plot
+    and the markdown table. Returns the result dict."""
+    from .runner import run_suite
+
+    dev = torch.device(cfg.device)
+    dt = getattr(torch, cfg.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu.json"
+    old = json.loads(path.read_text()) if resume and path.exists() else None
+    rows = list(old["rows"]) if old else []
+    done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in rows if "seconds" in r}
+    rows = [r for r in rows if "seconds" in r]  # rows that were skipped are tried again
+    res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **environment(dev),
+           "dtype": cfg.dtype, "repeats": cfg.repeats, "command": command,
+           "positions_frozen": True, "rows": rows,
+           "decode": old.get("decode", []) if old else [], "sync": old.get("sync", []) if old else [],
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if cfg.smoke:
+        res["note"] = "SMOKE RUN at toy sizes on " + dev.type + ": tests the harness, measures nothing"
+    t0 = time.perf_counter()
+
+    def save(_row=None):
+        if _row is not None:
+            res["rows"].append(_row)
+        res["ratios"] = ratios(res)
+        path.write_text(json.dumps(res, indent=1))
+
+    def select(p, name):
+        if cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:
+            return False
+        return applies(p, name)
+
+    reg = registry(cfg)
+    run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats, warmup=cfg.warmup,
+              time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=select, catch_errors=True,
+              call_cap_s=cfg.call_cap_s, done=done, on_row=save, cpu_peak=not cfg.smoke)
+    over = cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s
+    if not res["decode"] and not over:
+        res["decode"] = decode_rows(cfg, dev, dt, log=log)
+        save()
+    if not res["sync"] and not over:
+        res["sync"] = sync_rows(cfg, dev, dt, log=log)
+    res["complete"] = not over
+    res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    save()
+    png = plot_gpu(res, out / "gpu.png")
+    (out / "gpu.md").write_text(markdown_table(res))
+    log(f"wrote {path}, {out / 'gpu.md'}" + (f" and {png}" if png else "")
+        + ("" if res["complete"] else f" (budget of {cfg.budget_s:g} s spent: run again with --resume)"))
+    return res
+
+
+# ----------------------------------------------------------------------------- reading results
+
+
+def times(res: dict) -> dict[tuple[str, int, str], float]:
+    """(family, L, competitor) -> seconds, for every timed row."""
+    return {(r["problem"]["position"], r["problem"]["L"], r["competitor"]): r["seconds"]
+            for r in res["rows"] if r.get("seconds")}
+
+
+def _row(res: dict, fam: str, L: int, comp: str) -> dict | None:
+    for r in res["rows"]:
+        if r["problem"]["position"] == fam and r["problem"]["L"] == L and r["competitor"] == comp:
+            return r
+    return None
+
+
+def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
+                 tol: float | None = None) -> tuple[str, dict] | None:
+    """The fastest fastrpe row on (family, L) that is exact (if asked) and within `tol` of exact
+    where its accuracy was measured (float32 inputs; a row without its own measurement takes
+    the one its competitor has on this family at `accuracy_length`). `fastrpe-auto` counts
+    as the backend it ran."""
+    errs = {r["competitor"]: r["max_abs_err_fp32"] for r in res["rows"]
+            if r["problem"]["position"] == fam and r.get("max_abs_err_fp32") is not None}
+    best = None
+    for r in res["rows"]:
+        p = r["problem"]
+        if p["position"] != fam or p["L"] != L or not r["competitor"].startswith("fastrpe-") or not r.get("seconds"):
+            continue
+        if r["competitor"] in NOT_CONTENDERS or r.get("auto_picks") in ("dense", "sdpa", "flex"):
+            continue
+        if exact_only and not r.get("exact", False):
+            continue
+        err = r.get("max_abs_err_fp32", errs.get(r["competitor"]))
+        if tol is not None and err is not None and not err <= tol:
+            continue
+        if best is None or r["seconds"] < best[1]["seconds"]:
+            best = (r["competitor"], r)
+    return best
+
+
+def _failed_at_scale(reason: str) -> bool:
+    """A competitor's row skipped for running out of memory or time (not for being absent)."""
+    r = reason.lower()
+    return "out of memory" in r or "exceeded" in r or "hard cap" in r
+
+
+def ratios(res: dict) -> list[dict]:
+    """Per (family, L): the best fastrpe time against Flex with the same term, fla's geometric
+    decay and SDPA without RPE at that length (all from this run)."""
+    t = times(res)
+    out = []
+    fams = sorted({k[0] for k in t if k[0] != "none"})
+    for fam in fams:
+        for L in sorted({k[1] for k in t if k[0] == fam}):
+            b = best_fastrpe(res, fam, L)
+            if b is None:
+                continue
+            s = b[1]["seconds"]
+            row = {"family": fam, "L": L, "best_fastrpe": b[0], "ms": s * 1e3}
+            for key, ref in (("flex_over_fastrpe", t.get((fam, L, "flex"))),
+                             ("fla_gla_over_fastrpe", t.get(("alibi", L, "fla-chunk_simple_gla"))),
+                             ("sdpa_over_fastrpe", t.get(("none", L, "sdpa")))):
+                row[key] = ref / s if ref else None
+            out.append(row)
+    return out
+
+
+def markdown_table(res: dict) -> str:
+    """ms (fwd+bwd) per method and length, one table per family, pasteable into docs/RESULTS.md."""
+    lines = [f"Device: {res['device']}; torch {res['torch']}, triton {res.get('triton')}, fla {res.get('fla')}; "
+             f"{res['dtype']}; median of {res['repeats']} CUDA-event timings after warm-up.",
+             "", f"Command: `{res.get('command', '')}`", ""]
+    if res.get("smoke"):
+        lines.insert(0, "**SMOKE RUN (toy sizes, CPU): not a measurement.**\n")
+    Ls = sorted({r["problem"]["L"] for r in res["rows"]})
+    for fam in ["none", *[f for f in FAMILIES if any(r["problem"]["position"] == f for r in res["rows"])]]:
+        comps = []
+        for r in res["rows"]:
+            if r["problem"]["position"] == fam and r["competitor"] not in comps:
+                comps.append(r["competitor"])
+        if not comps:
+            continue
+        lines += [f"**{fam}** ({'causal' if family_causal(fam) else 'not causal'}), ms fwd+bwd (peak GiB above inputs)",
+                  "", "| method | " + " | ".join(_fmt_L(L) for L in Ls) + " |",
+                  "|---|" + "---|" * len(Ls)]
+        for c in comps:
+            cells = []
+            for L in Ls:
+                r = _row(res, fam, L, c)
+                if r is None:
+                    cells.append("")
+                elif r.get("seconds"):
+                    gib = f" ({r['peak_bytes'] / 2**30:.2f})" if r.get("peak_bytes") is not None else ""
+                    cells.append(f"{r['seconds'] * 1e3:.3g}{gib}")
+                else:
+                    cells.append(_short_reason(r.get("skipped", "")))
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if res.get("decode"):
+        lines += ["**decoding one token** (context " + str(res["decode"][0]["context"]) + ")", "",
+                  "| method | ms | state |", "|---|---|---|"]
+        for r in res["decode"]:
+            if r.get("seconds"):
+                lines.append(f"| {r['method']} | {r['seconds'] * 1e3:.3g} | {r['state_bytes'] / 2**20:.2f} MiB |")
+            else:
+                lines.append(f"| {r['method']} | {_short_reason(r.get('skipped', ''))} | |")
+        lines.append("")
+    lines += ["**criteria** (`fastrpe bench --suite gpu --check`)", ""]
+    lines += [f"- {c['status'].upper()}: {c['criterion']} — {c['detail']}" for c in check(res)]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_L(L: int) -> str:
+    return f"{L // 1048576}M" if L % 1048576 == 0 else (f"{L // 1024}k" if L % 1024 == 0 else str(L))
+
+
+def _short_reason(s: str) -> str:
+    s = s.replace("|", "/")
+    if "out of memory" in s.lower():
+        return "OOM"
+    if "exceeded" in s:
+        return "over time cap"
+    return "—" if not s else ("n/a: " + s[:40] + ("…" if len(s) > 40 else ""))
+
+
+def plot_gpu(res: dict, path: Path) -> Path | None:
+    """Log-log time against L, one panel per family, one line per method."""
+    from ..plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    fams = [f for f in ("none", *FAMILIES) if any(r["problem"]["position"] == f and r.get("seconds")
+                                                 for r in res["rows"])]
+    if not fams:
+        return None
+    cols = min(3, len(fams))
+    nrows = math.ceil(len(fams) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
+    for ax, fam in zip(axes.flat, fams):
+        series: dict[str, list] = {}
+        for r in res["rows"]:
+            pf, c = r["problem"]["position"], r["competitor"]
+            # every panel also shows the two references: SDPA without RPE and fla's geometric decay
+            if r.get("seconds") and (pf == fam or (pf == "none" and c == "sdpa")
+                                     or (pf == "alibi" and c == "fla-chunk_simple_gla")):
+                series.setdefault(c, []).append((r["problem"]["L"], r["seconds"] * 1e3))
+        for c, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=c,
+                    linestyle="--" if not c.startswith("fastrpe") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length L")
+        ax.set_ylabel("ms, forward + backward")
+        ax.set_title(f"{fam} ({'causal' if family_causal(fam) else 'not causal'})", fontsize=10)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(fams):]:
+        ax.set_visible(False)
+    fig.suptitle(("SMOKE (not a measurement) " if res.get("smoke") else "") + res["device"]
+                 + f", {res['dtype']}, B={res['config']['B']} H={res['config']['H']} D={res['config']['D']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the criteria
+
+GIB = 2 ** 30
+
+
+def check(res: dict, L_check: int = 65536, L_long: int = 262144, L_max: int = 1048576) -> list[dict]:
+    """Issue 12's "What it must show", each as pass / fail / missing (not measured), from a
+    result of `run_gpu_suite`. A smoke result is checked at its own lengths (the largest
+    stands for 1M, the middle one for 64k) so the logic is exercised; it proves nothing."""
+    if res.get("smoke"):
+        Ls = sorted({r["problem"]["L"] for r in res["rows"]})
+        L_check, L_long, L_max = Ls[len(Ls) // 2], Ls[-1], Ls[-1]
+    t = times(res)
+    out = []
+
+    def add(criterion, ok, detail):
+        out.append({"criterion": criterion, "status": "missing" if ok is None else ("pass" if ok else "fail"),
+                    "detail": detail})
+
+    def ms(s):
+        return "—" if s is None else f"{s * 1e3:.3g} ms"
+
+    def ratio_line(fam, L, ref_name, ref_fam, need, kind, exact_only=False, tol=None):
+        """`kind`: 'faster' (ref / ours >= need) or 'at_most' (ours <= need × ref)."""
+        b = best_fastrpe(res, fam, L, exact_only=exact_only, tol=tol)
+        ref = t.get((ref_fam, L, ref_name))
+        if b is None or ref is None:
+            why = "no fastrpe row" if b is None else f"no {ref_name} time"
+            r = _row(res, ref_fam, L, ref_name)
+            if b is not None and r is not None and _failed_at_scale(r.get("skipped", "")):
+                # the competitor ran out of memory or time at this length: it is no faster than us
+                return True, f"{b[0]} {ms(b[1]['seconds'])}; {ref_name}: {r['skipped']}"
+            if r is not None and "skipped" in r:
+                why += f" ({ref_name}: {r['skipped']})"
+            return None, why
+        s = b[1]["seconds"]
+        if kind == "faster":
+            return ref / s >= need, f"{b[0]} {ms(s)} vs {ref_name} {ms(ref)}: {ref / s:.2f}x (need >= {need:g}x)"
+        return s <= need * ref, f"{b[0]} {ms(s)} vs {ref_name} {ms(ref)}: {s / ref:.2f}x its time (need <= {need:g}x)"
+
+    L = L_check
+    # geometric decay (kernelized ALiBi)
+    add(f"geometric (alibi), L={L}: no slower than fla chunk_simple_gla",
+        *ratio_line("alibi", L, "fla-chunk_simple_gla", "alibi", 1.0, "at_most", exact_only=True))
+    add(f"geometric (alibi), L={L}: >= 15x faster than compiled Flex + ALiBi",
+        *ratio_line("alibi", L, "flex", "alibi", 15.0, "faster", exact_only=True))
+    for fam in ("kerple_log", "kerple_power"):
+        add(f"{fam}, L={L}: <= 2x fla's geometric time (within {ACCURACY_TOL:g} of exact)",
+            *ratio_line(fam, L, "fla-chunk_simple_gla", "alibi", 2.0, "at_most", tol=ACCURACY_TOL))
+        add(f"{fam}, L={L}: >= 20x faster than Flex with the same score_mod",
+            *ratio_line(fam, L, "flex", fam, 20.0, "faster", tol=ACCURACY_TOL))
+        b = best_fastrpe(res, fam, L, tol=ACCURACY_TOL)
+        err = None if b is None else b[1].get("max_abs_err_fp32")
+        add(f"{fam}, L={L}: output within {ACCURACY_TOL:g} of exact (float32 inputs, sampled rows vs float64)",
+            None if err is None else err <= ACCURACY_TOL,
+            "no accuracy measured" if err is None else f"{b[0]}: max abs error {err:.2e}")
+    add(f"t5, L={L}: exact, <= 2x fla's geometric time",
+        *ratio_line("t5", L, "fla-chunk_simple_gla", "alibi", 2.0, "at_most", exact_only=True))
+    add(f"t5, L={L}: exact, >= 10x faster than Flex + T5",
+        *ratio_line("t5", L, "flex", "t5", 10.0, "faster", exact_only=True))
+    for fam in ("learned", "learned_full"):
+        tag = "causal" if family_causal(fam) else "not causal"
+        add(f"learned table ({tag}), L={L}: exact, no slower than Flex with the same table",
+            *ratio_line(fam, L, "flex", fam, 1.0, "faster", exact_only=True))
+        add(f"learned table ({tag}), L={L_long}: exact, >= 4x faster than Flex",
+            *ratio_line(fam, L_long, "flex", fam, 4.0, "faster", exact_only=True))
+        b = best_fastrpe(res, fam, L_max, exact_only=True)
+        if b is None:
+            add(f"learned table ({tag}), L={L_max}: completes within 40 GiB", None, "no exact fastrpe row")
+        else:
+            tot = b[1].get("peak_total_bytes", b[1].get("peak_bytes"))
+            add(f"learned table ({tag}), L={L_max}: completes within 40 GiB",
+                None if tot is None else tot <= 40 * GIB,
+                f"{b[0]} {ms(b[1]['seconds'])}, peak {tot / GIB:.2f} GiB in all" if tot is not None else "no peak")
+    Ls = sorted({r["problem"]["L"] for r in res["rows"]})
+    L4 = 4096 if not res.get("smoke") else Ls[0]
+    for fam in FAMILIES:
+        if any(r["problem"]["position"] == fam for r in res["rows"]):
+            exact = fam not in ("kerple_log", "kerple_power")
+            add(f"{fam}, L={L4}: no slower than Flex with the same term",
+                *ratio_line(fam, L4, "flex", fam, 1.0, "faster", exact_only=exact,
+                            tol=None if exact else ACCURACY_TOL))
+    for fam in DECAYING:
+        b = best_fastrpe(res, fam, L_max, tol=ACCURACY_TOL)
+        if b is None:
+            add(f"{fam}, L={L_max}: forward+backward within 60 ms and 8 GiB", None, "no fastrpe row")
+            continue
+        s, peak = b[1]["seconds"], b[1].get("peak_bytes")
+        ok = s <= 0.060 and peak is not None and peak <= 8 * GIB
+        tot = b[1].get("peak_total_bytes")
+        add(f"{fam}, L={L_max}: forward+backward within 60 ms and 8 GiB", ok,
+            f"{b[0]} {ms(s)}, peak {peak / GIB:.2f} GiB above inputs"
+            + (f" ({tot / GIB:.2f} GiB in all)" if tot is not None else "") if peak is not None else ms(s))
+    dec = [r for r in res.get("decode", []) if r.get("seconds")]
+    states = [r for r in dec if r["kind"] == "constant"]
+    kvs = [r for r in dec if r["kind"] == "kv"]
+    if not states or not kvs:
+        add("decoding at 64k: constant-size state >= 5x faster than a KV-cache step", None, "no decode rows")
+    else:
+        st, kv = min(states, key=lambda r: r["seconds"]), min(kvs, key=lambda r: r["seconds"])
+        add(f"decoding at {st['context']}: constant-size state >= 5x faster than a KV-cache step",
+            kv["seconds"] / st["seconds"] >= 5,
+            f"{st['method']} {ms(st['seconds'])} vs fastest layer KV step {kv['method']} {ms(kv['seconds'])}: "
+            f"{kv['seconds'] / st['seconds']:.2f}x")
+    sy = [r for r in res.get("sync", []) if "ok" in r]
+    if not sy:
+        add("no host synchronization in any hot path (sync debug mode)", None, "no sync rows")
+    else:
+        bad = [f"{r['backend']}/{r['family']}" for r in sy if not r["ok"]]
+        add("no host synchronization in any hot path (sync debug mode)", not bad,
+            f"{len(sy) - len(bad)}/{len(sy)} backend x family runs clean" + (f"; syncs in {', '.join(bad)}" if bad else ""))
+    return out
+
+
+def print_check(res: dict, log=print) -> int:
+    """Print one line per criterion; 0 if all pass, 1 if any fails or is missing."""
+    rows = check(res)
+    if res.get("smoke"):
+        log("SMOKE RESULT: toy sizes on CPU, the criteria below exercise the checker only")
+    for c in rows:
+        log(f"{c['status'].upper():8s} {c['criterion']}: {c['detail']}")
+    n = {s: sum(c["status"] == s for c in rows) for s in ("pass", "fail", "missing")}
+    log(f"{n['pass']} passed, {n['fail']} failed, {n['missing']} missing")
+    return 0 if n["fail"] == 0 and n["missing"] == 0 else 1
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+class _Unset(str):
+    """A parser default that remembers it was not given (the gpu suite has its own)."""
+
+
+class _UnsetInt(int):
+    pass
+
+
+def add_arguments(p) -> None:
+    """The gpu suite's options on `fastrpe bench`; `--dtype`/`--repeats` keep their defaults
+    for the other suites and take the gpu suite's (bfloat16, 10) when not given."""
+    for a in p._actions:
+        if a.dest == "dtype" and isinstance(a.default, str):
+            a.default = _Unset(a.default)
+        if a.dest == "repeats" and isinstance(a.default, int):
+            a.default = _UnsetInt(a.default)
+    g = p.add_argument_group("--suite gpu (issue 12; needs CUDA unless --smoke)")
+    g.add_argument("--lengths", default=None, help="comma-separated L (default 4096,16384,65536,262144,1048576)")
+    g.add_argument("--families", default=None, help=f"comma-separated, from {','.join(FAMILIES)} (default all)")
+    g.add_argument("--smoke", action="store_true", help="toy sizes on CPU: tests the harness, measures nothing")
+    g.add_argument("--check", nargs="?", const="", default=None, metavar="JSON",
+                   help="evaluate the issue's criteria from a result (default OUT/gpu.json); runs nothing")
+    g.add_argument("--resume", action="store_true", help="keep the rows OUT/gpu.json already has; run the rest")
+    g.add_argument("--budget-s", type=float, default=None, help="start no new row after this many seconds")
+    g.add_argument("--time-limit-s", type=float, default=None,
+                   help="a first call slower than this is timed once and longer lengths skipped (default 2)")
+    g.add_argument("--call-cap-s", type=float, default=None, help="hard cap on one call (default 120)")
+    g.add_argument("--accuracy-length", type=int, default=None, help="L of the accuracy rows (default 65536)")
+    g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
+
+
+def _ints(s: str, what: str) -> tuple:
+    from .._validate import FastRPEError
+
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise FastRPEError(f"{what}: expected comma-separated integers, got {s!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise FastRPEError(f"{what}: expected positive integers, got {s!r}")
+    return vals
+
+
+def config_from_args(args) -> GpuConfig:
+    from .._validate import FastRPEError
+
+    cfg = smoke_config() if args.smoke else GpuConfig()
+    kw = {}
+    if args.lengths:
+        kw["lengths"] = _ints(args.lengths, "--lengths")
+    if args.families:
+        fams = tuple(f for f in args.families.split(",") if f)
+        bad = [f for f in fams if f not in FAMILIES]
+        if bad or not fams:
+            raise FastRPEError(f"--families: unknown {bad}; known: {', '.join(FAMILIES)}")
+        kw["families"] = fams
+    if not isinstance(args.dtype, _Unset):
+        kw["dtype"] = args.dtype
+    if not isinstance(args.repeats, _UnsetInt):
+        if args.repeats < 1:
+            raise FastRPEError(f"--repeats: must be >= 1, got {args.repeats}")
+        kw["repeats"] = args.repeats
+    for name in ("budget_s", "time_limit_s", "call_cap_s", "accuracy_length", "decode_context"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if not args.smoke:
+        kw["device"] = args.device
+    cfg = replace(cfg, **kw)
+    if "lengths" in kw and "accuracy_length" not in kw and cfg.accuracy_length not in cfg.lengths:
+        kw_len = [L for L in sorted(cfg.lengths) if L <= cfg.accuracy_length] or [min(cfg.lengths)]
+        cfg = replace(cfg, accuracy_length=kw_len[-1])
+    return cfg
+
+
+def run_cli(args) -> int:
+    """`fastrpe bench --suite gpu ...` (see `add_arguments`)."""
+    out = Path(args.out)
+    if args.check is not None:
+        path = Path(args.check) if args.check else out / "gpu.json"
+        if not path.exists():
+            print(f"--check: no result at {path}")
+            return 2
+        return print_check(json.loads(path.read_text()))
+    cfg = config_from_args(args)
+    if not cfg.smoke and (torch.device(cfg.device).type != "cuda" or not torch.cuda.is_available()):
+        print("fastrpe bench --suite gpu: needs CUDA (no GPU here); --smoke runs the harness at toy sizes on CPU")
+        return 2
+    command = "fastrpe " + " ".join(sys.argv[1:]) if os.path.basename(sys.argv[0]) == "fastrpe" else \
+        "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                                    if k not in ("_module", "command") and v not in (None, False))
+    run_gpu_suite(cfg, out, command=command, resume=args.resume)
+    return 0

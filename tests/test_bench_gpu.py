@@ -1,0 +1,271 @@
+"""The GPU suite's harness (`fastrpe bench --suite gpu`), run on CPU: the refusal without
+CUDA, the smoke path through every competitor, the criteria checker on hand-made results,
+the sampled float64 reference, and the runner's resume / out-of-memory / hard-cap rules."""
+import json
+import time
+
+import pytest
+import torch
+
+import fastrpe as fr
+from fastrpe.bench import gpu
+from fastrpe.bench.registry import Problem
+from fastrpe.bench.runner import run_suite
+from fastrpe.cli.main import main
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@needs_no_cuda
+def test_gpu_suite_refuses_without_cuda_in_one_line(tmp_path, capsys):
+    rc = main(["bench", "--suite", "gpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 2 and len(out) == 1 and "needs CUDA" in out[0]
+    assert not (tmp_path / "gpu.json").exists()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke run through the CLI at toy sizes (shared by the tests below)."""
+    out = tmp_path_factory.mktemp("gpu")
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--lengths", "40", "--families", "alibi,kerple_log",
+               "--decode-context", "48", "--out", str(out)])
+    assert rc == 0
+    return out, json.loads((out / "gpu.json").read_text())
+
+
+def test_smoke_runs_every_competitor_and_labels_itself(smoke):
+    out, res = smoke
+    assert res["smoke"] and res["complete"] and "SMOKE" in res["note"]
+    assert res["torch"] == torch.__version__ and "command" in res and "--smoke" in res["command"]
+    comps = {r["competitor"] for r in res["rows"]}
+    # every registered fastrpe backend appears (timed or refused with its own reasons)
+    assert {f"fastrpe-{b}" for b in fr.dispatch.BACKENDS if not b.startswith("grid")} | {"fastrpe-auto"} <= comps
+    assert {"flex", "sdpa", "fla-chunk_simple_gla", "fla-chunk_linear_attn"} <= comps
+    for r in res["rows"]:
+        assert ("seconds" in r) != ("skipped" in r), r  # timed, or skipped with a reason
+        assert r["problem"]["L"] == 40
+    flex = [r for r in res["rows"] if r["competitor"] == "flex"]
+    assert flex and all("EAGER" in r["flex"] and "seconds" in r for r in flex)
+    assert all(r["block_mask"] == "create_block_mask" for r in flex)  # causal families: a block mask
+    fla = [r for r in res["rows"] if r["competitor"].startswith("fla-")]
+    assert fla and all("skipped" in r for r in fla)  # no CUDA (or no fla) here: a reason, not a number
+    # fla and SDPA only on their families
+    assert {r["problem"]["position"] for r in res["rows"] if r["competitor"] == "sdpa"} == {"none"}
+    assert {r["problem"]["position"] for r in res["rows"] if r["competitor"] == "fla-chunk_simple_gla"} == {"alibi"}
+    assert (out / "gpu.md").read_text().startswith("**SMOKE RUN")
+
+
+def test_smoke_accuracy_rows_of_exact_backends_are_exact(smoke):
+    _, res = smoke
+    acc = [r for r in res["rows"] if "max_abs_err_fp32" in r]
+    assert acc and all(r["problem"]["L"] == 40 for r in acc)  # at the accuracy length only
+    for r in acc:
+        if r.get("exact"):
+            assert r["max_abs_err_fp32"] < 1e-5, r
+    assert any(r["competitor"] == "fastrpe-fft" for r in acc)
+
+
+def test_smoke_decode_and_sync_sections(smoke):
+    _, res = smoke
+    kinds = {r["kind"] for r in res["decode"]}
+    assert {"constant", "kv", "kv-op"} <= kinds
+    lin = next(r for r in res["decode"] if r["method"].startswith("state-linear"))
+    kv = next(r for r in res["decode"] if r["method"].startswith("kv-cache (alibi, nprf"))
+    assert lin["seconds"] > 0 and lin["state_bytes"] > 0
+    # the KV cache holds k and v of the whole context: 2·B·H·ctx·D floats
+    assert kv["state_bytes"] == 2 * 1 * 2 * 48 * 16 * 4
+    assert res["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+
+
+def test_check_prints_one_line_per_criterion(smoke, capsys):
+    out, res = smoke
+    rc = main(["bench", "--suite", "gpu", "--check", str(out / "gpu.json")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("SMOKE RESULT")
+    assert len(lines) == 1 + len(gpu.check(res)) + 1 and "passed" in lines[-1]
+    assert rc == 1  # the sync criterion is missing on CPU
+
+
+# ----------------------------------------------------------------------------- the checker
+
+
+def _row(fam, L, comp, ms=None, **kw):
+    p = Problem(position=fam, causal=gpu.family_causal(fam), L=L).to_dict()
+    r = {"problem": p, "competitor": comp, **kw}
+    if ms is None:
+        r.setdefault("skipped", "n/a")
+    else:
+        r["seconds"] = ms / 1e3
+    return r
+
+
+def _result(rows, decode=(), sync=()):
+    return {"smoke": False, "rows": list(rows), "decode": list(decode), "sync": list(sync)}
+
+
+def _status(res, start):
+    hits = [c for c in gpu.check(res) if c["criterion"].startswith(start)]
+    assert len(hits) == 1, [c["criterion"] for c in gpu.check(res)]
+    return hits[0]["status"]
+
+
+def test_check_geometric_against_fla_and_flex():
+    L = 65536
+    base = [_row("alibi", L, "fla-chunk_simple_gla", 3.0), _row("alibi", L, "flex", 60.0)]
+    fast = _result(base + [_row("alibi", L, "fastrpe-chunked", 2.9, exact=True)])
+    assert _status(fast, "geometric (alibi), L=65536: no slower than fla") == "pass"
+    assert _status(fast, "geometric (alibi), L=65536: >= 15x") == "pass"  # 60 / 2.9 = 20.7
+    slow = _result(base + [_row("alibi", L, "fastrpe-chunked", 4.5, exact=True)])
+    assert _status(slow, "geometric (alibi), L=65536: no slower than fla") == "fail"
+    assert _status(slow, "geometric (alibi), L=65536: >= 15x") == "fail"  # 13.3x
+    # the dense reference and approximate rows do not count for an exact criterion
+    ref = _result(base + [_row("alibi", L, "fastrpe-dense", 0.1, exact=True),
+                          _row("alibi", L, "fastrpe-soe", 0.1, exact=False)])
+    assert _status(ref, "geometric (alibi), L=65536: no slower than fla") == "missing"
+
+
+def test_check_competitor_absent_is_missing_but_out_of_memory_is_a_pass():
+    L = 65536
+    ours = _row("alibi", L, "fastrpe-chunked", 2.0, exact=True)
+    absent = _result([ours, _row("alibi", L, "fla-chunk_simple_gla", skipped="fla not importable")])
+    assert _status(absent, "geometric (alibi), L=65536: no slower than fla") == "missing"
+    oom = _result([ours, _row("alibi", L, "flex", skipped="out of memory")])
+    assert _status(oom, "geometric (alibi), L=65536: >= 15x") == "pass"
+
+
+def test_check_kerple_needs_accuracy_and_takes_the_fastest_accurate_row():
+    L = 65536
+    rows = [_row("alibi", L, "fla-chunk_simple_gla", 3.0), _row("kerple_log", L, "flex", 200.0),
+            _row("kerple_log", L, "fastrpe-soe", 1.0, exact=False, max_abs_err_fp32=5e-3),
+            _row("kerple_log", L, "fastrpe-fft", 9.0, exact=True, max_abs_err_fp32=1e-6)]
+    res = _result(rows)
+    # soe is faster but off by 5e-3: the criteria judge fft (9 ms > 2 x 3 ms)
+    assert _status(res, "kerple_log, L=65536: <= 2x") == "fail"
+    assert _status(res, "kerple_log, L=65536: >= 20x") == "pass"  # 200 / 9 = 22
+    assert _status(res, "kerple_log, L=65536: output within") == "pass"
+    rows[2]["max_abs_err_fp32"] = 5e-4
+    assert _status(_result(rows), "kerple_log, L=65536: <= 2x") == "pass"
+
+
+def test_check_million_tokens_time_and_memory():
+    M = 1048576
+    ok = _row("alibi", M, "fastrpe-chunked", 50.0, exact=True, peak_bytes=7 * 2**30)
+    assert _status(_result([ok]), "alibi, L=1048576: forward+backward") == "pass"
+    big = dict(ok, peak_bytes=9 * 2**30)
+    assert _status(_result([big]), "alibi, L=1048576: forward+backward") == "fail"
+    slow = dict(ok, seconds=0.07)
+    assert _status(_result([slow]), "alibi, L=1048576: forward+backward") == "fail"
+    table = _row("learned", M, "fastrpe-fft", 900.0, exact=True, peak_bytes=30 * 2**30, peak_total_bytes=41 * 2**30)
+    assert _status(_result([table]), "learned table (causal), L=1048576") == "fail"  # 41 GiB in all
+
+
+def test_check_decoding_and_sync():
+    dec = [{"method": "state", "kind": "constant", "context": 65536, "seconds": 1e-4},
+           {"method": "kv a", "kind": "kv", "context": 65536, "seconds": 4e-4},
+           {"method": "kv b", "kind": "kv", "context": 65536, "seconds": 6e-4},
+           {"method": "op", "kind": "kv-op", "context": 65536, "seconds": 1e-5}]
+    assert _status(_result([], dec), "decoding at 65536") == "fail"  # 4x the fastest layer KV step
+    dec[1]["seconds"] = 5e-4
+    assert _status(_result([], dec), "decoding at 65536") == "pass"
+    sync = [{"backend": "fft", "family": "alibi", "ok": True}, {"backend": "soe", "family": "alibi", "ok": False}]
+    assert _status(_result([], sync=sync), "no host synchronization") == "fail"
+    assert _status(_result([], sync=sync[:1]), "no host synchronization") == "pass"
+    assert _status(_result([]), "no host synchronization") == "missing"
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("family", ["kerple_power", "learned_full"])
+def test_sampled_reference_is_eq10_on_the_sampled_rows(family, causal):
+    """Eq. 10 written densely here (materialized bias, masked, normalized) against the
+    sampled-row reference, at an odd length."""
+    L, H, D = 37, 3, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = gpu.make_position(family, H, L)
+    kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=6)
+    pq, pk = kern(q, is_query=True), kern(k, is_query=False)
+    c = torch.exp(pos.materialize(L, L).double())  # (H, L, L)
+    if causal:
+        c = c * torch.ones(L, L, dtype=torch.float64).tril()
+    w = (pq @ pk.transpose(-1, -2)) * c
+    dense = (w @ v) / w.sum(-1, keepdim=True)
+    rows = gpu.sample_rows(L, 7)
+    assert rows[0] == 0 and rows[-1] == L - 1
+    got = gpu.sampled_reference(kern, pos, q, k, v, rows, causal)
+    torch.testing.assert_close(got, dense[:, :, rows], rtol=1e-10, atol=1e-12)
+
+
+def test_positions_are_frozen_and_tables_cover_every_offset():
+    for fam in gpu.FAMILIES:
+        pos = gpu.make_position(fam, 2, 50)
+        assert not any(p.requires_grad for p in pos.parameters())
+    t = gpu.make_position("learned_full", 2, 50)
+    b = t.materialize(50, 50)
+    assert b[0, 49, 0] != b[0, 48, 0]  # offset -49 and -48 differ: nothing clipped
+
+
+def test_fla_simple_gla_g_gamma_is_alibi_log_decay():
+    """fla's convention as the competitor uses it: per-step log decay g = -m gives
+    `o_i = Σ_{j≤i} e^{-m(i-j)} scale·(q_i·k_j) v_j` (checked with fla's own naive op)."""
+    naive = pytest.importorskip("fla.ops.simple_gla.naive")
+    B, T, H, K, V = 1, 19, 2, 4, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, d, generator=g) for d in (K, K, V))
+    m = torch.tensor(fr.positions.alibi_slopes(H))
+    o, _ = naive.naive_recurrent_simple_gla(q, k, v, (-m).expand(B, T, H).contiguous(), scale=K ** -0.5)
+    i = torch.arange(T)
+    decay = torch.exp(-m[:, None, None] * (i[:, None] - i[None, :]).clamp_min(0)) * (i[:, None] >= i[None, :])
+    s = torch.einsum("bihk,bjhk->bhij", q, k) * K ** -0.5 * decay
+    torch.testing.assert_close(o, torch.einsum("bhij,bjhv->bihv", s, v), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def test_runner_skips_longer_lengths_after_out_of_memory_and_resumes():
+    calls = []
+
+    def oom(p, device, dtype):
+        def fn():
+            calls.append(p.L)
+            if p.L >= 16:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return fn
+
+    probs = [Problem(L=L) for L in (8, 16, 32)]
+    rows = run_suite(probs, ["oom"], repeats=1, warmup=0, registry={"oom": oom}, log=lambda *a: None)["rows"]
+    assert "seconds" in rows[0] and rows[1]["skipped"] == "out of memory"
+    assert rows[2]["skipped"] == "out of memory at L=16" and 32 not in calls
+    # resuming: a pair already done is not run again; `select` leaves pairs out
+    calls.clear()
+    rows = run_suite(probs, ["oom"], repeats=1, warmup=0, registry={"oom": oom}, log=lambda *a: None,
+                     done={(probs[0].tag(), "oom")}, select=lambda p, n: p.L < 32)["rows"]
+    assert [r["problem"]["L"] for r in rows] == [16] and calls == [16]
+
+
+def test_runner_records_errors_and_extra_and_caps_a_call():
+    def broken(p, device, dtype):
+        def fn():
+            raise RuntimeError("kernel exploded\nsecond line")
+        return fn
+
+    def sleepy(p, device, dtype):
+        def fn():
+            time.sleep(5)
+        fn.extra = {"note": "sleeps"}
+        return fn
+
+    reg = {"broken": broken, "sleepy": sleepy}
+    with pytest.raises(RuntimeError):
+        run_suite([Problem(L=8)], ["broken"], registry=reg, log=lambda *a: None)
+    t0 = time.perf_counter()
+    rows = run_suite([Problem(L=8), Problem(L=16)], ["broken", "sleepy"], registry=reg, log=lambda *a: None,
+                     catch_errors=True, call_cap_s=0.2)["rows"]
+    assert time.perf_counter() - t0 < 3
+    assert rows[0]["skipped"] == "error: RuntimeError: kernel exploded"
+    assert rows[1]["note"] == "sleeps" and "hard cap" in rows[1]["skipped"]
+    assert rows[3]["skipped"].endswith("at L=8")  # not tried at the longer length
