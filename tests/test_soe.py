@@ -158,7 +158,8 @@ def test_soe_refuses_terms_it_cannot_fit(name):
     ex = fr.explain(q, q, q, kernel="elu", position=pos, causal=True, allow_approximate=True)
     assert ex.chosen != "soe" and any(c.backend == "soe" and c.reasons for c in ex.candidates)
     mha = fr.nn.MultiheadAttention(H * D, H, kernel="elu", position=pos, causal=True, backend="soe")
-    with pytest.raises(fr.FastRPEError, match="cannot decode"):
+    assert mha.decode_state == "kv" and "misplaces" in str(mha.decoder())
+    with pytest.raises(fr.FastRPEError, match=r"misplaces .* of a row's positional weight"):
         mha.step(torch.randn(1, 5, H * D))
 
 

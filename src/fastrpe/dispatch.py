@@ -246,3 +246,89 @@ def select_backend(p: Problem, backend: str) -> Backend:
     if reasons:
         raise FastRPEError(f"backend={backend!r} cannot run this call: " + "; ".join(reasons))
     return b
+
+
+# --- decoding: which state `step` keeps between calls (chosen here like the forward backend) ---
+
+#: forced forward backends whose function each constant-size decoder reproduces ("auto" for all
+#: exact ones); any other forced backend decodes over a KV cache with that backend
+DECODER_BACKENDS = {
+    "linear": ("auto", "chunked", "prefix", "soe", "triton_chunked"),
+    "band": ("auto", "band"),
+    "soe": ("soe", "triton_soe"),
+}
+
+
+@dataclass
+class DecoderChoice:
+    """The decode state a causal layer keeps: "linear" (`LinearState`), "band" (`BandState`),
+    "soe" (`SoEState`, approximate like the `soe` backend) or "kv" (`KVCache`, exact for
+    everything), with every refused constant-size state's reasons. `str()` explains."""
+
+    name: str
+    refused: dict[str, list[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"decoding keeps: {self.name}"]
+        lines += [f"  {k:7s} refused: " + "; ".join(r) for k, r in self.refused.items()]
+        return "\n".join(lines)
+
+
+def _constant_state_reasons(p: Problem) -> list[str]:
+    r = []
+    if p.softmax:
+        r.append("softmax weighs every key by its own score (no constant-size state)")
+    if not p.causal:
+        r.append("decoding is causal")
+    if p.additive:
+        r.append("additive terms (" + ", ".join(type(t).__name__ for t in p.additive) + ") read every key")
+    if getattr(p.kernel, "per_key_shift_when_causal", False):
+        r.append(f"{type(p.kernel).__name__} shifts each key by a running maximum")
+    pos = p.position
+    from .positions.grid import GridPosition
+
+    if pos is not None and (pos.softmax_only or isinstance(pos, GridPosition)):
+        r.append(f"{type(pos).__name__} has no 1D kernelized form")
+    return r
+
+
+def decoder_reasons(name: str, p: Problem, backend: str) -> list[str]:
+    """Why decoder `name` cannot decode this layer (empty: it can). `p` describes the
+    layer (its `Lk` is the sequence length decoding will reach); `backend` is the layer's."""
+    if name == "kv":
+        return []
+    r = _constant_state_reasons(p)
+    if backend not in DECODER_BACKENDS[name]:
+        r.append(f"backend={backend!r} is forced (a {name} state reproduces "
+                 + ", ".join(repr(b) for b in DECODER_BACKENDS[name]) + ")")
+    pos = p.position
+    if r:
+        return r
+    if name == "linear" and pos is not None and pos.geometric_decay() is None:
+        r.append(f"{type(pos).__name__} is not a geometric decay")
+    elif name == "band" and (pos is None or pos.finite_support() is None):
+        r.append("needs a finite-support term" if pos is None else
+                 f"{type(pos).__name__} is not constant beyond a finite distance")
+    elif name == "soe":
+        if pos is None or pos.geometric_decay() is not None:
+            r.append("needs a decaying term that is not geometric (the soe backend refuses the others)")
+        else:
+            from .ops.linear.soe import soe_fit_refusal
+
+            with torch.no_grad():
+                why = soe_fit_refusal(pos, p.Lk)
+            if why:
+                r.append(why)
+    return r
+
+
+def select_decoder(p: Problem, backend: str = "auto") -> DecoderChoice:
+    """The decode state for a layer: the first constant-size one (linear, band, soe) that
+    reproduces the layer's forward backend, else the KV cache."""
+    refused = {}
+    for name in ("linear", "band", "soe"):
+        r = decoder_reasons(name, p, backend)
+        if not r:
+            return DecoderChoice(name, refused)
+        refused[name] = r
+    return DecoderChoice("kv", refused)

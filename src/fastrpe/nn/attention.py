@@ -4,48 +4,16 @@ Notation: B batch, L/S query/key lengths, E embed dim, H heads, D = E / H.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
 from .._validate import FastRPEError, check_backend_name, check_features, check_same_dtype
 from ..api import attention
-from ..kernels import FeatureMap, get_kernel
-from ..ops.linear.soe import SoEState
+from ..dispatch import DecoderChoice, Problem, select_decoder
+from ..kernels import get_kernel
+from ..ops.linear.state import BandState, KVCache, LinearState, SoEState  # noqa: F401  (re-exported)
 from ..positions.base import AdditiveTerm, Position
-
-
-@dataclass
-class KVCache:
-    """Keys and values of the tokens seen so far, `[B, H, S, D]` each (empty: None).
-
-    Exact for every positional term and kernel: each step attends to the whole
-    cache with the queries at positions `S_before .. S_before + L - 1`."""
-
-    k: Tensor | None = None
-    v: Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def select(self, index: Tensor) -> "KVCache":
-        """The cache of batch rows `index` (beam search reorders with it)."""
-        return self if self.k is None else KVCache(self.k[index], self.v[index])
-
-
-@dataclass
-class LinearState:
-    """Constant-size decode state of causal kernelized attention with a geometric decay
-    (or none): `S = Σ_j γ^(t-j) φ(k_j) ⊗ [v_j, 1]`, `[B, H, F, Dv+1]`, after `length` tokens."""
-
-    S: Tensor
-    length: int
-
-    def select(self, index: Tensor) -> "LinearState":
-        return LinearState(self.S[index], self.length)
 
 
 def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
@@ -166,96 +134,96 @@ class MultiheadAttention(nn.Module):
         o = self._attend(q, k, v, q_offset, key_padding_mask)
         return o if self.batch_first else o.transpose(0, 1)
 
+    def decoder(self, length: int = 1) -> DecoderChoice:
+        """Which state `step` keeps for sequences up to `length` tokens, chosen by
+        `fastrpe.dispatch.select_decoder` from the kernel, the terms and the layer's backend,
+        with the reasons the constant-size states were refused (`print()` it)."""
+        w = self.q_proj.weight
+        pos = [t for t in self.positions if isinstance(t, Position)]
+        add = tuple(t for t in self.positions if isinstance(t, AdditiveTerm))
+        p = Problem(1, self.num_heads, 1, max(int(length), 1), self.head_dim, self.head_dim, w.dtype, w.device,
+                    self.kernel, pos[0] if pos else None, add, self.causal, 0, False, False)
+        return select_decoder(p, self.backend)
+
     @property
     def decode_state(self) -> str:
-        """What `step` keeps between calls: "linear" (a constant-size `LinearState`: causal
-        kernelized attention with no positional term or a geometric decay, backend auto or
-        chunked), "soe" (a constant-size `SoEState`: backend "soe", any other decaying 1D
-        term, approximate like that backend) or "kv" (a `KVCache`: exact for everything)."""
-        pos = self.position
-        if not (isinstance(self.kernel, FeatureMap) and self.causal):
-            return "kv"
-        if pos is None or isinstance(pos, Position) and pos.geometric_decay() is not None:
-            return "linear" if self.backend in ("auto", "chunked", "soe") else "kv"
-        if (self.backend == "soe" and isinstance(pos, Position) and not pos.softmax_only
-                and not getattr(pos, "is_grid", False)):
-            return "soe"
-        return "kv"
+        """What `step` keeps between calls: "linear" (a constant-size `LinearState`: no
+        positional term or a geometric decay), "band" (a constant-size `BandState`: a
+        finite-support term such as T5), "soe" (a constant-size `SoEState`: backend "soe",
+        approximate like that backend) or "kv" (a `KVCache`: exact for everything). See `decoder`."""
+        return self.decoder().name
 
     @property
     def recurrent_decoding(self) -> bool:
         """True when `step` keeps a constant-size state instead of a KV cache."""
         return self.decode_state != "kv"
 
-    def _qkv_features(self, x: Tensor, start: int):
+    def _step_state(self, x: Tensor, state, kind: str, max_length: int | None):
+        """One decode call with a constant-size state: the decode op of `kind`, run like the
+        forward pass (autocast off, features in float32/64, output back in x's dtype)."""
+        from ..ops.common import safe_divide
+        from ..ops.linear import recurrent
+        from ..ops.linear.soe import causal_log_coefficients, soe_extend, soe_plan_for
+
+        start, L = (0 if state is None else state.length), x.shape[1]
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if self.rotary:
-            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            pos = torch.arange(start, start + L, device=x.device)
             q, k = rotary(q, pos), rotary(k, pos)
-        return self.kernel(q, is_query=True), self.kernel(k, is_query=False), v
-
-    def _output(self, num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
-        from ..ops.common import safe_divide
-
-        o = safe_divide(num, den).to(dtype)  # (B, H, L, D)
+        term = self.position
+        with torch.autocast(x.device.type, enabled=False):
+            phi_q, phi_k = self.kernel(q, is_query=True), self.kernel(k, is_query=False)  # (B, H, L, F)
+            v = v.to(phi_q.dtype)
+            if kind == "linear":
+                gamma = term.geometric_decay() if term is not None else None
+                num, den, new = recurrent.linear_step(phi_q, phi_k, v, state, gamma=gamma)
+            elif kind == "band":
+                W = term.finite_support()
+                b = causal_log_coefficients(term, W + 1).to(phi_q.dtype)  # (H, W+1): b(-d), d = 0..W
+                num, den, _, new = recurrent.band_step(phi_q, phi_k, v, state, b=b, window=W)
+            else:
+                if state is None:
+                    plan = soe_plan_for(term, max(L, max_length or 0))
+                else:
+                    plan, why = soe_extend(state.plan, term, start + L)
+                    if why:
+                        raise FastRPEError(f"step: backend={self.backend!r} cannot decode past {state.plan.fit_length} "
+                                           f"tokens: {why} (pass max_length= to the first step to fit for longer)")
+                num, den, new = recurrent.soe_step(phi_q, phi_k, v, plan, state)
+            o = safe_divide(num, den).to(x.dtype)  # (B, H, L, D)
         o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
-        return o if self.batch_first else o.transpose(0, 1)
+        return (o if self.batch_first else o.transpose(0, 1)), new
 
-    def _step_recurrent(self, x: Tensor, state: LinearState | None) -> tuple[Tensor, LinearState]:
-        from ..ops.linear.chunked import kernelized_num_den_chunked
-
-        start = 0 if state is None else state.length
-        phi_q, phi_k, v = self._qkv_features(x, start)
-        gamma = self.position.geometric_decay() if self.position is not None else None
-        num, den, _, S = kernelized_num_den_chunked(phi_q, phi_k, v, gamma=gamma,
-                                                    initial_state=None if state is None else state.S, return_state=True)
-        return self._output(num, den, x.dtype), LinearState(S, start + x.shape[1])
-
-    def _step_soe(self, x: Tensor, state: SoEState | None) -> tuple[Tensor, SoEState]:
-        from ..ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, soe_fit_refusal, soe_plan, soe_step
-
-        if state is None:
-            with torch.no_grad():
-                why = soe_fit_refusal(self.position, x.shape[1])
-            if why:
-                raise FastRPEError(f"step: backend='soe' cannot decode with this term: {why}")
-            # the same fit as the soe backend's forward pass for any length up to SOE_FIT_LENGTH
-            plan = soe_plan(causal_log_coefficients(self.position, max(SOE_FIT_LENGTH, x.shape[1])))
-        else:
-            plan = state.plan
-        phi_q, phi_k, v = self._qkv_features(x, 0 if state is None else state.length)
-        num, den, new = soe_step(phi_q, phi_k, v, plan, state)
-        return self._output(num, den, x.dtype), new
-
-    def step(self, x: Tensor, cache: KVCache | LinearState | None = None):
+    def step(self, x: Tensor, cache: KVCache | LinearState | BandState | SoEState | None = None, *,
+             max_length: int | None = None):
         """Causal self-attention decoding: `x: [B, L, E]` new tokens (a prompt, or one token).
 
         Returns the output for the new tokens and the cache extended by them: a `KVCache`
-        (exact for every positional term, O(L) per step), or a constant-size `LinearState`
-        or `SoEState` (see `decode_state`). Calling
-        `step` on a prompt and then token by token gives the same outputs as `forward`
-        on the whole sequence.
+        (exact for every positional term, O(L) per step) or a constant-size `LinearState`,
+        `BandState` or `SoEState`, as `decoder()` chooses on the first call (`cache=None`).
+        Calling `step` on a prompt and then token by token gives the same outputs as
+        `forward` on the whole sequence.
+
+        Args:
+            max_length: the longest sequence this decoding will reach (first call only): the
+                `soe` state is fitted for it (default: the prompt, at least 4,096 tokens; past
+                its fit the state is checked and refused with the measured error if worse).
         """
         if not self.causal:
-            raise FastRPEError("step() decodes causal self-attention; this layer has causal=False")
-        self._check_input(x, "x", self.embed_dim, "MultiheadAttention.step")
-        if self.k_proj.in_features != self.embed_dim or self.v_proj.in_features != self.embed_dim:
-            raise FastRPEError("MultiheadAttention.step: decodes self-attention, but this layer has kdim/vdim "
-                               f"({self.k_proj.in_features}/{self.v_proj.in_features}) != embed_dim ({self.embed_dim})")
-        if cache is not None and not isinstance(cache, (KVCache, LinearState, SoEState)):
-            raise FastRPEError(f"MultiheadAttention.step: cache must be None, a KVCache, LinearState or SoEState "
-                               f"(what step returned), got {type(cache).__name__}")
-        if isinstance(cache, KVCache) and cache.k is not None:
-            B = x.shape[0 if self.batch_first else 1]
-            if cache.k.shape[0] != B:
-                raise FastRPEError(f"MultiheadAttention.step: x has batch {B}, the cache {cache.k.shape[0]}")
+            raise RuntimeError("step() decodes causal self-attention; this layer has causal=False")
         if not self.batch_first:
             x = x.transpose(0, 1)
-        kind = self.decode_state
-        if isinstance(cache, LinearState) or (cache is None and kind == "linear"):
-            return self._step_recurrent(x, cache)
-        if isinstance(cache, SoEState) or (cache is None and kind == "soe"):
-            return self._step_soe(x, cache)
+        kinds = {LinearState: "linear", BandState: "band", SoEState: "soe", KVCache: "kv"}
+        if cache is None:
+            # a KV cache runs the forward backend itself, which refuses what it cannot run
+            kind = self.decoder(max(x.shape[1], max_length or 0)).name
+        else:
+            kind = kinds.get(type(cache))
+            if kind is None:
+                raise FastRPEError(f"cache: expected a KVCache, LinearState, BandState or SoEState, "
+                                   f"got {type(cache).__name__}")
+        if kind != "kv":
+            return self._step_state(x, cache, kind, max_length)
         cache = cache or KVCache()
         k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if cache.k is not None:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor
 
+from .state import SoEState
+
 DEFAULT_WINDOW = 64
 DEFAULT_TERMS = 16
 
@@ -164,11 +166,38 @@ def soe_weight_error(b: Tensor, plan: SoEPlan | None = None) -> Tensor:
         return ratio.amax(-1)
 
 
+def soe_fit_length(length: int) -> int:
+    """The distances a fit covers for rows up to `length` (the one rule: the forward backend,
+    its refusal and decoding all use it)."""
+    return max(int(length), SOE_FIT_LENGTH)
+
+
+def soe_plan_for(position, length: int) -> SoEPlan:
+    """The fit the `soe` backend uses for `position` with rows up to `length`."""
+    return soe_plan(causal_log_coefficients(position, soe_fit_length(length)))
+
+
+def soe_extend(plan: SoEPlan, position, length: int) -> tuple[SoEPlan | None, str | None]:
+    """`plan` checked for rows up to `length` beyond its fit length (decoding on: its states
+    were built with these rates and weights, so they are kept): `(plan with a longer
+    fit_length, None)` if it still misplaces at most `SOE_MAX_WEIGHT_ERROR` of any row's
+    weight up to `max(length, 2·fit_length)`, else `(None, why)`."""
+    if length <= plan.fit_length:
+        return plan, None
+    n = max(int(length), 2 * plan.fit_length)
+    with torch.no_grad():
+        err = float(soe_weight_error(causal_log_coefficients(position, n).detach(), plan).max())
+    if not err <= SOE_MAX_WEIGHT_ERROR:
+        return None, (f"the sum-of-exponentials fit made for {plan.fit_length} tokens misplaces {err:.1e} of a "
+                      f"row's positional weight at {n} (> {SOE_MAX_WEIGHT_ERROR:g})")
+    return SoEPlan(plan.gamma, plan.a, plan.corr, plan.window, n), None
+
+
 def soe_fit_refusal(position, length: int) -> str | None:
     """Why the `soe` form must not run `position` for rows up to `length` (None: it may).
     A term the sum of exponentials cannot represent (steps, noise beyond the exact band)
     would make the output silently wrong rather than approximately right."""
-    fit_length = max(length, SOE_FIT_LENGTH)
+    fit_length = soe_fit_length(length)
     err = float(soe_weight_error(causal_log_coefficients(position, fit_length).detach()).max())
     if not err <= SOE_MAX_WEIGHT_ERROR:  # NaN refuses too
         return (f"the sum-of-exponentials fit of {type(position).__name__} misplaces {err:.1e} of a row's "
@@ -271,25 +300,6 @@ def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: T
     kl = k_pos[:, :, ck, None, :e] * to_last[None, None, :, :, None]  # (B, H, K, e, F)
     state = (gam ** e).to(dt)[:, None, None] * Sb[ck] + kl.transpose(-1, -2) @ v_pos[:, :, ck, None, :e]
     return (*out, state)
-
-
-@dataclass
-class SoEState:
-    """Constant-size decode state of the sum-of-exponentials form after `length` tokens:
-    one geometric state per term, `S: [B, H, K, F, Dv+1]`, and the features and values of
-    the last `W - 1` tokens for the exact band, `keys: [B, H, <W, F]`, `values: [B, H, <W, Dv+1]`."""
-
-    S: Tensor
-    keys: Tensor
-    values: Tensor
-    plan: SoEPlan
-    length: int
-
-    def select(self, index: Tensor) -> SoEState:
-        return SoEState(self.S[index], self.keys[index], self.values[index], self.plan, self.length)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.S, self.keys, self.values))
 
 
 def _band_correction(phi_q: Tensor, keys: Tensor, values: Tensor, corr: Tensor, q_offset: int) -> Tensor:
