@@ -180,12 +180,11 @@ class TritonSoEBackend(Backend):
         return Cost(seconds, mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, soe_plan
+        from .ops.linear.soe import soe_plan_for
 
-        # the soe backend's fit: from the term itself over max(L, SOE_FIT_LENGTH) distances
-        fit_length = max(p.Lk, p.q_offset + p.Lq, SOE_FIT_LENGTH)
+        # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
         with torch.autocast(q.device.type, enabled=False):
-            plan = soe_plan(causal_log_coefficients(p.position, fit_length))
+            plan = soe_plan_for(p.position, max(p.Lk, p.q_offset + p.Lq))
         dot_dtype = torch.bfloat16 if (p.dtype == torch.bfloat16 and p.device.type == "cuda") else None
 
         def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
