@@ -10,7 +10,7 @@ from fastrpe import positions as P
 E, H, L, PROMPT = 16, 2, 23, 7
 FAMILIES = ["none", "learned", "t5", "alibi", "kerple_power", "kerple_power_p1", "kerple_log", "kerple_log3",
             "kerple_bias_weight", "fastrpb", "shaw", "geometric"]
-BACKENDS = ["auto", "dense", "sdpa", "flex", "fft", "chunked", "prefix", "soe"]
+BACKENDS = ["auto", "dense", "sdpa", "flex", "fft", "chunked", "prefix", "soe", "band"]
 
 
 def _terms(family, kernel):
@@ -74,3 +74,58 @@ def test_prompt_then_single_steps_equal_full_forward(backend, family, kernel):
             outs.append(out)
     assert cache.length == L
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-9, atol=1e-10)
+
+
+# what dispatch keeps between steps for a kernelized causal layer (backend auto unless said)
+EXPECTED_STATE = {"none": "linear", "alibi": "linear", "kerple_power_p1": "linear", "learned": "band", "t5": "band",
+                  "kerple_log": "kv", "kerple_power": "kv", "kerple_log3": "kv", "fastrpb": "kv", "shaw": "kv"}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED_STATE))
+def test_dispatch_chooses_the_decode_state_with_reasons(family):
+    mha = fr.nn.MultiheadAttention(E, H, kernel="nprf", position=_terms(family, "nprf"), causal=True)
+    choice = mha.decoder()
+    assert choice.name == EXPECTED_STATE[family] == mha.decode_state
+    if choice.name == "kv":  # every constant-size state says why not
+        assert set(choice.refused) == {"linear", "band", "soe"} and all(choice.refused.values())
+        assert "refused" in str(choice)
+    soft = fr.nn.MultiheadAttention(E, H, kernel="softmax", position=_terms(family, "softmax"), causal=True)
+    assert soft.decode_state == "kv" and "softmax" in str(soft.decoder())
+    forced = fr.nn.MultiheadAttention(E, H, kernel="nprf", position=_terms(family, "nprf"), causal=True,
+                                      backend="dense")
+    assert forced.decode_state == "kv" and "backend='dense' is forced" in str(forced.decoder())
+
+
+@pytest.mark.parametrize("family,kind", [("t5", fr.nn.BandState), ("alibi", fr.nn.LinearState)])
+def test_constant_size_state_stays_constant(family, kind):
+    mha = fr.nn.MultiheadAttention(E, H, kernel="nprf", position=_terms(family, "nprf"), causal=True).double()
+    x = torch.randn(1, 200, E, dtype=torch.float64)
+    with torch.no_grad():
+        full = mha(x)
+        out, st = mha.step(x[:, :3])
+        outs, sizes = [out], []
+        for t in range(3, 200):
+            o, st = mha.step(x[:, t:t + 1], st)
+            outs.append(o)
+            sizes.append(st.nbytes())
+    assert isinstance(st, kind) and st.length == 200
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-9, atol=1e-10)
+    assert sizes[-1] == max(sizes) == sizes[150]  # no growth once the band (T5: W <= 64 here) is full
+
+
+def test_step_under_autocast_matches_the_forward_pass():
+    """The decode ops run like the forward: autocast off inside, output in the input's dtype."""
+    torch.manual_seed(0)
+    for family in ("t5", "alibi"):
+        mha = fr.nn.MultiheadAttention(E, H, kernel="nprf", position=_terms(family, "nprf"), causal=True)
+        x = torch.randn(2, 30, E)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            full = mha(x)
+            out, st = mha.step(x[:, :10])
+            outs = [out]
+            for t in range(10, 30):
+                o, st = mha.step(x[:, t:t + 1], st)
+                outs.append(o)
+        dec = torch.cat(outs, 1)
+        assert dec.dtype == full.dtype
+        torch.testing.assert_close(dec.float(), full.float(), rtol=2e-2, atol=2e-2)
