@@ -168,17 +168,24 @@ def check_device(device, where: str = "device") -> torch.device:
 _ZERO_ROWS_WARNED: set[str] = set()
 
 
-def warn_zero_rows_once(den: Tensor, what: str) -> None:
-    """Warn once per process (per feature map) when some query rows come back with zero total
-    weight: the documented rule for unnormalized `exp`/`prf` at huge q/k norms (their features
-    underflow, so the row's output is 0), but a user should hear about it. `den: [..., L]`."""
-    if what in _ZERO_ROWS_WARNED or not isinstance(den, Tensor) or den.numel() == 0:
+def warn_underflowed_rows(kernel, phi_q: Tensor, phi_k: Tensor) -> None:
+    """Warn once per process (per feature map) when some query has zero content weight on
+    every key: `φ(q_i)·Σ_j φ(k_j) = 0`. With unnormalized `exp` or `prf` this happens at huge
+    q/k norms (~1e3: the features underflow), and by the documented rule those rows return 0
+    — silently, unless said here. Normalized maps (`nexp`, `nprf`) cannot underflow; other
+    maps are not checked. `phi_q: [B, H, Lq, F]`, `phi_k: [B, H, Lk, F]` (non-negative)."""
+    name = getattr(kernel, "name", None)
+    if name not in ("exp", "prf") or getattr(kernel, "normalize", True) or name in _ZERO_ROWS_WARNED:
         return
-    if not bool((den == 0).any()):
+    if phi_q.numel() == 0 or phi_k.numel() == 0:
         return
-    _ZERO_ROWS_WARNED.add(what)
+    with torch.no_grad():
+        content = (phi_q * phi_k.sum(-2, keepdim=True)).sum(-1)  # (B, H, Lq): Σ_j φ(q_i)·φ(k_j)
+        if not bool((content == 0).any()):
+            return
+    _ZERO_ROWS_WARNED.add(name)
     import warnings
 
-    warnings.warn(f"{what}: some query rows have zero total weight (their features underflowed, e.g. q/k norms "
-                  "near 1e3) and return 0; normalize q/k (kernel='n" + what + "') or scale the inputs down",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"kernel {name!r}: some queries have zero weight on every key (the features underflow at large "
+                  f"q/k norms, ~1e3) and return 0, as documented; normalize q/k with kernel='n{name}' or scale "
+                  "the inputs down (warned once)", RuntimeWarning, stacklevel=4)

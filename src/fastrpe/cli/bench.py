@@ -25,13 +25,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from dataclasses import replace
 
-    from ..bench import SUITES, run_suite
+    from .._validate import FastRPEError, check_device
+    from ..bench import SUITES, competitor_names, run_suite
     from ..bench.runner import plot, ratios
+
+    check_device(args.device, "--device")
+    if args.repeats < 1:
+        raise FastRPEError(f"--repeats: must be >= 1, got {args.repeats}")
+    chosen = [c for c in args.competitors.split(",") if c]
+    unknown = [c for c in chosen if c not in competitor_names()]
+    if unknown or not chosen:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "none given"
+        raise FastRPEError(f"--competitors: {what}; known: {', '.join(competitor_names())}")
 
     problems = SUITES[args.suite]
     if args.forward_only:
         problems = [replace(p, backward=False) for p in problems]
-    res = run_suite(problems, [c for c in args.competitors.split(",") if c], device=args.device, dtype=args.dtype,
+    res = run_suite(problems, chosen, device=args.device, dtype=args.dtype,
                     repeats=args.repeats)
     res["ratios"] = ratios(res)
     res["command"] = "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()

@@ -25,7 +25,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     import fastrpe as fr
+    from .._validate import FastRPEError, check_device
 
+    for opt in ("batch", "heads", "length", "key_length", "dim"):
+        v = getattr(args, opt)
+        if v is not None and v < 1:
+            raise FastRPEError(f"--{opt.replace('_', '-')}: must be >= 1, got {v}")
+    check_device(args.device, "--device")
     dt = getattr(torch, args.dtype)
     Lk = args.key_length or args.length
     # meta-free: explain only needs shapes, but attention's checks look at values; keep tensors tiny in D

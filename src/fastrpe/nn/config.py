@@ -9,6 +9,9 @@ from typing import Any
 class ConfigMixin:
     """Mixin for model config dataclasses."""
 
+    def __post_init__(self) -> None:  # checked when made, not at the first forward
+        self.validate()
+
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
@@ -25,6 +28,16 @@ class ConfigMixin:
             raise ValueError(f"{type(self).__name__}: field 'd_model' ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if hasattr(self, "dropout") and not 0 <= self.dropout < 1:
             raise ValueError(f"{type(self).__name__}: field 'dropout' must be in [0, 1), got {self.dropout}")
+        from .._validate import FastRPEError, check_backend_name
+        from ..kernels import get_kernel
+
+        if hasattr(self, "backend"):
+            check_backend_name(self.backend, f"{type(self).__name__}: field 'backend'")
+        if isinstance(getattr(self, "kernel", None), str) and hasattr(self, "d_model"):
+            try:
+                get_kernel(self.kernel, head_dim=self.d_model // self.n_heads)
+            except ValueError as e:
+                raise FastRPEError(f"{type(self).__name__}: field 'kernel': {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .._validate import FastRPEError, check_tokens
 from .block import ABSOLUTE, Block, init_weights, sinusoidal
 from .config import ConfigMixin
 
@@ -56,6 +57,12 @@ class EncoderClassifier(nn.Module):
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """`tokens: [B, L]`, `padding_mask: [B, L]` bool (True = pad; default `tokens == pad_id`) -> `[B, C]`."""
+        check_tokens(tokens, self.cfg.vocab_size, "tokens", "EncoderClassifier")
+        if padding_mask is not None and (not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool
+                                         or padding_mask.shape != tokens.shape):
+            raise FastRPEError(f"EncoderClassifier: padding_mask must be a bool tensor of the tokens' shape "
+                               f"{tuple(tokens.shape)} (True = pad), got {getattr(padding_mask, 'dtype', type(padding_mask))} "
+                               f"{tuple(getattr(padding_mask, 'shape', ()))}")
         if padding_mask is None:
             padding_mask = tokens == self.cfg.pad_id
         x = self.embed(tokens)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .._validate import check_tokens
 from .attention import KVCache
 from .block import ABSOLUTE, Block, init_weights, sinusoidal
 from .config import ConfigMixin
@@ -57,6 +58,7 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         """`tokens: [B, L]` -> logits `[B, L, V]`."""
+        check_tokens(tokens, self.cfg.vocab_size, "tokens", "DecoderLM")
         x = self._embed(tokens, 0)
         for blk in self.blocks:
             x = blk(x)
@@ -64,11 +66,13 @@ class DecoderLM(nn.Module):
 
     def loss(self, tokens: Tensor, reduction: str = "mean") -> Tensor:
         """Next-token cross-entropy on `tokens: [B, L+1]` (inputs `[:, :-1]`, targets `[:, 1:]`)."""
+        check_tokens(tokens, self.cfg.vocab_size, "tokens", "DecoderLM.loss")
         logits = self(tokens[:, :-1])
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction=reduction)
 
     def step(self, tokens: Tensor, caches: list[KVCache] | None = None) -> tuple[Tensor, list[KVCache]]:
         """Decode: `tokens: [B, L]` new tokens -> logits `[B, L, V]` and the extended caches."""
+        check_tokens(tokens, self.cfg.vocab_size, "tokens", "DecoderLM.step")
         caches = caches or [KVCache() for _ in self.blocks]
         x = self._embed(tokens, caches[0].length)
         new = []

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .._validate import check_tokens
 from .attention import KVCache
 from .block import ABSOLUTE, Block, init_weights, sinusoidal
 from .config import ConfigMixin
@@ -60,6 +61,7 @@ class Seq2Seq(nn.Module):
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor | None]:
         """`src: [B, S]` -> memory `[B, S, E]` and its padding mask `[B, S]` (None if no padding)."""
+        check_tokens(src, self.cfg.vocab_size, "src", "Seq2Seq")
         mask = src == self.cfg.pad_id
         mask = mask if bool(mask.any()) else None
         x = self._embed(src)
@@ -69,6 +71,7 @@ class Seq2Seq(nn.Module):
 
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
         """Teacher forcing: `tgt_in: [B, T]` -> logits `[B, T, V]`."""
+        check_tokens(tgt_in, self.cfg.vocab_size, "tgt_in", "Seq2Seq")
         x = self._embed(tgt_in)
         for blk in self.decoder:
             x = blk(x, memory=memory, memory_mask=memory_mask)
@@ -80,11 +83,13 @@ class Seq2Seq(nn.Module):
 
     def loss(self, src: Tensor, tgt: Tensor) -> Tensor:
         """`tgt: [B, T+1]` starting with BOS; padding targets are ignored."""
+        check_tokens(tgt, self.cfg.vocab_size, "tgt", "Seq2Seq.loss")
         logits = self(src, tgt[:, :-1])
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tgt[:, 1:].flatten(), ignore_index=self.cfg.pad_id)
 
     def step(self, tokens: Tensor, memory: Tensor, memory_mask: Tensor | None, caches: list[KVCache] | None):
         """Decode `tokens: [B, L]` (new target tokens) -> logits `[B, L, V]`, extended caches."""
+        check_tokens(tokens, self.cfg.vocab_size, "tokens", "Seq2Seq.step")
         caches = caches or [KVCache() for _ in self.decoder]
         off = caches[0].length
         x = self._embed(tokens, off)

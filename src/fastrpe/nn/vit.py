@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .._validate import FastRPEError, check_same_dtype
 from ..data.images import patchify
 from ..positions.grid import FastRPB2D, Table2D
 from .block import Block, init_weights, sinusoidal
@@ -150,9 +151,15 @@ class VisionTransformer(nn.Module):
 
     def embed(self, images: Tensor) -> Tensor:
         """`images: [B, C, H, W]` -> tokens `[B, N, E]` (class token first when configured)."""
+        if not isinstance(images, Tensor):
+            raise FastRPEError(f"VisionTransformer: images must be a torch.Tensor, got {type(images).__name__}")
         if images.dim() != 4 or tuple(images.shape[1:]) != (self.cfg.channels, *self.cfg.image_hw):
-            raise ValueError(f"VisionTransformer: expected images [B, {self.cfg.channels}, "
-                             f"{self.cfg.image_hw[0]}, {self.cfg.image_hw[1]}], got {list(images.shape)}")
+            raise FastRPEError(f"VisionTransformer: expected images [B, {self.cfg.channels}, "
+                               f"{self.cfg.image_hw[0]}, {self.cfg.image_hw[1]}], got {list(images.shape)}")
+        if not images.is_floating_point():
+            raise FastRPEError(f"VisionTransformer: images must be floating point (e.g. uint8 pixels / 255), "
+                               f"got dtype {images.dtype}")
+        check_same_dtype(images, self.patch_embed.weight, "images", "VisionTransformer")
         x = self.patch_embed(patchify(images, self.cfg.patch_size).patches)  # (B, P, E)
         if self.pos_embed is not None:
             x = x + self.pos_embed.to(x.dtype)
@@ -163,6 +170,10 @@ class VisionTransformer(nn.Module):
     def forward_tokens(self, x: Tensor) -> Tensor:
         """Blocks, LayerNorm, pooling and head on tokens `[B, N, E]` -> logits `[B, K]`
         (mean over all tokens without a class token)."""
+        N = self.grid[0] * self.grid[1] + (self.cls is not None)
+        if not isinstance(x, Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (N, self.cfg.d_model):
+            raise FastRPEError(f"VisionTransformer.forward_tokens: expected tokens [B, {N}, {self.cfg.d_model}], "
+                               f"got {list(getattr(x, 'shape', [type(x).__name__]))}")
         for blk in self.blocks:
             x = blk(x)
         x = self.ln_f(x)

@@ -78,7 +78,9 @@ def init_from_env(backend: str | None = None, device: str | torch.device | None 
         raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
     if device is None:
         device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    from .._validate import check_device
+
+    device = check_device(device, "device")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1:
