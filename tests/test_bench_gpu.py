@@ -269,3 +269,26 @@ def test_runner_records_errors_and_extra_and_caps_a_call():
     assert rows[0]["skipped"] == "error: RuntimeError: kernel exploded"
     assert rows[1]["note"] == "sleeps" and "hard cap" in rows[1]["skipped"]
     assert rows[3]["skipped"].endswith("at L=8")  # not tried at the longer length
+
+
+def test_runner_limit_on_timed_separates_compilation_from_a_slow_call():
+    """A slow first call (compilation) followed by fast calls: with `limit_on="timed"` the
+    competitor keeps its repeats and its longer lengths; by the probe alone it is cut."""
+    seen = []
+
+    def compiles(p, device, dtype):
+        state = {"first": True}
+
+        def fn():
+            seen.append(p.L)
+            if state["first"]:
+                state["first"] = False
+                time.sleep(0.15)
+        return fn
+
+    probs = [Problem(L=8), Problem(L=16)]
+    kw = dict(repeats=3, warmup=0, time_limit_s=0.1, registry={"c": compiles}, log=lambda *a: None, cpu_peak=False)
+    rows = run_suite(probs, ["c"], limit_on="timed", **kw)["rows"]
+    assert all(r["repeats"] == 3 and r["seconds"] < 0.1 for r in rows)
+    rows = run_suite(probs, ["c"], **kw)["rows"]
+    assert rows[0]["repeats"] == 1 and rows[1]["skipped"] == "exceeded 0.1 s per call at L=8"

@@ -74,7 +74,7 @@ class GpuConfig:
     repeats: int = 10
     warmup: int = 2
     time_limit_s: float = 2.0  # a first call slower than this: timed once, longer lengths skipped
-    call_cap_s: float = 120.0  # hard cap on one call (interrupts Python between launches)
+    call_cap_s: float = 180.0  # hard cap on one call, compilation included (interrupts Python between launches)
     budget_s: float | None = None  # stop starting new rows after this many seconds (resume later)
     accuracy_length: int = 65536
     accuracy_rows: int = 32
@@ -464,7 +464,8 @@ def applies(p: Problem, name: str) -> bool:
 
 def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
     """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
-    constant-size states (`LinearState` for ALiBi, `SoEState` for KERPLE-log) against KV
+    constant-size states (`LinearState` for ALiBi, `BandState` for T5, `SoEState` for
+    KERPLE-log; each row records which state `step` kept) against KV
     caches of that length (the same layer exact, and softmax + ALiBi), and the bare SDPA
     op on a KV cache (no projections, no positional term: the cheapest KV step there is).
 
@@ -473,7 +474,7 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     is filled with seeded keys and values of the full context length."""
     import fastrpe as fr
     from fastrpe.bench.runner import _time
-    from fastrpe.nn.attention import KVCache, LinearState
+    from fastrpe.nn.attention import KVCache
 
     H, D, ctx = cfg.H, cfg.D, cfg.decode_context
     E = H * D
@@ -496,14 +497,15 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
         return KVCache(kk, torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype))
 
     def state_of(mha):
-        with torch.no_grad():
-            _, st = mha.step(prompt)
+        with torch.no_grad():  # max_length: an SoE state is fitted for the whole context
+            _, st = mha.step(prompt, max_length=ctx + 64)
         return replace(st, length=ctx) if not isinstance(st, KVCache) else st
 
     cases = [
         ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of, "constant"),
         ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of,
          "constant"),
+        ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of, "constant"),
         ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"),
          lambda m: kv_cache(), "kv"),
         ("kv-cache (alibi, softmax)", lambda: layer("softmax", fr.positions.ALiBi(H), "auto"), lambda m: kv_cache(),
@@ -515,8 +517,9 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
             mha = make()
             st = state(mha)
             row["state_bytes"] = _state_bytes(st)
-            if isinstance(st, LinearState):
-                row["state"] = "LinearState"
+            row["state"] = type(st).__name__
+            if kind == "constant" and isinstance(st, KVCache):
+                raise RuntimeError(f"step kept a KV cache, not a constant-size state: {mha.decoder(ctx)}")
             with torch.no_grad():
                 sec, peak = _time(lambda: mha.step(x, st), device, cfg.repeats, cfg.warmup, cpu_peak=not cfg.smoke)
             row.update(seconds=sec, peak_bytes=peak)
@@ -577,17 +580,17 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
             p = Problem(position=fam, kernel=cfg.kernel, causal=family_causal(fam), L=cfg.sync_length, B=cfg.B,
                         H=cfg.H, D=cfg.D, features=cfg.features)
             row = {"backend": name, "family": fam, "L": p.L}
-            pos = make_position(fam, p.H, p.L).to(device)
-            kern = _kernel(p, device)
-            q, k, v = _qkv(p, device, dtype)
-            reasons = b.not_supported_reasons(_problem(q, k, v, kern, pos, p.causal, None, None, None)[0])
-            if reasons:
-                row["skipped"] = "; ".join(reasons)
-            else:
-                run = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal,
-                                                            backend=name), q, k, v, True)
-                try:
-                    run()
+            try:
+                pos = make_position(fam, p.H, p.L).to(device)
+                kern = _kernel(p, device)
+                q, k, v = _qkv(p, device, dtype)
+                reasons = b.not_supported_reasons(_problem(q, k, v, kern, pos, p.causal, None, None, None)[0])
+                if reasons:
+                    row["skipped"] = "; ".join(reasons)
+                else:
+                    run = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal,
+                                                                backend=name), q, k, v, True)
+                    run()  # warm-up, outside the watch
                     torch.cuda.synchronize(device)
                     torch.cuda.set_sync_debug_mode("error")
                     try:
@@ -596,12 +599,16 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
                         torch.cuda.set_sync_debug_mode("default")
                     torch.cuda.synchronize(device)
                     row["ok"] = True
-                except Exception as e:  # noqa: BLE001 - the sync error is the finding
-                    from .runner import _first_line
+            except Exception as e:  # noqa: BLE001 - a sync is the finding; anything else is recorded
+                from .runner import _first_line
 
+                if "synchroniz" in str(e).lower():
                     row.update(ok=False, error=_first_line(e))
+                else:
+                    row["skipped"] = "error: " + _first_line(e)
             rows.append(row)
             log(f"sync {name:10s} {fam:13s} " + (row.get("skipped") or ("ok" if row["ok"] else row["error"])))
+            run = q = k = v = None
     return rows
 
 
@@ -636,8 +643,9 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     path = out / "gpu.json"
     old = json.loads(path.read_text()) if resume and path.exists() else None
     rows = list(old["rows"]) if old else []
-    done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in rows if "seconds" in r}
-    rows = [r for r in rows if "seconds" in r]  # rows that were skipped are tried again
+    # every pair with a row is done (timed, refused or out of memory); pairs the budget left
+    # out have no row and run now
+    done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in rows}
     res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **environment(dev),
            "dtype": cfg.dtype, "repeats": cfg.repeats, "command": command,
            "positions_frozen": True, "rows": rows,
@@ -658,16 +666,18 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
             return False
         return applies(p, name)
 
+    # the host-sync and decoding sections first: short, and they warm the kernels
+    if not res["sync"]:
+        res["sync"] = sync_rows(cfg, dev, dt, log=log)
+        save()
+    if not res["decode"]:
+        res["decode"] = decode_rows(cfg, dev, dt, log=log)
+        save()
     reg = registry(cfg)
     run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats, warmup=cfg.warmup,
               time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=select, catch_errors=True,
-              call_cap_s=cfg.call_cap_s, done=done, on_row=save, cpu_peak=not cfg.smoke)
+              call_cap_s=cfg.call_cap_s, done=done, on_row=save, cpu_peak=not cfg.smoke, limit_on="timed")
     over = cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s
-    if not res["decode"] and not over:
-        res["decode"] = decode_rows(cfg, dev, dt, log=log)
-        save()
-    if not res["sync"] and not over:
-        res["sync"] = sync_rows(cfg, dev, dt, log=log)
     res["complete"] = not over
     res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     save()
@@ -1002,7 +1012,7 @@ def add_arguments(p) -> None:
     g.add_argument("--budget-s", type=float, default=None, help="start no new row after this many seconds")
     g.add_argument("--time-limit-s", type=float, default=None,
                    help="a first call slower than this is timed once and longer lengths skipped (default 2)")
-    g.add_argument("--call-cap-s", type=float, default=None, help="hard cap on one call (default 120)")
+    g.add_argument("--call-cap-s", type=float, default=None, help="hard cap on one call (default 180)")
     g.add_argument("--accuracy-length", type=int, default=None, help="L of the accuracy rows (default 65536)")
     g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
 

@@ -19,11 +19,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--out", default="runs/bench")
+    from ..bench.gpu import add_arguments
+
+    add_arguments(p)  # --suite gpu: issue 12's GPU comparison (fastrpe.bench.gpu)
     return p
 
 
 def run(args) -> int:
     from dataclasses import replace
+
+    if args.suite == "gpu":
+        from ..bench.gpu import run_cli
+
+        return run_cli(args)
 
     from .._validate import FastRPEError, check_device
     from ..bench import SUITES, competitor_names, run_suite

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 12's GPU measurements, on a machine with a CUDA GPU and no network.
+#
+# What it runs: `fastrpe bench --suite gpu` (src/fastrpe/bench/gpu.py) in one process per
+# phase: compiled FlexAttention with a causal block mask, SDPA without RPE, fla's
+# chunk_simple_gla / chunk_linear_attn, every fastrpe backend; B=1 H=8 D=64, 32 features,
+# bf16, forward+backward; then the issue's criteria (`--check`). Phases, each well inside one
+# 10-minute device call (a phase that runs out of its budget stops cleanly; run it again):
+#
+#   bash benchmarks/gpu_run.sh short   # host-sync check, decoding at 64k, L = 4k, 16k, 64k
+#   bash benchmarks/gpu_run.sh long    # L = 256k, 1M (resumes the JSON of `short`)
+#   bash benchmarks/gpu_run.sh tests   # the GPU tests (pytest -m gpu)
+#   bash benchmarks/gpu_run.sh check   # the criteria from the JSON, nothing run
+#
+# Where things land: $OUT (the device tool's output folder) or runs/gpu: gpu.json (every row,
+# device name, torch/triton/fla versions, the exact command), gpu.md (tables to paste into
+# docs/RESULTS.md, with the criteria), gpu.png (log-log time vs L), gpu_<phase>.log.
+#
+# Before the first call, on the machine with network (repo root):
+#   grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+#   grep -qx '/.gpu_runs/' .git/info/exclude || echo '/.gpu_runs/' >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl fla-core==0.6.0
+# fla-core 0.6.0 is pure Python + Triton (fla.ops: chunk_simple_gla, chunk_linear_attn with
+# [B, T, H, K] inputs, no head_first); its one required dependency, einops, is already in the
+# device image, and it needs torch >= 2.7 and triton >= 3.3 (the image has torch 2.11, triton
+# 3.6). The `flash-linear-attention` package (models, needs transformers) is not needed.
+#
+# Device calls (the tool `run`; `carry` names what travels besides the tracked tree):
+#   run(command="bash benchmarks/gpu_run.sh short", carry=[".whl"], timeout_s=600)
+#   then here: mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
+#   run(command="bash benchmarks/gpu_run.sh long", carry=[".whl", ".gpu_runs"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=600)
+# and locally: fastrpe bench --suite gpu --check <files_at>/gpu.json
+set -uo pipefail
+
+phase="${1:-short}"
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-runs/gpu}"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+else
+    echo "no .whl/: fla is absent, its rows will say so"
+fi
+
+fastrpe() { python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+
+python3 - <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
+      torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as e: print("triton absent:", e)
+try:
+    import fla; print("fla", fla.__version__)
+except Exception as e: print("fla absent:", e)
+EOF
+
+# a previous phase's JSON (carried in .gpu_runs/) is resumed, never overwritten
+if [ -f .gpu_runs/gpu.json ] && [ ! -f "$OUT_DIR/gpu.json" ]; then cp .gpu_runs/gpu.json "$OUT_DIR/gpu.json"; fi
+resume=()
+[ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)
+
+case "$phase" in
+  short)
+    fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
+        2>&1 | tee "$OUT_DIR/gpu_short.log" ;;
+  long)
+    fastrpe bench --suite gpu --lengths 262144,1048576 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
+        2>&1 | tee "$OUT_DIR/gpu_long.log" ;;
+  tests)
+    python3 -m pytest -q -m gpu tests/ -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -80
+    exit "${PIPESTATUS[0]}" ;;
+  check) ;;
+  *) echo "usage: $0 short|long|tests|check"; exit 2 ;;
+esac
+fastrpe bench --suite gpu --check "$OUT_DIR/gpu.json" | tee "$OUT_DIR/gpu_check.log"
+exit 0

@@ -1,0 +1,144 @@
+"""GPU tests at realistic sizes (issue 12, item 4): skipped without CUDA.
+
+* every registered backend (read from `fastrpe.dispatch.BACKENDS`, so backends added later
+  are covered) against a float64 reference written here from the formulas, at L=4096,
+  H=8, D=64 (32 features for the kernelized calls), bf16 inputs, output and the gradients
+  of q, k, v, judged as STYLE.md rule 9 says: the backend's error against float64 within
+  `LOWP_FACTOR` of the dense backend's own bf16 error;
+* every linear-time and FFT backend, forward+backward, under
+  `torch.cuda.set_sync_debug_mode("error")`: a host synchronization in the hot path fails.
+"""
+import pytest
+import torch
+
+import fastrpe as fr
+from fastrpe.bench.gpu import SOFTMAX_ONLY_BACKENDS, family_causal, make_position
+from fastrpe.dispatch import BACKENDS
+from fastrpe.testing import LOWP_FACTOR
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+B, H, L, D, F = 1, 8, 4096, 64, 32
+FAMILIES = ("alibi", "kerple_log", "kerple_power", "t5", "learned", "learned_full")
+KERNELS = ("nprf", "softmax")
+DEV = "cuda"
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    return [t.to(DEV, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _kernel(name):
+    kern = fr.kernels.get_kernel(name, head_dim=D, num_features=F) if name != "softmax" else "softmax"
+    return kern.to(DEV) if isinstance(kern, torch.nn.Module) else kern
+
+
+def reference64(q, k, v, kern, pos, causal: bool):
+    """float64, materialized. Softmax: `softmax(q·kᵀ/√D + b(j-i))`; kernelized (Luo et al.,
+    NeurIPS 2021, Eq. 10): `Σ_j φ(q_i)·φ(k_j)·exp(b(j-i))·v_j / Σ_j φ(q_i)·φ(k_j)·exp(b(j-i))`;
+    causal keeps `j ≤ i`."""
+    b = pos.materialize(L, L).to(DEV, torch.float64)  # (H, L, L)
+    mask = torch.ones(L, L, dtype=torch.bool, device=DEV).tril() if causal else None
+    if kern == "softmax":
+        s = q @ k.transpose(-1, -2) * D ** -0.5 + b
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+    b = b - b.amax(-1, keepdim=True)  # a constant per row cancels in Eq. 10
+    c = torch.exp(b) if mask is None else torch.exp(b) * mask
+    w = (kern(q, is_query=True) @ kern(k, is_query=False).transpose(-1, -2)) * c
+    return (w @ v) / w.sum(-1, keepdim=True)
+
+
+def _grads(out, inputs, weight):
+    return torch.autograd.grad((out.double() * weight).sum(), inputs)
+
+
+def _err(a, ref):
+    return (a.double() - ref.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "dense"])
+def test_backend_matches_float64_reference_at_4096_bf16(backend, family, kernel):
+    causal = family_causal(family)
+    pos = make_position(family, H, L).to(DEV)
+    kern = _kernel(kernel)
+    q, k, v = _inputs(torch.bfloat16)
+
+    def run(name, q, k, v):
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=name)
+
+    try:
+        out = run(backend, q, k, v)
+    except fr.FastRPEError as e:
+        pytest.skip(f"{backend} refuses: {e}")
+    naive = run("dense", q, k, v)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference64(q64, k64, v64, kern, pos, causal)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEV)
+    approx = 0.0 if BACKENDS[backend].exact else 1e-3  # an approximate backend's own budget (issue 12)
+    pairs = [("out", out, naive, ref)]
+    for name, a, n, r in zip(("dq", "dk", "dv"), _grads(out, (q, k, v), weight), _grads(naive, (q, k, v), weight),
+                             _grads(ref, (q64, k64, v64), weight)):
+        pairs.append((name, a, n, r))
+    for name, fast, nv, r in pairs:
+        scale = max(1.0, r.abs().max().item())
+        e_fast, e_naive = _err(fast, r), _err(nv, r)
+        assert e_fast <= LOWP_FACTOR * e_naive + (1e-6 + approx) * scale, (
+            f"{backend} {family} {kernel} {name}: error {e_fast:.3g} vs float64 > {LOWP_FACTOR} x dense bf16's "
+            f"{e_naive:.3g}")
+
+
+def test_dense_bf16_itself_is_close_to_float64():
+    """The yardstick above is sane: dense bf16 within bf16's tolerance of float64."""
+    pos = make_position("kerple_log", H, L).to(DEV)
+    kern = _kernel("nprf")
+    q, k, v = _inputs(torch.bfloat16)
+    out = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="dense")
+    ref = reference64(*(t.detach().double() for t in (q, k, v)), kern, pos, True)
+    assert _err(out, ref) <= 2e-2 * max(1.0, ref.abs().max().item())
+
+
+SYNC_BACKENDS = [b for b in BACKENDS if b not in SOFTMAX_ONLY_BACKENDS]
+
+
+def _run_under_sync_error(fn):
+    fn()  # warm-up outside the watch (plans, compiled kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_sync_debug_mode_catches_an_item_call():
+    """The watch below can fail: `.item()` in the hot path raises."""
+    x = torch.randn(100, device=DEV)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _run_under_sync_error(lambda: (x * 2).sum().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_no_host_sync_in_forward_and_backward(backend, family):
+    causal = family_causal(family)
+    pos = make_position(family, H, L).to(DEV)
+    kern = _kernel("nprf")
+    q, k, v = _inputs(torch.bfloat16)
+    from fastrpe.api import _problem
+
+    reasons = BACKENDS[backend].not_supported_reasons(_problem(q, k, v, kern, pos, causal, None, None, None)[0])
+    if reasons:
+        pytest.skip(f"{backend} refuses: {'; '.join(reasons)}")
+
+    def fwd_bwd():
+        out = fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
+        out.float().sum().backward()
+
+    _run_under_sync_error(fwd_bwd)
