@@ -123,6 +123,11 @@ def test_causal_never_sees_the_future(shape):
 # ----------------------------------------------------------------------------- module
 
 
+def _apply(t, v, Lq, q_offset=0, causal=False):
+    """The term applied as the backends apply it: its coefficients for this call, by FFT."""
+    return fastrpb_fft(t.coefficients(Lq, v.shape[2], q_offset), v, Lq, causal=causal, q_offset=q_offset)
+
+
 def _module(H=3, max_len=6, std=1.0):
     torch.manual_seed(0)
     return FastRPB1D(H, max_len, init_std=std).double()
@@ -152,7 +157,7 @@ def test_forward_is_materialized_W_times_v(shape, causal):
     if causal:
         W = W * (torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + off)
     ref = W @ v
-    out = t(v, Lq, q_offset=off, causal=causal)
+    out = _apply(t, v, Lq, off, causal)
     assert_close(out, ref)
     params = [v, t.w]
     for a, b in zip(_grads(out, params), _grads(ref, params)):
@@ -163,7 +168,7 @@ def test_module_gradcheck_tiny():
     t = _module(H=2, max_len=4)
     v = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
     for causal in (False, True):
-        assert torch.autograd.gradcheck(lambda v, w, c=causal: t(v, 5, q_offset=1, causal=c), (v, t.w))
+        assert torch.autograd.gradcheck(lambda v, w, c=causal: _apply(t, v, 5, 1, c), (v, t.w))
 
 
 def test_module_defaults_dtypes_and_errors():
@@ -171,12 +176,12 @@ def test_module_defaults_dtypes_and_errors():
     assert t.w.shape == (4, 31)
     assert bool((t.w == 0).all())  # starts switched off: plain attention at initialization
     v = torch.randn(2, 4, 10, 3)
-    assert bool((t(v, 10) == 0).all())
+    assert bool((_apply(t, v, 10) == 0).all())
     assert "max_len=16" in repr(t)
     # float64 parameters with float32 values: the result follows the values
-    assert _module(H=4).forward(v, 10, causal=True).dtype == torch.float32
-    with pytest.raises(ValueError, match="4 heads"):
-        t(torch.randn(2, 3, 10, 3), 10)
+    assert _apply(_module(H=4), v, 10, causal=True).dtype == torch.float32
+    with pytest.raises(ValueError, match="w_coeff must be"):
+        _apply(t, torch.randn(2, 3, 10, 3), 10)
     with pytest.raises(ValueError, match="max_len"):
         FastRPB1D(2, 0)
     with pytest.raises(ValueError, match="w_coeff must be"):

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from fastrpe.ops.fastrpb.grid import fastrpb2d_fft, fastrpb2d_naive
+from fastrpe.ops.kernelized import FastRPB2DTerm, add_fastrpb
 from fastrpe.ops.linear.grid import (grid_fft_block_size, kernelized_num_den_grid_fft,
                                      kernelized_num_den_grid_naive)
 from fastrpe.ops.linear.naive import kernelized_num_den_naive
 from fastrpe.ops.softmax.flex import flex_available, softmax_attention_flex
 from fastrpe.ops.softmax.naive import softmax_attention_naive
 from fastrpe.ops.toeplitz.fft2d import fft_good_size, toeplitz2d_matmul_fft, toeplitz2d_matmul_naive
-from fastrpe.positions.grid import FastRPB2D, GridPosition, Table2D
+from fastrpe.positions.grid import FastRPB2D, GridPosition, GridTerm, Table2D
 from fastrpe.testing import assert_close, assert_lowp_close
 
 F64, F32 = torch.float64, torch.float32
@@ -182,7 +183,7 @@ def test_degenerate_grid_equals_1d_toeplitz(grid):
 
 def test_table2d_attributes_and_errors():
     pos = Table2D(2, (3, 4), cls_token=True)
-    assert isinstance(pos, GridPosition) and pos.is_grid and not pos.softmax_only
+    assert isinstance(pos, GridPosition) and isinstance(pos, GridTerm) and not pos.softmax_only
     assert pos.kernelized_refusal is None and pos.geometric_decay() is None and pos.weight is None
     assert pos.table().shape == (2, 5, 7) and pos.cls_coefficients().shape == (2, 3)
     assert Table2D(2, (3, 4)).cls_coefficients() is None
@@ -345,7 +346,7 @@ def test_fastrpb2d_fast_matches_naive(grid, cls, dtype):
     b = fastrpb2d_fft(wr, wc, v, grid, wcl)
     assert b.dtype == dtype
     assert_close(b, a)
-    assert_close(t(v), a)  # the module's forward is the fast op
+    assert_close(add_fastrpb(torch.zeros_like(a), v, [FastRPB2DTerm(wr, wc, wcl, grid)]), a)  # as backends apply it
     assert_close(a, t.materialize().to(dtype) @ v)
     params = [p for p in (v, wr, wc, wcl) if p is not None]
     for x, y in zip(_grads([b], params), _grads([a], params)):
@@ -373,15 +374,17 @@ def test_fastrpb2d_bf16_against_float64():
 
 def test_fastrpb2d_attributes_and_errors():
     t = FastRPB2D(2, (3, 4), cls_token=True)
-    assert t.is_grid and t.num_heads == 2 and t.seq_len == 13
+    assert isinstance(t, GridTerm) and t.num_heads == 2 and t.seq_len == 13
     assert t.table().shape == (2, 5, 7)
     v = torch.randn(1, 2, 13, 3)
-    assert torch.equal(t(v), torch.zeros_like(v))  # init_std = 0: the term starts switched off
-    assert t(v, 13).shape == (1, 2, 13, 3)
+    term = [FastRPB2DTerm(*t.coefficients(), grid=t.grid)]
+    assert torch.equal(add_fastrpb(torch.zeros_like(v), v, term), torch.zeros_like(v))  # init_std = 0: off
+    with pytest.raises(ValueError, match="bidirectional"):
+        add_fastrpb(torch.zeros_like(v), v, term, causal=True)
     with pytest.raises(ValueError, match="non-causal"):
-        t(v, causal=True)
+        t.materialize(13, 13, 1)
     with pytest.raises(ValueError, match="N = 13"):
-        t(torch.randn(1, 2, 12, 3))
+        add_fastrpb(torch.zeros(1, 2, 12, 3), torch.randn(1, 2, 12, 3), term)
     with pytest.raises(ValueError, match="w_row"):
         fastrpb2d_fft(t.w_row[:, :-1], t.w_col, v, (3, 4), t.w_cls)
 

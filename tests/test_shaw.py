@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastrpe.ops.common import safe_divide
+from fastrpe.ops.kernelized import shaw_logit_bias
 from fastrpe.ops.shaw.linear import shaw_num_den_linear
 from fastrpe.ops.shaw.naive import clipped_index, shaw_logits, shaw_num_den_naive
 from fastrpe.positions.shaw import ShawRelative
@@ -239,7 +240,7 @@ def test_logits_match_the_definition():
     term = ShawRelative(H, D, k).double()
     with torch.no_grad():
         term.rp.copy_(rp)
-    assert_close(term.logits(q, Lk, off, scale=0.5), 0.5 * ref)
+    assert_close(shaw_logit_bias(q, [term.vectors(D, kernelized=False)], Lk, off, scale=0.5), 0.5 * ref)
 
 
 def test_kernelized_num_den_is_the_logit_term_applied_to_v():
@@ -260,8 +261,9 @@ def test_module_linear_and_naive_agree(causal):
     term = ShawRelative(3, 8, max_distance=3, init_std=0.3).double()
     assert term.rp.shape == (3, 7, 8)
     phi, v, _, kpm = _inputs(50, 70, 3, grad=False)
-    a = term.num_den(phi, v, 70, causal, 20, kpm)
-    b = term.num_den(phi, v, 70, causal, 20, kpm, naive=True)
+    rp = term.vectors(8, kernelized=True)
+    a = shaw_num_den_linear(phi, v, rp, Lk=70, causal=causal, q_offset=20, key_padding_mask=kpm)
+    b = shaw_num_den_naive(phi, v, rp, Lk=70, causal=causal, q_offset=20, key_padding_mask=kpm)
     for x, y in zip(a, b):
         assert_close(x, y)
     (ga,) = torch.autograd.grad(a[0].sum() + a[1].sum(), [term.rp])
@@ -283,10 +285,10 @@ def test_errors_are_clear():
         ShawRelative(2, 8, -1)
     term = ShawRelative(2, 8, 2).double()
     phi, v, rp, _ = _inputs(5, 6, 2, B=1, H=2, grad=False, pad=False)
-    with pytest.raises(ValueError, match="2 heads"):
-        term.num_den(phi[:, :1], v, 6)
+    with pytest.raises(ValueError, match="rp must be"):  # 1 head of features, 2 heads of vectors
+        shaw_num_den_linear(phi[:, :1], v[:, :1], term.vectors(8, kernelized=True), Lk=6)
     with pytest.raises(ValueError, match="dim=8"):
-        term.logits(phi[..., :4], 6)
+        term.vectors(4, kernelized=False)
     with pytest.raises(ValueError, match="rp must be"):
         shaw_num_den_linear(phi, v, rp[:, :4], Lk=6)
     with pytest.raises(ValueError, match="v must be"):
@@ -305,7 +307,7 @@ def test_positive_vectors_keep_the_denominator_positive_and_match_dense():
     t = ShawRelative(H, dim=D, max_distance=3, init_std=2.0, positive=True).double()
     q, k, v = (torch.randn(1, H, L, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
     phi = fr.kernels.get_kernel("elu")
-    num, den = t.num_den(phi(q, is_query=True), v, L, causal=True)
+    num, den = shaw_num_den_linear(phi(q, is_query=True), v, t.vectors(D, kernelized=True), Lk=L, causal=True)
     assert bool((den > 0).all())  # elu+1 features · (elu(RP)+1) > 0
     out = fr.attention(q, k, v, kernel=phi, position=t, causal=True, backend="auto")
     # reference: materialized weights φ(q_i)·φ(k_j) + φ(q_i)·(elu(RP[clip(i-j)])+1), causal

@@ -1,106 +1,94 @@
 """The built-in backends: dense reference, SDPA, FlexAttention and the FFT Toeplitz path.
 
+Backends declare what they support and what it costs, and choose the inner-product
+algorithm; the attention math is in the ops (`ops/kernelized.py` composes kernelized
+attention: Luo Eq. 10, Scaleformer Eq. 10, FastRPB). Here a backend only hands the ops the
+parameters of the call's terms (`_Terms`).
+
 Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
-from .ops.common import safe_divide
-from .ops.linear.naive import kernelized_num_den_naive
+from .kernels import FeatureMap
+from .ops import kernelized as kops
 from .ops.softmax.flex import flex_available, softmax_attention_flex
 from .ops.softmax.naive import softmax_attention_naive
 from .ops.softmax.sdpa import softmax_attention_sdpa
+from .positions.fastrpb import FastRPB1D
+from .positions.grid import FastRPB2D, GridPosition, GridTerm
+from .positions.shaw import ShawRelative
 
 
-def _is_shaw(t) -> bool:
-    return type(t).__name__ == "ShawRelative"
+@dataclass
+class _Terms:
+    """The parameters of a call's positional terms, as the ops take them."""
+
+    shaw: list  # Shaw tables [H, 2k+1, width]
+    fastrpb: list  # kops.FastRPB1DTerm / kops.FastRPB2DTerm
+
+    @staticmethod
+    def of(p: Problem, width: int, kernelized: bool) -> "_Terms":
+        shaw, rpb = [], []
+        for t in p.additive:
+            if isinstance(t, ShawRelative):
+                shaw.append(t.vectors(width, kernelized))
+            elif isinstance(t, FastRPB2D):
+                rpb.append(kops.FastRPB2DTerm(*t.coefficients(), grid=t.grid))
+            elif isinstance(t, FastRPB1D):
+                rpb.append(kops.FastRPB1DTerm(t.coefficients(p.Lq, p.Lk, p.q_offset)))
+            else:
+                raise TypeError(f"no backend knows the additive term {type(t).__name__}")
+        return _Terms(shaw, rpb)
 
 
-def _is_fastrpb(t) -> bool:
-    return type(t).__name__ in ("FastRPB1D", "FastRPB2D")
+def _coefficients(p: Problem, dtype):
+    """`[H, Lq+Lk-1]` log-coefficients of the call's 1D position, or None."""
+    if p.position is None:
+        return None
+    return p.position.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
 
 
-def _masked_v(v: Tensor, kpm: Tensor | None) -> Tensor:
-    return v if kpm is None else v.masked_fill(kpm[:, None, :, None], 0.0)
+def _grid_coefficients(p: Problem) -> kops.GridCoefficients:
+    pos = p.position
+    return kops.GridCoefficients(pos.table(), pos.grid, pos.cls_coefficients())
 
 
-def add_fastrpb(out: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, naive: bool) -> Tensor:
-    """`out += W·v` for every FastRPB term (padding keys contribute nothing)."""
-    terms = [t for t in p.additive if _is_fastrpb(t)]
-    if not terms:
-        return out
-    vm = _masked_v(v.to(out.dtype), kpm)
-    for t in terms:
-        if getattr(t, "is_grid", False):  # 2D: W·v over the grid (bidirectional, Lq = Lk = N)
-            out = out + (t.materialize().to(out.dtype) @ vm if naive else t(vm).to(out.dtype))
-        elif naive:
-            from .ops.fastrpb.naive import fastrpb_naive
-
-            w = t.coefficients(p.Lq, p.Lk, p.q_offset).to(out.dtype)
-            out = out + fastrpb_naive(w, vm, p.Lq, causal=p.causal, q_offset=p.q_offset)
-        else:
-            out = out + t(vm, p.Lq, q_offset=p.q_offset, causal=p.causal).to(out.dtype)
-    return out
+def _math_dtype(p: Problem):
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, num_den, naive: bool) -> Tensor:
-    """Feature maps, the Toeplitz-weighted numerator/denominator from `num_den`, Shaw, FastRPB.
-
-    Runs with autocast off: features, sums and FFTs are float32 (float64 for float64 inputs)
-    whatever the caller's autocast says. Under fp16 autocast a feature product of two
-    keys with norm 1e3 overflows fp16; the output comes back in q's dtype."""
-    with torch.autocast(q.device.type, enabled=False):
-        return _kernelized_attention(q, k, v, p, kpm, num_den, naive)
+def _kernelized(q, k, v, p: Problem, kpm, num_den, coeffs, naive: bool = False):
+    """Run the kernelized composition with the inner-product algorithm `num_den`."""
+    terms = _Terms.of(p, p.F, kernelized=True)
+    return kops.kernelized_attention(q, k, v, p.kernel, num_den, coeffs, shaw=terms.shaw, fastrpb=terms.fastrpb,
+                                     causal=p.causal, q_offset=p.q_offset, key_padding_mask=kpm, naive=naive)
 
 
-def _kernelized_attention(q: Tensor, k: Tensor, v: Tensor, p: Problem, kpm: Tensor | None, num_den,
-                          naive: bool) -> Tensor:
-    phi_q = p.kernel(q, is_query=True)  # (B, H, Lq, F), float32/64
-    phi_k = p.kernel(k, is_query=False)  # (B, H, Lk, F)
-    vv = v.to(phi_q.dtype)
-    lc = None
-    if p.position is not None and not _is_grid(p):
-        lc = p.position.log_coefficients(p.Lq, p.Lk, p.q_offset).to(phi_q.dtype)  # (H, R)
-    num, den, log_scale = num_den(phi_q, phi_k, vv, lc, causal=p.causal, q_offset=p.q_offset, key_padding_mask=kpm)
-    shaw = [t for t in p.additive if _is_shaw(t)]
-    if shaw:
-        # the Toeplitz part is in units of exp(log_scale) per row, Shaw's in units of 1:
-        # bring both to units of exp(u), u = max(log_scale, 0), so neither can overflow
-        u = log_scale.clamp_min(0.0)
-        a, s = torch.exp(log_scale - u)[None], torch.exp(-u)[None]  # (1, H, Lq)
-        num, den = num * a[..., None], den * a
-        for t in shaw:
-            n2, d2 = t.num_den(phi_q, vv, p.Lk, p.causal, p.q_offset, kpm, naive=naive)
-            num, den = num + n2 * s[..., None], den + d2 * s
-    out = safe_divide(num, den)
-    return add_fastrpb(out, vv, p, kpm, naive).to(q.dtype)
-
-
-def softmax_bias(q: Tensor, p: Problem) -> Tensor | None:
+def _softmax_bias(q, p: Problem):
     """Dense `[H, Lq, Lk]` (or `[B, H, Lq, Lk]` with Shaw) bias for the materializing softmax backends."""
-    bias = None
-    if p.position is not None:
-        bias = p.position.materialize(p.Lq, p.Lk, p.q_offset)
+    bias = p.position.materialize(p.Lq, p.Lk, p.q_offset) if p.position is not None else None
     scale = p.D ** -0.5 if p.scale is None else p.scale
-    for t in p.additive:
-        if _is_shaw(t):
-            s = t.logits(q, p.Lk, p.q_offset, scale)
-            bias = s if bias is None else bias + s
-    return bias
+    return kops.shaw_logit_bias(q, _Terms.of(p, p.D, kernelized=False).shaw, p.Lk, p.q_offset, scale, bias)
+
+
+def _add_fastrpb(out, v, p: Problem, kpm, naive: bool):
+    return kops.add_fastrpb(out, v, _Terms.of(p, p.D, kernelized=False).fastrpb, causal=p.causal, q_offset=p.q_offset,
+                         key_padding_mask=kpm, naive=naive)
 
 
 def _is_grid(p: Problem) -> bool:
-    return bool(getattr(p.position, "is_grid", False))
+    return isinstance(p.position, GridPosition)
 
 
 def _grid_reasons(p: Problem) -> list[str]:
     """A 2D grid term covers exactly its N = cls + Hg·Wg tokens, bidirectionally."""
-    grids = [t for t in (p.position, *p.additive) if getattr(t, "is_grid", False)]
+    grids = [t for t in (p.position, *p.additive) if isinstance(t, GridTerm)]
     if not grids:
         return []
     r = []
@@ -112,15 +100,13 @@ def _grid_reasons(p: Problem) -> list[str]:
     return r
 
 
-def _grid_num_den(op, position):
-    """Adapt a grid op to the `num_den(phi_q, phi_k, vv, lc, ...)` call of `kernelized_attention`."""
-
-    def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-        return op(phi_q, phi_k, vv, position.table().to(phi_q.dtype), position.grid,
-                  None if position.cls_coefficients() is None else position.cls_coefficients().to(phi_q.dtype),
-                  key_padding_mask=key_padding_mask)
-
-    return num_den
+def _running_max_reasons(p: Problem) -> list[str]:
+    """Causal SIKF (`exp`) keys have no data-independent bound: only the dense algorithm
+    rescales rows by a running maximum."""
+    if p.causal and isinstance(p.kernel, FeatureMap) and p.kernel.per_key_shift_when_causal:
+        return [f"causal {p.kernel.name!r} needs a running maximum over keys (online-softmax rescaling), "
+                "which only 'dense' implements; use the normalized form (e.g. 'nexp') for linear time"]
+    return []
 
 
 def _kernel_kind_reasons(p: Problem, want_softmax: bool) -> list[str]:
@@ -150,15 +136,12 @@ class DenseBackend(Backend):
             # autocast, q·k at norm 1e3 (2.5e5) overflowed fp16 and the row became NaN
             with torch.autocast(q.device.type, enabled=False):
                 weight = p.position.materialize_weight(p.Lq, p.Lk, p.q_offset) if p.position is not None else None
-                out = softmax_attention_naive(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
+                out = softmax_attention_naive(q, k, v, _softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
                                               key_padding_mask=kpm, scale=p.scale, weight=weight)
-                return add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
+                return _add_fastrpb(out, v, p, kpm, naive=True).to(q.dtype)
         if _is_grid(p):
-            from .ops.linear.grid import kernelized_num_den_grid_naive
-
-            return kernelized_attention(q, k, v, p, kpm, _grid_num_den(kernelized_num_den_grid_naive, p.position),
-                                        naive=True)
-        return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_naive, naive=True)
+            return _kernelized(q, k, v, p, kpm, kops.num_den_grid_dense, _grid_coefficients(p), naive=True)
+        return _kernelized(q, k, v, p, kpm, kops.num_den_dense, _coefficients(p, _math_dtype(p)), naive=True)
 
 
 class SDPABackend(Backend):
@@ -183,9 +166,9 @@ class SDPABackend(Backend):
         return Cost(machine_time(p.device, flops, bytes_moved, calls=4), mem)
 
     def run(self, q, k, v, p, kpm):
-        out = softmax_attention_sdpa(q, k, v, softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
+        out = softmax_attention_sdpa(q, k, v, _softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
                                      key_padding_mask=kpm, scale=p.scale)
-        return add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
+        return _add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
 
 
 class FlexBackend(Backend):
@@ -197,7 +180,7 @@ class FlexBackend(Backend):
             r.append("FlexAttention is not in this PyTorch")
         if p.device.type == "cpu" and p.requires_grad:
             r.append("FlexAttention has no backward on CPU")
-        if any(_is_shaw(t) for t in p.additive):
+        if any(isinstance(t, ShawRelative) for t in p.additive):
             r.append("Shaw vectors depend on q, which score_mod cannot see")
         return r
 
@@ -218,7 +201,7 @@ class FlexBackend(Backend):
         mod = p.position.score_mod(p.q_offset) if p.position is not None else None
         out = softmax_attention_flex(q, k, v, mod, causal=p.causal, q_offset=p.q_offset,
                                      key_padding_mask=kpm, scale=p.scale)
-        return add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
+        return _add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
 
 
 class FFTBackend(Backend):
@@ -230,7 +213,7 @@ class FFTBackend(Backend):
             r.append(p.position.kernelized_refusal or f"{type(p.position).__name__} is softmax only")
         if _is_grid(p):
             r.append("a 2D grid term needs the 2D FFT (backend 'grid_fft')")
-        return r + _grid_reasons(p)
+        return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
@@ -245,9 +228,7 @@ class FFTBackend(Backend):
         return Cost(machine_time(p.device, 7 * flops, 2 * peak, calls=30), peak)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.fft import kernelized_num_den_fft
-
-        return kernelized_attention(q, k, v, p, kpm, kernelized_num_den_fft, naive=False)
+        return _kernelized(q, k, v, p, kpm, kops.num_den_fft, _coefficients(p, _math_dtype(p)))
 
 
 class ChunkedBackend(Backend):
@@ -260,7 +241,7 @@ class ChunkedBackend(Backend):
             r.append("causal only")
         if p.position is not None and p.position.geometric_decay() is None:
             r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
-        return r + _grid_reasons(p)
+        return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.chunked import DEFAULT_CHUNK
@@ -272,15 +253,8 @@ class ChunkedBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=10 + 2 * L // T), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.chunked import kernelized_num_den_chunked
-
         gamma = p.position.geometric_decay() if p.position is not None else None
-
-        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-            return kernelized_num_den_chunked(phi_q, phi_k, vv, gamma=gamma, q_offset=q_offset,
-                                              key_padding_mask=key_padding_mask)
-
-        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+        return _kernelized(q, k, v, p, kpm, kops.num_den_chunked, gamma)
 
 
 class PrefixBackend(Backend):
@@ -293,7 +267,7 @@ class PrefixBackend(Backend):
         if p.position is not None:
             r.append(f"runs without a multiplicative positional term, got {type(p.position).__name__} "
                      "(chunked runs geometric decays exactly, soe the others)")
-        return r + _grid_reasons(p)
+        return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         C, F = p.Dv + 1, p.F
@@ -302,12 +276,7 @@ class PrefixBackend(Backend):
         return Cost(machine_time(p.device, flops, 3 * mem, calls=6), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.prefix import kernelized_num_den_prefix
-
-        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-            return kernelized_num_den_prefix(phi_q, phi_k, vv, q_offset=q_offset, key_padding_mask=key_padding_mask)
-
-        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+        return _kernelized(q, k, v, p, kpm, kops.num_den_prefix, None)
 
 
 class GridFFTBackend(Backend):
@@ -327,10 +296,7 @@ class GridFFTBackend(Backend):
         return Cost(machine_time(p.device, 7 * flops * (3 if p.requires_grad else 1), 2 * peak, calls=30), peak)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.grid import kernelized_num_den_grid_fft
-
-        return kernelized_attention(q, k, v, p, kpm, _grid_num_den(kernelized_num_den_grid_fft, p.position),
-                                    naive=False)
+        return _kernelized(q, k, v, p, kpm, kops.num_den_grid_fft, _grid_coefficients(p))
 
 
 class SoEBackend(Backend):
@@ -349,7 +315,7 @@ class SoEBackend(Backend):
             r.append(f"{type(p.position).__name__} is a geometric decay: chunked runs it exactly")
         else:
             r += self._fit_reasons(p)
-        return r + _grid_reasons(p)
+        return r + _grid_reasons(p) + _running_max_reasons(p)
 
     @staticmethod
     def _fit_reasons(p: Problem) -> list[str]:
@@ -371,17 +337,12 @@ class SoEBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=K * (10 + 2 * L // T)), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.soe import SOE_FIT_LENGTH, causal_log_coefficients, kernelized_num_den_soe, soe_plan
+        from .ops.linear.soe import soe_plan_for
 
-        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-            # fitted from the term itself over max(L, SOE_FIT_LENGTH) distances, not from this
-            # call's coefficients: the same fit for every length up to SOE_FIT_LENGTH
-            fit_length = max(p.Lk, q_offset + p.Lq, SOE_FIT_LENGTH)
-            plan = soe_plan(causal_log_coefficients(p.position, fit_length))
-            return kernelized_num_den_soe(phi_q, phi_k, vv, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                                          plan=plan)
-
-        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+        # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
+        with torch.autocast(q.device.type, enabled=False):
+            plan = soe_plan_for(p.position, max(p.Lk, p.q_offset + p.Lq))
+        return _kernelized(q, k, v, p, kpm, kops.num_den_soe, plan)
 
 
 for _b in (
@@ -410,7 +371,7 @@ class BandBackend(Backend):
             r.append(f"{type(p.position).__name__} has no 1D kernelized form")
         elif p.position.finite_support() is None:
             r.append(f"{type(p.position).__name__} is not constant beyond a finite distance")
-        return r + _grid_reasons(p)
+        return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.band import DEFAULT_CHUNK
@@ -425,15 +386,8 @@ class BandBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=30), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.band import kernelized_num_den_band
-
-        W = p.position.finite_support()
-
-        def num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-            return kernelized_num_den_band(phi_q, phi_k, vv, lc, window=W, causal=causal, q_offset=q_offset,
-                                           key_padding_mask=key_padding_mask)
-
-        return kernelized_attention(q, k, v, p, kpm, num_den, naive=False)
+        coeffs = kops.BandCoefficients(_coefficients(p, _math_dtype(p)), p.position.finite_support())
+        return _kernelized(q, k, v, p, kpm, kops.num_den_band, coeffs)
 
 
 register_backend(BandBackend("band", description="kernelized, finite-support term (T5, clipped table): "

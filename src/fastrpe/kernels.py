@@ -4,16 +4,18 @@ Either exact softmax (`Softmax`) or a feature map `φ` with `κ(q, k) = φ(q)·�
 (`FeatureMap` subclasses). Layout: inputs `[B, H, L, D]`, features `[B, H, L, F]`,
 computed in float32 (float64 for float64 inputs) whatever the input dtype.
 
-Stabilizers (exp-based maps) never let one position influence another's features:
+Stabilizers (exp-based maps) are exact: they cancel in every term of the attention
+formula (`fastrpe.ops.kernelized` states the formula and the bookkeeping):
 - a query may be rescaled by any positive factor of its own: it multiplies the numerator
-  and the denominator of its attention row alike, so it cancels exactly. Exp-based maps
-  subtract the query's own maximum exponent.
-- a key may only be rescaled by a factor shared by every key, or the kernel changes.
-  `PRF` subtracts a data-independent bound (`key_log_shift()`); `Exp` and `TRF` have none
-  and rescale each key by its own factor, which is then part of the map's definition.
-
-A term that is not normalized through `φ(k)` (Scaleformer's Shaw term, which pairs `φ(q)`
-with learned vectors instead) sees the key shift: `φ_keys = exp(-key_log_shift())·φ_exact`.
+  and the denominator of its attention row alike (Shaw's `φ(q)·RP` included). Exp-based
+  maps subtract the query's own maximum exponent.
+- keys may only be rescaled by a factor shared by every key a row sees. `key_features`
+  returns the features and that shift `s` (true features `φ̃·exp(s)`): `PRF` subtracts a
+  data-independent bound (`key_log_shift()`), normalized `Exp` ("nexp") the constant 1,
+  SIKF `Exp` one shift per (batch, head) over all keys, or, causal, a running maximum
+  (each row is rescaled by the maximum up to its own last key, as in online softmax).
+  `TRF` drops the factor `exp(‖k‖²/2)`, which is shared by all keys only when they are
+  normalized (its default; see `TRF`).
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ class FeatureMap(nn.Module, Kernel):
     """
 
     name = "feature_map"
+    #: True when causal key features need a per-key running maximum (`key_features` returns
+    #: a `[B, H, Lk]` shift): only algorithms that rescale rows per key can run the map causally
+    per_key_shift_when_causal: bool = False
 
     def __init__(self, normalize: bool = False):
         nn.Module.__init__(self)
@@ -69,6 +74,19 @@ class FeatureMap(nn.Module, Kernel):
         """The constant subtracted from every key's log-features (`φ_key = exp(-shift)·φ`).
         It cancels in normalized attention; 0 unless a map says otherwise."""
         return 0.0
+
+    def key_features(self, k: Tensor, *, causal: bool = False,
+                     key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | float]:
+        """Key features as the kernelized composition uses them: `(phi_k, s)` with true
+        features `phi_k·exp(s)`. `s` is one shift shared by every key a row sees: `()`-shaped,
+        `[H, 1]` or `[B, H, 1]`, or, for causal maps with no data-independent bound, `[B, H, Lk]`,
+        non-decreasing over keys (a running maximum: row i uses the shift of its own last key).
+
+        Args:
+            k: `[B, H, Lk, D]`; causal: the caller attends causally; key_padding_mask:
+                `[B, Lk]`, True marks keys that do not count (they may not set the shift).
+        """
+        return self(k, is_query=False), self.key_log_shift()
 
     def _prepare(self, x: Tensor) -> Tensor:
         x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
@@ -117,21 +135,55 @@ class ReLU(FeatureMap):
 
 class Exp(FeatureMap):
     """SIKF, `φ(x) = exp(x)`, `F = D` ("FastRPB: a Scalable Relative Positional Encoding for
-    Long Sequence Tasks", ICLR 2022 submission, 2021).
+    Long Sequence Tasks", ICLR 2022 submission, 2021, §3.1). `φ(q)·φ(k) = Σ_d exp(q_d + k_d)`.
 
-    Stabilized per position: `φ(x) = exp(x - max_d x)`. For a query the factor cancels
-    exactly. A key has no data-independent bound, so for keys the shift is part of this
-    map's definition: each key's kernel values are scaled by its own positive factor
-    `exp(-max_d k)`. No position ever influences another.
+    Stabilizers, all exact (Eq. 9: the kernel is invariant to one constant shared by all keys):
+    - a query subtracts its own maximum (`exp(x - max_d x)`; the factor cancels in its row);
+    - keys (`key_features`): without `normalize`, one shift per (batch, head), the largest
+      entry of every (non-padding) key; causal, a running maximum over keys instead, and
+      each row is rescaled by the maximum up to its own last key (online softmax), so no
+      output depends on a later key. Only the dense algorithm rescales per key, so causal
+      SIKF runs on backend "dense" (`per_key_shift_when_causal`).
+    - `normalize=True` ("nexp"): `|x̂_d| <= 1`, so keys subtract the constant 1
+      (`key_log_shift()`) and the map runs on every backend.
+
+    Called directly on keys (`kernel(k, is_query=False)`), the map returns `exp(k)` exactly
+    without `normalize` (it cannot know which keys share a shift); `exp(k̂ - 1)` with it.
     """
 
     name = "exp"
 
+    @property
+    def per_key_shift_when_causal(self) -> bool:
+        return not self.normalize
+
     def num_features(self, head_dim: int) -> int:
         return head_dim
 
+    def key_log_shift(self) -> Tensor | float:
+        return 1.0 if self.normalize else 0.0
+
     def features(self, x: Tensor, is_query: bool) -> Tensor:
-        return torch.exp(x - x.amax(-1, keepdim=True))
+        if is_query:
+            return torch.exp(x - x.amax(-1, keepdim=True))
+        return torch.exp(x - self.key_log_shift())
+
+    def key_features(self, k: Tensor, *, causal: bool = False,
+                     key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | float]:
+        if self.normalize:
+            return super().key_features(k, causal=causal, key_padding_mask=key_padding_mask)
+        x = self._prepare(k)  # (B, H, Lk, D)
+        own = x.detach().amax(-1)  # (B, H, Lk): each key's largest entry
+        real = own if key_padding_mask is None else own.masked_fill(key_padding_mask[:, None, :], float("-inf"))
+        if causal:
+            s = real.cummax(-1).values  # (B, H, Lk): running maximum over keys 0..j
+        else:
+            s = real.amax(-1, keepdim=True)  # (B, H, 1): one shift for every key
+        s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))  # no real key (yet): any constant
+        # padding keys are never used; shifting them by their own maximum keeps them finite
+        shift = s.expand_as(own) if key_padding_mask is None else torch.where(
+            key_padding_mask[:, None, :], own, s.expand_as(own))
+        return torch.exp(x - shift[..., None]), s
 
 
 class DPFP(FeatureMap):
@@ -171,9 +223,9 @@ def _orthogonal_rows(m: int, d: int, g: torch.Generator) -> Tensor:
 
 
 class _RandomFeatures(FeatureMap):
-    """Base of the random-projection maps: the projection `w: [m, D]` is a buffer (it moves
-    with `.to()` and is saved in `state_dict`) drawn from a generator seeded with `seed`,
-    and redrawn only by `redraw()`.
+    """Base of the random-projection maps: the projection `w` is a buffer (it moves with
+    `.to()` and is saved in `state_dict` and checkpoints) drawn from a generator seeded with
+    `seed`, and redrawn only by `redraw()`.
 
     Args:
         head_dim: `D`, the width of q and k.
@@ -181,40 +233,54 @@ class _RandomFeatures(FeatureMap):
         projection: "iid" (Gaussian rows), "orthogonal" (ORF: blocks of orthogonal rows with
             Gaussian-like norms) or "sphere" (rows uniform on the sphere of radius `√D`).
         seed: seed of the draw.
-        input_scale: every input is multiplied by it before projecting; the default `D^-1/4`
-            makes `φ(q)·φ(k)` estimate `exp(q·k/√D)`, softmax attention's kernel.
+        input_scale: every input is multiplied by it before projecting. Default: `D^-1/4`,
+            so that `φ(q)·φ(k)` estimates `exp(q·k/√D)`, softmax attention's kernel; for
+            `PRF` with `normalize` the default is 1, so the kernel is `exp(q̂·k̂)` with
+            `q̂·k̂ ∈ [−1, 1]` (NPRF, Luo et al. 2021, §3.2: the positional term supplies the
+            sharpness). Any other value is an explicit temperature.
         normalize: l2-normalize q and k first (NPRF); the input scale applies after it.
             False by default, True for `TRF`.
+        num_heads: None: one projection `w: [m, D]` shared by every head. H: an independent
+            draw per head, `w: [H, m, D]` (as Performer draws per head), all from `seed`;
+            inputs must then have H heads (`[B, H, L, D]`).
     """
 
     def __init__(self, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, *, projection: str = "iid",
-                 seed: int = 0, input_scale: float | None = None, normalize: bool = False):
+                 seed: int = 0, input_scale: float | None = None, normalize: bool = False,
+                 num_heads: int | None = None):
         super().__init__(normalize)
         if projection not in ("iid", "orthogonal", "sphere"):
             raise ValueError(f"kernel: projection must be 'iid', 'orthogonal' or 'sphere', got {projection!r}")
         if int(head_dim) <= 0 or int(num_features) <= 0:
             raise ValueError(f"kernel: head_dim and num_features must be positive, got {head_dim}, {num_features}")
+        if num_heads is not None and (isinstance(num_heads, bool) or int(num_heads) <= 0):
+            raise ValueError(f"kernel: num_heads must be a positive int or None, got {num_heads!r}")
         self.head_dim, self.m, self.projection, self.seed = int(head_dim), int(num_features), projection, int(seed)
+        self.num_heads = None if num_heads is None else int(num_heads)
         # φ(q)·φ(k) estimates exp(q·k/√D) when each input is scaled by D^-1/4, as softmax does
         self.input_scale = self.head_dim ** -0.25 if input_scale is None else float(input_scale)
-        self.register_buffer("w", self._draw(self.seed))  # (m, D)
+        self.register_buffer("w", self._draw(self.seed))  # (m, D) or (H, m, D)
+
+    def _draw_one(self, g: torch.Generator) -> Tensor:
+        d, m = self.head_dim, self.m
+        if self.projection == "iid":
+            return torch.randn(m, d, generator=g, dtype=torch.float64)
+        if self.projection == "orthogonal":
+            return _orthogonal_rows(m, d, g)
+        w = torch.randn(m, d, generator=g, dtype=torch.float64)  # uniform on the sphere of radius √d
+        return w / w.norm(dim=-1, keepdim=True) * math.sqrt(d)
 
     def _draw(self, seed: int) -> Tensor:
         g = torch.Generator().manual_seed(seed)
-        d, m = self.head_dim, self.m
-        if self.projection == "iid":
-            w = torch.randn(m, d, generator=g, dtype=torch.float64)
-        elif self.projection == "orthogonal":
-            w = _orthogonal_rows(m, d, g)
-        else:  # uniform on the sphere of radius √d
-            w = torch.randn(m, d, generator=g, dtype=torch.float64)
-            w = w / w.norm(dim=-1, keepdim=True) * math.sqrt(d)
-        return w.float()
+        if self.num_heads is None:
+            return self._draw_one(g).float()
+        # one generator, drawn H times in a row: independent draws, reproducible from seed
+        return torch.stack([self._draw_one(g) for _ in range(self.num_heads)]).float()
 
     @torch.no_grad()
     def redraw(self, seed: int | None = None) -> None:
-        """Draw a new projection in place (same device and dtype) from `seed`, by default
-        the previous seed + 1."""
+        """Draw new projections (every head's) in place, same device and dtype, from `seed`,
+        by default the previous seed + 1."""
         self.seed = self.seed + 1 if seed is None else int(seed)
         self.w.copy_(self._draw(self.seed))
 
@@ -230,51 +296,82 @@ class _RandomFeatures(FeatureMap):
             raise ValueError(f"kernel: {type(self).__name__} was built for head_dim={self.head_dim}, "
                              f"got inputs with last dim {x.shape[-1]}")
         xs = x * self.input_scale
-        return xs, xs @ self.w.to(x.dtype).T
+        w = self.w.to(x.dtype)
+        if self.num_heads is None:
+            return xs, xs @ w.T
+        if x.dim() < 3 or x.shape[-3] != self.num_heads:
+            raise ValueError(f"kernel: {type(self).__name__} draws per head for num_heads={self.num_heads}; "
+                             f"inputs must be [B, H, L, D], got {list(x.shape)}")
+        return xs, torch.einsum("...hld,hmd->...hlm", xs, w)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, num_features={self.m}, projection={self.projection!r}, "
-                f"seed={self.seed}, input_scale={self.input_scale:.4g}, normalize={self.normalize}")
+                f"seed={self.seed}, input_scale={self.input_scale:.4g}, normalize={self.normalize}, "
+                f"num_heads={self.num_heads}")
 
 
 class PRF(_RandomFeatures):
     """Positive random features, FAVOR+ (Choromanski et al., "Rethinking Attention with
     Performers", 2021): `φ(x) = exp(w·x − ‖x‖²/2)/√m`, `F = m`, with
     `E[φ(q)·φ(k)] = exp(q·k)` on inputs scaled by `input_scale` (default `D^-1/4`, so the
-    estimate is of `exp(q·k/√D)`). `projection="orthogonal"` is ORF (same paper),
-    `"sphere"` is sphere-PRF and `normalize=True` is NPRF (both Luo et al., "Stable, Fast
-    and Accurate: Kernelized Attention with Relative Positional Encoding", 2021).
-    See `_RandomFeatures` for the arguments.
+    estimate is of `exp(q·k/√D)`; 1 with `normalize`, `exp(q̂·k̂)`). `two_sided=True` is the
+    positive symmetric form of the same paper (Lemma 1, `φ⁺⁺`), as FastRPB uses it:
+    `φ(x) = exp(−‖x‖²/2)/√(2m)·[exp(w·x), exp(−w·x)]`, `F = 2m`, same expectation, lower
+    variance. `projection="orthogonal"` is ORF (same paper), `"sphere"` is sphere-PRF and
+    `normalize=True` is NPRF (both Luo et al., "Stable, Fast and Accurate: Kernelized
+    Attention with Relative Positional Encoding", 2021). See `_RandomFeatures` for the
+    other arguments.
 
-    Stabilizers, all exact in normalized attention, none mixing positions:
+    Stabilizers, all exact, none mixing positions:
     - a query subtracts its own maximum exponent (its features peak at `1/√m`);
-    - every key subtracts the same data-independent constant `key_log_shift()`, an upper
-      bound of the exponent: `w·x − ‖x‖²/2 ≤ ‖w‖²/2` for any x, and `≤ ‖w‖·s − s²/2`
-      (`‖w‖ ≥ s`) when the inputs are normalized to norm `s = input_scale`. Key features are therefore
-      at most `1/√m` and never overflow; very unlikely keys underflow to 0 instead (without
-      `normalize`, at float32 and large D, ~`D ≥ 150`, typical keys already do: use NPRF).
+    - every key subtracts the same data-independent constant `key_log_shift()` (per head
+      with `num_heads`), an upper bound of the exponent: `±w·x − ‖x‖²/2 ≤ ‖w‖²/2` for any
+      x, and `≤ ‖w‖·s − s²/2` (`‖w‖ ≥ s`) when the inputs are normalized to norm
+      `s = |input_scale|`. Key features are therefore at most `1/√m` and never overflow;
+      very unlikely keys underflow to 0 instead (without `normalize`, at float32 and large
+      D, ~`D ≥ 150`, typical keys already do: use NPRF).
     """
 
     name = "prf"
 
+    def __init__(self, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, *, projection: str = "iid",
+                 seed: int = 0, input_scale: float | None = None, normalize: bool = False,
+                 num_heads: int | None = None, two_sided: bool = False):
+        if input_scale is None and normalize:
+            input_scale = 1.0  # NPRF: exp(q̂·k̂), q̂·k̂ in [−1, 1] (Luo §3.2), no D^-1/4
+        super().__init__(head_dim, num_features, projection=projection, seed=seed, input_scale=input_scale,
+                         normalize=normalize, num_heads=num_heads)
+        self.two_sided = bool(two_sided)
+
+    def _out_features(self) -> int:
+        return 2 * self.m if self.two_sided else self.m
+
     def key_log_shift(self) -> Tensor:
-        """`max_m sup_x (w_m·x − ‖x‖²/2)` over the inputs this map can see: a 0-dim tensor."""
-        w2 = self.w.pow(2).sum(-1)  # (m,): ‖w_m‖²
+        """`max_m sup_x (±w_m·x − ‖x‖²/2)` over the inputs this map can see: a 0-dim tensor,
+        or `[H, 1]` (one per head) with `num_heads`."""
+        wn = self.w.pow(2).sum(-1).sqrt()  # (m,) or (H, m): ‖w_m‖
         if not self.normalize:
-            return w2.amax() / 2
-        # normalized inputs have norm r <= s: the sup over r of ‖w‖·r − r²/2 is at r = min(‖w‖, s)
-        wn = w2.sqrt()
-        r = wn.clamp(max=abs(self.input_scale))
-        return (wn * r - r * r / 2).amax()
+            bound = wn * wn / 2
+        else:
+            # normalized inputs have norm r = s: the sup over r <= s of ‖w‖·r − r²/2 is at r = min(‖w‖, s)
+            r = wn.clamp(max=abs(self.input_scale))
+            bound = wn * r - r * r / 2
+        return bound.amax() if self.num_heads is None else bound.amax(-1, keepdim=True)
 
     def features(self, x: Tensor, is_query: bool) -> Tensor:
         xs, wx = self._project(x)  # (.., D), (.., m)
-        e = wx - xs.pow(2).sum(-1, keepdim=True) / 2  # (.., m) exponents
+        if self.two_sided:
+            wx = torch.cat([wx, -wx], dim=-1)  # (.., 2m)
+        e = wx - xs.pow(2).sum(-1, keepdim=True) / 2  # (.., F) exponents
         if is_query:
             e = e - e.amax(-1, keepdim=True)
         else:
-            e = e - self.key_log_shift().to(e.dtype)
-        return torch.exp(e) / math.sqrt(self.m)
+            shift = self.key_log_shift().to(e.dtype)
+            e = e - (shift if self.num_heads is None else shift[:, None, :])  # (H, 1, 1) per head
+        return torch.exp(e) / math.sqrt(self._out_features())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", two_sided={self.two_sided}"
 
 
 class TRF(_RandomFeatures):
@@ -302,9 +399,10 @@ class TRF(_RandomFeatures):
     name = "trf"
 
     def __init__(self, head_dim: int, num_features: int = DEFAULT_NUM_FEATURES, *, projection: str = "iid",
-                 seed: int = 0, input_scale: float | None = None, normalize: bool = True):
+                 seed: int = 0, input_scale: float | None = None, normalize: bool = True,
+                 num_heads: int | None = None):
         super().__init__(head_dim, num_features, projection=projection, seed=seed, input_scale=input_scale,
-                         normalize=normalize)
+                         normalize=normalize, num_heads=num_heads)
 
     def _out_features(self) -> int:
         return 2 * self.m
@@ -315,22 +413,28 @@ class TRF(_RandomFeatures):
 
 
 _SIMPLE = {"elu": EluPlusOne, "relu": ReLU, "exp": Exp, "dpfp": DPFP}
-_RANDOM = {"prf": (PRF, "iid"), "orf": (PRF, "orthogonal"), "sphere_prf": (PRF, "sphere"), "trf": (TRF, "iid")}
+_RANDOM = {"prf": (PRF, "iid"), "prf2": (PRF, "iid"), "orf": (PRF, "orthogonal"), "sphere_prf": (PRF, "sphere"),
+           "trf": (TRF, "iid")}
 #: kernel names `get_kernel` knows; every one but "softmax" also with the prefix "n" (normalize)
 NAMES = ("softmax", *_SIMPLE, *_RANDOM)
 
 
-def get_kernel(spec, head_dim: int | None = None, num_features: int | None = None, seed: int = 0) -> Kernel:
+def get_kernel(spec, head_dim: int | None = None, num_features: int | None = None, seed: int = 0,
+               num_heads: int | None = None) -> Kernel:
     """A `Kernel` from a spec.
 
     Args:
         spec: a `Kernel` instance (returned as is), None (softmax) or a name in `NAMES`;
-            the prefix "n" l2-normalizes q and k first ("nprf" is NPRF, "nelu", ...).
+            the prefix "n" l2-normalizes q and k first ("nprf" is NPRF: the kernel is
+            `exp(q̂·k̂)`, no `D^-1/4` scale; "nelu", ...). "prf2" is FAVOR+'s two-sided
+            positive form `[exp(w·x), exp(−w·x)]` (`PRF(two_sided=True)`).
             "trf" is always normalized (RFA's form, see `TRF`).
-        head_dim: `D`; required by the random maps ("prf", "orf", "sphere_prf", "trf").
+        head_dim: `D`; required by the random maps ("prf", "prf2", "orf", "sphere_prf", "trf").
         num_features: random projections `m` of a random map (default
             `DEFAULT_NUM_FEATURES` = 64); ignored by the other maps.
         seed: seed of the random projections.
+        num_heads: random maps only: an independent projection per head (`w: [H, m, D]`),
+            all drawn from `seed`; None shares one projection across heads.
     """
     if isinstance(spec, Kernel):
         return spec
@@ -351,7 +455,8 @@ def get_kernel(spec, head_dim: int | None = None, num_features: int | None = Non
         cls, projection = _RANDOM[name]
         m = DEFAULT_NUM_FEATURES if num_features is None else num_features
         normalize = normalize or cls is TRF  # "trf" is RFA's normalized form, the same as "ntrf"
-        return cls(head_dim, m, projection=projection, seed=seed, normalize=normalize)
+        extra = {"two_sided": True} if name == "prf2" else {}
+        return cls(head_dim, m, projection=projection, seed=seed, normalize=normalize, num_heads=num_heads, **extra)
     known = ", ".join(NAMES)
     raise ValueError(f"kernel: unknown kernel {spec!r}; valid names: {known}, "
                      f"and each but softmax with the prefix 'n' (l2-normalize q/k), e.g. 'nprf'")

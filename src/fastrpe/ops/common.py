@@ -8,6 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# index arithmetic lives in a leaf module shared with `fastrpe.positions` (no import cycle)
+from .._index import (CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, grid_offset_index,  # noqa: F401
+                      materialize_grid, offsets, toeplitz_index)
+
 
 def causal_offset_mask(Lq: int, Lk: int, q_offset: int, device=None) -> Tensor:
     """`[R]` bool over offsets `r = -(Lq-1+q_offset) .. Lk-1-q_offset`: True where `r <= 0` (kept by causal)."""

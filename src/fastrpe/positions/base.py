@@ -9,6 +9,9 @@ Two kinds:
   `c_h(r) = exp(b_h(r))`, softmax adds `b_h(r)` to the score.
 * `AdditiveTerm`: a term added to the attention output or to its numerator and
   denominator (FastRPB `W·V`, Shaw vectors).
+
+Terms hold parameters and compute their coefficients; they never call `fastrpe.ops` (the
+ops take the coefficients as tensors). Index arithmetic comes from the leaf `fastrpe._index`.
 """
 from __future__ import annotations
 
@@ -17,17 +20,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-
-def offsets(Lq: int, Lk: int, q_offset: int = 0, device=None) -> Tensor:
-    """The `Lq + Lk - 1` offsets `r = -(Lq-1+q_offset) .. Lk-1-q_offset`, as int64."""
-    return torch.arange(-(Lq - 1 + q_offset), Lk - q_offset, device=device)
-
-
-def toeplitz_index(Lq: int, Lk: int, device=None) -> Tensor:
-    """`[Lq, Lk]` index into an offsets vector: entry `(i, j)` holds `j - i + Lq - 1`."""
-    i = torch.arange(Lq, device=device)[:, None]
-    j = torch.arange(Lk, device=device)[None, :]
-    return j - i + (Lq - 1)
+# index arithmetic from the leaf module shared with the ops (positions never import fastrpe.ops)
+from .._index import offsets, toeplitz_index  # noqa: F401  (re-exported: fastrpe.positions.offsets)
 
 
 class Position(nn.Module):
@@ -111,7 +105,8 @@ class Position(nn.Module):
 
 
 class AdditiveTerm(nn.Module):
-    """Base class of terms added outside the Toeplitz product (FastRPB, Shaw)."""
+    """Base class of terms added outside the Toeplitz product (FastRPB, Shaw). They hold
+    parameters only; the ops (`fastrpe.ops.kernelized`) apply them."""
 
     def __init__(self, num_heads: int):
         super().__init__()

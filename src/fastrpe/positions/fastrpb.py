@@ -17,6 +17,9 @@ class FastRPB1D(AdditiveTerm):
     term is a plain sum, so 0 means "those keys add nothing", and a model trained at
     `max_len` still runs (without positional signal that far) on longer inputs.
 
+    The term holds the table; `fastrpe.ops.kernelized.add_fastrpb` applies it (by FFT) with
+    the coefficients of each call (`coefficients()`).
+
     Args:
         num_heads: H.
         max_len: offsets `|r| < max_len` have a weight.
@@ -43,26 +46,6 @@ class FastRPB1D(AdditiveTerm):
     def materialize(self, Lq: int, Lk: int, q_offset: int = 0) -> Tensor:
         """`[H, Lq, Lk]` dense W (`W_ij = w_h(j - i - q_offset)`), for tests and debugging only."""
         return self.coefficients(Lq, Lk, q_offset)[:, toeplitz_index(Lq, Lk, device=self.w.device)]
-
-    def forward(self, v: Tensor, Lq: int, q_offset: int = 0, causal: bool = False) -> Tensor:
-        """`W·v` by FFT.
-
-        Args:
-            v: `[B, H, Lk, Dv]` values (keys at positions `0..Lk-1`).
-            Lq: number of queries (positions `q_offset + 0..Lq-1`).
-            q_offset: position of the first query.
-            causal: drop keys after the query (`r > 0`).
-
-        Returns:
-            `[B, H, Lq, Dv]` in v's dtype.
-        """
-        from ..ops.fastrpb.fft import fastrpb_fft
-
-        if v.dim() != 4 or v.shape[1] != self.num_heads:
-            raise ValueError(f"FastRPB1D has {self.num_heads} heads; v must be [B, H, Lk, Dv], got {list(v.shape)}")
-        # the coefficients stay in their own dtype: the FFT runs in float32/64 and casts them
-        w = self.coefficients(Lq, v.shape[2], q_offset)
-        return fastrpb_fft(w, v, Lq, causal=causal, q_offset=q_offset)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, max_len={self.max_len}"

@@ -24,59 +24,33 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+# index arithmetic from the leaf module shared with the ops (positions never import fastrpe.ops);
+# the names stay importable from here
+from .._index import (CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, grid_offset_index,  # noqa: F401
+                      materialize_grid)
 from .base import AdditiveTerm, Position, init_normal
 
-# Order of the class-token coefficients in a `[H, 3]` tensor.
-CLS_TO_PATCH, PATCH_TO_CLS, CLS_TO_CLS = 0, 1, 2
 
 
-def check_grid(grid) -> tuple[int, int]:
-    """`grid` as a validated `(Hg, Wg)` pair of positive ints."""
-    try:
-        Hg, Wg = grid
-    except (TypeError, ValueError):
-        raise ValueError(f"grid must be a pair (Hg, Wg), got {grid!r}") from None
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (Hg, Wg)):
-        raise ValueError(f"grid must be a pair of positive ints, got {grid!r}")
-    return Hg, Wg
+class GridTerm:
+    """What every 2D term has (a small protocol the dispatcher checks with `isinstance`):
+    `grid = (Hg, Wg)`, `cls_token`, and `seq_len = N`, the only length it applies to
+    (non-causal self-attention, `q_offset = 0`)."""
+
+    grid: tuple[int, int]
+    cls_token: bool
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def seq_len(self) -> int:
+        """`N = cls + Hg·Wg`: the only sequence length this term applies to."""
+        return int(self.cls_token) + self.num_patches
 
 
-def grid_offset_index(grid, device=None) -> tuple[Tensor, Tensor]:
-    """Two `[P, P]` int64 indices into a `[.., 2Hg-1, 2Wg-1]` table: entry `(i, j)` holds
-    `Δrow + Hg - 1` and `Δcol + Wg - 1` for query patch i and key patch j (row-major)."""
-    Hg, Wg = check_grid(grid)
-    p = torch.arange(Hg * Wg, device=device)
-    row, col = p // Wg, p % Wg
-    return row[None, :] - row[:, None] + (Hg - 1), col[None, :] - col[:, None] + (Wg - 1)
-
-
-def materialize_grid(table: Tensor, grid, cls_coeff: Tensor | None = None) -> Tensor:
-    """`[H, N, N]` dense matrix from a 2D table and optional class-token coefficients.
-
-    Args:
-        table: `[H, 2Hg-1, 2Wg-1]`, the value of offset `(Δrow, Δcol)` at `[Δrow+Hg-1, Δcol+Wg-1]`.
-        grid: `(Hg, Wg)`.
-        cls_coeff: `[H, 3]` (cls → patch, patch → cls, cls → cls), or None for no class token.
-
-    Returns:
-        `[H, N, N]` with `N = Hg·Wg (+1)`; entry `(i, j)` for query i, key j.
-    """
-    Hg, Wg = check_grid(grid)
-    if table.shape[-2:] != (2 * Hg - 1, 2 * Wg - 1):
-        raise ValueError(f"table must be [H, {2 * Hg - 1}, {2 * Wg - 1}] for grid {(Hg, Wg)}, "
-                         f"got {list(table.shape)}")
-    dr, dc = grid_offset_index(grid, device=table.device)
-    patch = table[:, dr, dc]  # (H, P, P)
-    if cls_coeff is None:
-        return patch
-    H, P = table.shape[0], Hg * Wg
-    cc = cls_coeff.to(table.dtype)
-    top = torch.cat([cc[:, CLS_TO_CLS, None], cc[:, CLS_TO_PATCH, None].expand(H, P)], dim=-1)  # (H, N)
-    rest = torch.cat([cc[:, PATCH_TO_CLS, None, None].expand(H, P, 1), patch], dim=-1)  # (H, P, N)
-    return torch.cat([top[:, None], rest], dim=1)  # (H, N, N)
-
-
-class GridPosition(Position):
+class GridPosition(GridTerm, Position):
     """Base class of 2D log-coefficient terms `b_h(Δrow, Δcol)` on an `Hg × Wg` grid.
 
     Subclasses implement `table()` (and `cls_coefficients()` when they support a class
@@ -91,8 +65,6 @@ class GridPosition(Position):
         cls_token: one class token at index 0 precedes the patches.
     """
 
-    #: lets the dispatcher route to the grid ops (`ops/linear/grid.py`)
-    is_grid: bool = True
     softmax_only: bool = False
     kernelized_refusal: str | None = None
 
@@ -102,15 +74,6 @@ class GridPosition(Position):
         if not isinstance(cls_token, bool):
             raise ValueError(f"cls_token must be a bool, got {cls_token!r}")
         self.cls_token = cls_token
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    @property
-    def seq_len(self) -> int:
-        """`N = cls + Hg·Wg`: the only sequence length this term applies to."""
-        return int(self.cls_token) + self.num_patches
 
     def table(self) -> Tensor:  # pragma: no cover - abstract
         """`[H, 2Hg-1, 2Wg-1]`: `b_h(Δrow, Δcol)` at `[Δrow + Hg - 1, Δcol + Wg - 1]`."""
@@ -203,7 +166,7 @@ class Table2D(GridPosition):
         return self.cls_table
 
 
-class FastRPB2D(AdditiveTerm):
+class FastRPB2D(GridTerm, AdditiveTerm):
     """FastRPB's additive 2D term `out += W·v` with a separable
     `W_ij = w_h^row(Δrow) + w_h^col(Δcol)`; not normalized.
 
@@ -222,8 +185,6 @@ class FastRPB2D(AdditiveTerm):
     with a class token, `w_cls: [H, 3]`.
     """
 
-    is_grid: bool = True
-
     def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0):
         super().__init__(num_heads)
         if not isinstance(cls_token, bool):
@@ -234,11 +195,6 @@ class FastRPB2D(AdditiveTerm):
         self.w_row = nn.Parameter(init_normal(num_heads, 2 * Hg - 1, std=init_std))
         self.w_col = nn.Parameter(init_normal(num_heads, 2 * Wg - 1, std=init_std))
         self.w_cls = nn.Parameter(init_normal(num_heads, 3, std=init_std)) if cls_token else None
-
-    @property
-    def seq_len(self) -> int:
-        """`N = cls + Hg·Wg`: the only sequence length this term applies to."""
-        return int(self.cls_token) + self.grid[0] * self.grid[1]
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """`(w_row: [H, 2Hg-1], w_col: [H, 2Wg-1], w_cls: [H, 3] or None)`."""
@@ -252,17 +208,6 @@ class FastRPB2D(AdditiveTerm):
         """`[H, N, N]` dense W, for tests and debugging only (`Lq`, `Lk`, `q_offset` must be `N`, `N`, 0)."""
         self._check_call(Lq, Lk, q_offset, False)
         return materialize_grid(self.table(), self.grid, self.w_cls)
-
-    def forward(self, v: Tensor, Lq: int | None = None, q_offset: int = 0, causal: bool = False) -> Tensor:
-        """`v: [B, H, N, Dv]` -> `W·v: [B, H, N, Dv]`, without materializing W.
-
-        `Lq`, `q_offset`, `causal` are accepted for FastRPB1D's signature and must be
-        `N` (or None), 0 and False."""
-        from ..ops.fastrpb.grid import fastrpb2d_fft
-
-        self._check_call(Lq, v.shape[2], q_offset, causal)
-        w_cls = None if self.w_cls is None else self.w_cls.to(v.dtype)
-        return fastrpb2d_fft(self.w_row.to(v.dtype), self.w_col.to(v.dtype), v, self.grid, w_cls)
 
     def _check_call(self, Lq, Lk, q_offset, causal) -> None:
         N = self.seq_len

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...positions.grid import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, materialize_grid
+from ..common import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, materialize_grid
 from ..toeplitz.fft import fft_dtype_for, toeplitz_matmul_fft
 
 

@@ -22,8 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from ...positions.grid import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, materialize_grid
-from ..common import finite_max
+from ..common import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, finite_max, materialize_grid
 from ..toeplitz.fft import fft_dtype_for
 from ..toeplitz.fft2d import apply_spectrum2d, fft2d_size, table_spectrum
 

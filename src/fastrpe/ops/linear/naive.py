@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...positions.base import toeplitz_index
-from ..common import causal_offset_mask, finite_max
+from ..common import causal_offset_mask, finite_max, toeplitz_index
 
 
 def kernelized_num_den_naive(
@@ -24,6 +23,7 @@ def kernelized_num_den_naive(
     causal: bool = False,
     q_offset: int = 0,
     key_padding_mask: Tensor | None = None,
+    key_log_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Numerator and denominator of kernelized attention with a Toeplitz RPE.
 
@@ -37,11 +37,14 @@ def kernelized_num_den_naive(
         causal: keep only keys with `j <= i` (offset `r <= 0`).
         q_offset: position of the first query.
         key_padding_mask: `[B, Lk]` bool, True marks padding keys (ignored).
+        key_log_scale: `[B, H, Lk]` or None: the true key features are
+            `phi_k·exp(key_log_scale)` (keys stabilized by a running maximum, causal SIKF).
 
     Returns:
-        `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]`: the true
-        numerator is `num·exp(log_scale)` (each row's largest log-coefficient is taken out
-        before `exp`, so no row underflows because of another row's scale); `out = num / den`.
+        `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]` (`[B, H, Lq]` with
+        `key_log_scale`): the true numerator is `num·exp(log_scale)` (each row's largest
+        log-coefficient, key scale included, is taken out before `exp`, so no row underflows
+        because of another row's scale); `out = num / den`.
     """
     B, H, Lq, _ = phi_q.shape
     Lk = phi_k.shape[2]
@@ -56,7 +59,11 @@ def kernelized_num_den_naive(
     if keep is not None:
         lc = lc.masked_fill(~keep, float("-inf"))
     b = lc[:, toeplitz_index(Lq, Lk, device=dev)]  # (H, Lq, Lk)
-    m = finite_max(b)  # (H, Lq, 1): each row's own largest coefficient, so no row underflows
+    if key_log_scale is not None:
+        b = b + key_log_scale.to(a.dtype)[:, :, None, :]  # (B, H, Lq, Lk)
+        if key_padding_mask is not None:
+            b = b.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    m = finite_max(b)  # (H, Lq, 1) or (B, H, Lq, 1): each row's own largest, so no row underflows
     a = a * torch.exp(b - m)  # (B, H, Lq, Lk)
     if key_padding_mask is not None:
         a = a.masked_fill(key_padding_mask[:, None, None, :], 0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...positions.grid import check_grid, grid_offset_index
+from ..common import check_grid, grid_offset_index
 from .fft import fft_dtype_for
 
 

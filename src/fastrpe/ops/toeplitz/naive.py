@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ...positions.base import toeplitz_index
+from ..common import toeplitz_index
 
 
 def toeplitz_matmul_naive(coeff: Tensor, x: Tensor, Lq: int) -> Tensor:
