@@ -9,7 +9,8 @@ import fastrpe as fr
 from fastrpe.nn import DecoderLM, EncoderClassifier, EncoderConfig, LMConfig, Seq2Seq, Seq2SeqConfig
 
 LM_CASES = [("softmax", "kerple_log"), ("softmax", "alibi"), ("softmax", "t5"), ("softmax", "sinusoidal"),
-            ("softmax", "rotary"), ("nprf", "kerple_log"), ("elu", "kerple_power"), ("elu", "none")]
+            ("softmax", "rotary"), ("nprf", "kerple_log"), ("elu", "kerple_power"), ("elu", "none"),
+            ]
 
 
 def _train(model, loss_fn, steps=30, lr=3e-3):
@@ -104,7 +105,40 @@ def test_config_refuses_unknown_and_invalid_fields():
     assert LMConfig.from_json(LMConfig(d_model=64).to_json()) == LMConfig(d_model=64)
 
 
-@pytest.mark.parametrize("position", ["none", "alibi", "kerple_power_p1"])
+@pytest.mark.parametrize("kernel", ["elu", "prf", "softmax"])
+def test_lm_with_shaw_trains_and_step_equals_forward(kernel):
+    """Scaleformer's model: a feature map with Shaw's vectors and no absolute encoding."""
+    torch.manual_seed(0)
+    model = DecoderLM(LMConfig(vocab_size=12, d_model=32, n_layers=1, n_heads=4, position="shaw", kernel=kernel,
+                               num_features=16))
+    shaw = model.blocks[0].attn.position
+    assert isinstance(shaw, fr.positions.ShawRelative) and shaw.positive == (kernel != "softmax")
+    assert shaw.dim == {"elu": 8, "prf": 16, "softmax": 8}[kernel]  # the width of the layer's features
+    data = torch.arange(17).repeat(4, 1) % 5 + 1
+    losses = _train(model, lambda: model.loss(data), steps=8, lr=1e-2)
+    assert losses[-1] < 0.9 * losses[0], losses
+    model.double()
+    x = torch.randint(0, 12, (2, 19))
+    full = model(x)
+    logits, caches = model.step(x[:, :5])
+    outs = [logits]
+    for t in range(5, 19):
+        logits, caches = model.step(x[:, t:t + 1], caches)
+        outs.append(logits)
+    torch.testing.assert_close(torch.cat(outs, 1), full)
+
+
+def test_encoder_with_shaw_trains():
+    torch.manual_seed(0)
+    model = EncoderClassifier(EncoderConfig(vocab_size=10, num_classes=3, d_model=16, n_layers=1, n_heads=2,
+                                            kernel="elu", position="shaw"))
+    x = torch.randint(1, 10, (16, 12))
+    y = x[:, 0] % 3
+    losses = _train(model, lambda: torch.nn.functional.cross_entropy(model(x), y), steps=10, lr=1e-2)
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("position", ["none", "alibi", "kerple_power_p1", "geometric"])
 def test_constant_memory_decoding_equals_forward(position):
     """Kernelized attention with a geometric (or no) positional term decodes with a
     constant-size state, and matches the full forward pass."""
@@ -130,3 +164,75 @@ def test_seq2seq_beam_search_with_recurrent_decoder_state():
     src, _ = _copy_batch(B=3)
     out = model.beam_search(src, max_len=6, beam_size=2)
     assert out.shape[0] == 3
+
+
+def test_seq2seq_with_a_kernel_per_attention_learns_and_decodes():
+    """Luo et al. Table 3: softmax encoder, PRF decoder (self and cross), each with its own width."""
+    torch.manual_seed(0)
+    cfg = Seq2SeqConfig(vocab_size=12, d_model=32, n_heads=4, n_enc_layers=1, n_dec_layers=1, position="kerple_log",
+                        cross_position="none", enc_kernel="softmax", dec_kernel="prf", dec_num_features=16,
+                        cross_kernel="nelu")
+    model = Seq2Seq(cfg)
+    assert isinstance(model.encoder[0].attn.kernel, fr.kernels.Softmax)
+    assert isinstance(model.decoder[0].attn.kernel, fr.kernels.PRF) and model.decoder[0].attn.kernel.m == 16
+    assert isinstance(model.decoder[0].cross.kernel, fr.kernels.EluPlusOne) and model.decoder[0].cross.kernel.normalize
+    assert Seq2SeqConfig.from_json(cfg.to_json()) == cfg
+    src, tgt = _copy_batch(B=8, S=6)
+    losses = _train(model, lambda: model.loss(src, tgt), steps=12, lr=1e-2)
+    assert losses[-1] < 0.8 * losses[0], losses
+    model.eval()
+    gen = model.generate(src[:3], max_len=7)
+    seq = gen[:, :1]
+    for _ in range(gen.shape[1] - 1):
+        seq = torch.cat([seq, model(src[:3], seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    done = (gen == 2).cumsum(1) > 0
+    keep = torch.cat([torch.ones_like(done[:, :1]), ~done[:, :-1]], 1)
+    assert torch.equal(gen[keep], seq[keep])
+
+
+def test_seq2seq_single_kernel_is_the_default_of_all_three():
+    cfg = Seq2SeqConfig(vocab_size=12, d_model=32, n_heads=4, kernel="prf", num_features=8, cross_kernel="elu")
+    assert cfg.kernels() == {"enc": ("prf", 8), "dec": ("prf", 8), "cross": ("elu", 8)}
+    model = Seq2Seq(cfg)
+    assert isinstance(model.encoder[0].attn.kernel, fr.kernels.PRF) and model.encoder[0].attn.kernel.m == 8
+    assert isinstance(model.decoder[1].attn.kernel, fr.kernels.PRF)
+    assert isinstance(model.decoder[1].cross.kernel, fr.kernels.EluPlusOne)
+
+
+def test_seq2seq_with_shaw_in_every_attention_decodes():
+    torch.manual_seed(0)
+    model = Seq2Seq(Seq2SeqConfig(vocab_size=12, d_model=16, n_heads=2, n_enc_layers=1, n_dec_layers=1, kernel="elu",
+                                  position="shaw", cross_position="shaw")).double()
+    src, tgt = _copy_batch(B=2)
+    memory, mask = model.encode(src)
+    full = model.decode(tgt[:, :-1], memory, mask)
+    logits, caches = model.step(tgt[:, :3], memory, mask, None)
+    outs = [logits]
+    for t in range(3, tgt.shape[1] - 1):
+        logits, caches = model.step(tgt[:, t:t + 1], memory, mask, caches)
+        outs.append(logits)
+    torch.testing.assert_close(torch.cat(outs, 1), full)
+
+
+def test_config_refuses_bad_feature_counts_and_kernels():
+    with pytest.raises(ValueError, match="'dec_num_features' must be a positive int"):
+        Seq2SeqConfig.from_dict({"dec_num_features": 0})
+    with pytest.raises(ValueError, match="'enc_kernel' must be a kernel name"):
+        Seq2SeqConfig.from_dict({"enc_kernel": 3})
+
+
+def test_every_layer_draws_its_own_random_features_from_the_model_seed():
+    cfg = Seq2SeqConfig(vocab_size=12, d_model=32, n_heads=4, kernel="prf", num_features=8)
+    a, b = Seq2Seq(cfg), Seq2Seq(cfg)
+    maps = [m for m in a.modules() if isinstance(m, fr.kernels.PRF)]
+    assert len(maps) == 2 + 2 * 2  # encoder self, decoder self and cross
+    ws = [m.w for m in maps]
+    assert all(not torch.equal(x, y) for i, x in enumerate(ws) for y in ws[i + 1:])
+    for x, y in zip(ws, [m.w for m in b.modules() if isinstance(m, fr.kernels.PRF)]):
+        assert torch.equal(x, y)  # the same seed, the same draws
+    c = Seq2Seq(Seq2SeqConfig(vocab_size=12, d_model=32, n_heads=4, kernel="prf", num_features=8, feature_seed=1))
+    assert not torch.equal(maps[0].w, next(m for m in c.modules() if isinstance(m, fr.kernels.PRF)).w)
+    lm = DecoderLM(LMConfig(vocab_size=12, d_model=32, n_heads=4, kernel="prf", num_features=8))
+    w0, w1 = (blk.attn.kernel.w for blk in lm.blocks)
+    assert not torch.equal(w0, w1)
+    assert w0.shape == (4, 8, 8) and not torch.equal(w0[0], w0[1])  # and every head its own

@@ -4,24 +4,54 @@ Notation: B batch, L length, E model width.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 from torch import Tensor, nn
 
 from .. import positions as P
+from ..kernels import FeatureMap, get_kernel
 from .attention import KVCache, LinearState, MultiheadAttention
 
 #: position names handled by the model rather than by attention
 ABSOLUTE = ("sinusoidal",)
 #: rotary: applied to q/k inside attention
 ROTARY = ("rotary",)
+#: Shaw's clipped relative vectors (an additive term whose width follows the kernel)
+SHAW = ("shaw",)
+#: Shaw's clipping distance k in the models (Shaw et al. 2018 use k = 16; Scaleformer's Fig. 4 k = 10)
+SHAW_MAX_DISTANCE = 16
 
 
-def position_term(name: str, num_heads: int, *, causal: bool, max_len: int):
-    """A fresh positional term for one attention layer, or None for "none"/absolute/rotary."""
+def layer_seed(model_seed: int, *path) -> int:
+    """A 63-bit seed for one layer's random features, e.g. `layer_seed(seed, "dec", 3, "cross")`:
+    distinct for distinct (model seed, path), the same in every process (Performer draws an
+    independent projection per layer)."""
+    text = "fastrpe-features:" + ":".join(str(x) for x in (model_seed, *path))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def layer_kernel(spec, head_dim: int, num_heads: int, *, num_features: int | None = None, seed: int = 0):
+    """The content kernel of one attention layer: `get_kernel(spec, ...)` with this layer's seed;
+    a random map draws an independent projection per head (as Performer does)."""
+    return get_kernel(spec, head_dim=head_dim, num_features=num_features, seed=seed, num_heads=num_heads)
+
+
+def position_term(name: str, num_heads: int, *, causal: bool, max_len: int, kernel=None, head_dim: int | None = None):
+    """A fresh positional term for one attention layer, or None for "none"/absolute/rotary.
+
+    "shaw" is `ShawRelative` with k = `SHAW_MAX_DISTANCE`, as wide as the layer's kernel
+    features (softmax: `head_dim`), positive (`elu(RP) + 1`, as Scaleformer's code applies
+    its feature map to RP) under a feature map; it needs `kernel` and `head_dim`."""
     if name in ("none", *ABSOLUTE, *ROTARY):
         return None
+    if name in SHAW:
+        if head_dim is None:
+            raise ValueError("position 'shaw' needs the layer's head_dim (and kernel)")
+        fmap = isinstance(kernel, FeatureMap)
+        dim = kernel.num_features(head_dim) if fmap else head_dim
+        return P.ShawRelative(num_heads, dim=dim, max_distance=SHAW_MAX_DISTANCE, positive=fmap)
     return P.make(name, num_heads, causal=causal, max_len=max_len)
 
 
@@ -55,20 +85,34 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: self-attention, optional cross-attention, MLP."""
+    """Pre-norm block: self-attention, optional cross-attention, MLP.
+
+    `kernel`/`num_features` configure the self-attention, `cross_kernel`/`cross_num_features`
+    the cross-attention (default: the same). Random feature maps are drawn from
+    `layer_seed(seed, "self")` and `layer_seed(seed, "cross")`: give each block its own `seed`.
+    """
 
     def __init__(self, dim: int, heads: int, *, kernel, position: str, causal: bool, cross: bool, dropout: float,
-                 ff_mult: int, backend: str, max_len: int, cross_position: str | None = None):
+                 ff_mult: int, backend: str, max_len: int, cross_position: str | None = None,
+                 num_features: int | None = None, cross_kernel=None, cross_num_features: int | None = None,
+                 seed: int = 0):
         super().__init__()
+        hd = dim // heads
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = MultiheadAttention(dim, heads, kernel, position_term(position, heads, causal=causal, max_len=max_len),
-                                       causal=causal, dropout=dropout, rotary=position in ROTARY, backend=backend)
+        kern = layer_kernel(kernel, hd, heads, num_features=num_features, seed=layer_seed(seed, "self"))
+        self.attn = MultiheadAttention(
+            dim, heads, kern, position_term(position, heads, causal=causal, max_len=max_len, kernel=kern, head_dim=hd),
+            causal=causal, dropout=dropout, rotary=position in ROTARY, backend=backend)
         self.cross = None
         if cross:
             cp = position if cross_position is None else cross_position
+            ck = layer_kernel(kernel if cross_kernel is None else cross_kernel, hd, heads,
+                              num_features=num_features if cross_num_features is None else cross_num_features,
+                              seed=layer_seed(seed, "cross"))
             self.ln_c = nn.LayerNorm(dim)
-            self.cross = MultiheadAttention(dim, heads, kernel, position_term(cp, heads, causal=False, max_len=max_len),
-                                            causal=False, dropout=dropout, backend=backend)
+            self.cross = MultiheadAttention(
+                dim, heads, ck, position_term(cp, heads, causal=False, max_len=max_len, kernel=ck, head_dim=hd),
+                causal=False, dropout=dropout, backend=backend)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, ff_mult * dim, dropout)
 

@@ -26,6 +26,13 @@ class ConfigMixin:
                 raise ValueError(f"{type(self).__name__}: field {name!r} must be positive")
         if hasattr(self, "d_model") and self.d_model % self.n_heads:
             raise ValueError(f"{type(self).__name__}: field 'd_model' ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if f.name.endswith("num_features") and val is not None and (
+                    isinstance(val, bool) or not isinstance(val, int) or val <= 0):
+                raise ValueError(f"{type(self).__name__}: field {f.name!r} must be a positive int or null, got {val!r}")
+            if f.name.endswith("kernel") and val is not None and not isinstance(val, str):
+                raise ValueError(f"{type(self).__name__}: field {f.name!r} must be a kernel name, got {val!r}")
         if hasattr(self, "dropout") and not 0 <= self.dropout < 1:
             raise ValueError(f"{type(self).__name__}: field 'dropout' must be in [0, 1), got {self.dropout}")
         from .._validate import FastRPEError, check_backend_name

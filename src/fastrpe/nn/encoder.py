@@ -10,13 +10,14 @@ import torch
 from torch import Tensor, nn
 
 from .._validate import FastRPEError, check_tokens
-from .block import ABSOLUTE, Block, init_weights, sinusoidal
+from .block import ABSOLUTE, Block, init_weights, layer_seed, sinusoidal
 from .config import ConfigMixin
 
 
 @dataclass
 class EncoderConfig(ConfigMixin):
-    """Encoder classifier. `position`: "none", "sinusoidal", "rotary" or a positions family name."""
+    """Encoder classifier. `position`: "none", "sinusoidal", "rotary", "shaw" or a positions
+    family name. `num_features`, `feature_seed`: as in `LMConfig`."""
 
     vocab_size: int = 32
     num_classes: int = 10
@@ -31,6 +32,8 @@ class EncoderConfig(ConfigMixin):
     backend: str = "auto"
     max_len: int = 4096
     pad_id: int = 0
+    num_features: int | None = None
+    feature_seed: int = 0
 
 
 class EncoderClassifier(nn.Module):
@@ -43,8 +46,9 @@ class EncoderClassifier(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
             Block(cfg.d_model, cfg.n_heads, kernel=cfg.kernel, position=cfg.position, causal=False, cross=False,
-                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len)
-            for _ in range(cfg.n_layers)
+                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len,
+                  num_features=cfg.num_features, seed=layer_seed(cfg.feature_seed, "layer", i))
+            for i in range(cfg.n_layers)
         )
         if cfg.fastrpb:
             from ..positions import FastRPB1D

@@ -11,13 +11,16 @@ from torch import Tensor, nn
 
 from .._validate import check_tokens
 from .attention import KVCache
-from .block import ABSOLUTE, Block, init_weights, sinusoidal
+from .block import ABSOLUTE, Block, init_weights, layer_seed, sinusoidal
 from .config import ConfigMixin
 
 
 @dataclass
 class LMConfig(ConfigMixin):
-    """Decoder LM. `position`: "none", "sinusoidal", "rotary" or a `fastrpe.positions` family name."""
+    """Decoder LM. `position`: "none", "sinusoidal", "rotary", "shaw" or a `fastrpe.positions`
+    family name. `num_features`: random projections of a random feature map (None: the
+    kernel's default). `feature_seed`: layer l draws its random features from
+    `layer_seed(feature_seed, "layer", l)`."""
 
     vocab_size: int = 259
     d_model: int = 128
@@ -29,6 +32,8 @@ class LMConfig(ConfigMixin):
     position: str = "kerple_log"
     backend: str = "auto"
     max_len: int = 4096
+    num_features: int | None = None
+    feature_seed: int = 0
 
 
 class DecoderLM(nn.Module):
@@ -41,8 +46,9 @@ class DecoderLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
             Block(cfg.d_model, cfg.n_heads, kernel=cfg.kernel, position=cfg.position, causal=True, cross=False,
-                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len)
-            for _ in range(cfg.n_layers)
+                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len,
+                  num_features=cfg.num_features, seed=layer_seed(cfg.feature_seed, "layer", i))
+            for i in range(cfg.n_layers)
         )
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -12,13 +12,20 @@ from torch import Tensor, nn
 
 from .._validate import check_tokens
 from .attention import KVCache
-from .block import ABSOLUTE, Block, init_weights, sinusoidal
+from .block import ABSOLUTE, Block, init_weights, layer_seed, sinusoidal
 from .config import ConfigMixin
 from .lm import sample
 
 
 @dataclass
 class Seq2SeqConfig(ConfigMixin):
+    """Encoder-decoder. `kernel`/`num_features` are the defaults of all three attentions;
+    `enc_kernel`, `dec_kernel` (decoder self-attention) and `cross_kernel`, with their
+    `*_num_features`, override them one by one (None: the default), e.g. Luo et al.'s
+    Table 3: `enc_kernel="softmax", dec_kernel="prf", cross_kernel="prf"`. `position` and
+    `cross_position`: as `LMConfig.position` ("shaw" included). `feature_seed`: each layer
+    and attention draws its own random features from it (see `fastrpe.nn.block.layer_seed`)."""
+
     vocab_size: int = 32
     d_model: int = 64
     n_enc_layers: int = 2
@@ -34,6 +41,22 @@ class Seq2SeqConfig(ConfigMixin):
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    num_features: int | None = None
+    enc_kernel: str | None = None
+    dec_kernel: str | None = None
+    cross_kernel: str | None = None
+    enc_num_features: int | None = None
+    dec_num_features: int | None = None
+    cross_num_features: int | None = None
+    feature_seed: int = 0
+
+    def kernels(self) -> dict[str, tuple[str, int | None]]:
+        """`{"enc" | "dec" | "cross": (kernel, num_features)}` after the defaults."""
+        def pick(k, f):
+            return (self.kernel if k is None else k, self.num_features if f is None else f)
+
+        return {"enc": pick(self.enc_kernel, self.enc_num_features), "dec": pick(self.dec_kernel, self.dec_num_features),
+                "cross": pick(self.cross_kernel, self.cross_num_features)}
 
 
 class Seq2Seq(nn.Module):
@@ -42,11 +65,17 @@ class Seq2Seq(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        common = dict(kernel=cfg.kernel, dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len)
-        self.encoder = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, position=cfg.position, causal=False, cross=False, **common)
-                                     for _ in range(cfg.n_enc_layers))
-        self.decoder = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, position=cfg.position, causal=True, cross=True,
-                                           cross_position=cfg.cross_position, **common) for _ in range(cfg.n_dec_layers))
+        kern = cfg.kernels()
+        common = dict(dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len)
+        self.encoder = nn.ModuleList(
+            Block(cfg.d_model, cfg.n_heads, kernel=kern["enc"][0], num_features=kern["enc"][1], position=cfg.position,
+                  causal=False, cross=False, seed=layer_seed(cfg.feature_seed, "enc", i), **common)
+            for i in range(cfg.n_enc_layers))
+        self.decoder = nn.ModuleList(
+            Block(cfg.d_model, cfg.n_heads, kernel=kern["dec"][0], num_features=kern["dec"][1], position=cfg.position,
+                  causal=True, cross=True, cross_position=cfg.cross_position, cross_kernel=kern["cross"][0],
+                  cross_num_features=kern["cross"][1], seed=layer_seed(cfg.feature_seed, "dec", i), **common)
+            for i in range(cfg.n_dec_layers))
         self.ln_e, self.ln_d = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.embed.weight
