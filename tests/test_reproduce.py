@@ -105,3 +105,17 @@ def test_speed_tiny(tmp_path):
 def test_speed_refuses_unknown_competitor(tmp_path, capsys):
     assert main(["reproduce", "speed", "--lengths", "32", "--competitors", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown competitor" in capsys.readouterr().err
+
+
+def test_the_one_window_sampler_reaches_every_start():
+    """`data.text.random_windows` (used by `fastrpe train`'s LM task, the main job and the LM
+    reproductions): windows of L + 1 tokens start anywhere in 0 .. len - L - 1, the last too."""
+    import torch
+
+    from fastrpe.data.text import random_windows
+
+    w = random_windows(torch.arange(10), 4, 500, torch.Generator().manual_seed(0))
+    assert w.shape == (500, 5) and bool((w[:, 1:] - w[:, :-1] == 1).all())
+    assert set(w[:, 0].tolist()) == set(range(6))
+    with pytest.raises(ValueError, match="too short"):
+        random_windows(torch.arange(4), 4, 1, torch.Generator())
