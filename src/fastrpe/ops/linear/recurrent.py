@@ -65,12 +65,26 @@ def band_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: BandState | None =
     if state is not None:
         nb = state.keys.shape[2]
         keys, values = torch.cat([state.keys.to(dt), phi_k], 2), torch.cat([state.values.to(dt), values], 2)
-    # offsets r = -(L-1+nb) .. L-1 of this call (r > 0 is masked: causal)
-    r = torch.arange(-(L - 1 + nb), L, device=phi_q.device)
-    lc = b.to(dt)[:, (-r).clamp(0, W)]  # (H, R)
     full = state is not None and nb == W  # the tail sum is nonempty only once W keys are buffered
-    num, den, log_scale = kernelized_num_den_band(phi_q, keys, values, lc, window=W, causal=True, q_offset=nb,
-                                                  initial_state=state.S.to(dt) if full else None)
+    if L == 1:
+        # one token: its n <= W+1 keys at distances n-1..0 (distance W is the tail's constant)
+        n = keys.shape[2]
+        bb = b.to(dt)[:, (n - 1 - torch.arange(n, device=phi_q.device)).clamp_max(W)]  # (H, n)
+        m = bb.detach().amax(-1, keepdim=True)  # (H, 1)
+        if full:
+            m = torch.maximum(m, b.detach().to(dt)[:, W:])
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        att = torch.einsum("bhf,bhjf->bhj", phi_q[:, :, 0], keys) * torch.exp(bb - m)[None]  # (B, H, n)
+        y = torch.einsum("bhj,bhjc->bhc", att, _vv(values, dt))
+        if full:
+            y = y + torch.exp(b.to(dt)[:, W:] - m)[None] * torch.einsum("bhf,bhfc->bhc", phi_q[:, :, 0], state.S.to(dt))
+        num, den, log_scale = y[:, :, None, :-1], y[:, :, None, -1], m
+    else:
+        # offsets r = -(L-1+nb) .. L-1 of this call (r > 0 is masked: causal)
+        r = torch.arange(-(L - 1 + nb), L, device=phi_q.device)
+        lc = b.to(dt)[:, (-r).clamp(0, W)]  # (H, R)
+        num, den, log_scale = kernelized_num_den_band(phi_q, keys, values, lc, window=W, causal=True, q_offset=nb,
+                                                      initial_state=state.S.to(dt) if full else None)
     # keep the last W keys; the older ones join the tail sum
     out = keys.shape[2] - W
     S = phi_k.new_zeros(*phi_k.shape[:2], phi_k.shape[3], values.shape[3] + 1) if state is None else state.S.to(dt)
