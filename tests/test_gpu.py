@@ -6,13 +6,14 @@
   of q, k, v, judged as STYLE.md rule 9 says: the backend's error against float64 within
   `LOWP_FACTOR` of the dense backend's own bf16 error;
 * every linear-time and FFT backend, forward+backward, under
-  `torch.cuda.set_sync_debug_mode("error")`: a host synchronization in the hot path fails.
+  `torch.cuda.set_sync_debug_mode("error")`, its own hot path (`Backend.run`) and the public
+  call (`fastrpe.attention`, input checks included): a host synchronization fails.
 """
 import pytest
 import torch
 
 import fastrpe as fr
-from fastrpe.bench.gpu import SOFTMAX_ONLY_BACKENDS, family_causal, make_position
+from fastrpe.bench.gpu import SOFTMAX_ONLY_BACKENDS, _watch_syncs, family_causal, make_position
 from fastrpe.dispatch import BACKENDS
 from fastrpe.testing import LOWP_FACTOR
 
@@ -106,39 +107,53 @@ def test_dense_bf16_itself_is_close_to_float64():
 SYNC_BACKENDS = [b for b in BACKENDS if b not in SOFTMAX_ONLY_BACKENDS]
 
 
-def _run_under_sync_error(fn):
-    fn()  # warm-up outside the watch (plans, compiled kernels)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+def _sync_error(fn):
+    """None if `fn()` (after a warm-up call outside the watch) runs without a host sync."""
+    return _watch_syncs(fn, torch.device(DEV))
 
 
 def test_sync_debug_mode_catches_an_item_call():
-    """The watch below can fail: `.item()` in the hot path raises."""
+    """The watch below can fail: `.item()` in the hot path is reported."""
     x = torch.randn(100, device=DEV)
-    with pytest.raises(RuntimeError, match="synchroniz"):
-        _run_under_sync_error(lambda: (x * 2).sum().item())
+    assert _sync_error(lambda: (x * 2).sum().item()) is not None
+    assert _sync_error(lambda: (x * 2).sum()) is None
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("backend", SYNC_BACKENDS)
-def test_no_host_sync_in_forward_and_backward(backend, family):
+def _setup(backend, family):
+    from fastrpe.api import _problem
+
     causal = family_causal(family)
     pos = make_position(family, H, L).to(DEV)
     kern = _kernel("nprf")
     q, k, v = _inputs(torch.bfloat16)
-    from fastrpe.api import _problem
-
-    reasons = BACKENDS[backend].not_supported_reasons(_problem(q, k, v, kern, pos, causal, None, None, None)[0])
+    prob, kpm = _problem(q, k, v, kern, pos, causal, None, None, None)
+    reasons = BACKENDS[backend].not_supported_reasons(prob)
     if reasons:
         pytest.skip(f"{backend} refuses: {'; '.join(reasons)}")
+    return q, k, v, kern, pos, causal, prob, kpm
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_no_host_sync_in_the_backend_hot_path(backend, family):
+    """`Backend.run` on a validated problem, forward+backward: no host synchronization."""
+    q, k, v, kern, pos, causal, prob, kpm = _setup(backend, family)
 
     def fwd_bwd():
-        out = fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
-        out.float().sum().backward()
+        BACKENDS[backend].run(q, k, v, prob, kpm).float().sum().backward()
 
-    _run_under_sync_error(fwd_bwd)
+    err = _sync_error(fwd_bwd)
+    assert err is None, f"{backend} {family}: {err}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_no_host_sync_through_the_public_call(backend, family):
+    """`fastrpe.attention(..., backend=...)` end to end, its input checks included."""
+    q, k, v, kern, pos, causal, _, _ = _setup(backend, family)
+
+    def fwd_bwd():
+        fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend).float().sum().backward()
+
+    err = _sync_error(fwd_bwd)
+    assert err is None, f"{backend} {family}: {err}"

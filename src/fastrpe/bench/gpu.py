@@ -560,23 +560,46 @@ def _decode_line(row: dict) -> str:
 # ----------------------------------------------------------------------------- host syncs
 
 
+def _watch_syncs(fn, device) -> str | None:
+    """Run `fn` once more under `set_sync_debug_mode("error")` (after a warm-up call outside
+    the watch: plans and compiled kernels may be built on first use). None if no host
+    synchronization happened, else the error's first line."""
+    from .runner import _first_line
+
+    fn()
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e).lower():
+            raise
+        return _first_line(e)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(device)
+    return None
+
+
 def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
     """Each linear-time and FFT backend (every registered backend but the softmax ones),
-    forward+backward at `sync_length` under `torch.cuda.set_sync_debug_mode("error")`, after one
-    warm-up call (plans and compiled kernels may be built on first use). `ok: False` with the
-    error when the hot path synchronizes with the host; skipped with the reason when the backend
-    refuses the family."""
+    forward+backward at `sync_length` under `torch.cuda.set_sync_debug_mode("error")`, twice:
+    the backend's own hot path (`Backend.run` on a validated problem: `ok`) and the public call
+    `fastrpe.attention` with its input checks (`ok_api`). False comes with the error; a
+    backend that refuses the family is skipped with its reasons."""
     if device.type != "cuda":
         return [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
     import fastrpe as fr
     from fastrpe.api import _problem
     from fastrpe.dispatch import BACKENDS
 
+    from .runner import _first_line
+
     rows = []
     for name, b in BACKENDS.items():
         if name in SOFTMAX_ONLY_BACKENDS:
             continue
-        for fam in ("alibi", "kerple_log", "t5", "learned", "learned_full"):
+        for fam in FAMILIES:
             p = Problem(position=fam, kernel=cfg.kernel, causal=family_causal(fam), L=cfg.sync_length, B=cfg.B,
                         H=cfg.H, D=cfg.D, features=cfg.features)
             row = {"backend": name, "family": fam, "L": p.L}
@@ -584,31 +607,26 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
                 pos = make_position(fam, p.H, p.L).to(device)
                 kern = _kernel(p, device)
                 q, k, v = _qkv(p, device, dtype)
-                reasons = b.not_supported_reasons(_problem(q, k, v, kern, pos, p.causal, None, None, None)[0])
+                prob, kpm = _problem(q, k, v, kern, pos, p.causal, None, None, None)
+                reasons = b.not_supported_reasons(prob)
                 if reasons:
                     row["skipped"] = "; ".join(reasons)
                 else:
-                    run = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal,
+                    hot = _closure(lambda q, k, v: b.run(q, k, v, prob, kpm), q, k, v, True)
+                    api = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal,
                                                                 backend=name), q, k, v, True)
-                    run()  # warm-up, outside the watch
-                    torch.cuda.synchronize(device)
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        run()
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                    torch.cuda.synchronize(device)
-                    row["ok"] = True
-            except Exception as e:  # noqa: BLE001 - a sync is the finding; anything else is recorded
-                from .runner import _first_line
-
-                if "synchroniz" in str(e).lower():
-                    row.update(ok=False, error=_first_line(e))
-                else:
-                    row["skipped"] = "error: " + _first_line(e)
+                    for key, fn in (("ok", hot), ("ok_api", api)):
+                        err = _watch_syncs(fn, device)
+                        row[key] = err is None
+                        if err is not None:
+                            row[key.replace("ok", "error")] = err
+            except Exception as e:  # noqa: BLE001 - anything but a sync is recorded as a reason
+                row = {"backend": name, "family": fam, "L": p.L, "skipped": "error: " + _first_line(e)}
             rows.append(row)
-            log(f"sync {name:10s} {fam:13s} " + (row.get("skipped") or ("ok" if row["ok"] else row["error"])))
-            run = q = k = v = None
+            msg = row.get("skipped") or " ".join(
+                f"{k}={'clean' if row[k] else row[k.replace('ok', 'error')]}" for k in ("ok", "ok_api"))
+            log(f"sync {name:14s} {fam:13s} {msg}")
+            hot = api = q = k = v = None
     return rows
 
 
@@ -962,12 +980,16 @@ def check(res: dict, L_check: int = 65536, L_long: int = 262144, L_max: int = 10
             f"{st['method']} {ms(st['seconds'])} vs fastest layer KV step {kv['method']} {ms(kv['seconds'])}: "
             f"{kv['seconds'] / st['seconds']:.2f}x")
     sy = [r for r in res.get("sync", []) if "ok" in r]
-    if not sy:
-        add("no host synchronization in any hot path (sync debug mode)", None, "no sync rows")
-    else:
-        bad = [f"{r['backend']}/{r['family']}" for r in sy if not r["ok"]]
-        add("no host synchronization in any hot path (sync debug mode)", not bad,
-            f"{len(sy) - len(bad)}/{len(sy)} backend x family runs clean" + (f"; syncs in {', '.join(bad)}" if bad else ""))
+    for key, what in (("ok", "no host synchronization in any backend's hot path (sync debug mode)"),
+                      ("ok_api", "no host synchronization in fastrpe.attention end to end (sync debug mode)")):
+        rows = [r for r in sy if key in r]
+        if not rows:
+            add(what, None, "no sync rows")
+            continue
+        bad = [f"{r['backend']}/{r['family']}" for r in rows if not r[key]]
+        first = next((r.get(key.replace("ok", "error")) for r in rows if not r[key]), None)
+        add(what, not bad, f"{len(rows) - len(bad)}/{len(rows)} backend x family runs clean"
+            + (f"; syncs in {', '.join(bad)} (first: {first})" if bad else ""))
     return out
 
 
