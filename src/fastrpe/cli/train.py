@@ -27,8 +27,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    + ", ".join(f"{k}={v}" for k, v in SIZES.items()))
     p.add_argument("--kernel", default="softmax", help="content kernel: softmax, nprf, elu, exp, dpfp, prf, ...")
     p.add_argument("--position", default=None,
-                   help="lm/listops/seq2seq: none, sinusoidal, rotary or a positions family (kerple_log, alibi, t5, "
-                   "...; default kerple_log); images: none, learned_abs, sinusoidal2d, table2d (default)")
+                   help="lm/listops/seq2seq: none, sinusoidal, rotary, shaw or a positions family (kerple_log, alibi, "
+                   "geometric, t5, ...; default kerple_log); images: none, learned_abs, sinusoidal2d, table2d (default)")
     p.add_argument("--backend", default="auto", help="attention backend (see `fastrpe explain`)")
     p.add_argument("--fastrpb", action="store_true", help="add FastRPB (listops: 1D, images: 2D)")
     p.add_argument("--dataset", default=None, help="lm: python-stdlib | shakespeare; seq2seq: copy | reverse | sort | "
@@ -48,6 +48,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=4000, help="listops/seq2seq: training examples")
     p.add_argument("--eval-samples", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-redraw-interval", type=int, default=0, metavar="N",
+                   help="redraw every random feature map's projection every N steps (Performer); 0: never")
     p.add_argument("--device", default=None, help="default: cuda if available (the local rank's GPU under torchrun)")
     p.add_argument("--out", default="runs/train")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -131,7 +133,8 @@ def run(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision,
                       seed=args.seed, eval_every=args.eval_every or args.steps, ckpt_every=args.ckpt_every, out_dir=args.out,
-                      resume=args.resume, progress=False if args.no_progress else None, log_every=10)
+                      resume=args.resume, progress=False if args.no_progress else None, log_every=10,
+                      feature_redraw_interval=args.feature_redraw_interval)
 
     info = init_from_env(device=args.device)
     device = str(info.device)

@@ -22,6 +22,8 @@ ROTARY = ("rotary",)
 SHAW = ("shaw",)
 #: Shaw's clipping distance k in the models (Shaw et al. 2018 use k = 16; Scaleformer's Fig. 4 k = 10)
 SHAW_MAX_DISTANCE = 16
+#: every position name a model config takes
+POSITION_NAMES = ("none", *ABSOLUTE, *ROTARY, *SHAW, *P.NAMES)
 
 
 def layer_seed(model_seed: int, *path) -> int:
@@ -46,6 +48,8 @@ def position_term(name: str, num_heads: int, *, causal: bool, max_len: int, kern
     its feature map to RP) under a feature map; it needs `kernel` and `head_dim`."""
     if name in ("none", *ABSOLUTE, *ROTARY):
         return None
+    if name not in SHAW and name not in P.NAMES:
+        raise ValueError(f"position: unknown name {name!r}; known: {', '.join(POSITION_NAMES)}")
     if name in SHAW:
         if head_dim is None:
             raise ValueError("position 'shaw' needs the layer's head_dim (and kernel)")

@@ -49,6 +49,10 @@ class TrainConfig:
         out_dir: directory for `metrics.jsonl`, `config.json` and `checkpoints/`; None writes nothing.
         resume: continue from the newest checkpoint in `out_dir` when there is one.
         progress: show a tqdm bar: True, False, or None (only when stderr is a terminal).
+        feature_redraw_interval: every this many steps, each random feature map of the model
+            draws a new projection (Performer's `feature_redraw_interval`), from a seed that
+            depends on `seed`, the map's name and the step (see `fastrpe.train.redraw`);
+            0 (default) never redraws.
     """
 
     steps: int = 1000
@@ -72,6 +76,7 @@ class TrainConfig:
     out_dir: str | None = None
     resume: bool = False
     progress: bool | None = None
+    feature_redraw_interval: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
@@ -91,7 +96,8 @@ class TrainConfig:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for name in ("steps", "batch_size", "warmup_steps", "seed", "log_every", "eval_every", "ckpt_every"):
+        for name in ("steps", "batch_size", "warmup_steps", "seed", "log_every", "eval_every", "ckpt_every",
+                     "feature_redraw_interval"):
             v = getattr(self, name)
             if not is_int(v):
                 raise bad(name, "must be an int")

@@ -42,6 +42,7 @@ from . import distributed as D
 from .._io import atomic_write
 from .checkpoint import CheckpointManager, RngState, load_checkpoint
 from .config import BOOKKEEPING_FIELDS, TrainConfig
+from .redraw import redraw_random_features
 from .schedule import Schedule
 
 log = logging.getLogger("fastrpe.train")
@@ -350,7 +351,8 @@ def _warn_config_change(saved: dict | None, cfg: TrainConfig, where: str) -> Non
     if not saved:
         return
     now = cfg.to_dict()
-    changed = [k for k in now if k not in BOOKKEEPING_FIELDS and saved.get(k) != now[k]]
+    defaults = TrainConfig().to_dict()  # a field newer than the checkpoint had its default then
+    changed = [k for k in now if k not in BOOKKEEPING_FIELDS and saved.get(k, defaults[k]) != now[k]]
     if changed:
         warnings.warn(f"resuming from {where} with changed config field(s) {', '.join(changed)}: "
                       "the run will not match an uninterrupted one", stacklevel=3)
@@ -536,6 +538,8 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
 
             done = step + 1
             state.step = result.step = done
+            if cfg.feature_redraw_interval and done % cfg.feature_redraw_interval == 0:
+                redraw_random_features(model, cfg.seed, done)  # before this step's checkpoint saves them
             if bar is not None:
                 bar.update(1)
             last = done == cfg.steps
