@@ -72,7 +72,8 @@ def lm_task(o: TaskOptions) -> Task:
     if train.numel() < o.seq_len + 2:
         raise ValueError(f"seq_len {o.seq_len} is longer than the training text ({train.numel()} tokens)")
     model = DecoderLM(LMConfig(vocab_size=corpus.vocab_size, d_model=d, n_layers=n, n_heads=h, kernel=o.kernel,
-                               position=o.position, backend=o.backend, max_len=max(4096, o.seq_len)))
+                               position=o.position, backend=o.backend, max_len=max(4096, o.seq_len),
+                               feature_seed=o.seed))
 
     def sample(g: torch.Generator, bs: int):
         return random_windows(train, o.seq_len, bs, g)
@@ -113,7 +114,7 @@ def listops_task(o: TaskOptions) -> Task:
     val = ListOpsDataset("validation", num_samples=o.eval_samples, seed=o.seed, **kw)
     model = EncoderClassifier(EncoderConfig(vocab_size=len(VOCAB), num_classes=10, d_model=d, n_layers=n, n_heads=h,
                                             kernel=o.kernel, position=o.position, fastrpb=o.fastrpb,
-                                            backend=o.backend, max_len=max(4096, o.seq_len)))
+                                            backend=o.backend, max_len=max(4096, o.seq_len), feature_seed=o.seed))
 
     def sample(g: torch.Generator, bs: int):
         idx = torch.randint(0, len(train), (bs,), generator=g).tolist()
@@ -138,7 +139,7 @@ def seq2seq_task(o: TaskOptions) -> Task:
     val = Seq2SeqDataset(name, num_samples=o.eval_samples, seed=o.seed, split="validation", **kw)
     model = Seq2Seq(Seq2SeqConfig(vocab_size=train.vocab_size, d_model=d, n_enc_layers=n, n_dec_layers=n, n_heads=h,
                                   kernel=o.kernel, position=o.position, cross_position=o.position, backend=o.backend,
-                                  max_len=max(1024, 2 * o.seq_len + 4)))
+                                  max_len=max(1024, 2 * o.seq_len + 4), feature_seed=o.seed))
 
     def sample(g: torch.Generator, bs: int):
         idx = torch.randint(0, len(train), (bs,), generator=g).tolist()
