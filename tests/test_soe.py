@@ -158,8 +158,8 @@ def test_soe_refuses_terms_it_cannot_fit(name):
     ex = fr.explain(q, q, q, kernel="elu", position=pos, causal=True, allow_approximate=True)
     assert ex.chosen != "soe" and any(c.backend == "soe" and c.reasons for c in ex.candidates)
     mha = fr.nn.MultiheadAttention(H * D, H, kernel="elu", position=pos, causal=True, backend="soe")
-    assert mha.decode_state == "kv" and "misplaces" in str(mha.decoder())
-    with pytest.raises(fr.FastRPEError, match=r"misplaces .* of a row's positional weight"):
+    assert mha.decode_state == "kv" and "misplaces" in mha.decoder().fatal
+    with pytest.raises(fr.FastRPEError, match=r"cannot decode with this term: .*misplaces .* row's positional weight"):
         mha.step(torch.randn(1, 5, H * D))
 
 
@@ -180,3 +180,39 @@ def test_weight_error_small_for_kerple_log(r1, r2):
 
     b = causal_log_coefficients(P.KerpleLog(1, r1=[r1], r2=[r2]).double(), 4096)
     assert float(soe_weight_error(b)) < 1e-5
+
+
+def _bump_table(reach=120, at=100):
+    """Decays smoothly to distance `at`, then jumps up by 5 nats: a fit that ends before `at`
+    cannot know, one that reaches it refuses."""
+    t = P.LearnedTable(H, max_distance=reach, causal=True)
+    d = torch.arange(reach, -1, -1, dtype=torch.float32)  # entry reach + r holds b(r), r = -d
+    with torch.no_grad():
+        t.table.copy_(torch.where(d < at, -0.05 * d, torch.zeros(())).expand(H, -1))
+    return t
+
+
+def test_decoding_past_the_fit_is_checked_or_refused(monkeypatch):
+    from fastrpe.ops.linear import soe as soe_mod
+
+    kl = P.KerpleLog(H).double()
+    plan = soe_mod.soe_plan(soe_mod.causal_log_coefficients(kl, 300))
+    longer, why = soe_mod.soe_extend(plan, kl, 400)
+    assert why is None and longer.fit_length == 600 and longer.a is plan.a  # the same function, checked further
+    _, why = soe_mod.soe_extend(soe_mod.soe_plan(soe_mod.causal_log_coefficients(_bump_table(), 64)), _bump_table(), 70)
+    assert "misplaces" in why
+
+    monkeypatch.setattr(soe_mod, "SOE_FIT_LENGTH", 64)
+    mha = fr.nn.MultiheadAttention(H * D, H, kernel="elu", position=_bump_table(), causal=True, backend="soe")
+    x = torch.randn(1, 70, H * D)
+    with torch.no_grad():
+        _, st = mha.step(x[:, :20])
+        assert isinstance(st, fr.nn.SoEState) and st.plan.fit_length == 64
+        for t in range(20, 64):
+            _, st = mha.step(x[:, t:t + 1], st)
+        with pytest.raises(fr.FastRPEError, match="cannot decode past 64 tokens: .*misplaces"):
+            mha.step(x[:, 64:65], st)
+        # asked up front for the whole generation, the fit sees the jump and soe is refused
+        assert "misplaces" in str(mha.decoder(130))
+        with pytest.raises(fr.FastRPEError, match="cannot decode with this term: .*misplaces"):
+            mha.step(x[:, :20], max_length=130)

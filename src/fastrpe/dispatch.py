@@ -267,9 +267,11 @@ class DecoderChoice:
 
     name: str
     refused: dict[str, list[str]] = field(default_factory=dict)
+    #: why decoding cannot honour the forced backend at all (the soe fit is refused), else None
+    fatal: str | None = None
 
     def __str__(self) -> str:
-        lines = [f"decoding keeps: {self.name}"]
+        lines = [f"decoding keeps: {self.name}" + (f" (cannot decode: {self.fatal})" if self.fatal else "")]
         lines += [f"  {k:7s} refused: " + "; ".join(r) for k, r in self.refused.items()]
         return "\n".join(lines)
 
@@ -313,13 +315,17 @@ def decoder_reasons(name: str, p: Problem, backend: str) -> list[str]:
         if pos is None or pos.geometric_decay() is not None:
             r.append("needs a decaying term that is not geometric (the soe backend refuses the others)")
         else:
-            from .ops.linear.soe import soe_fit_refusal
-
-            with torch.no_grad():
-                why = soe_fit_refusal(pos, p.Lk)
+            why = _soe_fit_reason(p)
             if why:
                 r.append(why)
     return r
+
+
+def _soe_fit_reason(p: Problem) -> str | None:
+    from .ops.linear.soe import soe_fit_refusal
+
+    with torch.no_grad():
+        return soe_fit_refusal(p.position, p.Lk)
 
 
 def select_decoder(p: Problem, backend: str = "auto") -> DecoderChoice:
@@ -331,4 +337,8 @@ def select_decoder(p: Problem, backend: str = "auto") -> DecoderChoice:
         if not r:
             return DecoderChoice(name, refused)
         refused[name] = r
-    return DecoderChoice("kv", refused)
+    fatal = None
+    if backend in DECODER_BACKENDS["soe"] and not _constant_state_reasons(p) and p.position is not None \
+            and p.position.geometric_decay() is None:
+        fatal = _soe_fit_reason(p)  # the term passed every other check: only the fit refused it
+    return DecoderChoice("kv", refused, fatal)

@@ -189,7 +189,7 @@ class MultiheadAttention(nn.Module):
                     if why:
                         raise FastRPEError(f"step: backend={self.backend!r} cannot decode past {state.plan.fit_length} "
                                            f"tokens: {why} (pass max_length= to the first step to fit for longer)")
-                num, den, new = recurrent.soe_step(phi_q, phi_k, v, plan, state)
+                num, den, new = recurrent.soe_step(phi_q, phi_k, v, state, plan=plan)
             o = safe_divide(num, den).to(x.dtype)  # (B, H, L, D)
         o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
         return (o if self.batch_first else o.transpose(0, 1)), new
@@ -215,8 +215,10 @@ class MultiheadAttention(nn.Module):
             x = x.transpose(0, 1)
         kinds = {LinearState: "linear", BandState: "band", SoEState: "soe", KVCache: "kv"}
         if cache is None:
-            # a KV cache runs the forward backend itself, which refuses what it cannot run
-            kind = self.decoder(max(x.shape[1], max_length or 0)).name
+            choice = self.decoder(max(x.shape[1], max_length or 0))
+            if choice.fatal:
+                raise FastRPEError(f"step: backend={self.backend!r} cannot decode with this term: {choice.fatal}")
+            kind = choice.name
         else:
             kind = kinds.get(type(cache))
             if kind is None:

@@ -311,7 +311,7 @@ def _band_correction(phi_q: Tensor, keys: Tensor, values: Tensor, corr: Tensor, 
     return (torch.einsum("bhif,bhjf->bhij", phi_q, keys) * cw[None]) @ values
 
 
-def soe_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, plan: SoEPlan, state: SoEState | None = None,
+def soe_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: SoEState | None = None, *, plan: SoEPlan,
              chunk_size: int = 64):
     """Decode `L` new tokens (features `phi_q, phi_k: [B, H, L, F]`, `v: [B, H, L, Dv]`) after
     `state`: returns `(num, den, new_state)`; memory independent of how many tokens came before."""
