@@ -91,7 +91,7 @@ def check_scale(scale) -> None:
         return
     ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
     if not ok:
-        raise FastRPEError(f"scale must be a finite positive number or None, got {scale!r}")
+        raise FastRPEError(f"scale must be a positive finite number or None, got {scale!r}")
 
 
 def check_backend_name(backend, where: str = "backend") -> None:
@@ -168,6 +168,19 @@ def check_device(device, where: str = "device") -> torch.device:
 _ZERO_ROWS_WARNED: set[str] = set()
 
 
+def _caller_outside_fastrpe() -> dict:
+    """`warnings.warn` arguments that attribute a warning to the first frame outside fastrpe
+    (the user's call), however deep inside the package it is raised."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1 = the function calling warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return {"stacklevel": level}
+
+
 def warn_underflowed_rows(kernel, phi_q: Tensor, phi_k: Tensor) -> None:
     """Warn once per process (per feature map) when some query has zero content weight on
     every key: `φ(q_i)·Σ_j φ(k_j) = 0`. With unnormalized `exp` or `prf` this happens at huge
@@ -188,4 +201,4 @@ def warn_underflowed_rows(kernel, phi_q: Tensor, phi_k: Tensor) -> None:
 
     warnings.warn(f"kernel {name!r}: some queries have zero weight on every key (the features underflow at large "
                   f"q/k norms, ~1e3) and return 0, as documented; normalize q/k with kernel='n{name}' or scale "
-                  "the inputs down (warned once)", RuntimeWarning, stacklevel=4)
+                  "the inputs down (warned once)", RuntimeWarning, **_caller_outside_fastrpe())

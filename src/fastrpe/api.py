@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from . import backends as _backends  # noqa: F401  (registers the built-in backends)
-from ._validate import FastRPEError, check_key_padding_mask, check_qkv, resolve_q_offset
+from ._validate import FastRPEError, check_key_padding_mask, check_qkv, check_scale, resolve_q_offset
 from .dispatch import Explanation, Problem, explain_problem, select_backend
 from .kernels import FeatureMap, get_kernel
 from .positions.base import AdditiveTerm, Position
@@ -58,8 +58,7 @@ def _problem(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scal
         raise FastRPEError(f"causal must be a bool, got {causal!r}")
     off = resolve_q_offset(Lq, Lk, causal, q_offset)
     kpm = check_key_padding_mask(key_padding_mask, B, Lk, q.device)
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise FastRPEError(f"scale must be a positive number or None, got {scale!r}")
+    check_scale(scale)  # inf made every softmax row NaN
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
         or any(p.requires_grad for t in ([pos] if pos else []) + list(add) for p in t.parameters())

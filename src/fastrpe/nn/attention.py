@@ -210,7 +210,14 @@ class MultiheadAttention(nn.Module):
                 its fit the state is checked and refused with the measured error if worse).
         """
         if not self.causal:
-            raise RuntimeError("step() decodes causal self-attention; this layer has causal=False")
+            raise FastRPEError("step() decodes causal self-attention; this layer has causal=False")
+        self._check_input(x, "x", self.embed_dim, "MultiheadAttention.step")
+        if self.k_proj.in_features != self.embed_dim or self.v_proj.in_features != self.embed_dim:
+            raise FastRPEError("MultiheadAttention.step: decodes self-attention, but this layer has kdim/vdim "
+                               f"({self.k_proj.in_features}/{self.v_proj.in_features}) != embed_dim ({self.embed_dim})")
+        if isinstance(cache, KVCache) and cache.k is not None and cache.k.shape[0] != x.shape[0 if self.batch_first else 1]:
+            raise FastRPEError(f"MultiheadAttention.step: x has batch {x.shape[0 if self.batch_first else 1]}, "
+                               f"the cache {cache.k.shape[0]}")
         if not self.batch_first:
             x = x.transpose(0, 1)
         kinds = {LinearState: "linear", BandState: "band", SoEState: "soe", KVCache: "kv"}

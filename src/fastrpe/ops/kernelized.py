@@ -42,6 +42,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
+from .._validate import warn_underflowed_rows
 from .common import safe_divide
 from .fastrpb.fft import fastrpb_fft
 from .fastrpb.grid import fastrpb2d_fft, fastrpb2d_naive
@@ -291,6 +292,7 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, kernel, num_den: NumDe
     with torch.autocast(q.device.type, enabled=False):
         phi_q = kernel(q, is_query=True)  # (B, H, Lq, F), float32/64
         phi_k, s = kernel.key_features(k, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, Lk, F)
+        warn_underflowed_rows(kernel, phi_q, phi_k)  # exp/prf at huge norms: zero rows, said once
         vv = v.to(phi_q.dtype)
         s = torch.as_tensor(s, dtype=phi_q.dtype, device=phi_q.device).detach()
         per_key = s.dim() == 3 and s.shape[-1] > 1  # causal running maximum: [B, H, Lk]
