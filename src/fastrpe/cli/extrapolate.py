@@ -246,7 +246,13 @@ def run(args) -> int:
     t_all = time.time()
     try:
         for kernel, position in todo:
-            rows[(kernel, position)] = _run_row(args, settings, corpus, kernel, position, lengths, out, bar)
+            row = rows[(kernel, position)] = _run_row(args, settings, corpus, kernel, position, lengths, out, bar)
+            line = (f"{kernel} {position}: " + ", ".join(f"ppl@{n} {row['ppl'][str(n)]:.2f}" for n in lengths)
+                    + f" ({row['train_seconds']:.0f} s training)")
+            if bar is not None and bar.bar is not None:
+                bar.bar.write(line)
+            else:
+                print(line, flush=True)
             _write_results(out, args, settings, configs, rows, time.time() - t_all, partial=True)
     except KeyboardInterrupt:
         if bar is not None:
