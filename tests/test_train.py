@@ -306,7 +306,8 @@ def test_checkpoint_round_trip(tmp_path):
         names = set(f.keys())
         meta = f.metadata()
     assert {"model/embed.weight", "optim/state/0/exp_avg", "rng/0/torch_cpu"} <= names
-    assert json.loads(meta["meta"])["step"] == 3 and len(meta["sha256"]) == 64
+    envelope = json.loads(meta["fastrpe"])
+    assert json.loads(envelope["meta"])["step"] == 3 and len(envelope["sha256"]) == 64
 
 
 def test_checkpoint_restores_rng(tmp_path):
@@ -585,3 +586,115 @@ def test_torchrun_two_processes_match_one(tmp_path):
     assert [s for s, _ in losses] == [2, 4, 6]
     ref_losses = [r["loss"] for r in one.history if r["kind"] == "train"]
     assert [lb for _, lb in losses] == pytest.approx(ref_losses, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# the checkpoint directory: fallback, permissions, the file as safetensors writes it
+
+
+def _flip(path: Path, offset_from_end: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_latest_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
+    model = TinyLM(dim=4)
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        mgr.save(step, model)
+    _flip(mgr.path_for(3))
+    with pytest.warns(UserWarning, match=r"step-00000003.*checksum mismatch.*falling back .* step-00000002"):
+        assert mgr.latest() == mgr.path_for(2)
+    mgr.path_for(2).write_bytes(mgr.path_for(2).read_bytes()[:50])  # truncated too: back to step 1
+    with pytest.warns(UserWarning):
+        assert mgr.latest_checkpoint().step == 1
+    _flip(mgr.path_for(1))
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="step-00000003.*checksum mismatch"):
+        mgr.latest()  # none verifies: the newest one's error, never a silent fresh start
+    # a pointer to a file that is gone: the previous checkpoint, with a warning
+    mgr2 = CheckpointManager(tmp_path / "b")
+    for step in (1, 2):
+        mgr2.save(step, model)
+    mgr2.path_for(2).unlink()
+    with pytest.warns(UserWarning, match="names step-00000002.safetensors, which does not exist; falling back"):
+        assert mgr2.latest() == mgr2.path_for(1)
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path):
+    cfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, warmup_steps=1, ckpt_every=1, keep_last=4, out_dir=str(tmp_path),
+                      progress=False, seed=1)
+    torch.manual_seed(0)
+    train(TinyLM(), lm_loss, lm_batches(4, 1), cfg)
+    _flip(tmp_path / "checkpoints" / "step-00000004.safetensors")
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="falling back to the previous checkpoint step-00000003"):
+        res = train(TinyLM(), lm_loss, lm_batches(4, 1), cfg.replace(resume=True))
+    assert res.resumed_from == 3 and res.step == 4
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_files_get_the_mode_the_umask_gives(tmp_path, umask):
+    """atomic_write's temporary files are 0600 (mkstemp); what it leaves is 0666 minus the umask,
+    like every other file the run writes."""
+    old = os.umask(umask)
+    try:
+        cfg = TrainConfig(steps=2, batch_size=4, lr=1e-2, warmup_steps=1, ckpt_every=1, out_dir=str(tmp_path),
+                          progress=False)
+        train(TinyLM(), lm_loss, lm_batches(4, 0), cfg)
+        from fastrpe._io import atomic_write
+
+        atomic_write(tmp_path / "plain.txt", b"x")
+    finally:
+        os.umask(old)
+    files = [tmp_path / "config.json", tmp_path / "metrics.jsonl", tmp_path / "plain.txt",
+             tmp_path / "checkpoints" / "latest", *(tmp_path / "checkpoints").glob("step-*.safetensors")]
+    assert len(files) == 6
+    for f in files:
+        assert (f.stat().st_mode & 0o777) == 0o666 & ~umask, (f.name, oct(f.stat().st_mode))
+
+
+def test_checkpoint_is_exactly_what_safetensors_writes(tmp_path):
+    """Metadata goes through safetensors' own `metadata=`: re-serializing the file's tensors and
+    metadata with the library gives the same bytes (no hand-edited header)."""
+    from safetensors import safe_open
+    from safetensors.torch import load, save
+
+    model, opt = _fresh()
+    path = save_checkpoint(tmp_path / "c.safetensors", model, opt, step=3)
+    with safe_open(str(path), framework="pt") as f:
+        md = f.metadata()
+    assert set(md) == {"fastrpe"}
+    assert json.loads(md["fastrpe"])["format"] == "fastrpe.train.checkpoint/2"
+    data = path.read_bytes()
+    assert save(load(data), metadata=md) == data
+    assert read_checkpoint(path).step == 3
+
+
+def test_version_1_checkpoints_still_load(tmp_path):
+    """Files of format 1 (digest over the raw payload, written by rewriting the header) verify and load."""
+    import hashlib
+    import struct
+
+    from safetensors.torch import save
+
+    model = TinyLM(dim=4)
+    tensors = {"model/" + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    codes = {torch.float32: "F32", torch.int64: "I64"}
+    meta = {"step": 5, "format": "fastrpe.train.checkpoint/1", "optimizer": None, "rng": [],
+            "tensors": {k: [codes[t.dtype], list(t.shape)] for k, t in sorted(tensors.items())}}
+    meta_json = json.dumps(meta, sort_keys=True)
+    raw = save(tensors, metadata={"format": "fastrpe.train.checkpoint/1", "meta": meta_json})
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"]["sha256"] = hashlib.sha256(meta_json.encode() + raw[8 + n:]).hexdigest()
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    path = tmp_path / "v1.safetensors"
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+    m2 = TinyLM(dim=4)
+    assert load_checkpoint(path, m2).step == 5
+    assert _same(_state(model), _state(m2))
+    _flip(path, 3)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_checkpoint(path)

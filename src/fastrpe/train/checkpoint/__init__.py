@@ -9,8 +9,9 @@ File format (one `.safetensors` file; any safetensors reader can open it):
     - `optim/group/<g>/<key>`               tensor-valued hyper-parameters of param group g (rare)
     - `rng/<rank>/torch_cpu`                `torch.get_rng_state()` (uint8) of each rank
     - `rng/<rank>/cuda/<device>`            `torch.cuda.get_rng_state(device)`, when CUDA was used
-* header metadata (`__metadata__`, all strings, written through safetensors' `metadata=`)
-    - `format`: `"fastrpe.train.checkpoint/2"` (version 1 files are still read)
+* header metadata: one entry `fastrpe` (written through safetensors' `metadata=`) holding a JSON
+  object of three strings (version 1 files, with these as three entries, are still read)
+    - `format`: `"fastrpe.train.checkpoint/2"`
     - `meta`: one JSON document: `step`, `config`, `schedule`, `data` (data position), `optimizer`
       (class, param groups, non-tensor state), `rng` (per rank: python `random` and numpy
       states as JSON lists, number of CUDA devices), `scaler` (fp16 loss scale), `extra`

@@ -1,10 +1,12 @@
 """The checkpoint file format: encoding to bytes and verified decoding (no model involved).
 
-A checkpoint is one safetensors file written by the safetensors library with three
-metadata strings: `format`, `meta` (a JSON document) and `sha256` (see the package
-docstring). The digest covers `meta` and every tensor's bytes in name order, so it is
-computed before the file is serialized and stored through safetensors' own `metadata=`
-argument; any flipped bit (payload, tensor headers, metadata) is refused on reading.
+A checkpoint is one safetensors file written by the safetensors library with one metadata
+string, `fastrpe`: a JSON envelope `{"format", "meta", "sha256"}` (`meta` is itself a JSON
+document, see the package docstring). One key, because safetensors writes several metadata
+keys in a random order, and equal runs should give equal files. The digest covers `meta` and
+every tensor's bytes in name order, so it is computed before the file is serialized and
+stored through safetensors' own `metadata=` argument; any flipped bit (payload, tensor
+headers, metadata) is refused on reading.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from torch import Tensor
 from .rng import RngState
 
 FORMAT = "fastrpe.train.checkpoint/2"
+METADATA_KEY = "fastrpe"  # the one safetensors metadata entry: {"format", "meta", "sha256"} as JSON
 #: version 1 (digest over `meta` and the raw payload, header rewritten by hand) is still read
 FORMAT_V1 = "fastrpe.train.checkpoint/1"
 MODEL, OPT_STATE, OPT_GROUP, RNG = "model/", "optim/state/", "optim/group/", "rng/"
@@ -114,7 +117,8 @@ def encode_checkpoint(meta: dict[str, Any], tensors: dict[str, Tensor]) -> bytes
     meta["tensors"] = {k: [_CODES[t.dtype], list(t.shape)] for k, t in sorted(tensors.items())}
     meta_json = json.dumps(meta, sort_keys=True, allow_nan=True)
     digest = _digest(meta_json, (_tensor_bytes(tensors[k]) for k in sorted(tensors)))
-    return save(tensors, metadata={"format": FORMAT, "meta": meta_json, "sha256": digest})
+    envelope = json.dumps({"format": FORMAT, "meta": meta_json, "sha256": digest}, sort_keys=True)
+    return save(tensors, metadata={METADATA_KEY: envelope})
 
 
 def _parse_header(data: bytes, where: str) -> tuple[int, dict, dict]:
@@ -137,7 +141,14 @@ def _parse_header(data: bytes, where: str) -> tuple[int, dict, dict]:
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise CheckpointError(f"{where}: header has no __metadata__ (not a fastrpe checkpoint?)")
     md = header.pop("__metadata__")
-    if md.get("format") not in (FORMAT, FORMAT_V1):
+    if METADATA_KEY in md:
+        try:
+            md = json.loads(md[METADATA_KEY])
+        except (TypeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{where}: metadata is not valid JSON (corrupted?): {e}") from None
+        if not isinstance(md, dict) or md.get("format") != FORMAT:
+            raise CheckpointError(f"{where}: metadata does not describe a {FORMAT!r} checkpoint (corrupted?)")
+    elif md.get("format") != FORMAT_V1:
         raise CheckpointError(f"{where}: format is {md.get('format')!r}, expected {FORMAT!r}")
     return n, header, md
 
