@@ -138,10 +138,10 @@ def test_sigint_stops_with_one_line_and_keeps_the_finished_row(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "fastrpe.cli.main", "extrapolate", *TINY, "--positions", "none,alibi,t5",
-           "--steps", "400", "--out", str(out)]
+           "--steps", "200", "--out", str(out)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 25
+        deadline = time.time() + 120  # start-up is slow on a loaded machine
         while not any((out / "rows").glob("*.json")) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before it could be interrupted"
