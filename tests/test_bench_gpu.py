@@ -294,3 +294,22 @@ def test_runner_limit_on_timed_separates_compilation_from_a_slow_call():
     assert all(r["repeats"] == 3 and r["seconds"] < 0.1 for r in rows)
     rows = run_suite(probs, ["c"], **kw)["rows"]
     assert rows[0]["repeats"] == 1 and rows[1]["skipped"] == "exceeded 0.1 s per call at L=8"
+
+
+def test_runner_runs_a_slow_competitor_on_while_its_projection_fits_the_cap():
+    """limit_on="timed" with a cap: a slow linear-time call goes on to the next length while
+    its projected time stays under the cap, and stops once it would not."""
+    ran = []
+
+    def linear(p, device, dtype):
+        def fn():
+            ran.append(p.L)
+            time.sleep(0.02 * p.L / 8)
+        return fn
+
+    probs = [Problem(L=L) for L in (8, 16, 32, 64)]
+    rows = run_suite(probs, ["lin"], repeats=1, warmup=0, time_limit_s=0.005, registry={"lin": linear},
+                     log=lambda *a: None, cpu_peak=False, limit_on="timed", call_cap_s=0.12)["rows"]
+    # 20 ms at 8, 40 ms at 16, 80 ms at 32 (projected: 80 ms < 120 ms), 160 ms projected at 64: skipped
+    assert [("seconds" in r) for r in rows] == [True, True, True, False]
+    assert rows[3]["skipped"] == "exceeded 0.005 s per call at L=32" and 64 not in ran

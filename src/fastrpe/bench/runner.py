@@ -98,6 +98,16 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
 
 
+def _projected(points: list, L: int) -> float | None:
+    """Seconds at length `L` extrapolated from timed `(length, seconds)` points: the last
+    point scaled by `(L / length) ** slope`, the slope from the last two points (at least 1)."""
+    if not points:
+        return None
+    slope = loglog_slope([x for x, _ in points[-2:]], [y for _, y in points[-2:]]) if len(points) > 1 else None
+    L0, s0 = points[-1]
+    return s0 * (L / L0) ** max(1.0, slope or 1.0)
+
+
 def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of log y against log x (None with fewer than two points)."""
     pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
@@ -125,12 +135,14 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
     `on_row(row)` is called after every row. A setup's closure may carry a dict `extra`
     (accuracy, notes), copied into its row. `cpu_peak=False`: no profiled peak on CPU.
     `limit_on="timed"`: a slow first call (compilation) is followed by one timed warm call,
-    and that call decides the time limit."""
+    and that call decides the time limit; a longer length is then still run while its time,
+    projected from the timed lengths (log-log slope, at least 1), stays under `call_cap_s`."""
     dev = torch.device(device)
     dt = getattr(torch, dtype)
     registry = COMPETITORS if registry is None else registry
     rows = []
     slow: dict[tuple, tuple[int, str]] = {}  # (competitor, problem without L) -> (length, why skipped beyond)
+    history: dict[tuple, list] = {}  # (competitor, problem without L) -> [(length, seconds)] timed
     for p in problems:
         family = tuple(sorted((k, v) for k, v in p.to_dict().items() if k != "L"))
         for name in competitors:
@@ -139,7 +151,10 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
             if done is not None and (p.tag(), name) in done:
                 continue
             row = {"problem": p.to_dict(), "competitor": name}
-            if (name, family) in slow and p.L > slow[(name, family)][0]:
+            projected = _projected(history.get((name, family), []), p.L)
+            if (name, family) in slow and p.L > slow[(name, family)][0] and not (
+                    limit_on == "timed" and call_cap_s and slow[(name, family)][1].startswith("exceeded")
+                    and projected is not None and projected < call_cap_s):
                 row["skipped"] = slow[(name, family)][1]
             else:
                 fn, crashed = None, True
@@ -154,18 +169,22 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
                             fn()  # compile / warm caches; also our time-limit probe
                             if dev.type == "cuda":
                                 torch.cuda.synchronize(dev)
-                            n, timed = repeats, None
-                            totals: dict = {}
-                            if time.perf_counter() - t0 > time_limit_s:
-                                if limit_on == "timed":  # the probe may have been compilation: time a warm call
+                        n, timed = repeats, None
+                        totals: dict = {}
+                        if time.perf_counter() - t0 > time_limit_s:
+                            if limit_on == "timed":  # the probe may have been compilation: time a warm call
+                                with _hard_cap(call_cap_s):
                                     timed = _time(fn, dev, 1, 0, totals, cpu_peak)
-                                if timed is None or timed[0] > time_limit_s:
-                                    slow[(name, family)] = (p.L, f"exceeded {time_limit_s:g} s per call at L={p.L}")
-                                    n = 1  # one timed call, not `repeats`
-                            if timed is None or n > 1:
-                                timed = _time(fn, dev, n, 0 if n == 1 else warmup, totals, cpu_peak)
-                            sec, peak = timed
+                            if timed is None or timed[0] > time_limit_s:
+                                slow[(name, family)] = (p.L, f"exceeded {time_limit_s:g} s per call at L={p.L}")
+                                n = 1  # one timed call, not `repeats`
+                        if timed is None or n > 1:
+                            w = 0 if n == 1 else warmup
+                            with _hard_cap(call_cap_s and call_cap_s * (n + w + (0 if cpu_peak is False else 1))):
+                                timed = _time(fn, dev, n, w, totals, cpu_peak)
+                        sec, peak = timed
                         row.update(seconds=sec, peak_bytes=peak, repeats=n, **totals)
+                        history.setdefault((name, family), []).append((p.L, sec))
                     crashed = False
                 except (torch.cuda.OutOfMemoryError, MemoryError):
                     row["skipped"] = "out of memory"
