@@ -83,6 +83,33 @@ def test_conversion_swaps_only_the_kernel():
     assert abs(prf - ref) < 0.05 * ref
 
 
+def test_conversion_normalization_is_the_papers():
+    """Luo et al. §3.2 and footnote 5: unit q and k, logits q̂·k̂ in [−1, 1], nothing learned."""
+    import torch
+
+    from fastrpe.nn import DecoderLM, LMConfig
+    from fastrpe.reproduce.conversion import normalize_qk
+
+    torch.manual_seed(0)
+    model = DecoderLM(LMConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, kernel="softmax", position="none"))
+    before = sum(p.numel() for p in model.parameters())
+    normalize_qk(model)
+    assert sum(p.numel() for p in model.parameters()) == before
+    layer = model.blocks[0].attn
+    seen = {}
+    inner = layer._attend.__defaults__[0]
+
+    def spy(q, k, v, q_offset, kpm):
+        seen["logits"] = (q @ k.transpose(-1, -2)) * layer.head_dim ** -0.5
+        return inner(q, k, v, q_offset, kpm)
+
+    layer._attend = lambda q, k, v, qo, kpm, _f=layer._attend: _f(q, k, v, qo, kpm, _inner=spy)
+    with torch.no_grad():
+        model.loss(torch.randint(0, 50, (2, 12)))
+    assert seen["logits"].abs().max() <= 1 + 1e-6
+    assert seen["logits"].abs().max() > 0.5  # not flattened either
+
+
 def test_speed_tiny(tmp_path):
     rc = main(["reproduce", "speed", "--lengths", "32,64", "--heads", "1", "--dim", "8", "--features", "8",
                "--repeats", "1", "--positions", "kerple_log,alibi", "--out", str(tmp_path),

@@ -8,12 +8,16 @@ usual unnormalized softmax models do not.
 
 Setting: the small causal byte-level LM of `fastrpe extrapolate`, four variants trained
 with the same seed and batches — softmax or normalized softmax, without a positional term
-or with KERPLE-log. "Normalized" means attention sees `a_h·q/‖q‖` and `a_h·k/‖k‖` with a
-learned per-head scale `a_h` (initialized so the logits span ±`--temperature`), since
-unit vectors alone give logits in ±1/√D, too flat to attend. PRF with input scale `D^-1/4`
-estimates `exp(q·k/√D)` — exactly the softmax kernel of the same inputs — so the swap keeps
-every weight, including `a_h`, and changes only the kernel. Metric: validation loss
-(nats/byte) on held-out files, averaged over `--draws` random-feature draws.
+or with KERPLE-log. "Normalized" is Luo et al.'s §3.2: attention sees unit vectors, so its
+content logits are `q̂·k̂ ∈ [−1, 1]` (temperature 1, fixed) and only the RPE can make a row
+sharp. There is no learned scale: the paper's footnote 5 points out that a learned
+rescaling of the normalized q and k (as in RFA) does not control their norms and so
+defeats the normalization (an earlier version here learned one, started at ±8 logits).
+`--temperature` fixes another logit range, for comparison; it is never learned.
+PRF with input scale `D^-1/4` estimates `exp(q·k/√D)` — exactly the softmax kernel of the
+same inputs — so the swap keeps every weight and changes only the kernel. Metric:
+validation loss (nats/byte) on held-out files, averaged over `--draws` random-feature
+draws, whose seeds come from a generator of their own (never the model's stream).
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default 1500, quick 400)")
     p.add_argument("--train-length", type=int, default=64)
     add_model_arguments(p)
-    p.add_argument("--temperature", type=float, default=8.0, help="initial logit range of the normalized models")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="fixed (never learned) logit range of the normalized models; Luo et al.: 1")
     p.add_argument("--max-bytes", type=int, default=None, help="corpus bytes (default 8e6, quick 1e6)")
     p.add_argument("--eval-tokens", type=int, default=8192)
 
@@ -50,17 +55,15 @@ def _attention_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, MultiheadAttention)]
 
 
-def normalize_qk(model: nn.Module, temperature: float) -> None:
-    """Make every attention layer of `model` see `a_h·q̂`, `a_h·k̂` (learned `a_h`), in place."""
+def normalize_qk(model: nn.Module, temperature: float = 1.0) -> None:
+    """Make every attention layer of `model` see `a·q̂`, `a·k̂` with a fixed `a`, in place:
+    softmax's logits `D^-1/2·a²·q̂·k̂` are then `temperature·q̂·k̂` (Luo et al. §3.2 at 1)."""
     for layer in _attention_layers(model):
-        D = layer.head_dim
-        # logits = D^-1/2·a²·q̂·k̂: a² = temperature·√D gives logits in ±temperature
-        layer.log_a = nn.Parameter(torch.full((layer.num_heads,), 0.5 * math.log(temperature * math.sqrt(D))))
+        a = math.sqrt(temperature * math.sqrt(layer.head_dim))  # a² = temperature·√D
         inner = layer._attend
 
-        def attend(q, k, v, q_offset, kpm, _layer=layer, _inner=inner):
-            a = _layer.log_a.exp()[None, :, None, None].to(q.dtype)
-            return _inner(F.normalize(q, dim=-1) * a, F.normalize(k, dim=-1) * a, v, q_offset, kpm)
+        def attend(q, k, v, q_offset, kpm, _inner=inner, _a=a):
+            return _inner(F.normalize(q, dim=-1) * _a, F.normalize(k, dim=-1) * _a, v, q_offset, kpm)
 
         layer._attend = attend
 
@@ -91,6 +94,9 @@ def run(args, out_dir) -> dict:
         total, count = eval_nll(model, corpus.validation, L, args.eval_tokens, args.batch_size, args.device)
         return total / max(count, 1)
 
+    from .approx import feature_seeds
+
+    seeds = feature_seeds(args.seed, draws)
     rows = []
     for label, (normalized, position) in VARIANTS.items():
         cfg = LMConfig(vocab_size=corpus.vocab_size, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
@@ -106,7 +112,7 @@ def run(args, out_dir) -> dict:
         for m in feats:
             losses = []
             for t in range(draws):
-                set_kernel(model, PRF(D, m, seed=1000 * args.seed + t).to(args.device))
+                set_kernel(model, PRF(D, m, seed=seeds[t], input_scale=D ** -0.25).to(args.device))
                 losses.append(val_loss(model))
             finite = [x for x in losses if math.isfinite(x)]
             per_m.append({"features": m, "val_loss": sum(finite) / len(finite) if finite else float("nan"),
