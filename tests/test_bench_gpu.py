@@ -313,3 +313,19 @@ def test_runner_runs_a_slow_competitor_on_while_its_projection_fits_the_cap():
     # 20 ms at 8, 40 ms at 16, 80 ms at 32 (projected: 80 ms < 120 ms), 160 ms projected at 64: skipped
     assert [("seconds" in r) for r in rows] == [True, True, True, False]
     assert rows[3]["skipped"] == "exceeded 0.005 s per call at L=32" and 64 not in ran
+
+
+def test_resume_keeps_rows_and_refuses_another_device(smoke, tmp_path, capsys):
+    import shutil
+
+    out, res = smoke
+    shutil.copy(out / "gpu.json", tmp_path / "gpu.json")
+    cfg = gpu.smoke_config(lengths=(40,), families=("alibi", "kerple_log"), decode_context=48)
+    again = gpu.run_gpu_suite(cfg, tmp_path, command="second", resume=True, log=lambda *a: None)
+    assert len(again["rows"]) == len(res["rows"]) and again["decode"] == res["decode"]  # nothing ran again
+    assert again["commands"] == res["commands"] + ["second"]
+    other = json.loads((tmp_path / "gpu.json").read_text())
+    other["device"] = "NVIDIA H200"
+    (tmp_path / "gpu.json").write_text(json.dumps(other))
+    with pytest.raises(fr.FastRPEError, match="--resume: .* do not mix"):
+        gpu.run_gpu_suite(cfg, tmp_path, resume=True, log=lambda *a: None)

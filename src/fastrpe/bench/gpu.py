@@ -667,8 +667,15 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     # every pair with a row is done (timed, refused or out of memory); pairs the budget left
     # out have no row and run now
     done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in rows}
-    res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **environment(dev),
+    env = environment(dev)
+    if old and (old.get("device") != env["device"] or old.get("dtype") != cfg.dtype):
+        from .._validate import FastRPEError
+
+        raise FastRPEError(f"--resume: {path} holds {old.get('device')} / {old.get('dtype')} timings, this run is "
+                           f"{env['device']} / {cfg.dtype}: timings of different devices do not mix (use another --out)")
+    res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **env,
            "dtype": cfg.dtype, "repeats": cfg.repeats, "command": command,
+           "commands": (old.get("commands", []) if old else []) + [command],
            "positions_frozen": True, "rows": rows,
            "decode": old.get("decode", []) if old else [], "sync": old.get("sync", []) if old else [],
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -781,7 +788,8 @@ def markdown_table(res: dict) -> str:
     """ms (fwd+bwd) per method and length, one table per family, pasteable into docs/RESULTS.md."""
     lines = [f"Device: {res['device']}; torch {res['torch']}, triton {res.get('triton')}, fla {res.get('fla')}; "
              f"{res['dtype']}; median of {res['repeats']} CUDA-event timings after warm-up.",
-             "", f"Command: `{res.get('command', '')}`", ""]
+             "", "Commands: " + "; ".join(f"`{c}`" for c in res.get("commands", [res.get("command", "")])),
+             "", "¹ timed once: a warm call took longer than the time limit; OOM: out of memory.", ""]
     if res.get("smoke"):
         lines.insert(0, "**SMOKE RUN (toy sizes, CPU): not a measurement.**\n")
     Ls = sorted({r["problem"]["L"] for r in res["rows"]})
@@ -803,7 +811,8 @@ def markdown_table(res: dict) -> str:
                     cells.append("")
                 elif r.get("seconds"):
                     gib = f" ({r['peak_bytes'] / 2**30:.2f})" if r.get("peak_bytes") is not None else ""
-                    cells.append(f"{r['seconds'] * 1e3:.3g}{gib}")
+                    once = "¹" if r.get("repeats") == 1 and res["repeats"] > 1 else ""
+                    cells.append(f"{r['seconds'] * 1e3:.3g}{once}{gib}")
                 else:
                     cells.append(_short_reason(r.get("skipped", "")))
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
