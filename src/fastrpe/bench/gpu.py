@@ -787,7 +787,8 @@ def ratios(res: dict) -> list[dict]:
 def markdown_table(res: dict) -> str:
     """ms (fwd+bwd) per method and length, one table per family, pasteable into docs/RESULTS.md."""
     lines = [f"Device: {res['device']}; torch {res['torch']}, triton {res.get('triton')}, fla {res.get('fla')}; "
-             f"{res['dtype']}; median of {res['repeats']} CUDA-event timings after warm-up.",
+             f"{res['dtype']}; median of {res['repeats']} {'' if res.get('smoke') else 'CUDA-event '}timings after "
+             f"warm-up (compilation excluded); positional parameters frozen (gradients of q, k, v).",
              "", "Commands: " + "; ".join(f"`{c}`" for c in res.get("commands", [res.get("command", "")])),
              "", "¹ timed once: a warm call took longer than the time limit; OOM: out of memory.", ""]
     if res.get("smoke"):
