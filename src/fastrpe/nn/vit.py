@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .._validate import FastRPEError, check_same_dtype
 from ..data.images import patchify
 from ..positions.grid import FastRPB2D, Table2D
-from .block import Block, init_weights, sinusoidal
+from .block import Block, init_weights, layer_seed, sinusoidal
 from .config import ConfigMixin
 
 #: values of `ViTConfig.position`
@@ -54,6 +54,7 @@ class ViTConfig(ConfigMixin):
     fastrpb2d: bool = False
     cls_token: bool = True
     backend: str = "auto"
+    feature_seed: int = 0  # layer l draws its random features from layer_seed(feature_seed, "layer", l)
 
     @property
     def image_hw(self) -> tuple[int, int]:
@@ -134,8 +135,9 @@ class VisionTransformer(nn.Module):
             self.pos_embed = None
         self.blocks = nn.ModuleList(
             Block(E, cfg.n_heads, kernel=cfg.kernel, position="none", causal=False, cross=False,
-                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=P + 1)
-            for _ in range(cfg.n_layers)
+                  dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=P + 1,
+                  seed=layer_seed(cfg.feature_seed, "layer", i))
+            for i in range(cfg.n_layers)
         )
         for blk in self.blocks:
             if cfg.position == "table2d":
