@@ -229,8 +229,8 @@ class MultiheadAttention(nn.Module):
         else:
             kind = kinds.get(type(cache))
             if kind is None:
-                raise FastRPEError(f"cache: expected a KVCache, LinearState, BandState or SoEState, "
-                                   f"got {type(cache).__name__}")
+                raise FastRPEError(f"MultiheadAttention.step: cache must be None, a KVCache, LinearState, BandState "
+                                   f"or SoEState (what step returned), got {type(cache).__name__}")
         if kind != "kv":
             return self._step_state(x, cache, kind, max_length)
         cache = cache or KVCache()
