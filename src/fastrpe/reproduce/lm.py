@@ -89,9 +89,10 @@ class StepBar(Callback):
 def train_config(*, steps: int, batch_size: int, lr: float, seed: int = 0, weight_decay: float = 0.01,
                  grad_clip: float = 1.0, out_dir: str | Path | None = None, ckpt_every: int = 0,
                  progress: bool = False):
-    """The `TrainConfig` of every reproduction's run (the small LMs and FastRPB's classifiers): AdamW (betas 0.9, 0.999; decay `weight_decay`
-    on matrices only), warm-up over 10 % of the steps to `lr`, cosine decay to 0, clipping at
-    `grad_clip`, a record every step. With `out_dir`: checkpoints every `ckpt_every` steps and
+    """The `TrainConfig` of every reproduction's run (the small LMs and FastRPB's classifiers):
+    AdamW (betas 0.9, 0.999 — the mean of the one-cycle schedule's beta1 these runs used
+    before; decay `weight_decay` on matrices only), warm-up over 10 % of the steps to `lr`,
+    cosine decay to 0, clipping at `grad_clip`, a record every step. With `out_dir`: checkpoints every `ckpt_every` steps and
     at the end, and resumption from the newest one."""
     from ..train import TrainConfig
 
@@ -159,7 +160,7 @@ def train_lm(cfg, stream: Tensor, *, length: int, steps: int, batch_size: int, l
     t0 = time.time()
     try:
         result = train(model, lambda m, b: m.loss(b.to(device)), batches, config,
-                       callbacks=[_Losses(), *([bar] if bar else []), *callbacks])
+                       callbacks=[_Losses(), *([bar] if bar is not None else []), *callbacks])
         run.resumed_from = result.resumed_from
     except FloatingPointError:  # the loop refuses a non-finite loss: the run diverged
         run.diverged = True
