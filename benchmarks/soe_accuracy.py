@@ -28,7 +28,7 @@ import torch
 import fastrpe as fr
 from fastrpe import positions as P
 from fastrpe.ops.linear.soe import (DEFAULT_TERMS, DEFAULT_WINDOW, SOE_FIT_LENGTH, SOE_MAX_WEIGHT_ERROR,
-                                   causal_log_coefficients, soe_fit_error, soe_weight_error)
+                                   causal_log_coefficients, soe_fit_error, soe_fit_length, soe_weight_error)
 
 
 def _table(values) -> P.LearnedTable:
@@ -75,7 +75,7 @@ def measure(name: str, pos, L: int, grad: bool, D: int, F: int) -> dict:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 1, L, D, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(3))
     kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F).double()
-    fit_len = max(L, SOE_FIT_LENGTH)
+    fit_len = soe_fit_length(L)
     b = causal_log_coefficients(pos, fit_len)
     fit, weight = soe_fit_error(b), float(soe_weight_error(b).max())
     t0 = time.perf_counter()
