@@ -242,6 +242,19 @@ if HAS_TRITON:
         tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
 
 
+def _tuned(kernel, key, reset=None):
+    """`kernel` autotuned over warps and stages on the GPU; as is under the interpreter,
+    which cannot time a config."""
+    if INTERPRETED:
+        return kernel
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    return triton.autotune(configs=configs, key=key, reset_to_zero=reset)(kernel)
+
+
+if HAS_TRITON:
+    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT"])
+    _bwd_grads_kernel = _tuned(_bwd_grads_kernel, ["F", "Dv", "STRICT"])
+
 _TL_DTYPE = {}
 if HAS_TRITON:
     _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,

@@ -13,9 +13,10 @@ exactly for `d < W`. With chunks of `T >= W` positions, a query in chunk n sees
 
 Kernels: `_soe_state` (K states, sequential over chunks, parallel over terms),
 `_soe_out` (parallel over chunks: one `[T, 2T]` product, then K `[T, F]x[F, Dv]` reads),
-`_soe_bwd_state` (the states' gradients, reverse), `_soe_bwd_grads` (dφq, dφk, dv, and the
-gradients of the tables `cn` and `wq`, which carry autograd back to the plan's `a` and
-`corr`, so a learnable positional term trains through this path).
+`_soe_bwd_state` (the states' gradients, reverse), `_soe_bwd_dq` (dφq and the gradients of
+the tables `cn` and `wq`, which carry autograd back to the plan's `a` and `corr`, so a
+learnable positional term trains through this path) and `_soe_bwd_dkv` (dφk, dv); the two
+gradient kernels are apart because together they spilled registers (sm_90, ptxas).
 
 Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, K terms, W band,
 T (BT) chunk, N chunks, NS chunk groups of the gradient kernel.
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .soe import SoEPlan
-from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, INTERPRETED, _pow2, acc_dtype,
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, INTERPRETED, _pow2, _tuned, acc_dtype,
                              triton_unavailable_reason)
 
 if HAS_TRITON:
@@ -149,14 +150,13 @@ if HAS_TRITON:
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
 
     @triton.jit
-    def _soe_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, lgk_ptr, h_ptr, z_ptr, dh_ptr,
-                              dz_ptr, dq_ptr, dk_ptr, dv_ptr, p0_ptr, p1_ptr, dwq_ptr,
-                              H, Lq, Lk, F, Dv, N, K, NS, q_offset,
-                              BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                              DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
-        """Grid (NS, B·H): chunks n = g, g + NS, ...: dφq of query chunk n, dφk and dv of key
-        chunk n, and this program's sums for the tables' gradients: p0/p1 `[BT, BT]` (near
-        pairs, diagonal by diagonal later) and dwq `[K, BT]`."""
+    def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, p0_ptr, p1_ptr,
+                           dwq_ptr, H, Lq, Lk, F, Dv, N, K, NS, q_offset,
+                           BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                           DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for the
+        tables' gradients: p0/p1 `[BT, BT]` (near pairs (n, n), (n, n-1); summed diagonal by
+        diagonal on the host) and dwq `[K, BT]` (far reads)."""
         gi = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -164,8 +164,6 @@ if HAS_TRITON:
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
         d0 = t[:, None] - t[None, :]
-        M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
-        M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
         P0 = tl.zeros([BT, BT], dtype=ACC)
         P1 = tl.zeros([BT, BT], dtype=ACC)
         qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
@@ -178,44 +176,26 @@ if HAS_TRITON:
             qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
             don = _load_rows(dob, qi, qm, c, Dv, Dv)
             ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
-            qm2 = (qi + BT >= 0) & (qi + BT < Lq)  # query chunk n + 1
-            q2 = _load_rows(qb, qi + BT, qm2, f, F, F).to(ACC)
-            do2 = _load_rows(dob, qi + BT, qm2, c, Dv, Dv)
-            dd2 = tl.load(ddb + qi + BT, mask=qm2, other=0.0).to(ACC)
             km = pos < Lk
             kn = _load_rows(kb, pos, km, f, F, F).to(ACC)
             vn = _load_rows(vb, pos, km, c, Dv, Dv)
             km1 = (pos >= BT) & (pos - BT < Lk)  # key chunk n - 1
             k1 = _load_rows(kb, pos - BT, km1, f, F, F).to(ACC)
             v1 = _load_rows(vb, pos - BT, km1, c, Dv, Dv)
-            # near, pair (n, n): every gradient
-            R0 = _dot(qn, tl.trans(kn), DT, ACC, INTERP)
+            # near, pair (n, n); the tables are reloaded per chunk (L1 hits): held across the
+            # loop they spilled registers
+            M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
             G0 = _dot(don, tl.trans(vn), DT, ACC, INTERP) + ddn[:, None]
-            P0 += R0 * G0
-            dA0 = G0 * M0
-            dq = _dot(dA0, kn, DT, ACC, INTERP)
-            dk = _dot(tl.trans(dA0), qn, DT, ACC, INTERP)
-            dv = _dot(tl.trans(R0 * M0), don, DT, ACC, INTERP)
-            # near, pair (n, n-1): the queries' side
-            R1 = _dot(qn, tl.trans(k1), DT, ACC, INTERP)
+            P0 += _dot(qn, tl.trans(kn), DT, ACC, INTERP) * G0
+            dq = _dot(G0 * M0, kn, DT, ACC, INTERP)
+            # near, pair (n, n-1)
+            M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
             G1 = _dot(don, tl.trans(v1), DT, ACC, INTERP) + ddn[:, None]
-            P1 += R1 * G1
+            P1 += _dot(qn, tl.trans(k1), DT, ACC, INTERP) * G1
             dq += _dot(G1 * M1, k1, DT, ACC, INTERP)
-            # near, pair (n+1, n): the keys' side
-            R2 = _dot(q2, tl.trans(kn), DT, ACC, INTERP)
-            G2 = _dot(do2, tl.trans(vn), DT, ACC, INTERP) + dd2[:, None]
-            dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, INTERP)
-            dv += _dot(tl.trans(R2 * M1), do2, DT, ACC, INTERP)
-            # far field: chunk n's queries read S_k(n-1); chunk n's keys enter S_k(n+1)
-            for kk in range(K):
-                lg = tl.load(lgk_ptr + kk).to(ACC)
-                kdec = tl.exp(lg * (BT - 1 - t).to(ACC))
-                off1 = ((bh * K + kk) * (N + 1) + n + 1) * BF
-                dS = tl.load(dh_ptr + off1 * BDV + f[:, None] * BDV + c[None, :])
-                dzs = tl.load(dz_ptr + off1 + f)
-                dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, INTERP) + dzs[None, :])
-                dv += _dot(kn * kdec[:, None], dS, DT, ACC, INTERP)
-                if n >= 1:
+            # far field: chunk n reads S_k(n-1)
+            if n >= 1:
+                for kk in range(K):
                     w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
                     off = ((bh * K + kk) * N + n - 1) * BF
                     S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
@@ -225,11 +205,63 @@ if HAS_TRITON:
                     dw = tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
                     tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
             tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
-            tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & (f[None, :] < F))
-            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & (c[None, :] < Dv))
         pb = (bh * NS + gi) * BT * BT + t[:, None] * BT + t[None, :]
         tl.store(p0_ptr + pb, P0)
         tl.store(p1_ptr + pb, P1)
+
+    @triton.jit
+    def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
+                            H, Lq, Lk, F, Dv, N, K, q_offset,
+                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                            DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (N, B·H): dφk and dv of key chunk n (near pairs (n, n) and (n+1, n); far: the
+        gradient of S_k(n+1), which chunk n's keys enter)."""
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        hh = bh % H
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        d0 = t[:, None] - t[None, :]
+        M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
+        M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
+        qb, dob, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
+        don = _load_rows(dob, qi, qm, c, Dv, Dv)
+        ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+        qm2 = (qi + BT >= 0) & (qi + BT < Lq)  # query chunk n + 1
+        q2 = _load_rows(qb, qi + BT, qm2, f, F, F).to(ACC)
+        do2 = _load_rows(dob, qi + BT, qm2, c, Dv, Dv)
+        dd2 = tl.load(ddb + qi + BT, mask=qm2, other=0.0).to(ACC)
+        km = pos < Lk
+        kn = _load_rows(k_ptr + bh * Lk * F, pos, km, f, F, F).to(ACC)
+        vn = _load_rows(v_ptr + bh * Lk * Dv, pos, km, c, Dv, Dv)
+        # near, pair (n, n)
+        G0 = _dot(don, tl.trans(vn), DT, ACC, INTERP) + ddn[:, None]
+        dk = _dot(tl.trans(G0 * M0), qn, DT, ACC, INTERP)
+        dv = _dot(tl.trans(_dot(qn, tl.trans(kn), DT, ACC, INTERP) * M0), don, DT, ACC, INTERP)
+        # near, pair (n+1, n)
+        G2 = _dot(do2, tl.trans(vn), DT, ACC, INTERP) + dd2[:, None]
+        dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, INTERP)
+        dv += _dot(tl.trans(_dot(q2, tl.trans(kn), DT, ACC, INTERP) * M1), do2, DT, ACC, INTERP)
+        # far field
+        for kk in range(K):
+            lg = tl.load(lgk_ptr + kk).to(ACC)
+            kdec = tl.exp(lg * (BT - 1 - t).to(ACC))
+            off1 = ((bh * K + kk) * (N + 1) + n + 1) * BF
+            dS = tl.load(dh_ptr + off1 * BDV + f[:, None] * BDV + c[None, :])
+            dzs = tl.load(dz_ptr + off1 + f)
+            dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, INTERP) + dzs[None, :])
+            dv += _dot(kn * kdec[:, None], dS, DT, ACC, INTERP)
+        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & (f[None, :] < F))
+        tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & (c[None, :] < Dv))
+
+    _soe_out_kernel = _tuned(_soe_out_kernel, ["F", "Dv", "K"])
+    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, ["F", "Dv", "K"], reset=["dwq_ptr"])
+    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, ["F", "Dv", "K"])
 
 
 def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
@@ -293,9 +325,10 @@ class _SoE(torch.autograd.Function):
         p0 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
         p1 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
         dwq = torch.zeros(B * H, NS, K, T, dtype=acc, device=dev)
-        _soe_bwd_grads_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wq, lgk, h, z, dh, dz, dq, dk, dv,
-                                           p0, p1, dwq, H, Lq, Lk, F, Dv, N, K, NS, q_offset,
-                                           BT=T, BF=BF, BDV=BDV, **meta)
+        _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wq, h, z, dq, p0, p1, dwq,
+                                        H, Lq, Lk, F, Dv, N, K, NS, q_offset, BT=T, BF=BF, BDV=BDV, **meta)
+        _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, cn, lgk, dh, dz, dk, dv,
+                                        H, Lq, Lk, F, Dv, N, K, q_offset, BT=T, BF=BF, BDV=BDV, **meta)
         dcn = dwq_h = None
         if ctx.needs_input_grad[3]:
             dcn = _diagonal_sums(p0.view(B, H, NS, T, T).sum((0, 2)), p1.view(B, H, NS, T, T).sum((0, 2)), T)
