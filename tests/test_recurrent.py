@@ -143,3 +143,28 @@ def test_step_ops_match_the_naive_recurrence():
     assert st.length == L and st.keys.shape[2] == plan.window - 1
     S_ref = torch.einsum("kj,bhjf,bhjc->bhkfc", plan.gamma[:, None] ** dist.flip(0), pk, vv)
     assert_close(st.S, S_ref)
+
+
+def test_band_and_soe_ops_never_sync_with_the_host(monkeypatch):
+    """No `.item()`, `int()`, `float()`, `bool()` or `.tolist()` on a tensor in the hot path
+    (forward and backward): on a GPU each would drain the stream."""
+    H, F, Dv = 2, 4, 3
+    pq, pk, v = _feats(1, H, 150, F, 0), _feats(1, H, 150, F, 1), _feats(1, H, 150, Dv, 2)
+    b, plan = _plan(H, 200)
+    tab = torch.randn(H, 21, dtype=torch.float64, requires_grad=True)
+    idx = torch.arange(-149, 150).clamp(-10, 10) + 10
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronization in the hot path")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    from fastrpe.ops.linear.band import kernelized_num_den_band
+
+    for causal in (True, False):
+        num, den, ls = kernelized_num_den_band(pq, pk, v, tab[:, idx], window=10, causal=causal, q_offset=0)
+        (num.sum() + den.sum() + ls.sum()).backward()
+    num, den, _, st = kernelized_num_den_soe(pq, pk, v, plan=plan, return_state=True)
+    (num.sum() + den.sum() + st.sum()).backward()
+    monkeypatch.undo()
+    assert tab.grad is not None and b.grad is not None
