@@ -76,7 +76,8 @@ def _grads(outs, leaves):
 CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, chunk
     pytest.param(1, 2, 63, 63, 12, 10, 0, 16, id="B1-H2-T63-F12-Dv10-C16"),
     pytest.param(2, 2, 1, 1, 12, 10, 0, 16, id="B2-H2-T1"),
-    pytest.param(1, 2, 37, 37, 32, 16, 0, 32, id="B1-H2-T37-F32-Dv16-C32"),
+    pytest.param(1, 2, 37, 37, 32, 40, 0, 32, id="B1-H2-T37-F32-Dv40-C32"),  # several value blocks
+    pytest.param(1, 1, 20, 20, 12, 72, 0, 16, id="B1-H1-T20-F12-Dv72"),
     pytest.param(1, 2, 5, 40, 12, 10, 35, 16, id="decode-Lq5-Lk40-off35"),
     pytest.param(1, 2, 20, 50, 12, 10, 10, 16, id="Lq20-Lk50-off10"),
     pytest.param(1, 2, 30, 20, 12, 10, 0, 16, id="queries-past-keys-Lq30-Lk20"),

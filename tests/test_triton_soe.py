@@ -67,6 +67,7 @@ def _grads(outs, leaves, seed=1):
 CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk
     pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, id="T63-F12-Dv10-W8-C16"),
     pytest.param(2, 1, 1, 1, 12, 10, 0, 8, 16, id="T1"),
+    pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, id="T40-Dv72-two-value-blocks"),
     pytest.param(1, 2, 50, 50, 12, 10, 0, 16, 16, id="T50-W16-C16"),
     pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-chunk-raised-to-32"),
     pytest.param(1, 2, 5, 60, 12, 10, 55, 8, 16, id="decode-Lq5-Lk60-off55"),

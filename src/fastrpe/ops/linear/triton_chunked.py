@@ -281,6 +281,9 @@ class _ChunkedDecay(torch.autograd.Function):
         acc = acc_dtype(dt)
         BT, BF, BDV = chunk, _pow2(F), _pow2(Dv)
         BV = min(BDV, 64)
+        # the state passes are sequential over chunks: narrow value blocks for more programs
+        # (B·H alone is 8 programs at B=1, H=8)
+        BVS = min(BDV, 16)
         N = -(-max(Lk, q_offset + Lq) // BT)
         h = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
         z = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
@@ -290,19 +293,19 @@ class _ChunkedDecay(torch.autograd.Function):
         num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
-        _fwd_state_kernel[(B * H, BDV // BV)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
-                                              BT=BT, BF=BF, BV=BV, BDV=BDV, **meta)
+        _fwd_state_kernel[(B * H, BDV // BVS)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
+                                               BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num, den, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **meta)
         state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
         ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init)
-        ctx.cfg = (q_offset, BT, BF, BDV, BV, N, strict)
+        ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict)
         return num, den, state
 
     @staticmethod
     def backward(ctx, dnum, dden, dstate):
         phi_q, phi_k, v, log_g, h, z, state, init = ctx.saved_tensors
-        q_offset, BT, BF, BDV, BV, N, strict = ctx.cfg
+        q_offset, BT, BF, BDV, BVS, N, strict = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -316,8 +319,8 @@ class _ChunkedDecay(torch.autograd.Function):
             dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
             dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
-        _bwd_state_kernel[(B * H, BDV // BV)](phi_q, dnum, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
-                                              BT=BT, BF=BF, BV=BV, BDV=BDV, **meta)
+        _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
+                                               BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
         dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
