@@ -211,7 +211,7 @@ def run(args, out_dir) -> dict:
     from ..data.text import load_corpus
     from ..kernels import get_kernel
     from ..nn import LMConfig
-    from ..positions import NAMES as POSITION_NAMES
+    from ..nn.block import POSITION_NAMES
 
     seeds = args.seeds or (2 if args.quick else 3)
     steps = args.steps or (150 if args.quick else 800)
@@ -221,7 +221,7 @@ def run(args, out_dir) -> dict:
     factors = [int(f) for f in args.factors.split(",") if f]
     positions = [s for s in args.positions.split(",") if s]
     kernels = [s for s in args.kernels.split(",") if s]
-    known_pos = ("none", "sinusoidal", "rotary", *POSITION_NAMES)
+    known_pos = POSITION_NAMES  # none, sinusoidal, rotary, shaw and every positions family
     if any(p not in known_pos for p in positions):
         raise FastRPEError(f"extrapolation: unknown position(s) {[p for p in positions if p not in known_pos]}; "
                          f"known: {', '.join(known_pos)}")
