@@ -186,6 +186,25 @@ def test_sikf_is_exp_feature_attention(case, with_position):
         _check(out, ref, [q, k, v])
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=_cid)
+def test_sikf_with_shaw(case):
+    """SIKF's shared (non-causal) or running (causal) key shift cancels against Shaw's `φ(q)·RP` too."""
+    Lq, Lk, causal, off = case
+    B, H, D, kmax = 2, 2, 5, 2
+    q, k, v = _qkv(B, H, Lq, Lk, D, 3, scale=2.0, seed=9)
+    with torch.no_grad():
+        k[:, :, 1::4] += 5.0
+    shaw = P.ShawRelative(H, D, max_distance=kmax, init_std=0.5, positive=True).double()
+    r = rel(Lq, Lk, off)
+    pq = torch.exp(q)
+    S = torch.einsum("bhif,hijf->bhij", pq, (torch.nn.functional.elu(shaw.rp) + 1)[:, (-r).clamp(-kmax, kmax) + kmax])
+    mask = (r <= 0).to(F64) if causal else None
+    ref = eq10(pq, torch.exp(k), v, 1.0, S=S, mask=mask)
+    for backend in ["dense"] if causal else ["dense", "fft"]:
+        out = fr.attention(q, k, v, kernel="exp", position=shaw, causal=causal, q_offset=off, backend=backend)
+        _check(out, ref, [q, k, v, shaw.rp])
+
+
 def test_sikf_large_inputs_do_not_overflow_and_padding_does_not_set_the_shift():
     B, H, L, D = 2, 2, 13, 4
     q, k, v = _qkv(B, H, L, L, D, 3, seed=7)

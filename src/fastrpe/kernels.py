@@ -71,8 +71,9 @@ class FeatureMap(nn.Module, Kernel):
         raise NotImplementedError
 
     def key_log_shift(self) -> Tensor | float:
-        """The constant subtracted from every key's log-features (`φ_key = exp(-shift)·φ`).
-        It cancels in normalized attention; 0 unless a map says otherwise."""
+        """The data-independent constant subtracted from every key's log-features
+        (`φ_key = exp(-shift)·φ`): a number, a 0-dim tensor or `[H, 1]` (per head). The
+        composition cancels it in every term; 0 unless a map says otherwise."""
         return 0.0
 
     def key_features(self, k: Tensor, *, causal: bool = False,
@@ -315,7 +316,7 @@ class PRF(_RandomFeatures):
     Performers", 2021): `φ(x) = exp(w·x − ‖x‖²/2)/√m`, `F = m`, with
     `E[φ(q)·φ(k)] = exp(q·k)` on inputs scaled by `input_scale` (default `D^-1/4`, so the
     estimate is of `exp(q·k/√D)`; 1 with `normalize`, `exp(q̂·k̂)`). `two_sided=True` is the
-    positive symmetric form of the same paper (Lemma 1, `φ⁺⁺`), as FastRPB uses it:
+    positive hyperbolic form of the same paper (Lemma 1, `SM⁺_hyp`), as FastRPB uses it:
     `φ(x) = exp(−‖x‖²/2)/√(2m)·[exp(w·x), exp(−w·x)]`, `F = 2m`, same expectation, lower
     variance. `projection="orthogonal"` is ORF (same paper), `"sphere"` is sphere-PRF and
     `normalize=True` is NPRF (both Luo et al., "Stable, Fast and Accurate: Kernelized
