@@ -1,7 +1,10 @@
 """Positional terms, one module per family. See `base.py` for the conventions.
 
 `make(name, num_heads, causal=..., max_len=...)` builds a term from its name (the CLI and
-the model configs use these names): see `NAMES`.
+the model configs use these names): see `NAMES`; keyword arguments go to the term, e.g.
+`make("geometric", 8, gamma=0.999, learnable=True)` or `make("kerple_log", 8, init="random", seed=0)`.
+The model configs also take "shaw" (`ShawRelative`, whose width follows the layer's kernel:
+see `fastrpe.nn.block.position_term`) and "none", "sinusoidal", "rotary".
 """
 from __future__ import annotations
 
