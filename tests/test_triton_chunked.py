@@ -152,19 +152,21 @@ def test_bidirectional_matches_reference(L):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_low_precision_against_float64(dtype):
-    """bf16/fp16 inputs: error against float64 within a small factor of the naive path's."""
+    """bf16/fp16 inputs: error against float64 within a small factor of the naive path's
+    (outputs and the gradients of the features, values and γ)."""
     q, k, v, gamma, _ = _inputs(1, 2, 63, 63, 12, 10, dtype, init=False)
     num, den, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, chunk_size=16)
     assert num.dtype == dtype and den.dtype == dtype
-    lc = _log_coeff(gamma.detach(), 63, 63, 0)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    r64 = kernelized_num_den_naive(q64, k64, v64, lc, causal=True)[:2]
+    g64, gl = gamma.detach().clone().requires_grad_(), gamma.detach().clone().requires_grad_()
+    r64 = kernelized_num_den_naive(q64, k64, v64, _log_coeff(g64, 63, 63, 0), causal=True)[:2]
     ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    rl = kernelized_num_den_naive(ql, kl, vl, lc.to(dtype), causal=True)[:2]
+    rl = kernelized_num_den_naive(ql, kl, vl, _log_coeff(gl, 63, 63, 0).to(dtype), causal=True)[:2]
     for name, a, n, r in zip(("num", "den"), (num, den), rl, r64):
         assert_lowp_close(a, n, r.detach(), msg=name)
-    got, lowp, want = _grads((num, den), (q, k, v)), _grads(rl, (ql, kl, vl)), _grads(r64, (q64, k64, v64))
-    for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
+    got = _grads((num, den), (q, k, v, gamma))
+    lowp, want = _grads(rl, (ql, kl, vl, gl)), _grads(r64, (q64, k64, v64, g64))
+    for name, a, n, r in zip(("dq", "dk", "dv", "dgamma"), got, lowp, want):
         assert_lowp_close(a, n, r, msg=name)
 
 

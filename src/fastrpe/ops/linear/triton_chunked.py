@@ -19,8 +19,9 @@ extra column `z` (the value 1), kept apart from the `[F, Dv]` tiles so that `tl.
 sees power-of-two widths.
 
 The gradient of `log γ` needs no kernel: every weight is `γ^(p_i - j)`, so
-`d/d log γ = Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j + (Lk-1)<S_fin, dS_fin> + <S_0, dS_0>`
-(the initial state is a key at position -1, the final state a query at Lk - 1).
+`d/d log γ = Σ_pairs (p_i - j)·w_ij·(φq_i·φk_j)(dy_i·[v_j, 1])`, computed as chunk-local
+position sums of `φq·dφq` and `φk·dφk` plus `T·Σ_b <S_b, dS_b>` over chunk boundaries (no
+cancellation between terms L·(1-γ) times larger than the result).
 
 Inputs bf16/fp16/fp32/fp64; accumulation in fp32 (fp64 for fp64 inputs). On the GPU the
 `tl.dot` operands are in the input dtype (bf16 tensor cores); the interpreter
@@ -329,14 +330,20 @@ class _ChunkedDecay(torch.autograd.Function):
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
         dlg = None
         if ctx.needs_input_grad[3]:
-            # d/dlog γ = Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j + (Lk-1)<S_fin, dS_fin> + <S_0, dS_0>
+            # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks
+            # between): the chunk-local parts from the gradients, the crossings from the states,
+            # Σ_pairs crossing boundary b = <S_b, dS_b>. (Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j is the
+            # same sum, but its two terms are L·(1-γ) times larger than it: bf16 products lost it.)
+            # The initial state is a key at -1 in chunk 0, the final state a query at Lk-1 in chunk N.
             f64 = torch.float64
-            pq = torch.arange(Lq, device=dev, dtype=f64) + q_offset
-            pk = torch.arange(Lk, device=dev, dtype=f64)
+            pq = ((torch.arange(Lq, device=dev) + q_offset) % BT).to(f64)
+            pk = (torch.arange(Lk, device=dev) % BT).to(f64)
             dlg = ((phi_q.to(acc) * dq).sum(-1).to(f64) * pq).sum((0, 2))
             dlg = dlg - ((phi_k.to(acc) * dk).sum(-1).to(f64) * pk).sum((0, 2))
+            cross = (h[:, 1:] * dh[:, 1:]).sum((1, 2, 3), dtype=f64) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=f64)
+            dlg = dlg + BT * cross.view(B, H).sum(0)
             if dstate is not None:
-                dlg = dlg + (Lk - 1) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
+                dlg = dlg + (Lk - 1 - N * BT) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
             if init is not None:
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
