@@ -4,7 +4,8 @@
 `q, k, v: [1, H, L, D]` float32, causal and not. Each configuration runs in a fresh
 subprocess; peak = ru_maxrss after forward + backward minus ru_maxrss once the inputs are
 built (after a tiny warm-up call, so thread pools and one-time allocations are not
-counted). The dense path's need is computed, not run: the `[H, L, L]` float32 weights,
+counted). Besides wall time it reports the process's CPU time, which other work sharing
+the machine disturbs less (compare before/after runs with it on a busy machine). The dense path's need is computed, not run: the `[H, L, L]` float32 weights,
 their copy saved for backward and their gradient.
 
     python benchmarks/fft_memory.py --length 65536 --out benchmarks/results/fft_memory.json
@@ -25,7 +26,8 @@ L, H, D, F, causal = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(s
 budget = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "default" else None
 import fastrpe.ops.linear.fft as fftmod
 if budget is not None:
-    fftmod.DEFAULT_BUDGET = budget
+    import fastrpe.ops.linear.fft.plan as fftplan
+    fftplan.DEFAULT_BUDGET = budget
 pos = fr.positions.KerpleLog(H)
 kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
 w = torch.randn(1, H, 300, D, requires_grad=True)  # warm-up (above the causal leaf size)
@@ -33,18 +35,19 @@ fr.attention(w, w, w, kernel=kern, position=pos, causal=causal, backend="fft").s
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, H, L, D, requires_grad=True) for _ in range(3))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 out = fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend="fft")
 fwd = time.perf_counter() - t
 out.sum().backward()
-sec = time.perf_counter() - t
+sec, cpu = time.perf_counter() - t, time.process_time() - c
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
 flops, est = fftmod.estimate_fft_cost(1, H, L, L, F, D, torch.float32)
-print(json.dumps({"seconds": sec, "forward_seconds": fwd, "peak_extra_bytes": peak - base,
+from fastrpe.ops.toeplitz.fft import fft_length
+print(json.dumps({"seconds": sec, "cpu_seconds": cpu, "forward_seconds": fwd, "peak_extra_bytes": peak - base,
                   "baseline_rss_bytes": base, "finite": finite, "estimated_peak_bytes": est,
                   "block": fftmod.fft_block_size(1, H, L, L, F, D, torch.float32),
-                  "fft_length": fftmod.fft_length(2 * L - 1)}))
+                  "fft_length": fft_length(2 * L - 1)}))
 """
 
 
@@ -75,7 +78,7 @@ def main() -> None:
     gib = 2 ** 30
     print(f"machine: {machine()}; torch {torch.__version__}; L={a.length} H={a.heads} D=Dv={a.dim} "
           f"F={a.features} float32, forward + backward")
-    print(f"{'causal':>6} | {'fwd s':>7} | {'fwd+bwd s':>9} | {'peak extra GiB':>14} | {'model GiB':>9} | "
+    print(f"{'causal':>6} | {'fwd s':>7} | {'fwd+bwd s':>9} | {'cpu s':>7} | {'peak extra GiB':>14} | {'model GiB':>9} | "
           f"{'block':>5} | {'dense would need GiB':>20}")
     for causal in modes:
         res = subprocess.run([sys.executable, "-c", CHILD, str(a.length), str(a.heads), str(a.dim), str(a.features),
@@ -86,7 +89,8 @@ def main() -> None:
         dense = a.heads * a.length * a.length * 4 * 3
         r.update(causal=causal, dense_estimate_bytes=dense)
         rows.append(r)
-        print(f"{causal!s:>6} | {r['forward_seconds']:7.2f} | {r['seconds']:9.2f} | {r['peak_extra_bytes'] / gib:14.3f} | "
+        print(f"{causal!s:>6} | {r['forward_seconds']:7.2f} | {r['seconds']:9.2f} | {r['cpu_seconds']:7.2f} | "
+              f"{r['peak_extra_bytes'] / gib:14.3f} | "
               f"{r['estimated_peak_bytes'] / gib:9.3f} | {r['block']:5d} | {dense / gib:20.0f}")
     meta = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(), "L": a.length,
             "H": a.heads, "D": a.dim, "Dv": a.dim, "features": a.features, "dtype": "float32",

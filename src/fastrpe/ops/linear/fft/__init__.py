@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from ...common import causal_offset_mask
-from ...toeplitz.fft import fft_dtype_for, fft_length
+from ...toeplitz.fft import fft_dtype_for
 from .band import NEAR_BAND, band_covers_all, band_product, far_coefficients
-from .causal import causal_levels, causal_product, causal_segments
+from .causal import causal_product, causal_segments
 from .certify import ROW_RTOL, certify_rows
 from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, estimate_fft_cost, fft_block_size,
                    recompute_capacity)
@@ -87,15 +87,15 @@ def kernelized_num_den_fft(
         # the near band densely, the far offsets by FFT (whose noise is then relative to them)
         y = band_product(phi_q, phi_k, vv, lc, scale, q_offset, NEAR_BAND)
         lc_fft = far_coefficients(lc, Lq, q_offset, NEAR_BAND)
+        err = torch.zeros_like(y.detach())
         if not band_covers_all(Lq, Lk, q_offset, NEAR_BAND):
-            y = y + scaled_product(phi_q, phi_k, vv, lc_fft, scale, block)
-        products = [(None, fft_length(Lq + Lk - 1))]
+            far, err = scaled_product(phi_q, phi_k, vv, lc_fft, scale, block)
+            y = y + far
     else:
         leaf = causal_leaf(B, H, dt, memory_budget_bytes)
-        y = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, block, leaf)
-        products = causal_levels(Lq, Lk, q_offset, leaf)
+        y, err = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, block, leaf)
         lc_fft = lc
-    rows, chunk = recompute_capacity(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes)
-    y = certify_rows(y, phi_q, phi_k, vv, lc, lc_fft, scale, empty, products, q_offset if causal else 0, rows, chunk)
+    rows, chunk = recompute_capacity(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes, q_offset)
+    y = certify_rows(y, err, phi_q, phi_k, vv, lc, lc_fft, scale, empty, rows, chunk)
     y = y.to(out_dt)
     return y[..., :Dv], y[..., Dv], scale.to(out_dt)

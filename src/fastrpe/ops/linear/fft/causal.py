@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ...toeplitz.fft import fft_length
 from .plan import CAUSAL_LEAF
 from .product import scaled_product
 
@@ -50,17 +49,6 @@ def causal_segments(Lq: int, Lk: int, q_offset: int, leaf: int = CAUSAL_LEAF):
         yield kind, qa, qb, ka, kb
 
 
-def causal_levels(Lq: int, Lk: int, q_offset: int, leaf: int) -> list[tuple[int, int]]:
-    """`[(h, N)]` per level of cross products: half size h and the smallest FFT length used
-    at that level (round-off per entry is relatively largest for short FFTs)."""
-    levels: dict[int, int] = {}
-    for kind, qa, qb, ka, kb, h in _tree(Lq, Lk, q_offset, leaf):
-        if kind == "cross":
-            N = fft_length((qb - qa) + (kb - ka) - 1)
-            levels[h] = min(N, levels.get(h, N))
-    return sorted(levels.items())
-
-
 def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: Tensor) -> Tensor:
     """A diagonal leaf of the causal recursion, dense: `[B, H, n, C]` in the rows' own units
     (`lcs: [H, n+k-1]` is masked: `-inf` for keys after a query; `scale: [H, n]` is each
@@ -73,14 +61,15 @@ def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: 
 
 
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
-                   block: int, leaf: int = CAUSAL_LEAF) -> Tensor:
-    """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) over `causal_segments`:
+                   block: int, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
+    """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
+    round-off per entry (`scaled_product`), over `causal_segments`:
     diagonal leaves dense, the rest FFT products each rescaled by its own largest
     coefficient. `lc` is already masked (`-inf` for `r > 0`). Every segment is computed:
     the schedule is static."""
     B, H, Lq, _ = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
-    rows, parts = [], []
+    rows, parts, err_rows, errs = [], [], [], []
     for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset, leaf):
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
@@ -93,9 +82,15 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
             else:
                 part = _leaf_product(*args)
         else:
-            part = scaled_product(*args, block)
+            part, err = scaled_product(*args, block)
+            err_rows.append(torch.arange(qa, qb, device=phi_q.device))
+            errs.append(err)
         rows.append(torch.arange(qa, qb, device=phi_q.device))
         parts.append(part)
     # one scatter at the end: adding each part into a fresh full-size copy (out-of-place,
     # as autograd needs) allocated O(L) per segment, O(L²/leaf) bytes in all
-    return phi_q.new_zeros(B, H, Lq, C).index_add(2, torch.cat(rows), torch.cat(parts, dim=2))
+    y = phi_q.new_zeros(B, H, Lq, C).index_add(2, torch.cat(rows), torch.cat(parts, dim=2))
+    err = phi_q.new_zeros(B, H, Lq, C)  # dense leaves add no FFT round-off
+    if errs:
+        err = err.index_add(2, torch.cat(err_rows), torch.cat(errs, dim=2))
+    return y, err

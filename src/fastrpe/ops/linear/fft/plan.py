@@ -59,12 +59,21 @@ def fft_block_size(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torc
     return int(max(1, min(F, budget // per)))
 
 
+def rows_outside_keys(Lq: int, Lk: int, q_offset: int) -> int:
+    """Queries whose own position `q_offset + i` is not a key position: they do not see
+    offset 0, their largest coefficient drifts with their distance from the keys (a
+    decaying term), and one product rescaled for the whole head can lose their digits."""
+    inside = max(0, min(Lq, Lk - q_offset) - max(0, -q_offset))
+    return Lq - inside
+
+
 def recompute_capacity(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
-                       memory_budget_bytes: int | None = None) -> tuple[int, int]:
+                       memory_budget_bytes: int | None = None, q_offset: int = 0) -> tuple[int, int]:
     """`(rows, chunk)`: how many rows per (batch, head) the exact recomputation handles, and
     how many it materializes at a time (`[B, H, chunk, Lk]` weights, a few copies, within
-    the budget)."""
-    rows = min(Lq, max(RECOMPUTE_MIN_ROWS, math.ceil(Lq / RECOMPUTE_FRACTION)))
+    the budget). Queries outside the keys (`rows_outside_keys`) all get room."""
+    rows = max(RECOMPUTE_MIN_ROWS, math.ceil(Lq / RECOMPUTE_FRACTION), rows_outside_keys(Lq, Lk, q_offset))
+    rows = min(Lq, rows)
     per_row = B * H * Lk * element_size(dtype) * 6  # weights, coefficients, their grads
     chunk = int(max(1, min(rows, budget_or_default(memory_budget_bytes) // max(1, per_row))))
     return rows, chunk
@@ -77,7 +86,7 @@ def estimate_fft_cost(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=t
     N = fft_length(Lq + Lk - 1)
     C = Dv + 1
     fft_flops = 2 * 2.5 * N * math.log2(N) * B * H * F * C  # one rfft + one irfft per channel
-    rows, _ = recompute_capacity(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
+    rows, _ = recompute_capacity(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)  # self-attention layout
     flops = fft_flops + 4 * B * H * (Lq + Lk) * F * C + 2 * B * H * rows * Lk * (F + C)
     block = fft_block_size(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
     # one block's temporaries, plus features, values and outputs kept for backward

@@ -1,0 +1,176 @@
+"""The FFT path's static schedule (`ops/linear/fft/`): no host synchronization in the hot
+path, the fixed-capacity exact recomputation, and the round-off certificate's margin.
+
+Forward and backward run with every tensor-to-host conversion (`item`, `bool`, `float`,
+`int`, `index`, `tolist`, `numpy`, `nonzero`) raising: on a GPU each of them drains the
+stream. Input validation done once per call by the API lies outside the op and is not run.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fastrpe.ops.linear.fft as fftmod
+from fastrpe.ops.linear.fft import certify, kernelized_num_den_fft
+from fastrpe.ops.linear.naive import kernelized_num_den_naive
+from fastrpe.testing import assert_close
+
+SYNCS = ["item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "nonzero"]
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """Every Tensor -> host conversion raises while the fixture is active."""
+
+    def forbid(name):
+        def raiser(*args, **kwargs):
+            raise AssertionError(f"host synchronization: Tensor.{name}")
+        return raiser
+
+    def patch():
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, forbid(name))
+        monkeypatch.setattr(torch, "nonzero", forbid("nonzero"))
+
+    return patch
+
+
+def _inputs(B, H, Lq, Lk, F=6, Dv=5, dtype=torch.float64, seed=0, lc_scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    pq = torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64)
+    pk = torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)
+    r = torch.arange(-(Lq - 1), Lk, dtype=torch.float64)
+    lc = -0.1 * r.abs() + lc_scale * torch.randn(H, Lq + Lk - 1, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (pq, pk, v, lc)]
+
+
+def _padding(B, Lk):
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[-1, ::3] = True
+    return kpm
+
+
+def _loss(res, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    num, den, ls = res
+    num, den = num * ls.exp()[None, :, :, None], den * ls.exp()[None]
+    return (num * torch.randn(num.shape, generator=g, dtype=num.dtype)).sum() + \
+        (den * torch.randn(den.shape, generator=g, dtype=den.dtype)).sum()
+
+
+SHAPES = [(150, 150, 0), (90, 200, 110), (200, 90, 0), (70, 130, 5)]
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Lq,Lk,off", SHAPES, ids=[f"Lq{a}-Lk{b}-off{c}" for a, b, c in SHAPES])
+def test_forward_and_backward_without_host_sync(Lq, Lk, off, causal, padding, no_host_sync, monkeypatch):
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 16)  # several FFT levels
+    orig = fftmod.recompute_capacity
+    monkeypatch.setattr(fftmod, "recompute_capacity", lambda *a, **k: (orig(*a, **k)[0], 4))  # several chunks
+    pq, pk, v, lc = _inputs(2, 3, Lq, Lk, dtype=torch.float32)
+    kw = dict(causal=causal, q_offset=off, key_padding_mask=_padding(2, Lk) if padding else None)
+    no_host_sync()
+    res = kernelized_num_den_fft(pq, pk, v, lc, **kw)
+    grads = torch.autograd.grad(_loss(res), [pq, pk, v, lc])
+    monkeypatch.undo()
+    want = kernelized_num_den_naive(pq, pk, v, lc, **kw)
+    assert all(torch.isfinite(t).all() for t in res + grads)
+    for a, b in zip(res, want):
+        assert_close(a.double(), b.double(), dtype=torch.float32)
+
+
+def test_sync_guard_catches_a_sync(no_host_sync):
+    """The guard itself: a hot path that asks for a value on the host fails."""
+    x = torch.ones(3)
+    no_host_sync()
+    with pytest.raises(AssertionError, match="host synchronization"):
+        float(x.sum())
+    with pytest.raises(AssertionError, match="host synchronization"):
+        if x.any():
+            pass
+
+
+@pytest.fixture
+def nothing_certified(monkeypatch):
+    """No FFT row passes its certificate: every row goes to the exact recomputation."""
+    monkeypatch.setattr(certify, "ROW_RTOL", {torch.float32: 0.0, torch.float64: 0.0})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Lq,Lk,off", SHAPES, ids=[f"Lq{a}-Lk{b}-off{c}" for a, b, c in SHAPES])
+def test_recomputed_rows_match_naive_with_gradients(Lq, Lk, off, causal, nothing_certified, monkeypatch):
+    """With every row recomputed (capacity Lq, 7 rows at a time), forward and every gradient
+    equal the naive op: the gather / dense / scatter path is exact on its own."""
+    monkeypatch.setattr(fftmod, "recompute_capacity", lambda *a, **k: (Lq, 7))
+    pq, pk, v, lc = _inputs(2, 3, Lq, Lk)
+    kw = dict(causal=causal, q_offset=off, key_padding_mask=_padding(2, Lk))
+    got, want = kernelized_num_den_fft(pq, pk, v, lc, **kw), kernelized_num_den_naive(pq, pk, v, lc, **kw)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    for a, b in zip(torch.autograd.grad(_loss(got), [pq, pk, v, lc]), torch.autograd.grad(_loss(want), [pq, pk, v, lc])):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_rows_beyond_the_capacity_are_nan_not_wrong(causal, nothing_certified, monkeypatch):
+    """Failing rows beyond the capacity are NaN (loud), never a silently inaccurate value;
+    every other row is exact."""
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 8)
+    monkeypatch.setattr(fftmod, "recompute_capacity", lambda *a, **k: (5, 2))
+    pq, pk, v, lc = (t.detach() for t in _inputs(2, 3, 60, 60))
+    got = kernelized_num_den_fft(pq, pk, v, lc, causal=causal)
+    want = kernelized_num_den_naive(pq, pk, v, lc, causal=causal)
+    lost = got[1].isnan()  # (B, H, Lq)
+    assert bool(lost.any()) and bool((lost.sum(-1) <= 60 - 5).all())
+    assert torch.equal(got[0].isnan().any(-1), lost) and torch.equal(got[0].isnan().all(-1), lost)
+    for a, b in zip(got[:2], want[:2]):
+        assert_close(a[~lost], b[~lost])
+
+
+def test_recomputation_is_causal(nothing_certified, monkeypatch):
+    """Which rows are recomputed depends on earlier rows only: changing later keys leaves
+    the recomputed early rows bitwise unchanged."""
+    monkeypatch.setattr(fftmod, "recompute_capacity", lambda *a, **k: (40, 8))
+    pq, pk, v, lc = (t.detach().float() for t in _inputs(1, 3, 100, 100))
+    base = kernelized_num_den_fft(pq, pk, v, lc, causal=True)
+    pk2, v2 = pk.clone(), v.clone()
+    pk2[:, :, 30:] *= 1e3
+    v2[:, :, 30:] = 1e4 * torch.randn_like(v2[:, :, 30:])
+    got = kernelized_num_den_fft(pq, pk2, v2, lc, causal=True)
+    for a, b in zip(got[:2], base[:2]):
+        assert torch.equal(a[:, :, :30], b[:, :, :30])
+
+
+COEFFS = ["flat", "decay", "sharp", "table30", "spike", "noise3"]
+
+
+@pytest.mark.parametrize("values", ["signed", "positive"])
+@pytest.mark.parametrize("name", COEFFS)
+def test_round_off_estimate_bounds_the_actual_error(name, values):
+    """Every entry's estimated FFT round-off (float32) is at least 1.5x its actual error
+    against the same product in float64, for coefficients from flat to a single spike and
+    ±30 noise, with signed and all-positive values (coherent round-off)."""
+    from fastrpe.ops.linear.fft.product import scaled_product
+    from fastrpe.ops.linear.fft.scale import row_scale
+
+    L, F, Dv = 2048, 8, 8
+    g = torch.Generator().manual_seed(3)
+    r = torch.arange(-(L - 1), L, dtype=torch.float64)
+    lc = {"flat": torch.zeros_like(r), "decay": -0.02 * r.abs(), "sharp": -2.0 * r.abs(),
+          "table30": torch.rand(r.shape, generator=g, dtype=torch.float64) * 60 - 30,
+          "spike": torch.where(r == 0, 0.0, -25.0),
+          "noise3": 3 * torch.randn(r.shape, generator=g, dtype=torch.float64)}[name][None].repeat(2, 1)
+    pq = torch.rand(1, 2, L, F, generator=g, dtype=torch.float64)
+    pk = torch.rand(1, 2, L, F, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, L, Dv, generator=g, dtype=torch.float64)
+    v = v.abs() + 1 if values == "positive" else v
+    vv = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    scale = row_scale(lc, L, L)
+    y64, _ = scaled_product(pq, pk, vv, lc, scale, block=F)
+    y32, err = scaled_product(pq.float(), pk.float(), vv.float(), lc.float(), scale.float(), block=3)
+    ratio = ((y32.double() - y64).abs() / err.double()).max()
+    assert ratio <= 1 / 1.5, ratio
