@@ -265,14 +265,14 @@ if HAS_TRITON:
 
 
 def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
-    """`[H, 2T]`: Σ of P0 over `s - u = d` (d < T) plus Σ of P1 over `s + T - u = d`."""
+    """`[H, 2T]`: Σ of P0 over `s - u = d` (d < T) plus Σ of P1 over `s + T - u = d`
+    (index lists, no boolean mask: a mask's nonzero would synchronize with the host)."""
     H = P0.shape[0]
+    s, u = torch.tril_indices(T, T, device=P0.device)  # s >= u
     t = torch.arange(T, device=P0.device)
-    d0 = t[:, None] - t[None, :]
-    keep = d0 >= 0
     out = P0.new_zeros(H, 2 * T)
-    out.index_add_(1, d0[keep], P0[:, keep])
-    out.index_add_(1, (d0 + T).flatten(), P1.flatten(1))
+    out.index_add_(1, s - u, P0[:, s, u])
+    out.index_add_(1, (t[:, None] + T - t[None, :]).flatten(), P1.flatten(1))
     return out
 
 
