@@ -18,7 +18,7 @@ def _load(path):
 
 
 def test_every_experiment_is_registered():
-    assert set(EXPERIMENTS) == {"approx", "speed", "stability", "conversion", "extrapolation", "fastrpb"}
+    assert {"approx", "speed", "stability", "conversion", "extrapolation", "fastrpb"} <= set(EXPERIMENTS)
 
 
 def test_finite_or_null():

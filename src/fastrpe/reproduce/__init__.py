@@ -10,4 +10,11 @@ EXPERIMENTS = {
     "speed": "fastrpe.reproduce.speed",
     "fastrpb": "fastrpe.reproduce.fastrpb",
     "extrapolation": "fastrpe.reproduce.extrapolation",
+    "luo-fig1a": "fastrpe.reproduce.luo_fig1a",
+    "scaleformer-fig4": "fastrpe.reproduce.scaleformer_fig4",
+    "scaleformer-fig6": "fastrpe.reproduce.scaleformer_fig6",
+    "luo-fig3a": "fastrpe.reproduce.luo_fig3a",
+    "kerple-table4": "fastrpe.reproduce.kerple_table4",
+    "kerple-table5": "fastrpe.reproduce.kerple_table5",
+    "fastrpb-table3": "fastrpe.reproduce.fastrpb_table3",
 }
