@@ -16,7 +16,8 @@ from .config import ConfigMixin
 
 @dataclass
 class EncoderConfig(ConfigMixin):
-    """Encoder classifier. `position`: "none", "sinusoidal", "rotary", "shaw" or a positions
+    """Encoder classifier. `position`: "none", "sinusoidal", "learned_abs" (a trainable
+    absolute embedding per position, up to `max_len`), "rotary", "shaw" or a positions
     family name. `num_features`, `feature_seed`: as in `LMConfig`."""
 
     vocab_size: int = 32
@@ -44,8 +45,11 @@ class EncoderClassifier(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        learned = cfg.position == "learned_abs"
+        self.pos_embed = nn.Parameter(torch.zeros(cfg.max_len, cfg.d_model)) if learned else None
         self.blocks = nn.ModuleList(
-            Block(cfg.d_model, cfg.n_heads, kernel=cfg.kernel, position=cfg.position, causal=False, cross=False,
+            Block(cfg.d_model, cfg.n_heads, kernel=cfg.kernel, position="none" if learned else cfg.position,
+                  causal=False, cross=False,
                   dropout=cfg.dropout, ff_mult=cfg.ff_mult, backend=cfg.backend, max_len=cfg.max_len,
                   num_features=cfg.num_features, seed=layer_seed(cfg.feature_seed, "layer", i))
             for i in range(cfg.n_layers)
@@ -58,6 +62,8 @@ class EncoderClassifier(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.num_classes)
         init_weights(self)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """`tokens: [B, L]`, `padding_mask: [B, L]` bool (True = pad; default `tokens == pad_id`) -> `[B, C]`."""
@@ -72,6 +78,11 @@ class EncoderClassifier(nn.Module):
         x = self.embed(tokens)
         if self.cfg.position in ABSOLUTE:
             x = x + sinusoidal(torch.arange(tokens.shape[1], device=tokens.device), self.cfg.d_model).to(x.dtype)
+        elif self.pos_embed is not None:
+            if tokens.shape[1] > self.cfg.max_len:
+                raise FastRPEError(f"EncoderClassifier: tokens have length {tokens.shape[1]}, more than max_len "
+                                   f"{self.cfg.max_len} of the learned absolute positions")
+            x = x + self.pos_embed[:tokens.shape[1]].to(x.dtype)
         kpm = padding_mask if bool(padding_mask.any()) else None
         for blk in self.blocks:
             x = blk(x, padding_mask=kpm)

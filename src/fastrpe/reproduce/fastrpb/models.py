@@ -4,10 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-KERNELS = ("softmax", "elu", "exp", "dpfp", "prf")
+#: the kernels of the paper's tables here; `DEFAULT_KERNELS` those run by default
+KERNELS = ("softmax", "exp", "elu", "prf", "dpfp", "relu")
+DEFAULT_KERNELS = ("softmax", "exp", "elu", "prf")
 TASKS = ("listops", "images")
-BASE_POSITIONS = {"none": {"listops": "none", "images": "none"},
-                  "absolute": {"listops": "sinusoidal", "images": "sinusoidal2d"}}
+#: `--base-position`: the positional term both models of a pair share. "learned" is the
+#: paper's setting ("All models also used trainable Absolute Positional Encodings", §4).
+BASE_POSITIONS = {"learned": {"listops": "learned_abs", "images": "learned_abs"},
+                  "none": {"listops": "none", "images": "none"},
+                  "sinusoidal": {"listops": "sinusoidal", "images": "sinusoidal2d"}}
 
 
 def make_model(task: str, kernel: str, fastrpb: bool, *, d_model: int, layers: int, heads: int, base_position: str,

@@ -19,9 +19,36 @@ def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     return m, ((sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else None)
 
 
+def t_quantile(df: int, level: float = 0.95) -> float:
+    """The two-sided `level` quantile of Student's t with `df` degrees of freedom (bisection on
+    the p-value of `reproduce.extrapolation`)."""
+    from ..extrapolation import t_two_sided_p
+
+    lo, hi = 0.0, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided_p(mid, df) > 1 - level else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired(diffs: list[float]) -> dict:
+    """Paired test of the differences `diffs` (with − without): two-sided t-test p-value, t,
+    and the 95 % interval of their mean (None each with fewer than two)."""
+    from ..extrapolation import paired_t_test
+
+    test = paired_t_test(diffs, [0.0] * len(diffs))
+    mean, std = mean_std(diffs)
+    ci = None
+    if std is not None:
+        half = t_quantile(len(diffs) - 1) * std / math.sqrt(len(diffs))
+        ci = [mean - half, mean + half]
+    return {"t": test["t"], "p": test["p"], "ci95": ci}
+
+
 def summarize(runs: list[dict], tasks: list[str], kernels: list[str], seeds: list[int]) -> list[dict]:
     """One row per task × kernel: accuracy and loss without / with FastRPB (mean, std over
-    seeds), diverged runs, and the paired accuracy difference (with − without, same seed)."""
+    seeds), diverged runs, and the paired accuracy difference (with − without, same seed):
+    mean, std, per-seed signs, paired t-test and 95 % interval."""
     summary = []
     for task in tasks:
         for kernel in kernels:
@@ -36,5 +63,17 @@ def summarize(runs: list[dict], tasks: list[str], kernels: list[str], seeds: lis
             diffs = [cell[(True, s)]["val_acc"] - cell[(False, s)]["val_acc"] for s in seeds]
             row["acc_diff"], row["acc_diff_std"] = mean_std(diffs)
             row["with_better"] = sum(d > 0 for d in diffs)
+            row["diffs"] = diffs
+            row.update(paired(diffs))
             summary.append(row)
     return summary
+
+
+def pooled(summary: list[dict]) -> dict:
+    """Per task, the paired test over every kernel × seed difference of `summary`."""
+    out = {}
+    for task in dict.fromkeys(r["task"] for r in summary):
+        diffs = [d for r in summary if r["task"] == task for d in r["diffs"]]
+        out[task] = {"acc_diff": mean_std(diffs)[0], "n": len(diffs), "with_better": sum(d > 0 for d in diffs),
+                     **paired(diffs)}
+    return out
