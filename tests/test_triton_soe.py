@@ -184,3 +184,16 @@ def test_backend_refuses_geometric_and_bidirectional(interpret_on_cpu):
         fr.attention(q, k, v, kernel="elu", position=ALiBi(2).double().to(DEV), causal=True, backend="triton_soe")
     with pytest.raises(FastRPEError, match="causal only"):
         fr.attention(q, k, v, kernel="elu", position=ALiBi(2).double().to(DEV), causal=False, backend="triton_soe")
+
+
+def test_soe_keeps_no_states_for_backward():
+    """The K·N chunk states are recomputed in backward: autograd keeps only the inputs and
+    the plan's tables (with states kept, 8.6 GB at L = 1M, B·H = 8, K = 16, bf16)."""
+    q, k, v = _inputs(1, 2, 63, 63, 12, 10, torch.float64)
+    plan = _plan(2, 8, 4)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+    T, K, H = 16, 4, 2
+    tables = 2 * (H * 2 * T + H * K * T) + K  # cn, wq, their float64 powers γ^d, log γ
+    assert sum(saved) <= q.numel() + k.numel() + v.numel() + tables  # one state set alone: 2·K·4·16·16

@@ -289,22 +289,32 @@ class _SoE(torch.autograd.Function):
         N = -(-max(Lk, q_offset + Lq) // T)
         # the states enter tl.dot in the input dtype anyway: store them so (half the bytes for bf16)
         hdt = dt if dt in (torch.float16, torch.bfloat16) else acc
-        h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=dev)
-        z = torch.empty(B * H, K, N, BF, dtype=acc, device=dev)
         num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
-        _soe_state_kernel[(B * H, BDV // BV, K)](phi_k, v, lgk, h, z, Lk, F, Dv, N, K,
-                                                 BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+        h, z = _SoE.states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta)
         _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq, h, z, num, den, H, Lq, Lk, F, Dv, N, K,
                                                q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
-        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, h, z)
+        # the K·N states are not kept for backward (K times the geometric path's: 8.6 GB at
+        # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
+        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk)
         ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt)
         return num, den
 
     @staticmethod
+    def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta):
+        """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n."""
+        B, H, Lk, F = phi_k.shape
+        Dv, K = v.shape[3], lgk.numel()
+        h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
+        z = torch.empty(B * H, K, N, BF, dtype=acc, device=phi_k.device)
+        _soe_state_kernel[(B * H, BDV // BV, K)](phi_k, v, lgk, h, z, Lk, F, Dv, N, K,
+                                                 BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+        return h, z
+
+    @staticmethod
     def backward(ctx, dnum, dden):
-        phi_q, phi_k, v, cn, wq, lgk, h, z = ctx.saved_tensors
+        phi_q, phi_k, v, cn, wq, lgk = ctx.saved_tensors
         q_offset, T, BF, BDV, BV, N, hdt = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
@@ -314,10 +324,6 @@ class _SoE(torch.autograd.Function):
         dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
         dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
-        dh = torch.zeros(B * H, K, N + 1, BF, BDV, dtype=hdt, device=dev)
-        dz = torch.zeros(B * H, K, N + 1, BF, dtype=acc, device=dev)
-        _soe_bwd_state_kernel[(B * H, BDV // BV, K)](phi_q, dnum, dden, wq, lgk, dh, dz, H, Lq, F, Dv, N, K, q_offset,
-                                                     BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
@@ -325,8 +331,15 @@ class _SoE(torch.autograd.Function):
         p0 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
         p1 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
         dwq = torch.zeros(B * H, NS, K, T, dtype=acc, device=dev)
+        # the queries' side reads the states, the keys' side their gradients: one at a time
+        h, z = _SoE.states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta)
         _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wq, h, z, dq, p0, p1, dwq,
                                         H, Lq, Lk, F, Dv, N, K, NS, q_offset, BT=T, BF=BF, BDV=BDV, **meta)
+        del h, z
+        dh = torch.zeros(B * H, K, N + 1, BF, BDV, dtype=hdt, device=dev)
+        dz = torch.zeros(B * H, K, N + 1, BF, dtype=acc, device=dev)
+        _soe_bwd_state_kernel[(B * H, BDV // BV, K)](phi_q, dnum, dden, wq, lgk, dh, dz, H, Lq, F, Dv, N, K, q_offset,
+                                                     BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
         _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, cn, lgk, dh, dz, dk, dv,
                                         H, Lq, Lk, F, Dv, N, K, q_offset, BT=T, BF=BF, BDV=BDV, **meta)
         dcn = dwq_h = None
