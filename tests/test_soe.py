@@ -157,6 +157,8 @@ def test_soe_refuses_terms_it_cannot_fit(name):
         fr.attention(q, q, q, kernel="elu", position=pos, causal=True, backend="soe")
     ex = fr.explain(q, q, q, kernel="elu", position=pos, causal=True, allow_approximate=True)
     assert ex.chosen != "soe" and any(c.backend == "soe" and c.reasons for c in ex.candidates)
+    # both have a finite support: the reason points to the exact band backend
+    assert any(c.backend == "soe" and "band is exact" in " ".join(c.reasons) for c in ex.candidates)
     mha = fr.nn.MultiheadAttention(H * D, H, kernel="elu", position=pos, causal=True, backend="soe")
     assert mha.decode_state == "kv" and "misplaces" in mha.decoder().fatal
     with pytest.raises(fr.FastRPEError, match=r"cannot decode with this term: .*misplaces .* row's positional weight"):

@@ -201,7 +201,8 @@ def soe_fit_refusal(position, length: int) -> str | None:
     err = float(soe_weight_error(causal_log_coefficients(position, fit_length).detach()).max())
     if not err <= SOE_MAX_WEIGHT_ERROR:  # NaN refuses too
         return (f"the sum-of-exponentials fit of {type(position).__name__} misplaces {err:.1e} of a row's "
-                f"positional weight (> {SOE_MAX_WEIGHT_ERROR:g}); fft is exact")
+                f"positional weight (> {SOE_MAX_WEIGHT_ERROR:g}); "
+                + ("band is exact and linear-time" if position.finite_support() is not None else "fft is exact"))
     return None
 
 
