@@ -63,7 +63,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of: " + ", ".join(TASKS))
     p.add_argument("--kernels", default=",".join(DEFAULT_KERNELS),
                    help="comma-separated kernel names of fastrpe.kernels.get_kernel (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 600, quick 100)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 250, quick 100)")
     p.add_argument("--seeds", type=int, default=None, help="runs per configuration (default 3, quick 1)")
     p.add_argument("--listops-length", type=int, default=None,
                    help="longest ListOps sequence; samples have L/4..L tokens (default 64, quick 32)")
@@ -121,7 +121,7 @@ def _run(args, out_dir) -> dict:
         except ValueError as e:
             raise FastRPEError(f"fastrpb: --kernels: {e}") from None
     seeds = args.seeds or (1 if args.quick else 3)
-    steps = args.steps or (100 if args.quick else 600)
+    steps = args.steps or (100 if args.quick else 250)
     L = args.listops_length or (32 if args.quick else 64)
     n_train = args.listops_train or (1000 if args.quick else 5000)
     n_eval_listops = args.eval_samples or (200 if args.quick else 500)

@@ -15,10 +15,12 @@ def listops_data(length: int, n_train: int, n_eval: int, seed: int, batch_size: 
     train = ListOpsDataset("train", num_samples=n_train, seed=seed, **kw)
     val = ListOpsDataset("validation", num_samples=n_eval, seed=seed, **kw)
 
+    # padded once: drawing a batch is then an index, not a Python collate per step
+    whole = collate([train[i] for i in range(len(train))])
+
     def sample(g: torch.Generator, bs: int):
-        idx = torch.randint(0, len(train), (bs,), generator=g).tolist()
-        b = collate([train[i] for i in idx])
-        return b.tokens, b.labels
+        idx = torch.randint(0, len(train), (bs,), generator=g)
+        return whole.tokens[idx, :int(whole.lengths[idx].max())], whole.labels[idx]
 
     val_batches = []
     for i in range(0, len(val), batch_size):
