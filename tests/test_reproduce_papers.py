@@ -57,7 +57,8 @@ def test_scaleformer_fig6_tiny_records_choice(tmp_path):
                "--repeats", "1")
     assert len(res["rows"]) == 6
     for r in res["rows"]:
-        assert r["auto_chose"] in BACKENDS
+        assert r["auto_chose"] in BACKENDS and r["fastest_backend"] in r["forced_seconds"]
+        assert r["forced_seconds"][r["auto_chose"]] == r["seconds"] and r["auto_over_fastest"] >= 1.0
         if r["competitor"] == "vanilla softmax":
             assert r["auto_chose"] in ("sdpa", "dense", "flex")
     assert set(res["faster_than_softmax_from"]) == {"elu + Shaw (auto)", "elu, no RPE (auto)"}
@@ -110,7 +111,7 @@ def test_fastrpb_table3_tiny(tmp_path):
                "--skip", "1", "--batch-size", "2", *TINY_LM[2:])
     assert len(res["rows"]) == 4
     for r in res["rows"]:
-        assert r["sec_per_step"] > 0 and r["peak_bytes"] > 0
+        assert r["sec_per_step"] > 0 and r["peak_bytes"] > 0 and r["auto_backend"]
     # the FastRPB model holds strictly more parameters and state than the one without
     for r in res["ratios"]:
         assert r["memory_ratio"] > 1.0

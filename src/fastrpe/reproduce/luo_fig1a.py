@@ -5,7 +5,9 @@ The paper's setting (§4.1 "forward cost"): 1 head, embedding 64, synthetic inpu
 length 1k–40k, feature dimensions m ∈ {16, 32, 64}, ten trials on a V100. Here on CPU,
 one thread (`torch.set_num_threads(1)`, so that a shared machine's load does not decide
 the ranking): `[1, 1, L, 64]` inputs, forward only under `no_grad`, the fastest of
-`--repeats` calls after one warm-up call. Competitors: standard softmax attention (no RPE,
+`--repeats` calls after one warm-up call, every (competitor, length) cell timed
+round-robin so that the shared machine's changing load hits all cells alike.
+Competitors: standard softmax attention (no RPE,
 `backend="auto"`: SDPA), softmax with the same learned RPE table (dense bias), and NPRF
 with a learned table `b[j - i]` over every offset multiplied by FFT (`backend="fft"`,
 Luo's algorithm). Slopes: least-squares log-log fits over the lengths each ran.
@@ -39,6 +41,21 @@ def best_seconds(fn, repeats: int, warmup: int = 1) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return min(ts)
+
+
+def interleaved_best_seconds(cells: dict, repeats: int) -> dict:
+    """`{key: fn}` -> `{key: fastest seconds}`, timing the cells round-robin: each round
+    calls every cell once, so a change in a shared machine's load during the run hits all
+    cells alike instead of the lengths timed last. One untimed warm-up call each first."""
+    for fn in cells.values():
+        fn()
+    best = {key: float("inf") for key in cells}
+    for _ in range(repeats):
+        for key, fn in cells.items():
+            t = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t)
+    return best
 
 
 def slope(xs, ys) -> float | None:
@@ -85,11 +102,11 @@ def run(args, out_dir) -> dict:
     rows = []
     try:
         with torch.no_grad():
-            for L in lengths:
-                for name, fn in competitors(L, args.dim, feats, args.seed).items():
-                    s = best_seconds(fn, repeats)
-                    rows.append({"competitor": name, "L": L, "seconds": s})
-                    print(f"L={L:6d}  {name:26s} {s * 1e3:9.2f} ms", flush=True)
+            cells = {(name, L): fn for L in lengths for name, fn in competitors(L, args.dim, feats, args.seed).items()}
+            best = interleaved_best_seconds(cells, repeats)
+        for (name, L), s in best.items():
+            rows.append({"competitor": name, "L": L, "seconds": s})
+            print(f"L={L:6d}  {name:26s} {s * 1e3:9.2f} ms", flush=True)
     finally:
         torch.set_num_threads(prev)
     names = list(dict.fromkeys(r["competitor"] for r in rows))

@@ -6,7 +6,8 @@ Eq. 10): `num_i = Σ_j S_ij·v_j`, `den_i = Σ_j S_ij`, `S_ij = φ(q_i)·RP[clip
 Naive: `fastrpe.ops.shaw.naive.shaw_num_den_naive` materializes `S` (`L × L`); linear:
 `fastrpe.ops.shaw.linear.shaw_num_den_linear` (prefix sums beyond the band, 2k - 1 shifted
 slices inside it). Both masked (causal) and bidirectional, forward only, `[1, 1, L, 256]`
-inputs, one thread (`torch.set_num_threads(1)`), fastest of `--repeats` calls after a warm-up.
+inputs, one thread (`torch.set_num_threads(1)`), fastest of `--repeats` calls after a warm-up,
+cells timed round-robin (`luo_fig1a.interleaved_best_seconds`).
 The paper's reading: on a log2-log2 plot a linear algorithm has slope 1, a quadratic one 2.
 The results of the two are checked equal (relative error printed) at every length.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .luo_fig1a import best_seconds, parse_ints, set_timing_threads, slope
+from .luo_fig1a import interleaved_best_seconds, parse_ints, set_timing_threads, slope
 
 
 def add_arguments(p) -> None:
@@ -38,23 +39,26 @@ def run(args, out_dir) -> dict:
     rows = []
     try:
         with torch.no_grad():
+            cells, errs = {}, {}
             for L in lengths:
                 g = torch.Generator().manual_seed(args.seed)
                 phi_q = torch.rand(1, 1, L, args.dim, generator=g)  # positive features
                 v = torch.randn(1, 1, L, args.dim, generator=g)
                 rp = torch.randn(1, 2 * args.k + 1, args.dim, generator=g)
                 for causal in (True, False):
-                    ref = None
+                    mode = "masked" if causal else "bidirectional"
                     for name, op in ops.items():
-                        fn = lambda op=op: op(phi_q, v, rp, Lk=L, causal=causal)  # noqa: E731
-                        s = best_seconds(fn, repeats)
-                        num, _ = fn()
-                        err = None if ref is None else float((num - ref).abs().max() / ref.abs().max())
-                        ref = num if ref is None else ref
-                        mode = "masked" if causal else "bidirectional"
-                        rows.append({"algorithm": name, "mode": mode, "L": L, "seconds": s, "rel_err_vs_naive": err})
-                        print(f"L={L:6d} {mode:13s} {name:6s} {s * 1e3:9.2f} ms"
-                              + (f"  rel. err {err:.1e}" if err is not None else ""), flush=True)
+                        cells[(name, mode, L)] = (lambda op=op, phi_q=phi_q, v=v, rp=rp, L=L, causal=causal:
+                                                  op(phi_q, v, rp, Lk=L, causal=causal))
+                    ref, _ = cells[("naive", mode, L)]()
+                    num, _ = cells[("linear", mode, L)]()
+                    errs[(mode, L)] = float((num - ref).abs().max() / ref.abs().max())
+            best = interleaved_best_seconds(cells, repeats)
+        for (name, mode, L), s in best.items():
+            err = errs[(mode, L)] if name == "linear" else None
+            rows.append({"algorithm": name, "mode": mode, "L": L, "seconds": s, "rel_err_vs_naive": err})
+            print(f"L={L:6d} {mode:13s} {name:6s} {s * 1e3:9.2f} ms"
+                  + (f"  rel. err {err:.1e}" if err is not None else ""), flush=True)
     finally:
         torch.set_num_threads(prev)
     slopes = {}

@@ -8,7 +8,8 @@ wide, as the paper's d = 256), bidirectional, forward only, one thread
 (`torch.set_num_threads(1)`), fastest of `--repeats` calls after a warm-up. Competitors:
 vanilla softmax (no RPE, auto), kernelized elu+1 with Shaw's relative vectors (k = 10,
 `elu(RP) + 1` as Scaleformer's code; auto), and kernelized elu+1 without RPE (auto).
-Every row records the backend `auto` chose.
+Every row records the backend `auto` chose, and the time of every other backend that
+accepts the call (forced), so that the choice can be judged against the fastest.
 """
 from __future__ import annotations
 
@@ -53,11 +54,20 @@ def run(args, out_dir) -> dict:
                 g = torch.Generator().manual_seed(args.seed)
                 q, k, v = (torch.randn(1, args.heads, L, args.dim, generator=g) for _ in range(3))
                 for name, (kern, pos) in comps.items():
-                    chosen = fr.explain(q, k, v, kernel=kern, position=pos).chosen
+                    ex = fr.explain(q, k, v, kernel=kern, position=pos)
                     s = best_seconds(lambda kern=kern, pos=pos: fr.attention(q, k, v, kernel=kern, position=pos),
-                                       repeats)
-                    rows.append({"competitor": name, "L": L, "seconds": s, "auto_chose": chosen})
-                    print(f"L={L:6d} {name:20s} {s * 1e3:9.2f} ms  auto -> {chosen}", flush=True)
+                                     repeats)
+                    # every other backend that accepts the call, forced: was auto's choice the fastest?
+                    forced = {c.backend: best_seconds(lambda kern=kern, pos=pos, b=c.backend: fr.attention(
+                        q, k, v, kernel=kern, position=pos, backend=b), repeats)
+                        for c in ex.candidates if not c.reasons and c.backend != ex.chosen}
+                    forced[ex.chosen] = s
+                    fastest = min(forced, key=forced.get)
+                    rows.append({"competitor": name, "L": L, "seconds": s, "auto_chose": ex.chosen,
+                                 "forced_seconds": forced, "fastest_backend": fastest,
+                                 "auto_over_fastest": s / forced[fastest]})
+                    print(f"L={L:6d} {name:20s} {s * 1e3:9.2f} ms  auto -> {ex.chosen}; forced: "
+                          + ", ".join(f"{b} {t * 1e3:.2f} ms" for b, t in forced.items()), flush=True)
     finally:
         torch.set_num_threads(prev)
     slopes = {n: slope([r["L"] for r in rows if r["competitor"] == n],
