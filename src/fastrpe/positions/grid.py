@@ -180,29 +180,43 @@ class FastRPB2D(GridTerm, AdditiveTerm):
         cls_token: one class token at index 0; its entries of W are three more learned
             scalars per head (cls → patch, patch → cls, cls → cls).
         init_std: normal initialization std (0: the term starts switched off).
+        shared: one vector `w` for row and column offsets, `W_ij = w_h(Δrow) + w_h(Δcol)`, as
+            the paper defines it (§3.2.2, "shared learnable parameters {w_i}, i = -N+1..N-1,
+            for horizontal and vertical distances"); default False: separate vectors.
 
-    Parameters `w_row: [H, 2Hg-1]` (`Δrow` at `Δrow + Hg - 1`), `w_col: [H, 2Wg-1]` and,
-    with a class token, `w_cls: [H, 3]`.
+    Parameters `w_row: [H, 2Hg-1]` (`Δrow` at `Δrow + Hg - 1`), `w_col: [H, 2Wg-1]` or, when
+    shared, `w: [H, 2n-1]` (`Δ` at `Δ + n - 1`, `n = max(Hg, Wg)`); with a class token
+    `w_cls: [H, 3]`.
     """
 
-    def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0):
+    def __init__(self, num_heads: int, grid, cls_token: bool = False, init_std: float = 0.0, shared: bool = False):
         super().__init__(num_heads)
         if not isinstance(cls_token, bool):
             raise ValueError(f"cls_token must be a bool, got {cls_token!r}")
+        if not isinstance(shared, bool):
+            raise ValueError(f"shared must be a bool, got {shared!r}")
         self.grid = check_grid(grid)
-        self.cls_token = cls_token
+        self.cls_token, self.shared = cls_token, shared
         Hg, Wg = self.grid
-        self.w_row = nn.Parameter(init_normal(num_heads, 2 * Hg - 1, std=init_std))
-        self.w_col = nn.Parameter(init_normal(num_heads, 2 * Wg - 1, std=init_std))
+        if shared:
+            self.w = nn.Parameter(init_normal(num_heads, 2 * max(Hg, Wg) - 1, std=init_std))
+        else:
+            self.w_row = nn.Parameter(init_normal(num_heads, 2 * Hg - 1, std=init_std))
+            self.w_col = nn.Parameter(init_normal(num_heads, 2 * Wg - 1, std=init_std))
         self.w_cls = nn.Parameter(init_normal(num_heads, 3, std=init_std)) if cls_token else None
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """`(w_row: [H, 2Hg-1], w_col: [H, 2Wg-1], w_cls: [H, 3] or None)`."""
-        return self.w_row, self.w_col, self.w_cls
+        """`(w_row: [H, 2Hg-1], w_col: [H, 2Wg-1], w_cls: [H, 3] or None)` (shared: slices of `w`)."""
+        if not self.shared:
+            return self.w_row, self.w_col, self.w_cls
+        n = (self.w.shape[1] + 1) // 2
+        Hg, Wg = self.grid
+        return self.w[:, n - Hg: n + Hg - 1], self.w[:, n - Wg: n + Wg - 1], self.w_cls
 
     def table(self) -> Tensor:
         """`[H, 2Hg-1, 2Wg-1]`: the patch part of W as a 2D table, `w_row(Δrow) + w_col(Δcol)`."""
-        return self.w_row[:, :, None] + self.w_col[:, None, :]
+        w_row, w_col, _ = self.coefficients()
+        return w_row[:, :, None] + w_col[:, None, :]
 
     def materialize(self, Lq: int | None = None, Lk: int | None = None, q_offset: int = 0) -> Tensor:
         """`[H, N, N]` dense W, for tests and debugging only (`Lq`, `Lk`, `q_offset` must be `N`, `N`, 0)."""
@@ -218,4 +232,4 @@ class FastRPB2D(GridTerm, AdditiveTerm):
                 f"got Lq={Lq}, Lk={Lk}, q_offset={q_offset}, causal={causal}")
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, grid={self.grid}, cls_token={self.cls_token}"
+        return f"num_heads={self.num_heads}, grid={self.grid}, cls_token={self.cls_token}, shared={self.shared}"
