@@ -88,8 +88,8 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, chunk
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
 def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
     q, k, v, gamma, s0 = _inputs(B, H, Lq, Lk, F, Dv, dtype)
-    num, den, ls, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset, chunk_size=chunk,
-                                                               initial_state=s0, return_state=True)
+    num, den, ls, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset,
+                                                               chunk_size=chunk, initial_state=s0, return_state=True)
     assert not ls.any()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().clone().requires_grad_()
