@@ -174,3 +174,17 @@ def test_round_off_estimate_bounds_the_actual_error(name, values):
     y32, err = scaled_product(pq.float(), pk.float(), vv.float(), lc.float(), scale.float(), block=3)
     ratio = ((y32.double() - y64).abs() / err.double()).max()
     assert ratio <= 1 / 1.5, ratio
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_traces_as_one_graph_under_torch_compile(causal, monkeypatch):
+    """`torch.compile(fullgraph=True)` traces the op without a graph break: no
+    data-dependent Python control flow (the eager backend: no C++ compiler needed)."""
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 32)
+    pq, pk, v, lc = (t.detach().float() for t in _inputs(1, 2, 100, 100))
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: kernelized_num_den_fft(*a, causal=causal), backend="eager", fullgraph=True)
+    got = f(pq, pk, v, lc)
+    want = kernelized_num_den_naive(pq, pk, v, lc, causal=causal)
+    for a, b in zip(got, want):
+        assert_close(a.double(), b.double(), dtype=torch.float32)
