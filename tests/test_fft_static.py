@@ -7,7 +7,6 @@ stream. Input validation done once per call by the API lies outside the op and i
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -74,8 +73,9 @@ def test_forward_and_backward_without_host_sync(Lq, Lk, off, causal, padding, no
     pq, pk, v, lc = _inputs(2, 3, Lq, Lk, dtype=torch.float32)
     kw = dict(causal=causal, q_offset=off, key_padding_mask=_padding(2, Lk) if padding else None)
     no_host_sync()
-    res = kernelized_num_den_fft(pq, pk, v, lc, **kw)
-    grads = torch.autograd.grad(_loss(res), [pq, pk, v, lc])
+    with fftmod.static_schedule():  # eager mode may sync once to recompute past the capacity
+        res = kernelized_num_den_fft(pq, pk, v, lc, **kw)
+        grads = torch.autograd.grad(_loss(res), [pq, pk, v, lc])
     monkeypatch.undo()
     want = kernelized_num_den_naive(pq, pk, v, lc, **kw)
     assert all(torch.isfinite(t).all() for t in res + grads)
@@ -117,18 +117,34 @@ def test_recomputed_rows_match_naive_with_gradients(Lq, Lk, off, causal, nothing
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_rows_beyond_the_capacity_are_nan_not_wrong(causal, nothing_certified, monkeypatch):
-    """Failing rows beyond the capacity are NaN (loud), never a silently inaccurate value;
-    every other row is exact."""
+    """With the sync-free schedule, failing rows beyond the capacity are NaN (loud), never a
+    silently inaccurate value; every other row is exact."""
     monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 8)
     monkeypatch.setattr(fftmod, "recompute_capacity", lambda *a, **k: (5, 2))
     pq, pk, v, lc = (t.detach() for t in _inputs(2, 3, 60, 60))
-    got = kernelized_num_den_fft(pq, pk, v, lc, causal=causal)
+    with fftmod.static_schedule():
+        got = kernelized_num_den_fft(pq, pk, v, lc, causal=causal)
     want = kernelized_num_den_naive(pq, pk, v, lc, causal=causal)
     lost = got[1].isnan()  # (B, H, Lq)
     assert bool(lost.any()) and bool((lost.sum(-1) <= 60 - 5).all())
     assert torch.equal(got[0].isnan().any(-1), lost) and torch.equal(got[0].isnan().all(-1), lost)
     for a, b in zip(got[:2], want[:2]):
         assert_close(a[~lost], b[~lost])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_eager_mode_recomputes_every_failing_row_with_gradients(causal, nothing_certified, monkeypatch):
+    """Outside `static_schedule()`, rows beyond the capacity are recomputed too (one host sync):
+    output and every gradient equal the naive op, no NaN."""
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 8)
+    monkeypatch.setattr(fftmod, "recompute_capacity", lambda *a, **k: (5, 2))
+    pq, pk, v, lc = _inputs(2, 3, 60, 47)
+    kw = dict(causal=causal, key_padding_mask=_padding(2, 47))
+    got, want = kernelized_num_den_fft(pq, pk, v, lc, **kw), kernelized_num_den_naive(pq, pk, v, lc, **kw)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    for a, b in zip(torch.autograd.grad(_loss(got), [pq, pk, v, lc]), torch.autograd.grad(_loss(want), [pq, pk, v, lc])):
+        assert_close(a, b)
 
 
 def test_recomputation_is_causal(nothing_certified, monkeypatch):

@@ -13,10 +13,17 @@ whose own largest coefficient is far below the product's — are recomputed dens
 exactly from their own materialized coefficients. How many fail is not known before the
 call; a fixed number per (batch, head), from shapes (`plan.recompute_capacity`), is
 recomputed: the first failing rows in index order (so that, causally, whether a row is
-recomputed depends only on earlier rows). Rows that fail beyond that capacity are set to
-NaN: nothing silently wrong, and no host synchronization to decide it.
+recomputed depends only on earlier rows).
+
+Rows that fail beyond that capacity (tables whose values swing by tens of nats across
+offsets: a ±30 random walk at L = 4,096 fails most rows) are, in eager mode, recomputed
+exactly as well, at the price of one host synchronization per call to learn how many there
+are. Under `torch.compile`, during CUDA-graph capture, or inside `static_schedule()` the
+schedule stays fixed and sync-free, and such rows are set to NaN: loud, never silently wrong.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -26,6 +33,27 @@ from .scale import MAX_RESCALE_NATS
 
 #: the promise: each row's `num/den` within this relative error of the exact value
 ROW_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+_STATIC = [False]
+
+
+@contextmanager
+def static_schedule():
+    """Within this block the FFT path makes no host synchronization at all: rows it cannot
+    certify beyond the fixed recompute capacity come back NaN instead of being recomputed
+    (what `torch.compile` and CUDA graphs always get)."""
+    prev, _STATIC[0] = _STATIC[0], True
+    try:
+        yield
+    finally:
+        _STATIC[0] = prev
+
+
+def _may_sync(y: Tensor) -> bool:
+    """Eager mode outside `static_schedule()`: one host sync to recompute every failing row."""
+    if _STATIC[0] or torch.compiler.is_compiling():
+        return False
+    return not (y.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def untrusted_rows(y: Tensor, err: Tensor, lc: Tensor, scale: Tensor) -> Tensor:
@@ -72,8 +100,25 @@ def certify_rows(y: Tensor, err: Tensor, phi_q: Tensor, phi_k: Tensor, vv: Tenso
         key, idx = rank.topk(capacity, dim=-1, sorted=True)  # (B, H, K)
         chosen = key > 0
         done = torch.zeros_like(bad).scatter(2, idx, chosen)
+    y = _recompute(y, idx, chosen, phi_q, phi_k, vv, lc, scale, chunk)
+    over = bad & ~done
+    if _may_sync(y):
+        n = int(over.sum(-1).amax())  # the one host sync: how many rows the capacity missed
+        if n:
+            with torch.no_grad():
+                key2, idx2 = torch.where(over, Lq - torch.arange(Lq, device=y.device), 0).topk(n, dim=-1)
+            y = _recompute(y, idx2, key2 > 0, phi_q, phi_k, vv, lc, scale, chunk)
+            over = torch.zeros_like(over)
+    y = torch.where(over[..., None], torch.full_like(y, float("nan")), y)
+    return torch.where(empty[None, :, :, None], torch.zeros_like(y), y)
+
+
+def _recompute(y: Tensor, idx: Tensor, chosen: Tensor, phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor,
+               scale: Tensor, chunk: int) -> Tensor:
+    """`y` with rows `idx: [B, H, K]` (where `chosen`) replaced by their exact values."""
+    C = y.shape[-1]
     parts = []
-    for s in range(0, capacity, chunk):  # a static loop: sizes come from shapes
+    for s in range(0, idx.shape[-1], chunk):  # a static loop: sizes come from shapes
         args = (phi_q, phi_k, vv, lc, scale, idx[..., s:s + chunk])
         if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
             # recomputed in backward: the [B, H, chunk, Lk] weights are not kept
@@ -82,6 +127,4 @@ def certify_rows(y: Tensor, err: Tensor, phi_q: Tensor, phi_k: Tensor, vv: Tenso
             parts.append(_exact_rows(*args))
     exact = torch.cat(parts, dim=2)  # (B, H, K, C)
     ie = idx[..., None].expand(-1, -1, -1, C)
-    y = y.scatter(2, ie, torch.where(chosen[..., None], exact, y.gather(2, ie)))
-    y = torch.where((bad & ~done)[..., None], torch.full_like(y, float("nan")), y)
-    return torch.where(empty[None, :, :, None], torch.zeros_like(y), y)
+    return y.scatter(2, ie, torch.where(chosen[..., None], exact, y.gather(2, ie)))
