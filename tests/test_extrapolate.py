@@ -139,7 +139,9 @@ def test_sigint_stops_with_one_line_and_keeps_the_finished_row(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "fastrpe.cli.main", "extrapolate", *TINY, "--positions", "none,alibi,t5",
            "--steps", "200", "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell's background job inherits SIGINT ignored (and Python then keeps ignoring it): restore it
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 120  # start-up is slow on a loaded machine
         while not any((out / "rows").glob("*.json")) and proc.poll() is None and time.time() < deadline:
