@@ -121,7 +121,7 @@ FULL = _full_matrix()
 
 def test_full_matrix_covers_every_map_and_1d_backend():
     assert {k for k, *_ in FULL} == set(MAPS)
-    assert {b for _, b, *_ in FULL} == {"dense", "sdpa", "fft", "chunked", "prefix", "soe"}
+    assert {b for _, b, *_ in FULL} == {"dense", "sdpa", "fft", "chunked", "prefix", "bidirectional", "soe"}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastrpe.ops.fastrpb.grid import fastrpb2d_fft, fastrpb2d_naive
+from fastrpe.ops.fastrpb.grid import fastrpb2d_fft
+from fastrpe.ops.fastrpb.naive import fastrpb2d_naive
 from fastrpe.ops.kernelized import FastRPB2DTerm, add_fastrpb
-from fastrpe.ops.linear.grid import (grid_fft_block_size, kernelized_num_den_grid_fft,
-                                     kernelized_num_den_grid_naive)
-from fastrpe.ops.linear.naive import kernelized_num_den_naive
+from fastrpe.ops.linear.grid import grid_fft_block_size, kernelized_num_den_grid_fft
+from fastrpe.ops.linear.naive import kernelized_num_den_grid_naive, kernelized_num_den_naive
 from fastrpe.ops.softmax.flex import flex_available, softmax_attention_flex
 from fastrpe.ops.softmax.naive import softmax_attention_naive
-from fastrpe.ops.toeplitz.fft2d import fft_good_size, toeplitz2d_matmul_fft, toeplitz2d_matmul_naive
+from fastrpe.ops.toeplitz.fft2d import fft_good_size, toeplitz2d_matmul_fft
+from fastrpe.ops.toeplitz.naive import toeplitz2d_matmul_naive
 from fastrpe.positions.grid import FastRPB2D, GridPosition, GridTerm, Table2D
 from fastrpe.testing import assert_close, assert_lowp_close
 

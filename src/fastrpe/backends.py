@@ -279,6 +279,30 @@ class PrefixBackend(Backend):
         return _kernelized(q, k, v, p, kpm, kops.num_den_prefix, None)
 
 
+class BidirectionalBackend(Backend):
+    """Non-causal kernelized attention without a multiplicative positional term in linear time:
+    one `[F, Dv]` key summary (Katharopoulos et al. 2020; Scaleformer's bidirectional case).
+    Additive terms (Shaw, FastRPB) ride on the composition as everywhere."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        r = _kernel_kind_reasons(p, want_softmax=False)
+        if p.causal:
+            r.append("non-causal only (chunked and prefix are the causal forms)")
+        if p.position is not None:
+            r.append(f"runs without a multiplicative positional term, got {type(p.position).__name__}")
+        return r + _grid_reasons(p) + _running_max_reasons(p)
+
+    def cost(self, p: Problem) -> Cost:
+        C, F = p.Dv + 1, p.F
+        flops = 2 * p.B * p.H * (p.Lq + p.Lk) * F * C * (3 if p.requires_grad else 1)
+        mem = p.B * p.H * (F * C + p.Lq * C) * p.bytes_per_el * (2 if p.requires_grad else 1)
+        moved = p.B * p.H * (p.Lq + p.Lk) * (F + C) * p.bytes_per_el * (3 if p.requires_grad else 1)
+        return Cost(machine_time(p.device, flops, moved, calls=4), mem)
+
+    def run(self, q, k, v, p, kpm):
+        return _kernelized(q, k, v, p, kpm, kops.num_den_bidirectional, None)
+
+
 class GridFFTBackend(Backend):
     """Kernelized attention over an image grid: the 2D offset table applied by a 2D FFT
     (Toeplitz-block-Toeplitz), class token added exactly."""
@@ -352,6 +376,7 @@ for _b in (
     FFTBackend("fft", description="kernelized, Toeplitz RPE by FFT in channel blocks"),
     ChunkedBackend("chunked", description="causal kernelized, geometric decay, linear time"),
     PrefixBackend("prefix", description="causal kernelized by cumulative sums (Scaleformer), baseline"),
+    BidirectionalBackend("bidirectional", description="non-causal kernelized, no multiplicative term, linear time"),
     GridFFTBackend("grid_fft", description="kernelized over an image grid, 2D table by 2D FFT"),
     SoEBackend("soe", exact=False, description="causal kernelized, any decaying term, linear time (approximate)"),
 ):

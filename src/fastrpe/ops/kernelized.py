@@ -45,13 +45,16 @@ from torch import Tensor
 from .._validate import warn_underflowed_rows
 from .common import safe_divide
 from .fastrpb.fft import fastrpb_fft
-from .fastrpb.grid import fastrpb2d_fft, fastrpb2d_naive
+from .fastrpb.grid import fastrpb2d_fft
+from .fastrpb.naive import fastrpb2d_naive
 from .fastrpb.naive import fastrpb_naive
 from .linear.band import kernelized_num_den_band
 from .linear.chunked import kernelized_num_den_chunked
 from .linear.fft import kernelized_num_den_fft
-from .linear.grid import kernelized_num_den_grid_fft, kernelized_num_den_grid_naive
+from .linear.grid import kernelized_num_den_grid_fft
+from .linear.naive import kernelized_num_den_grid_naive
 from .linear.naive import kernelized_num_den_naive
+from .linear.bidirectional import kernelized_num_den_bidirectional
 from .linear.prefix import kernelized_num_den_prefix
 from .linear.soe import SoEPlan, kernelized_num_den_soe
 from .shaw.linear import shaw_num_den_linear
@@ -59,7 +62,7 @@ from .shaw.naive import shaw_logits, shaw_num_den_naive
 
 __all__ = ["NumDen", "GridCoefficients", "BandCoefficients", "num_den_band", "FastRPB1DTerm", "FastRPB2DTerm", "kernelized_attention",
            "add_fastrpb", "shaw_logit_bias", "num_den_dense", "num_den_fft", "num_den_chunked",
-           "num_den_prefix", "num_den_soe", "num_den_grid_dense", "num_den_grid_fft"]
+           "num_den_prefix", "num_den_bidirectional", "num_den_soe", "num_den_grid_dense", "num_den_grid_fft"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +143,16 @@ def num_den_prefix(phi_q, phi_k, v, coeffs: None, *, causal, q_offset, key_paddi
     if coeffs is not None:
         raise ValueError("prefix: runs without a positional term (coeffs must be None)")
     return kernelized_num_den_prefix(phi_q, phi_k, v, q_offset=q_offset, key_padding_mask=key_padding_mask)
+
+
+def num_den_bidirectional(phi_q, phi_k, v, coeffs: None, *, causal, q_offset, key_padding_mask, key_log_scale=None):
+    """Non-causal, no positional term: one `[F, Dv]` key summary (Katharopoulos et al. 2020)."""
+    if causal:
+        raise ValueError("bidirectional: non-causal only (prefix and chunked are the causal forms)")
+    _no_key_scale("bidirectional", key_log_scale)
+    if coeffs is not None:
+        raise ValueError("bidirectional: runs without a positional term (coeffs must be None)")
+    return kernelized_num_den_bidirectional(phi_q, phi_k, v, key_padding_mask=key_padding_mask)
 
 
 def num_den_soe(phi_q, phi_k, v, coeffs: SoEPlan, *, causal, q_offset, key_padding_mask, key_log_scale=None):

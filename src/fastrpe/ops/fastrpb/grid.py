@@ -1,5 +1,5 @@
-"""FastRPB's additive 2D term `W·v` on an image grid, with a separable W: naive reference
-and the fast form.
+"""FastRPB's additive 2D term `W·v` on an image grid, with a separable W, without
+materializing W (the reference is `naive.fastrpb2d_naive`).
 
 "FastRPB: a Scalable Relative Positional Encoding for Long Sequence Tasks" (ICLR 2022
 submission): between patches `W_ij = w_row(Δrow) + w_col(Δcol)` (Δ = key − query); with a
@@ -21,50 +21,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, materialize_grid
+from ..common import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS
 from ..toeplitz.fft import fft_dtype_for, toeplitz_matmul_fft
-
-
-def _check(w_row: Tensor, w_col: Tensor, v: Tensor, grid, w_cls: Tensor | None) -> tuple[int, int]:
-    Hg, Wg = check_grid(grid)
-    N = Hg * Wg + (w_cls is not None)
-    if v.dim() != 4 or v.shape[2] != N:
-        raise ValueError(f"v must be [B, H, N = {N}, Dv] for grid {(Hg, Wg)}"
-                         f"{' + class token' if w_cls is not None else ''}, got {list(v.shape)}")
-    H = v.shape[1]
-    for name, t, n in (("w_row", w_row, 2 * Hg - 1), ("w_col", w_col, 2 * Wg - 1), ("w_cls", w_cls, 3)):
-        if t is not None and tuple(t.shape) != (H, n):
-            raise ValueError(f"{name} must be [H, {n}] = {[H, n]}, got {list(t.shape)}")
-    return Hg, Wg
-
-
-def fastrpb2d_matrix(w_row: Tensor, w_col: Tensor, grid, w_cls: Tensor | None = None) -> Tensor:
-    """`[H, N, N]` dense W: `w_row(Δrow) + w_col(Δcol)` between patches, `w_cls` entries for the class token."""
-    table = w_row[:, :, None] + w_col[:, None, :]  # (H, 2Hg-1, 2Wg-1)
-    return materialize_grid(table, grid, w_cls)
-
-
-def fastrpb2d_naive(w_row: Tensor, w_col: Tensor, v: Tensor, grid, w_cls: Tensor | None = None) -> Tensor:
-    """`W·v` by materializing W (the reference).
-
-    Args:
-        w_row: `[H, 2Hg-1]`, `w(Δrow)` at `Δrow + Hg - 1`; w_col: `[H, 2Wg-1]`, `w(Δcol)` at `Δcol + Wg - 1`.
-        v: `[B, H, N, Dv]`, `N = Hg·Wg` (+1 with a class token at index 0), patches row-major.
-        grid: `(Hg, Wg)`.
-        w_cls: `[H, 3]` class-token entries (cls → patch, patch → cls, cls → cls), or None.
-
-    Returns:
-        `[B, H, N, Dv]`, not normalized.
-    """
-    _check(w_row, w_col, v, grid, w_cls)
-    return fastrpb2d_matrix(w_row, w_col, grid, w_cls).to(v.dtype) @ v
+from .naive import check_fastrpb2d_inputs
 
 
 def fastrpb2d_fft(w_row: Tensor, w_col: Tensor, v: Tensor, grid, w_cls: Tensor | None = None) -> Tensor:
     """Same signature and result as `fastrpb2d_naive`, without materializing W: row and
     column sums, two 1D Toeplitz products by FFT (float32, or float64 for float64 inputs),
     and the class token's row and column added exactly."""
-    Hg, Wg = _check(w_row, w_col, v, grid, w_cls)
+    Hg, Wg = check_fastrpb2d_inputs(w_row, w_col, v, grid, w_cls)
     dt = fft_dtype_for(v.dtype)
     x = v.to(dt)
     ncls = int(w_cls is not None)

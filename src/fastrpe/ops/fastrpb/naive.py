@@ -1,4 +1,5 @@
-"""FastRPB's additive term `W·v` with `W_ij = w(j - i)`, by materializing W (the reference).
+"""FastRPB's additive term `W·v` by materializing W (the references of `fft.py` and
+`grid.py`): 1D `W_ij = w(j - i)`; 2D on a grid `W_ij = w_row(Δrow) + w_col(Δcol)`.
 
 "FastRPB: a Scalable Relative Positional Encoding for Long Sequence Tasks" (Zubkov &
 Gavrilov, ICLR 2022 submission): `Y = Attention(Q, K, V) + W·V`, W a learned Toeplitz
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..common import causal_offset_mask
+from ..common import causal_offset_mask, check_grid, materialize_grid
 from ..toeplitz.naive import toeplitz_matmul_naive
 
 
@@ -38,3 +39,38 @@ def fastrpb_naive(w_coeff: Tensor, v: Tensor, Lq: int, *, causal: bool = False, 
     if causal:
         w_coeff = w_coeff * causal_offset_mask(Lq, v.shape[2], q_offset, device=w_coeff.device).to(w_coeff.dtype)
     return toeplitz_matmul_naive(w_coeff, v, Lq)
+
+
+def check_fastrpb2d_inputs(w_row: Tensor, w_col: Tensor, v: Tensor, grid, w_cls: Tensor | None) -> tuple[int, int]:
+    Hg, Wg = check_grid(grid)
+    N = Hg * Wg + (w_cls is not None)
+    if v.dim() != 4 or v.shape[2] != N:
+        raise ValueError(f"v must be [B, H, N = {N}, Dv] for grid {(Hg, Wg)}"
+                         f"{' + class token' if w_cls is not None else ''}, got {list(v.shape)}")
+    H = v.shape[1]
+    for name, t, n in (("w_row", w_row, 2 * Hg - 1), ("w_col", w_col, 2 * Wg - 1), ("w_cls", w_cls, 3)):
+        if t is not None and tuple(t.shape) != (H, n):
+            raise ValueError(f"{name} must be [H, {n}] = {[H, n]}, got {list(t.shape)}")
+    return Hg, Wg
+
+
+def fastrpb2d_matrix(w_row: Tensor, w_col: Tensor, grid, w_cls: Tensor | None = None) -> Tensor:
+    """`[H, N, N]` dense W: `w_row(Δrow) + w_col(Δcol)` between patches, `w_cls` entries for the class token."""
+    table = w_row[:, :, None] + w_col[:, None, :]  # (H, 2Hg-1, 2Wg-1)
+    return materialize_grid(table, grid, w_cls)
+
+
+def fastrpb2d_naive(w_row: Tensor, w_col: Tensor, v: Tensor, grid, w_cls: Tensor | None = None) -> Tensor:
+    """`W·v` by materializing W (the reference).
+
+    Args:
+        w_row: `[H, 2Hg-1]`, `w(Δrow)` at `Δrow + Hg - 1`; w_col: `[H, 2Wg-1]`, `w(Δcol)` at `Δcol + Wg - 1`.
+        v: `[B, H, N, Dv]`, `N = Hg·Wg` (+1 with a class token at index 0), patches row-major.
+        grid: `(Hg, Wg)`.
+        w_cls: `[H, 3]` class-token entries (cls → patch, patch → cls, cls → cls), or None.
+
+    Returns:
+        `[B, H, N, Dv]`, not normalized.
+    """
+    check_fastrpb2d_inputs(w_row, w_col, v, grid, w_cls)
+    return fastrpb2d_matrix(w_row, w_col, grid, w_cls).to(v.dtype) @ v

@@ -1,4 +1,5 @@
-"""Kernelized attention with a 2D RPE on an image grid: naive reference and 2D FFT.
+"""Kernelized attention with a 2D RPE on an image grid by 2D FFT (the naive reference is
+`naive.kernelized_num_den_grid_naive`).
 
 Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Positional
 Encoding" (NeurIPS 2021), Eq. 10 with a 2D table:
@@ -22,74 +23,12 @@ import math
 import torch
 from torch import Tensor
 
-from ..common import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, finite_max, materialize_grid
+from ..common import CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid
 from ..toeplitz.fft import fft_dtype_for
 from ..toeplitz.fft2d import apply_spectrum2d, fft2d_size, table_spectrum
+from .naive import check_grid_num_den_inputs, grid_head_max
 
 DEFAULT_BUDGET = 512 << 20
-
-
-def _check(phi_q: Tensor, phi_k: Tensor, v: Tensor, table: Tensor, grid, cls_coeff: Tensor | None):
-    Hg, Wg = check_grid(grid)
-    N = Hg * Wg + (cls_coeff is not None)
-    B, H = phi_q.shape[:2]
-    if phi_q.shape[2] != N or phi_k.shape[2] != N or v.shape[2] != N:
-        raise ValueError(
-            f"grid {(Hg, Wg)}{' + class token' if cls_coeff is not None else ''} needs N = {N} queries and keys "
-            f"(self-attention); got Lq={phi_q.shape[2]}, Lk={phi_k.shape[2]}, Lv={v.shape[2]}")
-    if tuple(table.shape) != (H, 2 * Hg - 1, 2 * Wg - 1):
-        raise ValueError(f"table must be [H, 2Hg-1, 2Wg-1] = {[H, 2 * Hg - 1, 2 * Wg - 1]}, got {list(table.shape)}")
-    if cls_coeff is not None and tuple(cls_coeff.shape) != (H, 3):
-        raise ValueError(f"cls_coeff must be [H, 3] = {[H, 3]}, got {list(cls_coeff.shape)}")
-    return Hg, Wg, N
-
-
-def _head_max(table: Tensor, cls_coeff: Tensor | None) -> Tensor:
-    """`[H, 1]`: per-head largest finite log-coefficient (table and class entries), 0 if none."""
-    flat = table.flatten(1)
-    if cls_coeff is not None:
-        flat = torch.cat([flat, cls_coeff.to(flat.dtype)], dim=1)
-    return finite_max(flat)
-
-
-def kernelized_num_den_grid_naive(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    table: Tensor,
-    grid,
-    cls_coeff: Tensor | None = None,
-    *,
-    key_padding_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Numerator and denominator of kernelized attention with a 2D RPE, by materializing
-    the `[N, N]` weights (the reference).
-
-    Args:
-        phi_q: `[B, H, N, F]` query features; phi_k: `[B, H, N, F]` key features.
-        v: `[B, H, N, Dv]` values. `N = Hg·Wg`, plus one if `cls_coeff` is given
-            (the class token is index 0, patches follow row-major).
-        table: `[H, 2Hg-1, 2Wg-1]` log-coefficients `b_h(Δrow, Δcol)` at
-            `[Δrow + Hg - 1, Δcol + Wg - 1]` (Δ = key − query); `-inf` allowed.
-        grid: `(Hg, Wg)`.
-        cls_coeff: `[H, 3]` class-token log-coefficients (cls → patch, patch → cls,
-            cls → cls), or None for no class token.
-        key_padding_mask: `[B, N]` bool, True marks padding keys (ignored).
-
-    Returns:
-        `num: [B, H, N, Dv]`, `den: [B, H, N]` and `log_scale: [H, N]`: the true numerator
-        is `num·exp(log_scale)` (a per-head maximum is taken out before `exp`); `out = num / den`.
-    """
-    _check(phi_q, phi_k, v, table, grid, cls_coeff)
-    a = torch.einsum("bhif,bhjf->bhij", phi_q, phi_k)  # (B, H, N, N)
-    lb = materialize_grid(table.to(a.dtype), grid, None if cls_coeff is None else cls_coeff.to(a.dtype))
-    m = _head_max(lb, None)  # (H, 1)
-    a = a * torch.exp(lb - m[..., None])  # (B, H, N, N)
-    if key_padding_mask is not None:
-        a = a.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    num = a @ v.to(a.dtype)
-    den = a.sum(-1)
-    return num, den, m.expand(table.shape[0], a.shape[-1])
 
 
 def _bytes_per_feature(B: int, H: int, grid, Dv: int, el: int) -> int:
@@ -211,7 +150,7 @@ def kernelized_num_den_grid_fft(
         `num: [B, H, N, Dv]`, `den: [B, H, N]` and `log_scale: [H, N]` (true values are
         `num·exp(log_scale)`), in float32 (float64 for float64 inputs).
     """
-    Hg, Wg, N = _check(phi_q, phi_k, v, table, grid, cls_coeff)
+    Hg, Wg, N = check_grid_num_den_inputs(phi_q, phi_k, v, table, grid, cls_coeff)
     B, H, _, F = phi_q.shape
     Dv = v.shape[-1]
     dt = fft_dtype_for(phi_q.dtype)
@@ -221,7 +160,7 @@ def kernelized_num_den_grid_fft(
     vv = torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], dim=-1)  # (B, H, N, C)
     tb = table.to(dt)
     cc = None if cls_coeff is None else cls_coeff.to(dt)
-    m = _head_max(tb, cc)  # (H, 1): any per-head constant cancels in num / den
+    m = grid_head_max(tb, cc)  # (H, 1): any per-head constant cancels in num / den
     block = grid_fft_block_size(B, H, (Hg, Wg), F, Dv, dt, memory_budget_bytes)
     ncls = int(cc is not None)
     pq, pk, pv = phi_q[:, :, ncls:], phi_k[:, :, ncls:], vv[:, :, ncls:]  # patches only

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import causal_offset_mask, finite_max, toeplitz_index
+from ..common import causal_offset_mask, check_grid, finite_max, materialize_grid, toeplitz_index
 
 
 def kernelized_num_den_naive(
@@ -70,3 +70,66 @@ def kernelized_num_den_naive(
     num = a @ v.to(a.dtype)
     den = a.sum(-1)
     return num, den, m[..., 0]
+
+
+def check_grid_num_den_inputs(phi_q: Tensor, phi_k: Tensor, v: Tensor, table: Tensor, grid, cls_coeff: Tensor | None):
+    Hg, Wg = check_grid(grid)
+    N = Hg * Wg + (cls_coeff is not None)
+    B, H = phi_q.shape[:2]
+    if phi_q.shape[2] != N or phi_k.shape[2] != N or v.shape[2] != N:
+        raise ValueError(
+            f"grid {(Hg, Wg)}{' + class token' if cls_coeff is not None else ''} needs N = {N} queries and keys "
+            f"(self-attention); got Lq={phi_q.shape[2]}, Lk={phi_k.shape[2]}, Lv={v.shape[2]}")
+    if tuple(table.shape) != (H, 2 * Hg - 1, 2 * Wg - 1):
+        raise ValueError(f"table must be [H, 2Hg-1, 2Wg-1] = {[H, 2 * Hg - 1, 2 * Wg - 1]}, got {list(table.shape)}")
+    if cls_coeff is not None and tuple(cls_coeff.shape) != (H, 3):
+        raise ValueError(f"cls_coeff must be [H, 3] = {[H, 3]}, got {list(cls_coeff.shape)}")
+    return Hg, Wg, N
+
+
+def grid_head_max(table: Tensor, cls_coeff: Tensor | None) -> Tensor:
+    """`[H, 1]`: per-head largest finite log-coefficient (table and class entries), 0 if none."""
+    flat = table.flatten(1)
+    if cls_coeff is not None:
+        flat = torch.cat([flat, cls_coeff.to(flat.dtype)], dim=1)
+    return finite_max(flat)
+
+
+def kernelized_num_den_grid_naive(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    grid,
+    cls_coeff: Tensor | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Numerator and denominator of kernelized attention with a 2D RPE, by materializing
+    the `[N, N]` weights (the reference).
+
+    Args:
+        phi_q: `[B, H, N, F]` query features; phi_k: `[B, H, N, F]` key features.
+        v: `[B, H, N, Dv]` values. `N = Hg·Wg`, plus one if `cls_coeff` is given
+            (the class token is index 0, patches follow row-major).
+        table: `[H, 2Hg-1, 2Wg-1]` log-coefficients `b_h(Δrow, Δcol)` at
+            `[Δrow + Hg - 1, Δcol + Wg - 1]` (Δ = key − query); `-inf` allowed.
+        grid: `(Hg, Wg)`.
+        cls_coeff: `[H, 3]` class-token log-coefficients (cls → patch, patch → cls,
+            cls → cls), or None for no class token.
+        key_padding_mask: `[B, N]` bool, True marks padding keys (ignored).
+
+    Returns:
+        `num: [B, H, N, Dv]`, `den: [B, H, N]` and `log_scale: [H, N]`: the true numerator
+        is `num·exp(log_scale)` (a per-head maximum is taken out before `exp`); `out = num / den`.
+    """
+    check_grid_num_den_inputs(phi_q, phi_k, v, table, grid, cls_coeff)
+    a = torch.einsum("bhif,bhjf->bhij", phi_q, phi_k)  # (B, H, N, N)
+    lb = materialize_grid(table.to(a.dtype), grid, None if cls_coeff is None else cls_coeff.to(a.dtype))
+    m = grid_head_max(lb, None)  # (H, 1)
+    a = a * torch.exp(lb - m[..., None])  # (B, H, N, N)
+    if key_padding_mask is not None:
+        a = a.masked_fill(key_padding_mask[:, None, None, :], 0.0)
+    num = a @ v.to(a.dtype)
+    den = a.sum(-1)
+    return num, den, m.expand(table.shape[0], a.shape[-1])

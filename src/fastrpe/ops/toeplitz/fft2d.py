@@ -1,5 +1,5 @@
 """Toeplitz-block-Toeplitz matrix (a 2D relative-position table on a grid) times a batch
-of vectors: naive reference and 2D FFT.
+of vectors by 2D FFT (the naive reference is `naive.toeplitz2d_matmul_naive`).
 
 Notation: H heads, grid `(Hg, Wg)`, `P = Hg·Wg` patches flattened row-major, C channels,
 `(N1, N2)` FFT size. Table entry `[Δrow + Hg - 1, Δcol + Wg - 1]` is the coefficient of
@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import check_grid, grid_offset_index
+from ..common import check_grid
 from .fft import fft_dtype_for
+from .naive import check_grid_table
 
 
 def fft_good_size(n: int) -> int:
@@ -65,33 +66,6 @@ def apply_spectrum2d(tf: Tensor, x: Tensor, grid, size: tuple[int, int]) -> Tens
     return y[..., Hg - 1: 2 * Hg - 1, Wg - 1: 2 * Wg - 1]
 
 
-def _check(table: Tensor, x: Tensor, grid) -> tuple[int, int]:
-    Hg, Wg = check_grid(grid)
-    if table.shape[-2:] != (2 * Hg - 1, 2 * Wg - 1):
-        raise ValueError(f"table must be [.., H, {2 * Hg - 1}, {2 * Wg - 1}] for grid {(Hg, Wg)}, "
-                         f"got {list(table.shape)}")
-    if x.dim() != 4 or x.shape[2] != Hg * Wg:
-        raise ValueError(f"x must be [B, H, Hg·Wg = {Hg * Wg}, C], got {list(x.shape)}")
-    return Hg, Wg
-
-
-def toeplitz2d_matmul_naive(table: Tensor, x: Tensor, grid) -> Tensor:
-    """`y_(a,b) = Σ_(c,d) table[c-a+Hg-1, d-b+Wg-1]·x_(c,d)` by materializing the `[P, P]` matrix.
-
-    Args:
-        table: `[H, 2Hg-1, 2Wg-1]` (or `[B, H, 2Hg-1, 2Wg-1]`): offset `(Δrow, Δcol)` = key − query
-            at `[Δrow + Hg - 1, Δcol + Wg - 1]`.
-        x: `[B, H, Hg·Wg, C]`, patches row-major.
-        grid: `(Hg, Wg)`.
-
-    Returns:
-        `[B, H, Hg·Wg, C]`.
-    """
-    _check(table, x, grid)
-    dr, dc = grid_offset_index(grid, device=table.device)
-    return table[..., dr, dc].to(x.dtype) @ x  # (.., H, P, P) @ (B, H, P, C)
-
-
 def toeplitz2d_matmul_fft(table: Tensor, x: Tensor, grid, *, fft_dtype: torch.dtype | None = None) -> Tensor:
     """Same signature and result as `toeplitz2d_matmul_naive`, by a 2D real FFT in
     O(P log P) per channel.
@@ -105,7 +79,7 @@ def toeplitz2d_matmul_fft(table: Tensor, x: Tensor, grid, *, fft_dtype: torch.dt
     Returns:
         `[B, H, Hg·Wg, C]` in x's dtype.
     """
-    Hg, Wg = _check(table, x, grid)
+    Hg, Wg = check_grid_table(table, x, grid)
     dt = fft_dtype or fft_dtype_for(x.dtype)
     size = fft2d_size(grid)
     tf = table_spectrum(table.to(dt), size)
