@@ -27,6 +27,8 @@ def test_huge_norms_low_precision_stay_finite(kernel, dtype, causal):
     pos = P.KerpleLog(2)
     kern = fr.kernels.get_kernel(kernel, head_dim=16, num_features=8)
     backends = ["dense", "sdpa"] if kernel == "softmax" else ["dense", "fft"] + (["chunked"] if causal else [])
+    if causal and kernel == "exp":  # SIKF's causal running maximum runs on dense only (the others refuse, by design)
+        backends = ["dense"]
     for backend in backends:
         p = None if backend == "chunked" else pos
         out = fr.attention(q, k, v, kernel=kern, position=p, causal=causal, backend=backend)
