@@ -20,5 +20,7 @@ from .modeling import (  # noqa: E402,F401
 
 register()
 
+from .convert import convert  # noqa: E402,F401  (converting a pretrained transformers model)
+
 __all__ = ["FastRPEConfig", "FastRPEForCausalLM", "FastRPEForSequenceClassification", "FastRPEPreTrainedModel",
            "FastRPECache", "FastRPECacheLayer"]
