@@ -27,6 +27,33 @@ def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
+def group_size(group) -> int:
+    """Ranks in a context-parallel `group` (1 for None). Raises `FastRPEError` for anything
+    that is not a `torch.distributed` process group of an initialized world."""
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise FastRPEError("group: a process group needs torch.distributed initialized (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise FastRPEError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
+def global_offset(length: int, group, device) -> int:
+    """Global position of this rank's first token: the slice lengths of the ranks before it in
+    `group` (rank order is sequence order; one all-gather of the lengths)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    mine = torch.tensor([length], dtype=torch.int64,
+                        device=device if dist.get_backend(group) == "nccl" else "cpu")
+    lengths = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(lengths, mine, group=group)
+    return int(sum(int(t) for t in lengths[:dist.get_rank(group)]))
+
+
 class MultiheadAttention(nn.Module):
     """Multi-head attention with a relative positional term and any content kernel.
 
@@ -43,6 +70,11 @@ class MultiheadAttention(nn.Module):
         kdim, vdim: key/value input widths (default E).
         rotary: apply rotary embeddings to q and k (an absolute-position baseline).
         backend: passed to `fastrpe.attention` ("auto" by default).
+        group: a `torch.distributed` process group for context parallelism, or None. With more
+            than one rank, `forward` takes this rank's contiguous slice of the sequence (rank
+            order is sequence order) and returns its slice of the output: self-attention runs
+            through `fastrpe.distributed.attention` across the group, rotary positions are
+            the slice's global positions; projections and dropout are local.
 
     Unlike `torch.nn.MultiheadAttention`, `forward` returns only the output tensor.
 
@@ -55,7 +87,7 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, kernel="softmax", position=None, *, causal: bool = False,
                  dropout: float = 0.0, batch_first: bool = True, bias: bool = True, kdim: int | None = None,
-                 vdim: int | None = None, rotary: bool = False, backend: str = "auto"):
+                 vdim: int | None = None, rotary: bool = False, backend: str = "auto", group=None):
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
@@ -85,6 +117,17 @@ class MultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self.group = group
+
+    @property
+    def group(self):
+        """The context-parallel process group (None: the whole sequence is on this process)."""
+        return self._group
+
+    @group.setter
+    def group(self, group) -> None:
+        self._cp = group_size(group)
+        self._group = group
 
     @property
     def position(self):
@@ -102,6 +145,8 @@ class MultiheadAttention(nn.Module):
         return rearrange(x, "b l (h d) -> b h l d", h=self.num_heads)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, q_offset: int | None, key_padding_mask: Tensor | None) -> Tensor:
+        if self._cp > 1:
+            return self._attend_parallel(q, k, v, key_padding_mask)
         if self.rotary:
             Lq, Lk = q.shape[2], k.shape[2]
             off = q_offset if q_offset is not None else (Lk - Lq if self.causal and Lq < Lk else 0)
@@ -111,10 +156,29 @@ class MultiheadAttention(nn.Module):
                       key_padding_mask=key_padding_mask, backend=self.backend)  # (B, H, L, D)
         return self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
 
+    def _attend_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """`_attend` on this rank's slice of the sequence, across the context-parallel group."""
+        from .. import distributed
+
+        if self.rotary:
+            off = global_offset(q.shape[2], self.group, q.device)
+            pos = torch.arange(off, off + q.shape[2], device=q.device)
+            q, k = rotary(q, pos), rotary(k, pos)
+        o = distributed.attention(q, k, v, kernel=self.kernel, position=self.position, causal=self.causal,
+                                  key_padding_mask=key_padding_mask, backend=self.backend,
+                                  group=self.group)  # (B, H, L, D): this rank's rows
+        return self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
+
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 key_padding_mask: Tensor | None = None, q_offset: int | None = None) -> Tensor:
         """Args: `query: [B, L, E]`, `key`/`value: [B, S, kdim/vdim]` (default: query — self-attention),
         `key_padding_mask: [B, S]` bool (True = padding). Returns `[B, L, E]` (or `[L, B, E]`)."""
+        if self._cp > 1 and (key is not None or value is not None):
+            raise FastRPEError("MultiheadAttention: with a context-parallel group, only self-attention "
+                               "(key=None, value=None) is supported")
+        if self._cp > 1 and q_offset is not None:
+            raise FastRPEError("MultiheadAttention: q_offset must be None with a context-parallel group "
+                               "(each rank's slice is at its global position)")
         key = query if key is None else key
         value = key if value is None else value
         self._check_input(query, "query", self.embed_dim, "MultiheadAttention")
@@ -211,6 +275,9 @@ class MultiheadAttention(nn.Module):
         """
         if not self.causal:
             raise FastRPEError("step() decodes causal self-attention; this layer has causal=False")
+        if self._cp > 1:
+            raise FastRPEError("MultiheadAttention.step: decoding is not context-parallel; set group=None "
+                               "on a copy of the layer to decode")
         self._check_input(x, "x", self.embed_dim, "MultiheadAttention.step")
         if self.k_proj.in_features != self.embed_dim or self.v_proj.in_features != self.embed_dim:
             raise FastRPEError("MultiheadAttention.step: decodes self-attention, but this layer has kdim/vdim "

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import positions as P
+from .._validate import FastRPEError
 from ..kernels import FeatureMap, get_kernel
 from .attention import KVCache, LinearState, MultiheadAttention
 
@@ -94,21 +95,25 @@ class Block(nn.Module):
     `kernel`/`num_features` configure the self-attention, `cross_kernel`/`cross_num_features`
     the cross-attention (default: the same). Random feature maps are drawn from
     `layer_seed(seed, "self")` and `layer_seed(seed, "cross")`: give each block its own `seed`.
+    `group`: a context-parallel process group for the self-attention (see
+    `MultiheadAttention`); the norms and the MLP act on this rank's slice alone.
     """
 
     def __init__(self, dim: int, heads: int, *, kernel, position: str, causal: bool, cross: bool, dropout: float,
                  ff_mult: int, backend: str, max_len: int, cross_position: str | None = None,
                  num_features: int | None = None, cross_kernel=None, cross_num_features: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, group=None):
         super().__init__()
         hd = dim // heads
         self.ln1 = nn.LayerNorm(dim)
         kern = layer_kernel(kernel, hd, heads, num_features=num_features, seed=layer_seed(seed, "self"))
         self.attn = MultiheadAttention(
             dim, heads, kern, position_term(position, heads, causal=causal, max_len=max_len, kernel=kern, head_dim=hd),
-            causal=causal, dropout=dropout, rotary=position in ROTARY, backend=backend)
+            causal=causal, dropout=dropout, rotary=position in ROTARY, backend=backend, group=group)
         self.cross = None
         if cross:
+            if group is not None:
+                raise FastRPEError("Block: cross-attention is not context-parallel; group must be None")
             cp = position if cross_position is None else cross_position
             ck = layer_kernel(kernel if cross_kernel is None else cross_kernel, hd, heads,
                               num_features=num_features if cross_num_features is None else cross_num_features,

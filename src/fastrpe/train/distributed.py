@@ -17,6 +17,15 @@ Gradients are averaged by an explicit all-reduce after `backward` (bucketed, fla
 rather than by wrapping the model in `DistributedDataParallel`: the loop calls an arbitrary
 `loss_fn(model, batch)` that may use any method of the model, while DDP only synchronizes
 gradients of calls that go through its own `forward`.
+
+Context parallelism (`init_from_env(context_parallel=N)`): the world is DP × N ranks, rank
+`r = dp * N + cp`. The N ranks of a context-parallel (CP) group share the same rows of the
+batch; a model built with `info.cp_group` (`DecoderLM(cfg, group=...)`) computes one contiguous
+slice of every sequence on each of them, its attention running across the group. Each
+CP rank's gradient is its part of the gradient of the group's loss, so gradients are summed
+over the CP group and averaged over the DP groups: one all-reduce over the world divided by
+DP (`allreduce_gradients(params, replicas=info.dp_size)`), the same numbers as a sum within
+each CP group followed by a mean over DP, in one collective.
 """
 from __future__ import annotations
 
@@ -35,13 +44,18 @@ _BUCKET_BYTES = 32 * 2**20
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process stands: `rank` of `world_size`, its `local_rank` and `device`."""
+    """Where this process stands: `rank` of `world_size`, its `local_rank` and `device`; with
+    context parallelism, `context_parallel` ranks per sequence (`cp_rank` within `cp_group`) and
+    `dp_size` data-parallel replicas (`dp_rank` within `dp_group`)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
+    context_parallel: int = 1
+    cp_group: Any = field(default=None, compare=False, repr=False)
+    dp_group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +64,25 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def cp_rank(self) -> int:
+        """Position of this rank's slice in the sequence (0 .. context_parallel - 1)."""
+        return self.rank % self.context_parallel
+
+    @property
+    def dp_rank(self) -> int:
+        """Which rows of the global batch this rank's CP group takes (0 .. dp_size - 1)."""
+        return self.rank // self.context_parallel
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (world_size / context_parallel)."""
+        return self.world_size // self.context_parallel
+
+
+# the context-parallel layout made by init_from_env (current() reports it)
+_LAYOUT: dict[str, Any] = {}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -62,7 +95,8 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def init_from_env(backend: str | None = None, device: str | torch.device | None = None) -> DistInfo:
+def init_from_env(backend: str | None = None, device: str | torch.device | None = None, *,
+                  context_parallel: int = 1) -> DistInfo:
     """Join the process group that `torchrun` describes in the environment.
 
     Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (defaults 0, 1, 0: a plain `python script.py` is a
@@ -70,12 +104,24 @@ def init_from_env(backend: str | None = None, device: str | torch.device | None 
     `torch.distributed` (backend: "nccl" when CUDA is available, else "gloo"), and on CUDA
     selects device `cuda:LOCAL_RANK`.
 
+    Args:
+        context_parallel: N ranks per sequence (must divide `WORLD_SIZE`). With N > 1, makes
+            one process group per CP group (ranks `dp*N .. dp*N + N-1`) and per DP group (ranks
+            `cp, cp + N, ...`), on every rank in the same order as `new_group` requires.
+
     Returns:
-        `DistInfo(rank, world_size, local_rank, device, backend)`.
+        `DistInfo(rank, world_size, local_rank, device, backend, context_parallel, cp_group, dp_group)`.
     """
+    from .._validate import FastRPEError
+
     rank, world, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     if not (0 <= rank < world):
         raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise FastRPEError(f"context_parallel: must be an int >= 1, got {context_parallel!r}")
+    if world % context_parallel:
+        raise FastRPEError(f"context_parallel: {context_parallel} ranks per sequence do not divide the "
+                           f"{world} process(es) (WORLD_SIZE)")
     if device is None:
         device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     from .._validate import check_device
@@ -90,7 +136,30 @@ def init_from_env(backend: str | None = None, device: str | torch.device | None 
     if not dist.is_initialized():
         kw = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world, **kw)
-    return DistInfo(rank, world, local, device, dist.get_backend())
+    cp_group, dp_group = make_groups(context_parallel)
+    return DistInfo(rank, world, local, device, dist.get_backend(), context_parallel, cp_group, dp_group)
+
+
+def make_groups(context_parallel: int) -> tuple[Any, Any]:
+    """This rank's (CP group, DP group) for N = `context_parallel` ranks per sequence, in the
+    initialized world (rank `r = dp * N + cp`); `(None, None)` for N = 1. Every rank must call
+    it (each `new_group` is collective); `current()` reports the layout afterwards."""
+    _LAYOUT.clear()
+    if context_parallel == 1:
+        return None, None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n, dp = context_parallel, world // context_parallel
+    cp_group = dp_group = None
+    for d in range(dp):  # every rank creates every group, in the same order
+        g = dist.new_group([d * n + c for c in range(n)])
+        if rank // n == d:
+            cp_group = g
+    for c in range(n):
+        g = dist.new_group([d * n + c for d in range(dp)])
+        if rank % n == c:
+            dp_group = g
+    _LAYOUT.update(context_parallel=n, cp_group=cp_group, dp_group=dp_group, world=world)
+    return cp_group, dp_group
 
 
 def current() -> DistInfo:
@@ -99,13 +168,21 @@ def current() -> DistInfo:
         return DistInfo()
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0), device, backend)
+    world = dist.get_world_size()
+    layout = {k: v for k, v in _LAYOUT.items() if k != "world"} if _LAYOUT.get("world") == world else {}
+    return DistInfo(dist.get_rank(), world, _env_int("LOCAL_RANK", 0), device, backend, **layout)
 
 
 def cleanup() -> None:
-    """Leave the process group (if any)."""
+    """Leave the process group (if any), after a barrier: a rank that tore down its
+    connections while a peer was still finishing its last collective made that peer abort."""
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if dist.get_world_size() > 1:
+                dist.barrier()
+        finally:
+            _LAYOUT.clear()
+            dist.destroy_process_group()
 
 
 def barrier() -> None:
@@ -167,15 +244,18 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
                 t.data.copy_(buf)
 
 
-def allreduce_gradients(params: Iterable[nn.Parameter]) -> None:
-    """Average `.grad` over ranks, in flattened buckets of one dtype.
+def allreduce_gradients(params: Iterable[nn.Parameter], replicas: int | None = None) -> None:
+    """Sum `.grad` over ranks and divide by `replicas` (default: the world size, an average),
+    in flattened buckets of one dtype.
 
+    With context parallelism pass `replicas = dp_size`: the sum over a CP group is the
+    gradient of its sequences (each rank holds a part), the division averages over DP.
     A parameter without a gradient on every rank keeps `grad=None`; one with a gradient on
     some ranks only gets the average with zeros elsewhere, as DDP does.
     """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    world = dist.get_world_size()
+    world = dist.get_world_size() if replicas is None else replicas
     params = [p for p in params if p.requires_grad]
     dev = _comm_device()
     # which parameters have a gradient anywhere

@@ -380,6 +380,10 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
             or an iterable (re-iterated when exhausted, fast-forwarded on resume). A batch is
             a tensor or a tuple/list/dict of them with the batch in dimension 0; each rank
             takes its rows (`shard_batch`), then splits them into `grad_accum_steps` micro-batches.
+            With context parallelism (`init_from_env(context_parallel=N)`) the N ranks of a group
+            take the same rows; the model (built with the group) splits the sequences, and its
+            loss must be the group's loss with this rank's share of the gradient (as
+            `DecoderLM.loss` with a group is): gradients are summed over the group.
         config: a `TrainConfig`.
         eval_fn: `eval_fn(model) -> {"name": value}`, run every `config.eval_every` steps and at
             the end, on every rank, in eval mode under `torch.no_grad()`; logged by rank 0.
@@ -397,6 +401,9 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
     cfg = config
     info = D.current()
     rank, world = info.rank, info.world_size
+    # rows of the batch are split over the DP replicas; the ranks of one context-parallel
+    # group share their rows (the model splits the sequences)
+    replica, replicas = info.dp_rank, info.dp_size
     main = rank == 0
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -405,10 +412,10 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ValueError(f"TrainConfig: precision 'fp16' needs a CUDA device (the model is on {device}); "
                          "use 'bf16' or 'fp32'")
-    per_rank = cfg.batch_size // world if cfg.batch_size else 0
-    if cfg.batch_size and (cfg.batch_size % world or per_rank % cfg.grad_accum_steps):
-        raise ValueError(f"TrainConfig: batch_size {cfg.batch_size} must split evenly into {world} rank(s) "
-                         f"x {cfg.grad_accum_steps} micro-batch(es)")
+    per_rank = cfg.batch_size // replicas if cfg.batch_size else 0
+    if cfg.batch_size and (cfg.batch_size % replicas or per_rank % cfg.grad_accum_steps):
+        raise ValueError(f"TrainConfig: batch_size {cfg.batch_size} must split evenly into {replicas} "
+                         f"data-parallel rank(s) x {cfg.grad_accum_steps} micro-batch(es)")
 
     source = as_batch_source(train_batches)
     schedule = Schedule.from_config(cfg)
@@ -480,7 +487,7 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
         path = manager.path_for(step)
         if main:
             path = manager.save(step, model, opt, config=cfg, schedule=schedule, data={"step": step},
-                                scaler=scaler, rng=rngs, extra={"world_size": world})
+                                scaler=scaler, rng=rngs, extra={"world_size": world, "context_parallel": info.context_parallel})
         D.barrier()
         result.checkpoint = path
         for c in cbs:
@@ -510,7 +517,7 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
                 if first is not None and first.dim() and first.shape[0] != cfg.batch_size:
                     raise ValueError(f"train: batch {step} has {first.shape[0]} rows, config.batch_size is "
                                      f"{cfg.batch_size}")
-            local = D.shard_batch(batch, rank, world)
+            local = D.shard_batch(batch, replica, replicas)
             n_s, n_t = _count(local)
             samples += n_s
             tokens = None if (tokens is None or n_t is None) else tokens + n_t
@@ -525,7 +532,7 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
                 for k, v in metrics.items():
                     v = v.detach().to(acc_dtype).mean() if isinstance(v, Tensor) else float(v)
                     acc_metrics[k] = acc_metrics.get(k, 0.0) + v / cfg.grad_accum_steps
-            D.allreduce_gradients(params)
+            D.allreduce_gradients(params, replicas)
             scaler.unscale_(opt)
             if cfg.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -552,9 +559,10 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
                 dt = time.perf_counter() - t0
                 record = {"kind": "train", "step": done, "loss": vec[0], "lr": lr, "grad_norm": vec[1]}
                 record.update(zip(keys, vec[2:]))
-                record["samples_per_s"] = D.all_reduce_sum(samples) / dt
+                # the ranks of a CP group count the same rows and windows once each
+                record["samples_per_s"] = D.all_reduce_sum(samples) / info.context_parallel / dt
                 if tokens is not None:
-                    record["tokens_per_s"] = D.all_reduce_sum(tokens) / dt
+                    record["tokens_per_s"] = D.all_reduce_sum(tokens) / info.context_parallel / dt
                 record["elapsed_s"] = time.perf_counter() - t_start
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"train: loss is {record['loss']} at step {done}")
