@@ -1,0 +1,301 @@
+"""Context parallelism: attention over a sequence split across the ranks of a process group.
+
+    import fastrpe.distributed as frd
+    # every rank holds its contiguous slice of the sequence, rank order = sequence order
+    out = frd.attention(q, k, v, kernel="nprf", position=fr.positions.KerpleLog(H), causal=True)
+
+Built on `torch.distributed` (NCCL on GPU, gloo on CPU). The arguments and their meaning are
+`fastrpe.attention`'s; the call picks a distributed path from the same information as the
+single-process dispatcher (see `docs/DISTRIBUTED.md`):
+
+* `ring` (softmax): exact softmax with any 1D positional term, key/value blocks passed
+  around the ring, merged by log-sum-exp (`fastrpe.distributed.ring`);
+* `linear` (kernelized, where the single-process choice is a linear-time state path:
+  chunked geometric decay, soe, band, bidirectional): states passed between ranks
+  (`fastrpe.distributed.linear`);
+* `gather` (everything else 1D: arbitrary Toeplitz tables by FFT, additive terms): the key
+  side gathered from every rank, exact (`fastrpe.distributed.gather`).
+
+2D grid terms have no distributed form and are refused.
+
+Gradients: q, k and v get exactly the gradients of the single-process call (for their
+slice). The parameters of the kernel and positional terms get this rank's share: summed over
+the group (as data parallelism's all-reduce does) they equal the single-process gradient.
+Every rank must call `attention` (and backward) in the same order: they are collectives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._validate import FastRPEError
+
+__all__ = ["attention", "choose_path", "PATHS"]
+
+#: the distributed paths, in the order `auto` prefers them when several fit
+PATHS = ("ring", "linear", "gather")
+
+#: single-process backends whose computation the state-passing path reproduces
+_LINEAR_BACKENDS = {"chunked": "chunked", "triton_chunked": "chunked", "prefix": "chunked",
+                    "bidirectional": "bidirectional", "band": "band", "soe": "soe", "triton_soe": "soe"}
+
+#: numbers each rank contributes to the agreement check (see `_agree`)
+_META = 14
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _fingerprint(modules) -> tuple[float, float]:
+    """Two numbers that differ when ranks hold different parameters/buffers (say, random
+    features drawn from different seeds): they would give silently wrong sums."""
+    s1 = s2 = 0.0
+    with torch.no_grad():
+        for m in modules:
+            if not isinstance(m, torch.nn.Module):
+                continue
+            for t in list(m.parameters()) + list(m.buffers()):
+                if t.is_floating_point():
+                    t64 = t.detach().double()
+                    s1 += float(t64.sum())
+                    s2 += float((t64 * t64).sum())
+    return s1, s2
+
+
+def _structure(obj) -> str:
+    if obj is None or isinstance(obj, str):
+        return repr(obj)
+    extra = obj.extra_repr() if hasattr(obj, "extra_repr") else ""
+    return f"{type(obj).__qualname__}({extra})"
+
+
+@dataclasses.dataclass
+class _Call:
+    """What every rank agreed on: slice lengths and the global problem."""
+
+    rank: int
+    world: int
+    lengths: list[int]
+    problem: object  # dispatch.Problem for the whole sequence
+    has_mask: bool
+
+    @property
+    def offset(self) -> int:
+        return sum(self.lengths[: self.rank])
+
+
+def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale, backend, path, group) -> _Call:
+    """Check this rank's arguments, then check with one all-gather that every rank passed the
+    same call. Every rank raises together (a rank that raised alone would leave the others
+    waiting in the next collective)."""
+    from ..api import _problem
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local_error = None
+    p = None
+    try:
+        p, _ = _problem(q, k, v, kernel, position, causal, None, key_padding_mask, scale)
+        if q.shape[2] != k.shape[2]:
+            raise FastRPEError(f"k: each rank passes its slice of one sequence (self-attention), so q and k "
+                               f"have one length; got Lq={q.shape[2]}, Lk={k.shape[2]}")
+        if not isinstance(backend, str):
+            raise FastRPEError(f"backend must be a string, got {backend!r}")
+        if path not in ("auto", *PATHS):
+            raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
+    except FastRPEError as e:
+        local_error = e
+    dev = q.device if isinstance(q, Tensor) else torch.device("cpu")
+    if p is not None:
+        mods = [p.kernel, p.position, *p.additive]
+        fp = _fingerprint(mods)
+        sig = zlib.crc32("|".join([_structure(m) for m in mods] + [backend, path]).encode())
+        meta = [q.shape[2], 0, *q.shape[:2], q.shape[3], v.shape[3], _DTYPES.index(q.dtype) if q.dtype in _DTYPES
+                else 99, float(causal), float(key_padding_mask is not None), -1.0 if scale is None else float(scale),
+                float(sig), *fp, -1.0 if q_offset is None else float(q_offset)]
+    else:
+        meta = [0, 1] + [0.0] * (_META - 2)
+    assert len(meta) == _META
+    t = torch.tensor(meta, dtype=torch.float64, device=dev)
+    allm = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(allm, t, group=group)
+    allm = torch.stack(allm).cpu()  # (P, _META)
+    if local_error is not None:
+        raise local_error
+    bad = [int(r) for r in range(world) if allm[r, 1] != 0]
+    if bad:
+        raise FastRPEError(f"rank {bad[0]} rejected its arguments (its own error says why); nothing was computed")
+    lengths = [int(x) for x in allm[:, 0].tolist()]
+    names = {2: "B", 3: "H", 4: "D", 5: "Dv", 6: "dtype", 7: "causal", 9: "scale",
+             10: "kernel, position, backend or path", 11: "kernel/position parameters",
+             12: "kernel/position parameters"}
+    for col, what in names.items():
+        if not bool((allm[:, col] == allm[0, col]).all()):
+            vals = allm[:, col].tolist()
+            raise FastRPEError(f"group: every rank must pass the same {what}; ranks differ ({vals})")
+    off = sum(lengths[:rank])
+    if q_offset is not None and q_offset != off:
+        raise FastRPEError(f"q_offset: the distributed call places rank {rank}'s queries at its global offset "
+                           f"{off} (the sum of the earlier ranks' lengths); got q_offset={q_offset}")
+    has_mask = bool(allm[:, 8].any())
+    L = sum(lengths)
+    gp = dataclasses.replace(p, Lq=L, Lk=L, q_offset=0, has_padding_mask=has_mask)
+    return _Call(rank, world, lengths, gp, has_mask)
+
+
+def _grid_reason(p) -> str | None:
+    from ..positions.grid import GridTerm
+
+    grids = [type(t).__name__ for t in (p.position, *p.additive) if isinstance(t, GridTerm)]
+    if grids:
+        return (f"{grids[0]} is a 2D grid term: an image's patches have no distributed form here "
+                "(run it on one rank)")
+    return None
+
+
+def path_reasons(path: str, p, single_backend: str) -> list[str]:
+    """Why distributed path `path` cannot run the whole-sequence problem `p` whose
+    single-process backend is `single_backend` (empty: it can)."""
+    why = _grid_reason(p)
+    if why:
+        return [why]
+    if path == "gather":
+        return []
+    if path == "ring":
+        from .ring import ring_reasons
+
+        return ring_reasons(p)
+    if path == "linear":
+        kind = _LINEAR_BACKENDS.get(single_backend)
+        if kind is None:
+            return [f"the single-process backend is {single_backend!r}, not a state-passing one "
+                    f"({', '.join(sorted(_LINEAR_BACKENDS))})"]
+        try:
+            from . import linear
+        except ImportError:
+            return ["fastrpe.distributed.linear is not available"]
+        r = _linear_refusal(linear, kind, p)
+        return [r] if r else []
+    raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
+
+
+def _linear_refusal(linear, kind: str, p) -> str | None:
+    refusal = getattr(linear, "refusal", None)
+    if refusal is None or not hasattr(linear, "attention"):
+        return "fastrpe.distributed.linear has no attention entry point yet"
+    try:
+        return refusal(kind, p)
+    except TypeError:
+        return "fastrpe.distributed.linear.refusal does not take this problem yet"
+
+
+def choose_path(p, single_backend: str, path: str = "auto") -> str:
+    """The distributed path for the whole-sequence problem `p` (single-process backend
+    `single_backend`): the forced one if it fits, else the first of ring (softmax), linear
+    (state-passing backends), gather that fits. Raises `FastRPEError` with the reasons."""
+    if path != "auto":
+        r = path_reasons(path, p, single_backend)
+        if r:
+            raise FastRPEError(f"path={path!r} cannot run this call: " + "; ".join(r))
+        return path
+    refused = {}
+    for name in PATHS:
+        if name == "ring" and not p.softmax:
+            continue
+        if name == "linear" and p.softmax:
+            continue
+        r = path_reasons(name, p, single_backend)
+        if not r:
+            return name
+        refused[name] = r
+    raise FastRPEError("no distributed path runs this call: "
+                       + "; ".join(f"{k}: {', '.join(v)}" for k, v in refused.items()))
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kernel="softmax",
+    position=None,
+    *,
+    causal: bool = False,
+    q_offset: int | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    path: str = "auto",
+    group=None,
+) -> Tensor:
+    """`fastrpe.attention` over a sequence split across the ranks of `group`.
+
+    Args:
+        q: `[B, H, L_r, D]`, this rank's contiguous slice of the queries; rank order is
+            sequence order and slices may differ in length (every `L_r >= 1`).
+        k: `[B, H, L_r, D]` and v: `[B, H, L_r, Dv]`, this rank's slice of keys and values
+            (the same positions as q: self-attention).
+        kernel, position, causal, scale: as `fastrpe.attention`, over the whole sequence.
+        q_offset: None, or this rank's global offset (the sum of the earlier ranks' `L_r`);
+            anything else is refused.
+        key_padding_mask: `[B, L_r]` bool, True marks padding keys of this slice; ranks
+            without one count as no padding.
+        backend: as `fastrpe.attention`: "auto" or a single-process backend; it decides
+            what is computed (the distributed path reproduces that backend's numbers).
+        path: "auto" (ring for softmax, linear where the backend is a state-passing one,
+            gather otherwise), or "ring", "linear", "gather".
+        group: the process group (None: the default group). With no process group
+            initialized (and group None) or a group of one rank, this is `fastrpe.attention`.
+
+    Returns:
+        `[B, H, L_r, Dv]`, this rank's slice of the output, in q's dtype.
+    """
+    from ..api import attention as _attention
+
+    if not _initialized():
+        if group is not None:
+            raise FastRPEError("group: a process group was given but torch.distributed is not initialized")
+        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4 and k.dim() == 4 \
+                and q.shape[2] != k.shape[2]:
+            raise FastRPEError(f"k: each rank passes its slice of one sequence (self-attention), so q and k "
+                               f"have one length; got Lq={q.shape[2]}, Lk={k.shape[2]}")
+        if q_offset not in (None, 0):
+            raise FastRPEError(f"q_offset: a single process's slice starts at 0; got q_offset={q_offset}")
+        if path not in ("auto", *PATHS):
+            raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
+        return _attention(q, k, v, kernel, position, causal=causal, key_padding_mask=key_padding_mask,
+                          scale=scale, backend=backend)
+    call = _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale, backend, path, group)
+    if call.world == 1:
+        return _attention(q, k, v, kernel, position, causal=causal, key_padding_mask=key_padding_mask,
+                          scale=scale, backend=backend)
+    from ..dispatch import select_backend
+
+    p = call.problem
+    why = _grid_reason(p)
+    if why:
+        raise FastRPEError(f"position: {why}")
+    single = select_backend(p, backend).name  # the single-process semantics (and refusals) of `backend`
+    chosen = choose_path(p, single, path)
+    if chosen == "ring":
+        from .ring import ring_attention
+
+        return ring_attention(q, k, v, p, key_padding_mask=key_padding_mask, has_mask=call.has_mask,
+                              lengths=call.lengths, group=group)
+    if chosen == "linear":
+        from . import linear
+
+        return linear.attention(q, k, v, kernel=p.kernel, position=position, causal=causal,
+                                key_padding_mask=key_padding_mask, backend=single, group=group)
+    mask = key_padding_mask
+    if call.has_mask and mask is None:
+        mask = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    from .gather import gathered_attention
+
+    return gathered_attention(q, k, v, p.kernel, position, causal=causal, key_padding_mask=mask, scale=scale,
+                              backend=backend, lengths=call.lengths, group=group)

@@ -1,0 +1,120 @@
+"""The gathered path: exact context-parallel attention for any 1D term, by gathering keys.
+
+Every rank holds a contiguous slice of the sequence (rank order is sequence order; slices
+may differ in length). This path gathers the key side, `k` and `v` (and the key padding
+mask), from every rank with a differentiable all-gather, and runs the single-process
+`fastrpe.attention` for this rank's query rows against the gathered keys with
+`q_offset` = this rank's global offset. The single-process op is exact for every term
+(arbitrary Toeplitz tables by FFT, T5, KERPLE, Shaw, FastRPB), so this path is too: its
+output rows are the single-process rows, and its gradients flow back through the gather.
+
+Causal calls gather only what they may see: rank r keeps the keys of ranks 0..r, so a later
+rank's keys never enter an earlier rank's output (bit for bit).
+
+Communication, per rank per layer (B batch, H heads, L the whole sequence, D and Dv head
+widths, P ranks, `b` bytes per element):
+* forward: one all-gather of `k, v`: receives `B·H·(L − L_r)·(D + Dv)·b` bytes (plus the
+  `[B, L]` padding mask when there is one and a few numbers of metadata);
+* backward: one all-reduce of the `[B, H, L, D + Dv]` key-side gradient (gloo has no
+  reduce-scatter): `~2·B·H·L·(D + Dv)·b` bytes.
+So the volume grows with L, O(L·(D + Dv)) per rank, where the state-passing linear-time
+paths (`fastrpe.distributed.linear`) send one `[F, Dv + 1]` state per head, O(F·Dv),
+independent of L; and the compute per rank is the op on `[L_r, L]`, not `[L_r, L_r]`.
+Gathering `k, v` costs less than gathering the feature channels `φ(k)⊗[v, 1]`
+(`F·(Dv + 1)` per position) whenever `D + Dv < F·(Dv + 1)`, which is always.
+
+A better design, left for later: block-Toeplitz products between rank pairs. Rank s's keys
+contribute to rank r's rows through the `[L_r, L_s]` Toeplitz block `c(j − i)` with offsets
+`off_s − off_r − L_r + 1 .. off_s − off_r + L_s − 1`, which an FFT of length `L_r + L_s`
+applies to rank s's `F·(Dv + 1)` channels. Passing those channels around a ring (as the
+softmax ring passes `k, v`) needs memory for one block at a time instead of the whole
+gathered sequence, at `O(P)` FFTs of length ~`2L/P` per rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._validate import FastRPEError
+
+
+def group_info(group) -> tuple[int, int]:
+    """`(rank, world_size)` in `group` (the default group for None)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def seq_all_gather(x: Tensor, lengths: list[int], group) -> Tensor:
+    """Concatenate every rank's `[B, H, L_r, C]` slice along the sequence: `[B, H, L, C]`.
+    Differentiable: the backward sums every rank's gradient and keeps this rank's slice."""
+    return _SeqAllGather.apply(x, tuple(lengths), group)
+
+
+def _gather_padded(x: Tensor, lengths, group) -> list[Tensor]:
+    """All-gather along dim 2 with uneven lengths (padded to the longest: gloo wants equal sizes)."""
+    Lmax = max(lengths)
+    pad = Lmax - x.shape[2]
+    xp = x if pad == 0 else torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
+    xp = xp.contiguous()
+    bufs = [torch.empty_like(xp) for _ in lengths]
+    dist.all_gather(bufs, xp, group=group)
+    return [b[:, :, :n] for b, n in zip(bufs, lengths)]
+
+
+class _SeqAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lengths, group):
+        rank = dist.get_rank(group)
+        ctx.lengths, ctx.group = lengths, group
+        ctx.start = sum(lengths[:rank])
+        return torch.cat(_gather_padded(x, lengths, group), dim=2)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
+        n = ctx.lengths[dist.get_rank(ctx.group)]
+        return g[:, :, ctx.start:ctx.start + n], None, None
+
+
+def gather_mask(mask: Tensor | None, lengths: list[int], group) -> Tensor | None:
+    """`[B, L]` bool padding mask from every rank's `[B, L_r]` (None if no rank has one:
+    the caller has checked that all ranks agree)."""
+    if mask is None:
+        return None
+    m = mask.to(torch.uint8)[:, None, :, None]  # gloo has no bool collectives
+    return torch.cat(_gather_padded(m, lengths, group), dim=2)[:, 0, :, 0].bool()
+
+
+def gathered_attention(q: Tensor, k: Tensor, v: Tensor, kernel, position, *, causal: bool,
+                       key_padding_mask: Tensor | None, scale: float | None, backend: str,
+                       lengths: list[int], group) -> Tensor:
+    """This rank's rows of attention over the whole sequence, keys gathered from every rank.
+
+    Args:
+        q, k, v: this rank's slice, `[B, H, L_r, D]`, `[B, H, L_r, D]`, `[B, H, L_r, Dv]`.
+        kernel, position, scale: as `fastrpe.attention`.
+        causal: rank r sees the keys of ranks 0..r only (nothing later is even used).
+        key_padding_mask: `[B, L_r]` bool or None (None on every rank, or given on every rank).
+        backend: the single-process backend the rows run on ("auto" or a name).
+        lengths: every rank's `L_r`, in rank order; group: the process group.
+
+    Returns:
+        `[B, H, L_r, Dv]`, this rank's rows.
+    """
+    from ..api import attention as _attention
+
+    rank = dist.get_rank(group)
+    off = sum(lengths[:rank])
+    k_all = seq_all_gather(k, lengths, group)  # (B, H, L, D)
+    v_all = seq_all_gather(v, lengths, group)  # (B, H, L, Dv)
+    kpm = gather_mask(key_padding_mask, lengths, group)  # (B, L) or None
+    if causal:  # keys after this rank's last query are never seen
+        end = off + lengths[rank]
+        k_all, v_all = k_all[:, :, :end], v_all[:, :, :end]
+        kpm = None if kpm is None else kpm[:, :end]
+    try:
+        return _attention(q, k_all, v_all, kernel, position, causal=causal, q_offset=off, key_padding_mask=kpm,
+                          scale=scale, backend=backend)
+    except FastRPEError as e:
+        raise FastRPEError(f"distributed gather path, rank {rank} (rows {off}..{off + lengths[rank] - 1}): {e}") from None

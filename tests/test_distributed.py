@@ -1,0 +1,303 @@
+"""`fastrpe.distributed.attention` across 4 CPU processes (gloo) against the single-process call.
+
+One launch of 4 processes runs every multi-rank check (start-up is the slow part) and writes
+each check's largest error; the tests below read them. The processes run this file as a
+script (`python tests/test_distributed.py RANK WORLD INIT OUT CASES`), so nothing is pickled.
+The reference is the single-process `fastrpe.attention(..., backend="dense")` (materialized
+weights) on the whole sequence, computed on every rank from the same seed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastrpe as fr
+import fastrpe.distributed as frd
+from fastrpe import FastRPEError
+
+LENGTHS = (5, 17, 1, 40)  # uneven slices, one of length 1; total 63
+WORLD = len(LENGTHS)
+TOL = 1e-10  # float64
+
+
+# ------------------------------------------------------------------------------------------
+# the checks, run on every rank
+
+
+def _position(name: str, H: int, causal: bool):
+    g = torch.Generator().manual_seed(7)
+    if name == "none":
+        return None
+    pos = {
+        "alibi": lambda: fr.positions.ALiBi(H),
+        "kerple_log": lambda: fr.positions.KerpleLog(H),
+        "t5": lambda: fr.positions.T5Bias(H, num_buckets=8, max_distance=20, bidirectional=not causal),
+        "learned": lambda: fr.positions.LearnedTable(H, max_distance=70),
+        "bias_weight": lambda: fr.positions.KerpleBiasWeight(H),
+    }[name]()
+    with torch.no_grad():  # random parameter values, the same on every rank
+        for prm in pos.parameters():
+            prm.add_(0.3 * torch.randn(prm.shape, generator=g, dtype=prm.dtype))
+    return pos.double()
+
+
+def _kernel(name: str, D: int):
+    return fr.kernels.get_kernel(name, head_dim=D, num_features=12) if name != "softmax" else "softmax"
+
+
+def _compare(case: dict, rank: int, world: int) -> float:
+    """Largest |distributed − single-process| over the output, the grads of q, k, v and of the
+    positional parameters (summed over ranks), on this rank."""
+    import torch.distributed as dist
+
+    B, H, D, Dv = 2, 3, 8, 6
+    lengths = case.get("lengths", LENGTHS)
+    L, off, n = sum(lengths), sum(lengths[:rank]), lengths[rank]
+    causal = case["causal"]
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    q, k = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)
+    go = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)
+    mask = None
+    if case.get("mask"):
+        mask = torch.rand(B, L, generator=g) < 0.3
+        mask[:, 0] = False  # every causal row keeps a key
+    kernel = _kernel(case["kernel"], D)
+    pos_ref = _position(case["position"], H, causal)
+    pos = copy.deepcopy(pos_ref)
+
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = fr.attention(qr, kr, vr, kernel, pos_ref, causal=causal, key_padding_mask=mask, backend="dense")
+    (ref * go).sum().backward()
+
+    sl = slice(off, off + n)
+    ql, kl, vl = (t[:, :, sl].clone().requires_grad_() for t in (q, k, v))
+    out = frd.attention(ql, kl, vl, kernel, pos, causal=causal,
+                        key_padding_mask=None if mask is None else mask[:, sl], path=case["path"])
+    (out * go[:, :, sl]).sum().backward()
+    errs = [(out - ref[:, :, sl]).abs().max()]
+    for mine, theirs in ((ql, qr), (kl, kr), (vl, vr)):
+        errs.append((mine.grad - theirs.grad[:, :, sl]).abs().max())
+    if pos is not None:
+        for a, b in zip(pos.parameters(), pos_ref.parameters()):
+            ga = a.grad.clone() if a.grad is not None else torch.zeros_like(a)
+            dist.all_reduce(ga)  # every rank holds its share of the parameter gradient
+            gb = b.grad if b.grad is not None else torch.zeros_like(b)
+            errs.append((ga - gb).abs().max())
+    if not bool(torch.isfinite(torch.stack(errs)).all()):
+        return float("inf")
+    return float(torch.stack(errs).max())
+
+
+def _no_leak(case: dict, rank: int, world: int) -> float:
+    """Causal: new keys/values on the last rank leave every earlier rank's output bit-identical.
+    Returns 0 when identical on this rank (or this is the last rank), 1 otherwise."""
+    B, H, D, Dv = 1, 2, 8, 5
+    lengths = LENGTHS
+    off, n = sum(lengths[:rank]), lengths[rank]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, sum(lengths), d, generator=g, dtype=torch.float64) for d in (D, D, Dv))
+    sl = slice(off, off + n)
+    pos = _position(case["position"], H, True)
+    kernel = _kernel(case["kernel"], D)
+    a = frd.attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], kernel, pos, causal=True, path=case["path"])
+    if rank == world - 1:
+        k2, v2 = k[:, :, sl] * 3 + 1, -v[:, :, sl]
+    else:
+        k2, v2 = k[:, :, sl], v[:, :, sl]
+    b = frd.attention(q[:, :, sl], k2, v2, kernel, pos, causal=True, path=case["path"])
+    if rank == world - 1:
+        return 0.0 if not torch.equal(a, b) else 1.0  # the perturbation must matter somewhere
+    return 0.0 if torch.equal(a, b) else 1.0
+
+
+def _refusal(case: dict, rank: int, world: int) -> float:
+    """Calls every rank must refuse with a FastRPEError (and no rank left hanging)."""
+    q = torch.randn(1, 2, 3 + rank, 4, dtype=torch.float64)
+    kind = case["what"]
+    try:
+        if kind == "q_offset":
+            frd.attention(q, q, q, q_offset=5)
+        elif kind == "grid":
+            frd.attention(q, q, q, "elu", fr.positions.Table2D(2, (2, 2)))
+        elif kind == "one_rank_nan":
+            bad = q.clone()
+            if rank == 1:
+                bad[0, 0, 0, 0] = float("nan")
+            frd.attention(bad, q, q)
+        elif kind == "mixed_causal":
+            frd.attention(q, q, q, causal=rank == 2)
+        elif kind == "features_differ":
+            frd.attention(q, q, q, fr.kernels.get_kernel("prf", head_dim=4, seed=rank))
+        else:
+            raise AssertionError(kind)
+    except FastRPEError as e:
+        return 0.0 if str(e) and "\n" not in str(e) else 1.0
+    return 1.0
+
+
+def _world1_equal(case: dict, rank: int, world: int) -> float:
+    """A group of one rank (a subgroup) gives exactly `fastrpe.attention`."""
+    import torch.distributed as dist
+
+    sub = None
+    for r in range(world):  # every rank creates every subgroup, in the same order
+        grp = dist.new_group([r])
+        sub = grp if r == rank else sub
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = _position("kerple_log", 3, True)
+    a = frd.attention(q, k, v, "nprf", pos, causal=True, group=sub)
+    b = fr.attention(q, k, v, "nprf", pos, causal=True)
+    return 0.0 if torch.equal(a, b) else 1.0
+
+
+def _cases() -> dict[str, dict]:
+    cases = {}
+    for causal in (False, True):
+        c = "causal" if causal else "full"
+        for pos in ("alibi", "kerple_log", "t5", "none"):
+            cases[f"ring-{pos}-{c}"] = dict(fn="compare", kernel="softmax", position=pos, causal=causal, path="ring")
+        cases[f"ring-kerple_log-mask-{c}"] = dict(fn="compare", kernel="softmax", position="kerple_log",
+                                                  causal=causal, path="ring", mask=True)
+        cases[f"ring-bias_weight-{c}"] = dict(fn="compare", kernel="softmax", position="bias_weight",
+                                              causal=causal, path="ring")
+        cases[f"gather-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
+                                                    causal=causal, path="gather")
+        cases[f"gather-nprf-learned-mask-{c}"] = dict(fn="compare", kernel="nprf", position="learned",
+                                                      causal=causal, path="gather", mask=True)
+        cases[f"gather-softmax-t5-{c}"] = dict(fn="compare", kernel="softmax", position="t5", causal=causal,
+                                               path="gather")
+        cases[f"auto-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
+                                                  causal=causal, path="auto")
+        cases[f"auto-softmax-alibi-{c}"] = dict(fn="compare", kernel="softmax", position="alibi", causal=causal,
+                                                path="auto")
+    cases["ring-alibi-causal-two-long"] = dict(fn="compare", kernel="softmax", position="alibi", causal=True,
+                                               path="ring", lengths=(30, 33, 1, 1))
+    for path, kernel in (("ring", "softmax"), ("gather", "nprf")):
+        cases[f"noleak-{path}"] = dict(fn="no_leak", kernel=kernel, position="kerple_log", path=path)
+    for what in ("q_offset", "grid", "one_rank_nan", "mixed_causal", "features_differ"):
+        cases[f"refuse-{what}"] = dict(fn="refusal", what=what)
+    cases["world1"] = dict(fn="world1")
+    return {n: c for n, c in cases.items() if c.get("path") != "ring"}  # the ring lands next
+
+
+_FNS = {"compare": _compare, "no_leak": _no_leak, "refusal": _refusal, "world1": _world1_equal}
+
+
+def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    cases, results = _cases(), {}
+    for name in names:
+        try:
+            err = _FNS[cases[name]["fn"]](cases[name], rank, world)
+        except Exception:  # a failure is a result: report it, do not hang the others
+            err, tb = float("inf"), traceback.format_exc()
+            results.setdefault("_tracebacks", {})[f"{name}@{rank}"] = tb
+        e = torch.tensor([err], dtype=torch.float64)
+        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+        results[name] = float(e)
+    tbs = [None] * world
+    dist.all_gather_object(tbs, results.pop("_tracebacks", {}))
+    if rank == 0:
+        results["_tracebacks"] = {k: v for t in tbs for k, v in t.items()}
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _launch(tmp: Path, names: list[str]) -> dict:
+    init, out = tmp / "init", tmp / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(init), str(out), ",".join(names)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(WORLD)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for pp in procs:
+                pp.kill()
+            raise AssertionError("the 4 processes did not finish in 240 s")
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("dist"), list(_cases()))
+
+
+def _case_ids(fn: str) -> list[str]:
+    return [n for n, c in _cases().items() if c["fn"] == fn]
+
+
+@pytest.mark.parametrize("name", _case_ids("compare"))
+def test_matches_single_process(results, name):
+    """Output and gradients of q, k, v and of the positional parameters within 1e-10 (float64),
+    slices 5, 17, 1, 40."""
+    tb = {k: v for k, v in results["_tracebacks"].items() if k.startswith(name + "@")}
+    assert results[name] <= TOL, f"{name}: max error {results[name]}\n" + "\n".join(tb.values())
+
+
+@pytest.mark.parametrize("name", _case_ids("no_leak"))
+def test_causal_no_leak_across_ranks(results, name):
+    tb = {k: v for k, v in results["_tracebacks"].items() if k.startswith(name + "@")}
+    assert results[name] == 0.0, "\n".join(tb.values()) or "an earlier rank's output changed"
+
+
+@pytest.mark.parametrize("name", _case_ids("refusal"))
+def test_refusals_on_every_rank(results, name):
+    assert results[name] == 0.0, "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith(name))
+
+
+def test_group_of_one_rank_is_fastrpe_attention(results):
+    assert results["world1"] == 0.0, "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith("world1"))
+
+
+# ------------------------------------------------------------------------------------------
+# single process: no process group
+
+
+def test_without_process_group_is_fastrpe_attention():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    for kernel, pos in (("softmax", fr.positions.ALiBi(3)), ("nprf", fr.positions.KerpleLog(3).double())):
+        for causal in (False, True):
+            a = frd.attention(q, k, v, kernel, pos, causal=causal)
+            b = fr.attention(q, k, v, kernel, pos, causal=causal)
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(q_offset=3), "q_offset"),
+    (dict(path="ringg"), "path"),
+    (dict(group=object()), "group"),
+])
+def test_single_process_refusals(kw, match):
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(FastRPEError, match=match):
+        frd.attention(q, q, q, **kw)
+
+
+def test_single_process_refuses_cross_attention():
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 6, 4)
+    with pytest.raises(FastRPEError, match="k: each rank"):
+        frd.attention(q, k, k)
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5].split(","))
