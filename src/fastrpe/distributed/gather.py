@@ -33,57 +33,26 @@ gathered sequence, at `O(P)` FFTs of length ~`2L/P` per rank.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .._validate import FastRPEError
-
-
-def group_info(group) -> tuple[int, int]:
-    """`(rank, world_size)` in `group` (the default group for None)."""
-    return dist.get_rank(group), dist.get_world_size(group)
+from . import comm
 
 
 def seq_all_gather(x: Tensor, lengths: list[int], group) -> Tensor:
     """Concatenate every rank's `[B, H, L_r, C]` slice along the sequence: `[B, H, L, C]`.
-    Differentiable: the backward sums every rank's gradient and keeps this rank's slice."""
-    return _SeqAllGather.apply(x, tuple(lengths), group)
-
-
-def _gather_padded(x: Tensor, lengths, group) -> list[Tensor]:
-    """All-gather along dim 2 with uneven lengths (padded to the longest: gloo wants equal sizes)."""
-    Lmax = max(lengths)
-    pad = Lmax - x.shape[2]
-    xp = x if pad == 0 else torch.cat([x, x.new_zeros(*x.shape[:2], pad, *x.shape[3:])], dim=2)
-    xp = xp.contiguous()
-    bufs = [torch.empty_like(xp) for _ in lengths]
-    dist.all_gather(bufs, xp, group=group)
-    return [b[:, :, :n] for b, n in zip(bufs, lengths)]
-
-
-class _SeqAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, lengths, group):
-        rank = dist.get_rank(group)
-        ctx.lengths, ctx.group = lengths, group
-        ctx.start = sum(lengths[:rank])
-        return torch.cat(_gather_padded(x, lengths, group), dim=2)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
-        n = ctx.lengths[dist.get_rank(ctx.group)]
-        return g[:, :, ctx.start:ctx.start + n], None, None
+    Differentiable (`comm.all_gather_varlen`): the backward sums every rank's gradient and
+    keeps this rank's slice."""
+    return torch.cat(comm.all_gather_varlen(x, 2, lengths, group), dim=2)
 
 
 def gather_mask(mask: Tensor | None, lengths: list[int], group) -> Tensor | None:
-    """`[B, L]` bool padding mask from every rank's `[B, L_r]` (None if no rank has one:
-    the caller has checked that all ranks agree)."""
+    """`[B, L]` bool padding mask from every rank's `[B, L_r]` (None if this rank has none:
+    the caller passes zeros where another rank has one)."""
     if mask is None:
         return None
-    m = mask.to(torch.uint8)[:, None, :, None]  # gloo has no bool collectives
-    return torch.cat(_gather_padded(m, lengths, group), dim=2)[:, 0, :, 0].bool()
+    m = mask.to(torch.uint8)  # gloo has no bool collectives
+    return torch.cat(comm.all_gather_varlen(m, 1, lengths, group), dim=1).bool()
 
 
 def gathered_attention(q: Tensor, k: Tensor, v: Tensor, kernel, position, *, causal: bool,
@@ -104,7 +73,7 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, kernel, position, *, cau
     """
     from ..api import attention as _attention
 
-    rank = dist.get_rank(group)
+    rank = comm.world(group)[0]
     off = sum(lengths[:rank])
     k_all = seq_all_gather(k, lengths, group)  # (B, H, L, D)
     v_all = seq_all_gather(v, lengths, group)  # (B, H, L, Dv)

@@ -1,6 +1,239 @@
-"""Exact softmax attention with a positional term by passing key/value blocks around a ring."""
+"""Exact softmax attention with a positional term, key/value blocks passed around a ring.
+
+Rank r holds queries, keys and values of its slice (global positions `off_r .. off_r+L_r-1`).
+In P steps every key/value block visits every rank: at step t rank r holds the block of
+rank `(r − t) mod P`, scores it against its queries,
+
+    s_ij = w(j − i)·scale·q_i·k_j + b(j − i)        (b: the term's log-coefficients, w: its
+                                                     logit weight, KERPLE bias+weight only)
+
+with i, j global positions, and merges it into a running (max, sum, output) by log-sum-exp
+(online softmax, as FlashAttention). Causal calls skip blocks of later ranks (wholly in the
+future: their numbers never enter this rank's output) and mask the diagonal block. Key
+padding masks travel with their keys. While a block is scored, the next one is already in
+flight (`isend`/`irecv`).
+
+Backward (a custom autograd Function, FlashAttention-2's form): the blocks go around the ring
+again, now with their gradient accumulators `dk, dv`, which return to their owner after the
+last step; each rank recomputes its scores from the saved log-sum-exp, so memory is one
+block at a time, never the `[L_r, L]` scores. The positional term enters as one coefficient
+vector per rank (`b` and `w` at every offset its queries can see, `[H, L_r + L − 1]`), whose
+gradient the backward accumulates along the blocks' diagonals; autograd takes it on to the
+term's parameters (this rank's share; summed over ranks it is the single-process gradient).
+
+Communication per rank per layer (B batch, H heads, L sequence, D/Dv widths, P ranks, `b`
+bytes per element): forward `(P − 1)` block sends, about `B·H·(L − L_r)·(D + Dv)·b` bytes
+(plus the `[B, L_r]` masks); backward about `B·H·L·2·(D + Dv)·b` bytes (blocks and their
+`dk, dv` accumulators, in the math dtype).
+
+Notation: n = L_r this rank's length, m = a block's length, P ranks, off_r / off_s offsets.
+"""
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _index
+from . import comm
 
 
 def ring_reasons(p) -> list[str]:
-    return ["the softmax ring is not implemented yet"]
+    """Why the ring cannot run the whole-sequence problem `p` (empty: it can)."""
+    r = []
+    if not p.softmax:
+        r.append("the ring runs exact softmax only (kernelized attention: linear or gather)")
+    if p.additive:
+        r.append("additive terms (" + ", ".join(type(t).__name__ for t in p.additive)
+                 + ") are not in the ring (path 'gather' runs them)")
+    return r
+
+
+def _peer(group, r: int) -> int:
+    """The global rank of rank `r` of `group` (point-to-point calls take global ranks)."""
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _shift(tensors: list[Tensor], recv_shapes: list[tuple], group, name: str) -> tuple[list, list[Tensor]]:
+    """Send `tensors` to the next rank and receive the previous rank's (of `recv_shapes`):
+    returns the handles to `wait()` on (holding the sent tensors alive) and the receive buffers."""
+    rank, size = comm.world(group)
+    nxt, prv = _peer(group, (rank + 1) % size), _peer(group, (rank - 1) % size)
+    bufs = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, recv_shapes)]
+    sent = [t.contiguous() for t in tensors]
+    ops = []
+    for t, b in zip(sent, bufs):
+        ops.append(dist.P2POp(dist.isend, t, nxt, group))
+        ops.append(dist.P2POp(dist.irecv, b, prv, group))
+    works = dist.batch_isend_irecv(ops)
+    comm._record(name, sum(t.numel() * t.element_size() for t in sent))
+    return _Pending(works, sent), bufs
+
+
+class _Pending(list):
+    """The handles of a shift; iterating waits on them. Keeps the sent tensors alive."""
+
+    def __init__(self, works, sent):
+        super().__init__(works)
+        self.sent = sent
+
+
+def _math_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, coef, wvec, mask, scale, causal, lengths, group):
+        rank, size = comm.world(group)
+        dt = _math_dtype(q.dtype)
+        B, H, n, D = q.shape
+        Dv = v.shape[-1]
+        off = sum(lengths[:rank])
+        qm = q.to(dt)
+        m = torch.full((B, H, n), float("-inf"), dtype=dt, device=q.device)  # running max
+        l = torch.zeros(B, H, n, dtype=dt, device=q.device)  # running sum
+        acc = torch.zeros(B, H, n, Dv, dtype=dt, device=q.device)
+        kv = torch.cat([k, v], dim=-1)  # (B, H, n, D + Dv): one message per step
+        blk_mask = mask
+        for t in range(size):
+            src = (rank - t) % size
+            if t < size - 1:  # the next block is in flight while this one is scored
+                m_in = lengths[(src - 1) % size]
+                shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
+                works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring")
+            if not (causal and src > rank):  # a later rank's block is wholly in the future
+                s = _scores(qm, kv[..., :D].to(dt), coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank,
+                            blk_mask)[0]  # (B, H, n, m)
+                bmax = s.amax(-1)
+                m_new = torch.maximum(m, bmax)
+                m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+                p = torch.exp(s - m_safe[..., None])
+                alpha = torch.exp(m - m_safe)
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + p @ kv[..., D:].to(dt)
+                m = m_new
+            if t < size - 1:
+                for w in works:
+                    w.wait()
+                kv = bufs[0]
+                blk_mask = bufs[1] if mask is not None else None
+        ok = l > 0
+        out = torch.where(ok[..., None], acc / torch.where(ok, l, torch.ones_like(l))[..., None], torch.zeros_like(acc))
+        lse = torch.where(ok, m + torch.log(torch.where(ok, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
+        ctx.save_for_backward(q, k, v, coef, wvec, mask, out, lse)
+        ctx.cfg = (scale, causal, lengths, group)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, coef, wvec, mask, out, lse = ctx.saved_tensors
+        scale, causal, lengths, group = ctx.cfg
+        rank, size = comm.world(group)
+        dt = _math_dtype(q.dtype)
+        B, H, n, D = q.shape
+        Dv = v.shape[-1]
+        off = sum(lengths[:rank])
+        qm, do = q.to(dt), dout.to(dt)
+        delta = (do * out).sum(-1)  # (B, H, n): rowsum(dO ∘ O)
+        dq = torch.zeros_like(qm)
+        dcoef = None if coef is None else torch.zeros(coef.shape, dtype=dt, device=q.device)
+        dw = None if wvec is None else torch.zeros(wvec.shape, dtype=dt, device=q.device)
+        # a travelling block: keys, values and their gradient accumulators, in the math dtype
+        blk = torch.cat([k.to(dt), v.to(dt), torch.zeros(B, H, n, D + Dv, dtype=dt, device=q.device)], dim=-1)
+        blk_mask = mask
+        for t in range(size):
+            src = (rank - t) % size
+            if not (causal and src > rank):
+                kb, vb = blk[..., :D], blk[..., D:D + Dv]
+                s, qk, idx = _scores(qm, kb, coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank,
+                                     blk_mask)
+                p = torch.exp(s - lse[..., None])  # (B, H, n, m); rows with no key: 0
+                dv_b = p.transpose(-1, -2) @ do  # (B, H, m, Dv)
+                dp = do @ vb.transpose(-1, -2)
+                ds = p * (dp - delta[..., None])  # d(score)
+                if dcoef is not None:
+                    dcoef.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(H, -1))
+                if dw is not None:
+                    dw.index_add_(1, idx.reshape(-1), (ds * qk).sum(0).reshape(H, -1))
+                    ds = ds * wvec.to(dt)[:, idx]
+                dq += scale * (ds @ kb)
+                dk_b = scale * (ds.transpose(-1, -2) @ qm)  # (B, H, m, D)
+                blk = torch.cat([blk[..., :D + Dv], blk[..., D + Dv:] + torch.cat([dk_b, dv_b], dim=-1)], dim=-1)
+            if t < size - 1:
+                m_in = lengths[(src - 1) % size]
+                shapes = [(B, H, m_in, 2 * (D + Dv))] + ([(B, m_in)] if mask is not None else [])
+                works, bufs = _shift([blk] + ([blk_mask] if mask is not None else []), shapes, group, "ring.backward")
+                for w in works:
+                    w.wait()
+                blk = bufs[0]
+                blk_mask = bufs[1] if mask is not None else None
+        # the block here now belongs to the next rank: its accumulators go home
+        grads = blk[..., D + Dv:]
+        if size > 1:
+            works, bufs = _shift([grads], [(B, H, n, D + Dv)], group, "ring.backward")
+            for w in works:
+                w.wait()
+            grads = bufs[0]
+        dk, dv = grads[..., :D], grads[..., D:]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None if dcoef is None else dcoef.to(coef.dtype), None if dw is None else dw.to(wvec.dtype),
+                None, None, None, None, None)
+
+
+def _scores(qm, kb, coef, wvec, scale, off_q, off_k, diagonal, blk_mask):
+    """Scores of this rank's queries against one block: `(s, qk, idx)` with `s: [B, H, n, m]`
+    masked to -inf where excluded, `qk = scale·q·kᵀ` and `idx: [n, m]` the index of each
+    pair's offset into the coefficient vectors (offset `j − i + n − 1 + off_q`)."""
+    n, m = qm.shape[2], kb.shape[2]
+    qk = scale * (qm @ kb.transpose(-1, -2))  # (B, H, n, m)
+    idx = _index.toeplitz_index(n, m, device=qm.device) + off_k  # j_global - i_local + n - 1
+    s = qk
+    if wvec is not None:
+        s = s * wvec.to(qm.dtype)[:, idx]
+    if coef is not None:
+        s = s + coef.to(qm.dtype)[:, idx]
+    if diagonal:  # keys after the query in the block of its own rank
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=qm.device).triu(1), float("-inf"))
+    if blk_mask is not None:
+        s = s.masked_fill(blk_mask.bool()[:, None, None, :], float("-inf"))
+    return s, qk, idx
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, p, *, key_padding_mask: Tensor | None, has_mask: bool,
+                   lengths: list[int], group) -> Tensor:
+    """This rank's rows of exact softmax attention over the whole sequence.
+
+    Args:
+        q, k: `[B, H, n, D]`, v: `[B, H, n, Dv]`, this rank's slice (global positions
+            `off_r .. off_r + n − 1`).
+        p: the whole-sequence `dispatch.Problem` (kernel softmax; its position, scale, causal).
+        key_padding_mask: `[B, n]` bool or None; has_mask: whether any rank has one (then
+            every rank sends one, None counting as no padding).
+        lengths: every rank's n, in rank order; group: the process group.
+
+    Returns:
+        `[B, H, n, Dv]` in q's dtype.
+    """
+    rank, size = comm.world(group)
+    B, H, n, D = q.shape
+    L, off = sum(lengths), sum(lengths[:rank])
+    scale = D ** -0.5 if p.scale is None else p.scale
+    coef = wvec = None
+    pos = p.position
+    if pos is not None:
+        # b(r) and w(r) at every offset this rank's queries see: r = -(off+n-1) .. L-1-off
+        coef = pos.log_coefficients(n, L, off)  # (H, n + L - 1)
+        if pos.weight is not None:
+            dev = coef.device
+            r = _index.offsets(n, L, off, device=dev)
+            h = torch.arange(pos.num_heads, device=dev)[:, None]
+            wvec = pos.weight(h, r[None, :]).expand(pos.num_heads, r.numel())
+        coef = coef.to(q.device)
+        wvec = None if wvec is None else wvec.to(q.device)
+    mask = None
+    if has_mask:
+        mask = key_padding_mask if key_padding_mask is not None else torch.zeros(B, n, dtype=torch.bool,
+                                                                                   device=q.device)
+        mask = mask.to(torch.uint8)  # travels with its keys; gloo has no bool
+    return _Ring.apply(q, k, v, coef, wvec, mask, float(scale), bool(p.causal), tuple(lengths), group)
