@@ -191,6 +191,14 @@ def _worker(rank, path, suite, out_dir):
             with comm.counting() as c:
                 out.sum().backward()
             assert c.calls() == {"all_gather.backward": 1}, c.records
+            # through the public entry point: its dispatcher picks these paths
+            import fastrpe.distributed as frd
+            for pos, causal, backend in ((P.ALiBi(H).double(), True, "chunked"), (None, False, "auto"),
+                                         (_make_position("table"), True, "band")):
+                a = frd.attention(_slice(q, rank), _slice(k, rank), _slice(v, rank), "elu", pos, causal=causal,
+                                  backend=backend)
+                b = dl.attention(_slice(q, rank), _slice(k, rank), _slice(v, rank), "elu", pos, causal=causal)
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
             torch.save({"ok": True}, os.path.join(out_dir, f"bytes{rank}.pt"))
         else:
             raise ValueError(suite)
@@ -231,6 +239,12 @@ def test_refusals():
     assert dl.refusal("band", causal=True, position=P.KerpleLog(2)) is not None
     assert dl.refusal("band", causal=True, position=P.LearnedTable(2, 4)) is None
     assert dl.refusal("fft", causal=True) is not None
+    from fastrpe.api import _problem
+    x = torch.randn(1, 2, 9, 4)
+    p, _ = _problem(x, x, x, "elu", [P.ALiBi(2), P.FastRPB1D(2, 16)], True, None, None, None)
+    assert "additive" in dl.refusal("chunked", p)
+    p, _ = _problem(x, x, x, "nexp", P.ALiBi(2), True, None, None, None)
+    assert dl.refusal("chunked", p) is None
     q = torch.randn(1, 2, 4, 3)
     with pytest.raises(fr.FastRPEError, match="kind"):
         dl.attention(q, q, q, "exp", None, causal=True)

@@ -69,7 +69,7 @@ from ..ops.linear.soe import SoEPlan, kernelized_num_den_soe, soe_plan_for
 from ..positions.base import Position
 from . import comm
 
-__all__ = ["KINDS", "num_den", "refusal", "attention", "choose_kind"]
+__all__ = ["KINDS", "KIND_OF_BACKEND", "num_den", "refusal", "attention", "choose_kind"]
 
 #: the linear-time paths this module runs across ranks
 KINDS = ("chunked", "soe", "band", "bidirectional")
@@ -79,15 +79,24 @@ KINDS = ("chunked", "soe", "band", "bidirectional")
 # Refusals and the path for a positional term
 
 
-def refusal(kind: str, *, causal: bool, kernel=None, position=None, window: int | None = None,
-            plan: SoEPlan | None = None) -> str | None:
+def refusal(kind: str, problem=None, *, causal: bool | None = None, kernel=None, position=None,
+            window: int | None = None, plan: SoEPlan | None = None) -> str | None:
     """Why the distributed linear path `kind` cannot run this call (one line), or None.
 
     Args:
-        kind: one of `KINDS`; causal: the call's mask; kernel: a `fastrpe.kernels` feature map
-            (or name); position: the call's `fastrpe.positions.Position` or None;
-        window / plan: the band width / SoE fit the caller will pass to `num_den`.
+        kind: one of `KINDS`.
+        problem: the whole sequence's `fastrpe.dispatch.Problem` (what `fastrpe.distributed`
+            passes); or give its parts: causal, kernel (a feature map or its name), position
+            (a `fastrpe.positions.Position` or None).
+        window / plan: the band width / SoE fit a caller of `num_den` will pass.
     """
+    if problem is not None:
+        causal, kernel, position = problem.causal, problem.kernel, problem.position
+        if problem.additive:
+            names = ", ".join(type(t).__name__ for t in problem.additive)
+            return f"additive terms ({names}) have no distributed linear form yet (gather runs them)"
+    if causal is None:
+        raise TypeError("refusal: give problem or causal")
     if kind not in KINDS:
         return f"kind must be one of {KINDS}, got {kind!r}"
     if kernel is not None:
@@ -426,9 +435,14 @@ def _key_features(kern: FeatureMap, k: Tensor, kpm: Tensor | None, group) -> Ten
     return phi_k
 
 
+#: the single-process backend whose numbers each path reproduces
+KIND_OF_BACKEND = {"chunked": "chunked", "triton_chunked": "chunked", "prefix": "chunked",
+                   "bidirectional": "bidirectional", "band": "band", "soe": "soe", "triton_soe": "soe"}
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, kernel, position: Position | None = None, *, causal: bool,
               group=None, key_padding_mask: Tensor | None = None, kind: str | None = None,
-              lengths: Sequence[int] | None = None) -> Tensor:
+              backend: str | None = None, lengths: Sequence[int] | None = None) -> Tensor:
     """Kernelized attention (Luo et al. 2021 Eq. 10) over a sequence split across the ranks of
     `group`, with a linear-time path; equals `fastrpe.attention(...)` on the whole sequence
     (same kernel and term; `backend="soe"` for the approximate sum of exponentials).
@@ -445,7 +459,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, kernel, position: Position | None
         causal: keys after the query are not seen.
         group: the process group (None: the default one).
         key_padding_mask: `[B, L]` bool, True marks this rank's padding keys.
-        kind: force a path (`KINDS`); default from the term (`choose_kind`).
+        kind: force a path (`KINDS`); default from `backend`, else from the term (`choose_kind`).
+        backend: the single-process backend whose numbers to reproduce (`KIND_OF_BACKEND`).
         lengths: every rank's slice length, if known.
 
     Returns:
@@ -455,8 +470,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, kernel, position: Position | None
     B, H, L, D = q.shape
     if k.shape[2] != L:
         raise FastRPEError(f"k must cover the same positions as q on every rank (L={L}), got Lk={k.shape[2]}")
+    if isinstance(position, (list, tuple)):
+        if any(not isinstance(t, Position) for t in position) or len(position) > 1:
+            raise FastRPEError("position: the distributed linear paths run one Position term and no additive "
+                               f"terms, got {[type(t).__name__ for t in position]}")
+        position = position[0] if position else None
     if position is not None and not isinstance(position, Position):
         raise FastRPEError(f"position must be a fastrpe.positions Position or None here, got {type(position).__name__}")
+    if kind is None and backend is not None:
+        kind = KIND_OF_BACKEND.get(backend)
+        if kind is None:
+            raise FastRPEError(f"backend: {backend!r} has no distributed linear form ({', '.join(KIND_OF_BACKEND)})")
     try:
         kern = get_kernel(kernel, head_dim=D)
     except ValueError as e:
