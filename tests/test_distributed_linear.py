@@ -65,6 +65,13 @@ def _make_position(name: str):
         return P.GeometricDecay(H, gamma=[0.9, 0.6, 0.97], learnable=True).double()
     if name == "table":  # W = 8 > 5, 1: the halo spans several ranks
         return P.LearnedTable(H, max_distance=8, init_std=1.0).double()
+    if name == "table_extreme":  # c = 0 somewhere, a huge tail: per-row scales must keep rows finite
+        pos = P.LearnedTable(H, max_distance=8, init_std=1.0).double()
+        with torch.no_grad():
+            pos.table[0, 5] = float("-inf")
+            pos.table[2, 0] = 40.0  # b(-8): every far key outweighs the band
+            pos.table[1, 16] = -60.0  # b(+8)
+        return pos
     if name == "t5":
         return P.T5Bias(H, num_buckets=8, max_distance=12).double()
     if name == "kerple_log":
@@ -144,7 +151,7 @@ def _worker(rank, path, suite, out_dir):
         if suite == "causal":
             for i, (kernel, pos, kpm) in enumerate([("elu", "none", True), ("nexp", "alibi", False),
                                                     ("elu", "geometric", True), ("elu", "table", True),
-                                                    ("relu", "t5", False)]):
+                                                    ("elu", "table_extreme", False), ("relu", "t5", False)]):
                 _check_attention(rank, kernel, pos, True, kpm, "dense", 10 + i)
             _check_attention(rank, "elu", "kerple_log", True, True, "soe", 20)  # the same fit: equal to 1e-10
             for pos in ("none", "geometric", "table", "kerple_log"):
@@ -152,7 +159,8 @@ def _worker(rank, path, suite, out_dir):
         elif suite == "noncausal":
             for i, (kernel, pos, kpm) in enumerate([("elu", "none", True), ("exp", "none", True),
                                                     ("elu", "alibi", False), ("elu", "geometric", True),
-                                                    ("elu", "table", True), ("relu", "t5", True)]):
+                                                    ("elu", "table", True), ("elu", "table_extreme", True),
+                                                    ("relu", "t5", True)]):
                 _check_attention(rank, kernel, pos, False, kpm, "dense", 40 + i)
         elif suite == "soe_small_window":
             # a plan with W = 8 < N: far field by the K states, exact band across the halo

@@ -287,9 +287,11 @@ def _soe(phi_q, phi_k, v, plan: SoEPlan, group, lengths, offsets, rank):
 def _row_max(table: Tensor, lo: Tensor, hi: Tensor, W: int) -> Tensor:
     """`[H, L]`: max of `table[:, r + W]` over `lo_i <= r <= hi_i` (clipped to `[-W, W]`: the
     term is constant beyond), detached; 0 where every entry is `-inf`."""
-    r = torch.arange(-W, W + 1, device=table.device)
-    inside = (r[None, :] >= lo.clamp(-W, W)[:, None]) & (r[None, :] <= hi.clamp(-W, W)[:, None])  # (L, 2W+1)
-    m = table.detach()[:, None, :].masked_fill(~inside[None], float("-inf")).amax(-1)  # (H, L)
+    g = table.detach()  # (H, X), X = 2W+1
+    idx = torch.arange(g.shape[1], device=g.device)
+    # M[h, a, b] = max g[h, a..b]: a running maximum from every start a (X² entries, not L·X)
+    ab = g[:, None, :].masked_fill((idx[None, :] < idx[:, None])[None], float("-inf")).cummax(-1).values
+    m = ab[:, lo.clamp(-W, W) + W, hi.clamp(-W, W) + W]  # (H, L)
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
