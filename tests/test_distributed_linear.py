@@ -23,6 +23,7 @@ from fastrpe import positions as P
 from fastrpe.distributed import comm
 from fastrpe.distributed import linear as dl
 from fastrpe.ops.linear.soe import soe_plan
+from fastrpe.testing import assert_lowp_close
 
 WORLD = 4
 LENGTHS = [5, 17, 1, 40]
@@ -188,6 +189,20 @@ def _worker(rank, path, suite, out_dir):
             gb = got[3].clone()
             dist.all_reduce(gb)
             torch.testing.assert_close(gb, gref[3], **TOL)
+        elif suite == "float32":
+            # low precision judged against float64: the distributed float32 error within a small
+            # factor of the single-process float32 error (fastrpe.testing.assert_lowp_close)
+            q, k, v, mask = _inputs(70, kpm=True)
+            for pos_name, causal, backend in (("alibi", True, "chunked"), ("table", True, "band"),
+                                              ("table", False, "band"), ("kerple_log", True, "soe")):
+                pos = _make_position(pos_name)
+                ref64 = fr.attention(q, k, v, "elu", pos, causal=causal, key_padding_mask=mask, backend=backend)
+                single = fr.attention(q.float(), k.float(), v.float(), "elu", pos.float(), causal=causal,
+                                      key_padding_mask=mask, backend=backend)
+                out = dl.attention(*(_slice(t, rank).float() for t in (q, k, v)), "elu", pos, causal=causal,
+                                   key_padding_mask=_slice(mask, rank, dim=1))
+                assert out.dtype == torch.float32
+                assert_lowp_close(out, _slice(single, rank), _slice(ref64, rank), msg=f"{pos_name} causal={causal}")
         elif suite == "bytes":
             q, k, v, _ = _inputs(50)
             ql, kl, vl = (_slice(t, rank).clone().requires_grad_() for t in (q, k, v))
@@ -220,7 +235,7 @@ def _launch(tmp_path, suite):
                        start_method="fork" if sys.platform == "linux" else "spawn")
 
 
-@pytest.mark.parametrize("suite", ["causal", "noncausal", "soe_small_window", "bytes"])
+@pytest.mark.parametrize("suite", ["causal", "noncausal", "soe_small_window", "float32", "bytes"])
 def test_distributed_linear(tmp_path, suite):
     _launch(tmp_path, suite)
 
