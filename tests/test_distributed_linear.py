@@ -131,6 +131,22 @@ def _check_no_leak(rank, kernel, pos_name, seed):
         assert not torch.equal(outs[0], outs[1])  # the perturbation is real
 
 
+def _check_two_layers(rank):
+    """Two layers (chunked causal, then band non-causal) and one backward: every rank runs
+    the backward collectives in the same order; the input's gradient equals the single-process one."""
+    q, k, v, _ = _inputs(80)
+    wq = torch.randn(DV, D, generator=torch.Generator().manual_seed(81), dtype=torch.float64)
+    geo, tab = _make_position("geometric"), _make_position("table")
+    xf = q.clone().requires_grad_()
+    y = fr.attention(xf, k + xf, v, "elu", geo, causal=True, backend="dense")
+    fr.attention(y @ wq, k, y, "elu", tab, causal=False, backend="dense").sum().backward()
+    xl = _slice(q, rank).clone().requires_grad_()
+    kl, vl = _slice(k, rank), _slice(v, rank)
+    y = dl.attention(xl, kl + xl, vl, "elu", geo, causal=True)
+    dl.attention(y @ wq, kl, y, "elu", tab, causal=False).sum().backward()
+    torch.testing.assert_close(xl.grad, _slice(xf.grad, rank), **TOL, msg=f"rank {rank}: two layers")
+
+
 def _dense_soe(phi_q, phi_k, v, plan):
     """Reference for the SoE coefficients (its module's formula, not its code):
     `c(d) = Σ_k a_k γ_k^d + corr(d)·[d < W]` for `d >= 0`, weights materialized."""
@@ -157,6 +173,7 @@ def _worker(rank, path, suite, out_dir):
             _check_attention(rank, "elu", "kerple_log", True, True, "soe", 20)  # the same fit: equal to 1e-10
             for pos in ("none", "geometric", "table", "kerple_log"):
                 _check_no_leak(rank, "elu", pos, 30)
+            _check_two_layers(rank)
         elif suite == "noncausal":
             for i, (kernel, pos, kpm) in enumerate([("elu", "none", True), ("exp", "none", True),
                                                     ("elu", "alibi", False), ("elu", "geometric", True),
