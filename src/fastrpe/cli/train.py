@@ -5,6 +5,8 @@ Examples:
     fastrpe train --task images --kernel elu --fastrpb --steps 300 --out runs/digits   # ViT, 2D positions
     fastrpe train --task lm --steps 500 --out runs/lm --resume          # continue after a stop
     torchrun --nproc_per_node 2 -m fastrpe.cli.main train --task lm --out runs/lm2   # data parallel
+    torchrun --nproc_per_node 4 -m fastrpe.cli.main train --task lm --context-parallel 2 --out runs/cp
+        # 2 ranks per sequence (each computes half of every window) x 2 data-parallel replicas
 
 Writes `config.json`, `task.json`, `metrics.jsonl` and `checkpoints/` (safetensors) under
 --out, and prints the final evaluation.
@@ -44,12 +46,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--eval-every", type=int, default=0, help="0: evaluate at the end only")
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10, help="steps between records in metrics.jsonl")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="lm: corpus bytes to read")
     p.add_argument("--num-samples", type=int, default=4000, help="listops/seq2seq: training examples")
     p.add_argument("--eval-samples", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--feature-redraw-interval", type=int, default=0, metavar="N",
                    help="redraw every random feature map's projection every N steps (Performer); 0: never")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="lm: split every sequence over N ranks of the torchrun job (attention across them, "
+                   "fastrpe.distributed); the remaining factor of the world is data parallel. Default 1")
     p.add_argument("--device", default=None, help="default: cuda if available (the local rank's GPU under torchrun)")
     p.add_argument("--out", default="runs/train")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -67,7 +73,8 @@ def _check_args(args) -> None:
         if not ok:
             raise FastRPEError(f"{option}: {why}, got {getattr(args, option[2:].replace('-', '_'))!r}")
 
-    for opt in ("--steps", "--seq-len", "--batch-size", "--num-samples", "--eval-samples", "--max-bytes"):
+    for opt in ("--steps", "--seq-len", "--batch-size", "--num-samples", "--eval-samples", "--max-bytes",
+                "--log-every"):
         need(getattr(args, opt[2:].replace("-", "_")) >= 1, opt, "must be >= 1")
     need(args.seq_len >= 2, "--seq-len", "must be >= 2 (an input and a target)")
     for opt in ("--warmup-steps", "--eval-every", "--ckpt-every"):
@@ -78,6 +85,11 @@ def _check_args(args) -> None:
         need(math.isfinite(v) and v >= 0, opt, "must be a finite number >= 0")
     need(args.patch_size is None or args.patch_size >= 1, "--patch-size", "must be >= 1")
     need(0 <= args.seed < 2**63, "--seed", "must be in [0, 2**63)")
+    need(args.context_parallel >= 1, "--context-parallel", "must be >= 1")
+    need(args.context_parallel == 1 or args.task == "lm", "--context-parallel",
+         f"splits sequences of the lm task only (--task {args.task})")
+    need(args.seq_len >= args.context_parallel, "--context-parallel",
+         f"must be <= --seq-len ({args.seq_len}): every rank takes at least one position")
 
 
 def _check_out(out: Path, resume: bool) -> None:
@@ -133,10 +145,19 @@ def run(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, precision=args.precision,
                       seed=args.seed, eval_every=args.eval_every or args.steps, ckpt_every=args.ckpt_every, out_dir=args.out,
-                      resume=args.resume, progress=False if args.no_progress else None, log_every=10,
+                      resume=args.resume, progress=False if args.no_progress else None, log_every=args.log_every,
                       feature_redraw_interval=args.feature_redraw_interval)
 
-    info = init_from_env(device=args.device)
+    from ..train.distributed import _env_int
+
+    world = _env_int("WORLD_SIZE", 1)
+    if world % args.context_parallel:
+        raise FastRPEError(f"--context-parallel: {args.context_parallel} ranks per sequence do not divide the {world} "
+                           "process(es) of this job (torchrun --nproc_per_node)")
+    info = init_from_env(device=args.device, context_parallel=args.context_parallel)
+    if args.batch_size % info.dp_size:
+        raise FastRPEError(f"--batch-size: {args.batch_size} rows do not split into {info.dp_size} data-parallel "
+                           f"replica(s) ({info.world_size} processes / --context-parallel {info.context_parallel})")
     device = str(info.device)
     opts = with_defaults(TaskOptions(task=args.task, size=args.size, kernel=args.kernel, position=args.position,
                        backend=args.backend, seq_len=args.seq_len, batch_size=args.batch_size, dataset=args.dataset,
@@ -151,13 +172,17 @@ def run(args) -> int:
     seed_everything(args.seed)
     task = build_task(opts)  # an option that does not fit the task raises ValueError naming it
     model = task.model.to(device)
+    if info.context_parallel > 1:
+        model.group = info.cp_group  # a DecoderLM: each rank computes its slice of every window
     if info.rank == 0:
         # written at the start, so that --resume of an interrupted run is checked against it
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(saved, (json.dumps(json.loads(task_json) | {"description": task.description}, indent=2)
                              + "\n").encode())
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"{task.description}; {n_params / 1e6:.2f}M parameters; {info.world_size} process(es) on {device}")
+        layout = (f" ({info.dp_size} data-parallel x {info.context_parallel} context-parallel)"
+                  if info.context_parallel > 1 else "")
+        print(f"{task.description}; {n_params / 1e6:.2f}M parameters; {info.world_size} process(es){layout} on {device}")
     result = train(model, task.loss_fn, task.batches, cfg, eval_fn=task.eval_fn)
     if info.rank == 0:
         msg = f"step {result.step}: train loss {result.final_loss:.4f}" if result.final_loss is not None else \

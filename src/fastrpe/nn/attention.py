@@ -42,16 +42,12 @@ def group_size(group) -> int:
 
 
 def global_offset(length: int, group, device) -> int:
-    """Global position of this rank's first token: the slice lengths of the ranks before it in
-    `group` (rank order is sequence order; one all-gather of the lengths)."""
-    import torch.distributed as dist
+    """Global position of this rank's first token in `group` (rank order is sequence order),
+    from every rank's slice `length` (one all-gather of an integer)."""
+    from ..distributed import comm
 
-    n = dist.get_world_size(group)
-    mine = torch.tensor([length], dtype=torch.int64,
-                        device=device if dist.get_backend(group) == "nccl" else "cpu")
-    lengths = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(lengths, mine, group=group)
-    return int(sum(int(t) for t in lengths[:dist.get_rank(group)]))
+    lengths = comm.slice_lengths(length, group, device if device.type == "cuda" else None)
+    return comm.global_offset(lengths, comm.world(group)[0])
 
 
 class MultiheadAttention(nn.Module):

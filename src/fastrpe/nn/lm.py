@@ -36,6 +36,11 @@ class LMConfig(ConfigMixin):
     feature_seed: int = 0
 
 
+def _upcast(x: Tensor) -> Tensor:
+    """At least float32 for the loss (bf16/fp16 logits are upcast; float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def sequence_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
     """`(start, end)` of slice `index` when `length` positions are cut into `parts` contiguous
     slices in order, the first `length % parts` of them one position longer."""
@@ -115,7 +120,7 @@ class DecoderLM(nn.Module):
         check_tokens(tokens, self.cfg.vocab_size, "tokens", "DecoderLM.loss")
         if self._cp == 1:
             logits = self(tokens[:, :-1])
-            return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
+            return nn.functional.cross_entropy(_upcast(logits.flatten(0, 1)), tokens[:, 1:].flatten(),
                                                reduction=reduction)
         import torch.distributed as dist
 
@@ -128,7 +133,7 @@ class DecoderLM(nn.Module):
                                "context-parallel ranks")
         s, e = sequence_bounds(L, self._cp, dist.get_rank(self.group))
         logits = self._logits(tokens[:, s:e], s)  # (B, e - s, V)
-        part = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, s + 1:e + 1].flatten(),
+        part = nn.functional.cross_entropy(_upcast(logits.flatten(0, 1)), tokens[:, s + 1:e + 1].flatten(),
                                            reduction="sum")
         total = part.detach().clone()
         dist.all_reduce(total, group=self.group)
