@@ -267,11 +267,11 @@ def _soe(phi_q, phi_k, v, plan: SoEPlan, group, lengths, offsets, rank):
     S_in = torch.zeros_like(S)
     for s in range(rank):  # every term's state after key o-1
         S_in = S_in + (gam ** float(o - offsets[s] - lengths[s])).to(dt)[None, None, :, None, None] * pieces[s][0]
-    # far field: query i reads the states with a_k·γ_k^(i+1)
-    i = torch.arange(L, device=dev, dtype=torch.float64)
-    qfar = (plan.a[:, :, None] * gam[None, :, None] ** (i + 1)).to(dt)  # (H, K, L)
-    u = torch.einsum("bhif,bhkfc->bhkic", phi_q, S_in)  # (B, H, K, L, C)
-    y = y + torch.einsum("hki,bhkic->bhic", qfar, u)
+    if rank:  # far field: query i reads the states with a_k·γ_k^(i+1)
+        i = torch.arange(L, device=dev, dtype=torch.float64)
+        qfar = (plan.a[:, :, None] * gam[None, :, None] ** (i + 1)).to(dt)  # (H, K, L)
+        u = torch.einsum("bhif,bhkfc->bhkic", phi_q, S_in)  # (B, H, K, L, C)
+        y = y + torch.einsum("hki,bhkic->bhic", qfar, u)
     # exact band: corr(d) for the previous ranks' keys at distance d < W (only the first h queries)
     ks, vs, ps = _halo_left(pieces, lengths, offsets, rank, h, 1, F)
     qa = min(L, h)
