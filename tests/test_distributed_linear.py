@@ -147,6 +147,34 @@ def _check_two_layers(rank):
     torch.testing.assert_close(xl.grad, _slice(xf.grad, rank), **TOL, msg=f"rank {rank}: two layers")
 
 
+def _check_comm(rank):
+    """The differentiable collectives: values, gradients (the sum over every rank's loss) and bytes."""
+    x = torch.arange(3, dtype=torch.float64).add(10 * rank).requires_grad_()
+    c_rank = float(rank + 1)  # rank q's loss weighs what it receives by q + 1
+    with comm.counting() as c:
+        lens = comm.slice_lengths(rank + 2)
+        st = comm.all_gather(x)  # (P, 3)
+        pre = comm.exclusive_prefix(x, lambda s: 2.0 ** s)
+        suf = comm.exclusive_suffix(x, lambda s: 3.0)
+        tot = comm.all_reduce_sum(x)
+        parts = comm.all_gather_varlen(torch.full((rank + 2,), float(rank), dtype=torch.float64), 0, lens)
+        mx = comm.all_reduce_max(x)
+        loss = c_rank * (st.sum() + pre.sum() + suf.sum() + tot.sum())
+    assert lens == [2, 3, 4, 5] and [p.tolist() for p in parts] == [[float(s)] * (s + 2) for s in range(WORLD)]
+    assert torch.equal(st[:, 0], torch.arange(WORLD, dtype=torch.float64) * 10)
+    assert torch.equal(pre, sum((2.0 ** s * (torch.arange(3.0) + 10 * s) for s in range(rank)), torch.zeros(3)).double())
+    assert torch.equal(suf, sum((3.0 * (torch.arange(3.0) + 10 * s) for s in range(rank + 1, WORLD)),
+                                torch.zeros(3)).double())
+    assert torch.equal(mx, torch.arange(3.0).double() + 10 * (WORLD - 1))
+    n = 3 * 8
+    assert c.by_op() == {"slice_lengths": 3 * 8, "all_gather": 3 * n * 3 + 3 * 5 * 8, "all_reduce": 2 * 3 * n // 4,
+                         "all_reduce_max": 2 * 3 * n // 4}, c.by_op()
+    loss.backward()
+    # d(Σ_q (q+1)·loss_q)/dx_r: stack 10, prefix Σ_{q>r} (q+1)·2^r, suffix Σ_{q<r} (q+1)·3, all-reduce 10
+    want = 10 + sum(q + 1 for q in range(rank + 1, WORLD)) * 2.0 ** rank + sum(q + 1 for q in range(rank)) * 3 + 10
+    torch.testing.assert_close(x.grad, torch.full((3,), want, dtype=torch.float64), atol=0, rtol=0)
+
+
 def _dense_soe(phi_q, phi_k, v, plan):
     """Reference for the SoE coefficients (its module's formula, not its code):
     `c(d) = Σ_k a_k γ_k^d + corr(d)·[d < W]` for `d >= 0`, weights materialized."""
@@ -206,6 +234,8 @@ def _worker(rank, path, suite, out_dir):
             gb = got[3].clone()
             dist.all_reduce(gb)
             torch.testing.assert_close(gb, gref[3], **TOL)
+        elif suite == "comm":
+            _check_comm(rank)
         elif suite == "float32":
             # low precision judged against float64: the distributed float32 error within a small
             # factor of the single-process float32 error (fastrpe.testing.assert_lowp_close)
@@ -252,7 +282,7 @@ def _launch(tmp_path, suite):
                        start_method="fork" if sys.platform == "linux" else "spawn")
 
 
-@pytest.mark.parametrize("suite", ["causal", "noncausal", "soe_small_window", "float32", "bytes"])
+@pytest.mark.parametrize("suite", ["comm", "causal", "noncausal", "soe_small_window", "float32", "bytes"])
 def test_distributed_linear(tmp_path, suite):
     _launch(tmp_path, suite)
 
