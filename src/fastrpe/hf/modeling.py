@@ -39,6 +39,17 @@ def _hidden(lm: DecoderLM, tokens: Tensor) -> Tensor:
     return lm.ln_f(x)
 
 
+def _build_lm(config: FastRPEConfig) -> DecoderLM:
+    """The wrapped `DecoderLM`. transformers' `from_pretrained` builds the model under a "meta"
+    default device and then loads the weights; fastrpe's positional terms compute their initial
+    values on the host, which meta tensors cannot, so that case builds on the CPU (the loaded
+    weights replace these values)."""
+    if torch.get_default_device().type == "meta":
+        with torch.device("cpu"):
+            return DecoderLM(config.to_lm_config())
+    return DecoderLM(config.to_lm_config())
+
+
 def _check_inputs(where: str, input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs) -> None:
     if input_ids is None:
         raise FastRPEError(f"{where}: input_ids is required" + (" (inputs_embeds is not supported)"
@@ -106,7 +117,7 @@ class FastRPEModel(FastRPEPreTrainedModel):
 
     def __init__(self, config: FastRPEConfig):
         super().__init__(config)
-        self.model = DecoderLM(config.to_lm_config())
+        self.model = _build_lm(config)
         self.post_init()
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, *,
@@ -135,7 +146,7 @@ class FastRPEForCausalLM(FastRPEPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: FastRPEConfig):
         super().__init__(config)
-        self.model = DecoderLM(config.to_lm_config())
+        self.model = _build_lm(config)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -203,7 +214,7 @@ class FastRPEForSequenceClassification(FastRPEPreTrainedModel):
     def __init__(self, config: FastRPEConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = DecoderLM(config.to_lm_config())
+        self.model = _build_lm(config)
         self.score = nn.Linear(config.d_model, config.num_labels, bias=False)
         init_weights(self.score)
         self.post_init()
