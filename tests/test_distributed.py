@@ -75,13 +75,19 @@ def _compare(case: dict, rank: int, world: int) -> float:
     pos = copy.deepcopy(pos_ref)
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = fr.attention(qr, kr, vr, kernel, pos_ref, causal=causal, key_padding_mask=mask, backend="dense")
+    ref = fr.attention(qr, kr, vr, kernel, pos_ref, causal=causal, key_padding_mask=mask,
+                       backend=case.get("ref_backend", "dense"))
     (ref * go).sum().backward()
 
     sl = slice(off, off + n)
     ql, kl, vl = (t[:, :, sl].clone().requires_grad_() for t in (q, k, v))
-    out = frd.attention(ql, kl, vl, kernel, pos, causal=causal,
-                        key_padding_mask=None if mask is None else mask[:, sl], path=case["path"])
+    kw = dict(causal=causal, key_padding_mask=None if mask is None else mask[:, sl], path=case["path"],
+              backend=case.get("backend", "auto"))
+    if "expect" in case:  # the path auto takes
+        said = frd.explain(ql, kl, vl, kernel, pos, **kw).splitlines()[0]
+        if f"path {case['expect']!r}" not in said:
+            raise AssertionError(f"expected path {case['expect']!r}: {said}")
+    out = frd.attention(ql, kl, vl, kernel, pos, **kw)
     (out * go[:, :, sl]).sum().backward()
     errs = [(out - ref[:, :, sl]).abs().max()]
     for mine, theirs in ((ql, qr), (kl, kr), (vl, vr)):
@@ -177,9 +183,18 @@ def _cases() -> dict[str, dict]:
         cases[f"gather-softmax-t5-{c}"] = dict(fn="compare", kernel="softmax", position="t5", causal=causal,
                                                path="gather")
         cases[f"auto-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
-                                                  causal=causal, path="auto")
+                                                  causal=causal, path="auto", expect="gather")
         cases[f"auto-softmax-alibi-{c}"] = dict(fn="compare", kernel="softmax", position="alibi", causal=causal,
-                                                path="auto")
+                                                path="auto", expect="ring")
+        # E1's state-passing paths, reached through the public dispatcher
+        for pos, kind in (("alibi", "chunked"), ("t5", "band"), ("none", "chunked" if causal else "bidirectional")):
+            cases[f"auto-linear-{kind}-nprf-{pos}-{c}"] = dict(fn="compare", kernel="nprf", position=pos, causal=causal,
+                                                             path="auto", expect="linear", mask=pos == "t5")
+        cases[f"fft-forced-nprf-alibi-{c}"] = dict(fn="compare", kernel="nprf", position="alibi", causal=causal,
+                                                   path="auto", backend="fft", expect="gather")
+    cases["soe-forced-nprf-kerple_log-causal"] = dict(fn="compare", kernel="nprf", position="kerple_log",
+                                                      causal=True, path="auto", backend="soe", ref_backend="soe",
+                                                      expect="linear")
     cases["ring-alibi-causal-two-long"] = dict(fn="compare", kernel="softmax", position="alibi", causal=True,
                                                path="ring", lengths=(30, 33, 1, 1))
     for path, kernel in (("ring", "softmax"), ("gather", "nprf")):
@@ -297,6 +312,52 @@ def test_single_process_refuses_cross_attention():
     q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 6, 4)
     with pytest.raises(FastRPEError, match="k: each rank"):
         frd.attention(q, k, k)
+
+
+def _whole(kernel, position, causal, L=4096, **kw):
+    """The whole-sequence `Problem` (what every rank agrees on) for the path choice."""
+    from fastrpe.api import _problem
+
+    q = torch.randn(1, 2, L, 8)
+    return _problem(q, q, q, kernel, position, causal, None, None, None)[0]
+
+
+@pytest.mark.parametrize("kernel,position,causal,backend,expected", [
+    ("softmax", "alibi", True, "auto", "ring"),
+    ("softmax", "t5", False, "auto", "ring"),
+    ("softmax", "fastrpb", False, "auto", "gather"),  # additive terms are not in the ring
+    ("nprf", "kerple_log", False, "auto", "gather"),  # arbitrary table: the exact FFT on gathered keys
+    ("nprf", "kerple_log", True, "auto", "gather"),  # soe is approximate: only when asked for
+    ("nprf", "kerple_log", True, "soe", "linear"),
+    ("nprf", "alibi", True, "auto", "linear"),
+    ("nprf", "alibi", False, "auto", "linear"),
+    ("nprf", "alibi", True, "fft", "gather"),  # the forced backend's numbers, on gathered keys
+    ("nprf", "t5", False, "auto", "linear"),
+    ("nprf", "none", False, "auto", "linear"),
+    ("nprf", "shaw", True, "auto", "gather"),
+], ids=lambda x: str(x))
+def test_path_choice(kernel, position, causal, backend, expected):
+    H = 2
+    pos = {"alibi": fr.positions.ALiBi(H), "t5": fr.positions.T5Bias(H, bidirectional=not causal),
+           "kerple_log": fr.positions.KerpleLog(H), "none": None, "fastrpb": fr.positions.FastRPB1D(H, 4096),
+           "shaw": fr.positions.ShawRelative(H, 8, 4)}[position]
+    p = _whole(kernel, pos, causal)
+    assert frd.choose_path(p, backend) == expected
+
+
+@pytest.mark.parametrize("kernel,position,causal,path,match", [
+    ("nprf", "kerple_log", False, "ring", "exact softmax only"),
+    ("softmax", "alibi", False, "linear", "kernelized"),
+    ("nprf", "kerple_log", False, "linear", "no exact state-passing form"),
+    ("nprf", "grid", False, "gather", "2D grid"),
+], ids=lambda x: str(x))
+def test_path_refusals(kernel, position, causal, path, match):
+    pos = fr.positions.Table2D(2, (4, 4)) if position == "grid" else \
+        {"kerple_log": fr.positions.KerpleLog(2), "alibi": fr.positions.ALiBi(2)}[position]
+    p = _whole(kernel, pos, causal, L=16)
+    with pytest.raises(FastRPEError, match=match) as e:
+        frd.choose_path(p, "auto", path)
+    assert "\n" not in str(e.value)
 
 
 if __name__ == "__main__":

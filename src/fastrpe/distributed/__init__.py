@@ -10,9 +10,9 @@ single-process dispatcher (see `docs/DISTRIBUTED.md`):
 
 * `ring` (softmax): exact softmax with any 1D positional term, key/value blocks passed
   around the ring, merged by log-sum-exp (`fastrpe.distributed.ring`);
-* `linear` (kernelized, where the single-process choice is a linear-time state path:
-  chunked geometric decay, soe, band, bidirectional): states passed between ranks
-  (`fastrpe.distributed.linear`);
+* `linear` (kernelized with an exact state-passing form: no term or a geometric decay
+  (chunked), a finite-support term (band), none non-causal (bidirectional); or the forced
+  backend "soe"): `O(F·Dv)` states passed between ranks (`fastrpe.distributed.linear`);
 * `gather` (everything else 1D: arbitrary Toeplitz tables by FFT, additive terms): the key
   side gathered from every rank, exact (`fastrpe.distributed.gather`).
 
@@ -34,14 +34,10 @@ from torch import Tensor
 
 from .._validate import FastRPEError
 
-__all__ = ["attention", "choose_path", "PATHS"]
+__all__ = ["attention", "explain", "choose_path", "path_reasons", "PATHS"]
 
 #: the distributed paths, in the order `auto` prefers them when several fit
 PATHS = ("ring", "linear", "gather")
-
-#: single-process backends whose computation the state-passing path reproduces
-_LINEAR_BACKENDS = {"chunked": "chunked", "triton_chunked": "chunked", "prefix": "chunked",
-                    "bidirectional": "bidirectional", "band": "band", "soe": "soe", "triton_soe": "soe"}
 
 #: numbers each rank contributes to the agreement check (see `_agree`)
 _META = 14
@@ -159,9 +155,21 @@ def _grid_reason(p) -> str | None:
     return None
 
 
-def path_reasons(path: str, p, single_backend: str) -> list[str]:
-    """Why distributed path `path` cannot run the whole-sequence problem `p` whose
-    single-process backend is `single_backend` (empty: it can)."""
+def linear_kind(p, backend: str) -> str | None:
+    """The state-passing kind (`fastrpe.distributed.linear.KINDS`) for problem `p`: the forced
+    backend's own kind, or with "auto" the exact kind for its term (chunked for none or a
+    geometric decay, band for finite support, bidirectional for none non-causal); None if none."""
+    from . import linear
+
+    if backend != "auto":
+        return linear.KIND_OF_BACKEND.get(backend)
+    kind = linear.choose_kind(p.position, p.causal)
+    return None if kind == "soe" else kind  # approximate: only when asked for (backend="soe")
+
+
+def path_reasons(path: str, p, backend: str = "auto") -> list[str]:
+    """Why distributed path `path` cannot run the whole-sequence problem `p` with `backend`
+    ("auto" or the forced single-process backend) (empty: it can)."""
     why = _grid_reason(p)
     if why:
         return [why]
@@ -172,35 +180,27 @@ def path_reasons(path: str, p, single_backend: str) -> list[str]:
 
         return ring_reasons(p)
     if path == "linear":
-        kind = _LINEAR_BACKENDS.get(single_backend)
+        from . import linear
+
+        if p.softmax:
+            return ["the state-passing paths are kernelized (softmax runs on the ring)"]
+        kind = linear_kind(p, backend)
         if kind is None:
-            return [f"the single-process backend is {single_backend!r}, not a state-passing one "
-                    f"({', '.join(sorted(_LINEAR_BACKENDS))})"]
-        try:
-            from . import linear
-        except ImportError:
-            return ["fastrpe.distributed.linear is not available"]
-        r = _linear_refusal(linear, kind, p)
+            what = (f"backend={backend!r} has no state-passing form" if backend != "auto" else
+                    f"{type(p.position).__name__} has no exact state-passing form "
+                    f"({'causal' if p.causal else 'non-causal'})")
+            return [what]
+        r = linear.refusal(kind, p)
         return [r] if r else []
     raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
 
 
-def _linear_refusal(linear, kind: str, p) -> str | None:
-    refusal = getattr(linear, "refusal", None)
-    if refusal is None or not hasattr(linear, "attention"):
-        return "fastrpe.distributed.linear has no attention entry point yet"
-    try:
-        return refusal(kind, p)
-    except TypeError:
-        return "fastrpe.distributed.linear.refusal does not take this problem yet"
-
-
-def choose_path(p, single_backend: str, path: str = "auto") -> str:
-    """The distributed path for the whole-sequence problem `p` (single-process backend
-    `single_backend`): the forced one if it fits, else the first of ring (softmax), linear
-    (state-passing backends), gather that fits. Raises `FastRPEError` with the reasons."""
+def choose_path(p, backend: str = "auto", path: str = "auto") -> str:
+    """The distributed path for the whole-sequence problem `p` and `backend`: the forced one
+    if it fits, else the first of ring (softmax), linear (a state-passing form: O(F·Dv) sent
+    per rank instead of the keys), gather that fits. Raises `FastRPEError` with the reasons."""
     if path != "auto":
-        r = path_reasons(path, p, single_backend)
+        r = path_reasons(path, p, backend)
         if r:
             raise FastRPEError(f"path={path!r} cannot run this call: " + "; ".join(r))
         return path
@@ -210,7 +210,7 @@ def choose_path(p, single_backend: str, path: str = "auto") -> str:
             continue
         if name == "linear" and p.softmax:
             continue
-        r = path_reasons(name, p, single_backend)
+        r = path_reasons(name, p, backend)
         if not r:
             return name
         refused[name] = r
@@ -245,9 +245,11 @@ def attention(
             anything else is refused.
         key_padding_mask: `[B, L_r]` bool, True marks padding keys of this slice; ranks
             without one count as no padding.
-        backend: as `fastrpe.attention`: "auto" or a single-process backend; it decides
-            what is computed (the distributed path reproduces that backend's numbers).
-        path: "auto" (ring for softmax, linear where the backend is a state-passing one,
+        backend: as `fastrpe.attention`: "auto" or a single-process backend (refused where the
+            single-process call would refuse it); a forced backend with a state-passing form
+            ("chunked", "band", "bidirectional", "soe", ...) runs it across ranks, any other
+            runs on the gathered keys.
+        path: "auto" (ring for softmax, linear where an exact state-passing form exists,
             gather otherwise), or "ring", "linear", "gather".
         group: the process group (None: the default group). With no process group
             initialized (and group None) or a group of one rank, this is `fastrpe.attention`.
@@ -258,44 +260,90 @@ def attention(
     from ..api import attention as _attention
 
     if not _initialized():
-        if group is not None:
-            raise FastRPEError("group: a process group was given but torch.distributed is not initialized")
-        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4 and k.dim() == 4 \
-                and q.shape[2] != k.shape[2]:
-            raise FastRPEError(f"k: each rank passes its slice of one sequence (self-attention), so q and k "
-                               f"have one length; got Lq={q.shape[2]}, Lk={k.shape[2]}")
-        if q_offset not in (None, 0):
-            raise FastRPEError(f"q_offset: a single process's slice starts at 0; got q_offset={q_offset}")
-        if path not in ("auto", *PATHS):
-            raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
+        _check_single(q, k, q_offset, path, group)
         return _attention(q, k, v, kernel, position, causal=causal, key_padding_mask=key_padding_mask,
                           scale=scale, backend=backend)
     call = _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale, backend, path, group)
     if call.world == 1:
         return _attention(q, k, v, kernel, position, causal=causal, key_padding_mask=key_padding_mask,
                           scale=scale, backend=backend)
-    from ..dispatch import select_backend
-
+    single, chosen, _ = _plan(call.problem, backend, path)
     p = call.problem
-    why = _grid_reason(p)
-    if why:
-        raise FastRPEError(f"position: {why}")
-    single = select_backend(p, backend).name  # the single-process semantics (and refusals) of `backend`
-    chosen = choose_path(p, single, path)
+    mask = key_padding_mask
+    if call.has_mask and mask is None:  # another rank has padding: every rank sends a mask
+        mask = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
     if chosen == "ring":
         from .ring import ring_attention
 
-        return ring_attention(q, k, v, p, key_padding_mask=key_padding_mask, has_mask=call.has_mask,
-                              lengths=call.lengths, group=group)
+        return ring_attention(q, k, v, p, key_padding_mask=mask, has_mask=call.has_mask, lengths=call.lengths,
+                              group=group)
     if chosen == "linear":
         from . import linear
 
-        return linear.attention(q, k, v, kernel=p.kernel, position=position, causal=causal,
-                                key_padding_mask=key_padding_mask, backend=single, group=group)
-    mask = key_padding_mask
-    if call.has_mask and mask is None:
-        mask = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+        return linear.attention(q, k, v, p.kernel, p.position, causal=causal, group=group, key_padding_mask=mask,
+                                kind=linear_kind(p, backend), lengths=call.lengths)
     from .gather import gathered_attention
 
     return gathered_attention(q, k, v, p.kernel, position, causal=causal, key_padding_mask=mask, scale=scale,
                               backend=backend, lengths=call.lengths, group=group)
+
+
+def _check_single(q, k, q_offset, path, group) -> None:
+    if group is not None:
+        raise FastRPEError("group: a process group was given but torch.distributed is not initialized")
+    if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
+        raise FastRPEError(f"k: each rank passes its slice of one sequence (self-attention), so q and k "
+                           f"have one length; got Lq={q.shape[2]}, Lk={k.shape[2]}")
+    if q_offset not in (None, 0):
+        raise FastRPEError(f"q_offset: a single process's slice starts at 0; got q_offset={q_offset}")
+    if path not in ("auto", *PATHS):
+        raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
+
+
+def _plan(p, backend: str, path: str) -> tuple[str, str, dict[str, list[str]]]:
+    """`(single-process backend, distributed path, every path's refusal reasons)` for the
+    whole-sequence problem `p`; raises `FastRPEError` where nothing runs it."""
+    from ..dispatch import select_backend
+
+    why = _grid_reason(p)
+    if why:
+        raise FastRPEError(f"position: {why}")
+    single = select_backend(p, backend).name  # the single-process semantics (and refusals) of `backend`
+    reasons = {name: path_reasons(name, p, backend) for name in PATHS}
+    return single, choose_path(p, backend, path), reasons
+
+
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kernel="softmax",
+    position=None,
+    *,
+    causal: bool = False,
+    q_offset: int | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    path: str = "auto",
+    group=None,
+) -> str:
+    """Which distributed path `attention` takes for these arguments (collective: every rank
+    calls it), the single-process backend it reproduces, and why the other paths are refused.
+    Arguments as `attention`."""
+    from ..api import explain as _explain
+
+    if not _initialized():
+        _check_single(q, k, q_offset, path, group)
+        return "one process: fastrpe.attention\n" + str(_explain(q, k, v, kernel, position, causal=causal,
+                                                                  key_padding_mask=key_padding_mask, scale=scale))
+    call = _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale, backend, path, group)
+    if call.world == 1:
+        return "one rank: fastrpe.attention"
+    single, chosen, reasons = _plan(call.problem, backend, path)
+    lines = [f"distributed attention over {call.world} ranks, slices {call.lengths} (L={sum(call.lengths)}): "
+             f"path {chosen!r} (the single-process call would run {single!r}; exact paths give its numbers)"]
+    for name in PATHS:
+        mark = "*" if name == chosen else " "
+        lines.append(f"{mark} {name:7s} " + ("refused: " + "; ".join(reasons[name]) if reasons[name] else "fits"))
+    return "\n".join(lines)
