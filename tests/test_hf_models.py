@@ -112,6 +112,17 @@ def test_save_pretrained_from_pretrained_bit_identical_logits(tmp_path, kernel, 
     assert loaded.model.head.weight is loaded.model.embed.weight  # still tied
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_from_pretrained_dtype_casts_every_tensor_like_to(tmp_path, dtype):
+    model = tiny("nprf", "kerple_log")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    assert {t.dtype for t in loaded.state_dict().values()} == {dtype}  # positional terms too
+    x = prompt(2, 9)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model.to(dtype)(x).logits)
+
+
 def test_forward_is_decoderlm_and_loss_is_next_token_cross_entropy():
     model = tiny("nprf", "kerple_log")
     x = prompt(3, 21)
@@ -151,6 +162,8 @@ def test_generate_greedy_equals_fastrpe_generate(kernel, position, _, P):
     theirs = model.generate(x, max_new_tokens=12, do_sample=False)
     assert torch.equal(theirs, ours)
     assert len(set(ours[:, P:].flatten().tolist())) > 2  # not one repeated token
+    if P > 1:  # without a cache: a full forward per token
+        assert torch.equal(model.generate(x, max_new_tokens=12, do_sample=False, use_cache=False), ours)
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.8, 20), (1.0, None)])
@@ -186,7 +199,7 @@ def reference_beam_search(lm, tokens, beams: int, steps: int):
     return seqs[0], scores[0], min(margin, float(scores[0] - scores[1]))
 
 
-@pytest.mark.parametrize("kernel,position,_", CASES[:2], ids=IDS[:2])
+@pytest.mark.parametrize("kernel,position,_", CASES, ids=IDS)
 def test_beam_search_best_beam_equals_reference(kernel, position, _):
     model = tiny(kernel, position)
     x = prompt(2, 6)
@@ -343,3 +356,12 @@ def test_trainer_smoke_on_the_embedded_corpus(tmp_path, monkeypatch):
     assert losses[-1] < losses[0]
     changed = [k for k, v in model.named_parameters() if not torch.equal(v.detach(), before[k])]
     assert "model.embed.weight" in changed and any(".attn.positions." in k for k in changed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel,position,_", CASES, ids=IDS)
+def test_generate_on_cuda_equals_fastrpe_generate(kernel, position, _, dtype):
+    model = tiny(kernel, position).to("cuda", dtype)
+    x = prompt(2, 7).cuda()
+    assert torch.equal(model.generate(x, max_new_tokens=10, do_sample=False), model.model.generate(x, 10))

@@ -43,11 +43,15 @@ def _build_lm(config: FastRPEConfig) -> DecoderLM:
     """The wrapped `DecoderLM`. transformers' `from_pretrained` builds the model under a "meta"
     default device and then loads the weights; fastrpe's positional terms compute their initial
     values on the host, which meta tensors cannot, so that case builds on the CPU (the loaded
-    weights replace these values)."""
+    weights replace these values). transformers passes `dtype=` as the default dtype while
+    building; positional terms create float32 tensors explicitly, so the whole model is cast
+    (`from_pretrained(..., dtype=d)` is then `from_pretrained(...).to(d)`)."""
     if torch.get_default_device().type == "meta":
         with torch.device("cpu"):
-            return DecoderLM(config.to_lm_config())
-    return DecoderLM(config.to_lm_config())
+            lm = DecoderLM(config.to_lm_config())
+    else:
+        lm = DecoderLM(config.to_lm_config())
+    return lm.to(torch.get_default_dtype())
 
 
 def _check_inputs(where: str, input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs) -> None:
