@@ -300,7 +300,7 @@ def _band(phi_q, phi_k, v, table: Tensor, W: int, causal: bool, group, lengths, 
     dt, dev = phi_q.dtype, phi_q.device
     h = W - 1
     N = sum(lengths)
-    o, e = offsets[rank], offsets[rank] + L
+    o = offsets[rank]
     table = table.to(dt)  # (H, 2W+1): b(r), r = -W..W
     r_loc = torch.arange(-(L - 1), L, device=dev)
     num, den, mrow = kernelized_num_den_band(phi_q, phi_k, v, table[:, r_loc.clamp(-W, W) + W], window=W, causal=causal)
