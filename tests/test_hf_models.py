@@ -365,3 +365,14 @@ def test_generate_on_cuda_equals_fastrpe_generate(kernel, position, _, dtype):
     model = tiny(kernel, position).to("cuda", dtype)
     x = prompt(2, 7).cuda()
     assert torch.equal(model.generate(x, max_new_tokens=10, do_sample=False), model.model.generate(x, 10))
+
+
+def test_docs_hf_models_example_runs():
+    from pathlib import Path
+    import re
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "HF.md"
+    code = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[0]
+    ns: dict = {}
+    exec(compile(code, str(doc), "exec"), ns)  # noqa: S102 - our own docs
+    assert all(isinstance(s, LinearState) for s in ns["out"].past_key_values.states)
