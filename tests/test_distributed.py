@@ -2,7 +2,9 @@
 
 One launch of 4 processes runs every multi-rank check (start-up is the slow part) and writes
 each check's largest error; the tests below read them. The processes run this file as a
-script (`python tests/test_distributed.py RANK WORLD INIT OUT CASES`), so nothing is pickled.
+script (`python tests/test_distributed.py RANK WORLD INIT OUT CASES`), so nothing is pickled;
+`OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 tests/test_distributed.py` runs every check
+under torchrun and prints each one's largest error.
 The reference is the single-process `fastrpe.attention(..., backend="dense")` (materialized
 weights) on the whole sequence, computed on every rank from the same seed.
 """
@@ -98,6 +100,7 @@ def _compare(case: dict, rank: int, world: int) -> float:
             dist.all_reduce(ga)  # every rank holds its share of the parameter gradient
             gb = b.grad if b.grad is not None else torch.zeros_like(b)
             errs.append((ga - gb).abs().max())
+    errs = [e.detach() for e in errs]
     if not bool(torch.isfinite(torch.stack(errs)).all()):
         return float("inf")
     return float(torch.stack(errs).max())
@@ -166,6 +169,66 @@ def _world1_equal(case: dict, rank: int, world: int) -> float:
     return 0.0 if torch.equal(a, b) else 1.0
 
 
+def _lowp(case: dict, rank: int, world: int) -> float:
+    """bfloat16 inputs: the distributed path's error against float64 (output and grads of q, k,
+    v) within `LOWP_FACTOR` of the single-process dense path's own bfloat16 error (STYLE §9).
+    Returns the ratio error / allowance (<= 1 passes)."""
+    from fastrpe.testing import LOWP_FACTOR
+
+    B, H, D, Dv = 1, 2, 16, 8
+    L, off, n = sum(LENGTHS), sum(LENGTHS[:rank]), LENGTHS[rank]
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(B, H, L, d, generator=g, dtype=torch.float64) for d in (D, D, Dv, Dv))
+    kernel, pos = _kernel(case["kernel"], D), _position(case["position"], H, True).float()
+    sl = slice(off, off + n)
+
+    def run(dtype, distributed, pos):
+        xs = [t.detach().to(dtype).clone().requires_grad_()
+              for t in ((q[:, :, sl], k[:, :, sl], v[:, :, sl]) if distributed else (q, k, v))]
+        if distributed:
+            out = frd.attention(*xs, kernel, pos, causal=True, path=case["path"])
+        else:
+            out = fr.attention(*xs, kernel, pos, causal=True, backend="dense")
+        (out.double() * (go[:, :, sl] if distributed else go)).sum().backward()
+        parts = [out] + [x.grad for x in xs]
+        return [t.double() if distributed else t.double()[:, :, sl] for t in parts]
+
+    ref = run(torch.float64, False, copy.deepcopy(pos).double())
+    naive, fast = run(torch.bfloat16, False, pos), run(torch.bfloat16, True, pos)
+    worst = 0.0
+    for f, nv, r in zip(fast, naive, ref):
+        err_f, err_n = (f - r).abs().max().item(), (nv - r).abs().max().item()
+        worst = max(worst, err_f / (LOWP_FACTOR * err_n + 1e-6 * max(1.0, r.abs().max().item())))
+    return worst
+
+
+def _bytes(case: dict, rank: int, world: int) -> float:
+    """What `comm.counting()` records equals the formulas of docs/DISTRIBUTED.md (forward and
+    backward, float64, B=2, H=3, D=8, Dv=6). Returns |recorded − formula| summed."""
+    from fastrpe.distributed import comm
+
+    B, H, D, Dv, b = 2, 3, 8, 6, 8
+    L, n_next, top, P = sum(LENGTHS), LENGTHS[(rank + 1) % world], max(LENGTHS), world
+    g = torch.Generator().manual_seed(2)
+    sl = slice(sum(LENGTHS[:rank]), sum(LENGTHS[:rank + 1]))
+    q, k = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64)[:, :, sl].requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)[:, :, sl].requires_grad_()
+    kernel = "softmax" if case["path"] == "ring" else "nprf"
+    with comm.counting() as c:
+        out = frd.attention(q, k, v, kernel, fr.positions.KerpleLog(H).double(), causal=True, path=case["path"])
+    fwd = c.total
+    with comm.counting() as c:
+        out.sum().backward()
+    bwd = c.total
+    if case["path"] == "ring":
+        want_f = B * H * (L - n_next) * (D + Dv) * b
+        want_b = B * H * ((L - n_next) * 2 * (D + Dv) + n_next * (D + Dv)) * b
+    else:  # gather: two all-gathers padded to the longest slice; backward all-reduces the stacks
+        want_f = (P - 1) * B * H * top * (D + Dv) * b
+        want_b = 2 * (P - 1) * B * H * top * (D + Dv) * b
+    return float(abs(fwd - want_f) + abs(bwd - want_b))
+
+
 def _cases() -> dict[str, dict]:
     cases = {}
     for causal in (False, True):
@@ -202,10 +265,14 @@ def _cases() -> dict[str, dict]:
     for what in ("q_offset", "grid", "one_rank_nan", "mixed_causal", "features_differ"):
         cases[f"refuse-{what}"] = dict(fn="refusal", what=what)
     cases["world1"] = dict(fn="world1")
+    for path, kernel in (("ring", "softmax"), ("gather", "nprf")):
+        cases[f"lowp-bf16-{path}"] = dict(fn="lowp", kernel=kernel, position="kerple_log", path=path)
+        cases[f"bytes-{path}"] = dict(fn="bytes", path=path)
     return cases
 
 
-_FNS = {"compare": _compare, "no_leak": _no_leak, "refusal": _refusal, "world1": _world1_equal}
+_FNS = {"compare": _compare, "no_leak": _no_leak, "refusal": _refusal, "world1": _world1_equal, "lowp": _lowp,
+        "bytes": _bytes}
 
 
 def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> None:
@@ -214,8 +281,8 @@ def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> Non
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method="env://" if init == "env" else f"file://{init}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     cases, results = _cases(), {}
     for name in names:
         try:
@@ -230,7 +297,11 @@ def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> Non
     dist.all_gather_object(tbs, results.pop("_tracebacks", {}))
     if rank == 0:
         results["_tracebacks"] = {k: v for t in tbs for k, v in t.items()}
-        Path(out).write_text(json.dumps(results))
+        if out == "-":  # torchrun: print the table
+            for k, v in results.items():
+                print(f"{k:45s} {v}" if k != "_tracebacks" else "\n".join(v.values()))
+        else:
+            Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
@@ -277,6 +348,18 @@ def test_causal_no_leak_across_ranks(results, name):
 @pytest.mark.parametrize("name", _case_ids("refusal"))
 def test_refusals_on_every_rank(results, name):
     assert results[name] == 0.0, "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith(name))
+
+
+@pytest.mark.parametrize("name", _case_ids("lowp"))
+def test_low_precision_against_float64(results, name):
+    tb = "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith(name + "@"))
+    assert results[name] <= 1.0, tb or f"bfloat16 error {results[name]:.3g} x the allowance"
+
+
+@pytest.mark.parametrize("name", _case_ids("bytes"))
+def test_bytes_sent_match_the_documented_formula(results, name):
+    tb = "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith(name + "@"))
+    assert results[name] == 0.0, tb or f"recorded bytes differ from the formula by {results[name]}"
 
 
 def test_group_of_one_rank_is_fastrpe_attention(results):
@@ -361,4 +444,7 @@ def test_path_refusals(kernel, position, causal, path, match):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5].split(","))
+    if len(sys.argv) == 1:  # torchrun --nproc_per_node 4 tests/test_distributed.py: every check, printed
+        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env", "-", list(_cases()))
+    else:
+        _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5].split(","))
