@@ -114,6 +114,11 @@ BATTERY = [
     (["extrapolate", "--max-bytes", "100"], ["--max-bytes"]),
     (["extrapolate", "--train-length", "0"], ["--train-length"]),
     (["extrapolate", "--steps", "x"], ["--steps"]),
+    # convert (refused before the softmax model is trained)
+    (["convert", "--kernel", "nope"], ["--kernel", "nope"]),
+    (["convert", "--position", "nope"], ["--position", "nope"]),
+    (["convert", "--arch", "opt"], ["--arch", "opt"]),
+    (["convert", "--finetune-steps", "0"], ["--finetune-steps"]),
 ]
 
 

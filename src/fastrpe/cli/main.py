@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "extrapolate": "extrapolate",
     "reproduce": "reproduce",
     "train": "train",
+    "convert": "convert",
 }
 
 #: exit status for a user error (argparse's own), Ctrl-C (128 + SIGINT), and a bug
