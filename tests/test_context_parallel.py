@@ -252,51 +252,96 @@ def _final_state(out: Path) -> dict[str, torch.Tensor]:
     return read_checkpoint(sorted((out / "checkpoints").glob("step-*.safetensors"))[-1]).model_state()
 
 
-# float32 (the CLI trains in fp32): the runs differ only in the order of sums (the loss and
-# gradient all-reduces, the attention split over ranks), ~1e-7 relative per step; after 4
-# Adam steps at lr 3e-3 that moves the loss by ~1e-6 and weights by ~1e-6. 2e-5 is a factor
-# ~10 above that and far below any real mismatch (a wrong weighting of the ranks' losses or
-# gradients moves the step-2 loss by > 1e-3).
-CURVE_TOL = 2e-5
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_train_context_parallel_matches_one_process(tmp_path, one_process, nproc):
-    """2 ranks = 1 DP x 2 CP; 4 ranks = 2 DP x 2 CP: the loss curve, the evaluation and the
-    final weights of the 1-process run; one checkpoint per step, written once; a resumed run
-    ends with the same weights."""
-    out = tmp_path / "cp"
-    proc = _torchrun(tmp_path, nproc, [*TRAIN, "--context-parallel", "2"], out)
+@pytest.fixture(scope="module")
+def cp2_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp2")
+    proc = _torchrun(tmp, 2, [*TRAIN, "--context-parallel", "2"], tmp / "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ref, got = _records(one_process), _records(out)
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4, 5, 6]  # rank 0 alone logs
-    ref_all = [json.loads(x) for x in (one_process / "metrics.jsonl").read_text().splitlines()]
-    got_all = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(ref_all) == len(got_all)
-    for a, b in zip(ref_all, got_all):
-        for key in ("loss", "grad_norm", "val_loss"):
+    return tmp / "run"
+
+
+# The CLI trains in float32; the runs differ only in the order of sums (loss and gradient
+# all-reduces, attention split over ranks). Measured (4 ranks vs 1, 6 steps): losses within
+# 2.4e-7 (one float32 ulp at 5.0 is 4.8e-7), grad norms within 1e-6, weights within 1e-5 of
+# their norm. LOSS_TOL is 10 ulps; a wrong weighting of the ranks' losses or gradients (a
+# missing CP sum, a DP sum instead of a mean) moves the step-2 loss by > 1e-2.
+LOSS_TOL, REL_TOL = 5e-6, 1e-4
+# Softmax is invariant to a bias added to every key (it shifts a row's scores by one
+# constant), so the key-projection biases have an exact gradient of 0: Adam turns the
+# float32 noise of either run into steps of its own, and their values are not compared.
+NOISE_ONLY = ".attn.k_proj.bias"
+
+
+def _assert_same_run(out: Path, ref: Path) -> None:
+    a_all = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    b_all = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in b_all] == [(r["kind"], r["step"]) for r in a_all]  # rank 0 alone logs
+    assert [r["step"] for r in a_all if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(a_all, b_all):
+        for key in ("loss", "val_loss"):
             if key in a:
-                assert b[key] == pytest.approx(a[key], abs=CURVE_TOL), (key, a, b)
-    want, have = _final_state(one_process), _final_state(out)
+                assert b[key] == pytest.approx(a[key], abs=LOSS_TOL), (key, a, b)
+        if "grad_norm" in a:
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=REL_TOL), (a, b)
+    want, have = _final_state(ref), _final_state(out)
+    assert want.keys() == have.keys()
     for k in want:
-        torch.testing.assert_close(have[k], want[k], rtol=0, atol=CURVE_TOL, msg=lambda m, k=k: f"{k}: {m}")
+        if not k.endswith(NOISE_ONLY):
+            rel = float((have[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30))
+            assert rel <= REL_TOL, f"{k}: relative difference {rel:.2e}"
     names = sorted(p.name for p in (out / "checkpoints").glob("step-*.safetensors"))
     assert names == ["step-00000003.safetensors", "step-00000006.safetensors"]
     assert not list((out / "checkpoints").glob("*.tmp"))
-    if nproc == 2:  # resume: drop the last checkpoint, continue from step 3, same weights
-        from fastrpe.train import read_checkpoint
 
-        last = out / "checkpoints" / names[-1]
-        before = read_checkpoint(last).model_state()
-        last.unlink()
-        (out / "checkpoints" / "latest").unlink(missing_ok=True)
-        proc = _torchrun(tmp_path, nproc, [*TRAIN, "--context-parallel", "2", "--resume"], out)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "resumed from step 3" in proc.stdout
-        after = read_checkpoint(last).model_state()
-        for k in before:
-            assert torch.equal(before[k], after[k]), k
+
+@pytest.mark.slow
+def test_train_context_parallel_2_matches_one_process(cp2_run, one_process):
+    """2 ranks = 1 DP x 2 CP: the loss curve, the evaluation and the final weights of the
+    1-process run; the checkpoints written once."""
+    _assert_same_run(cp2_run, one_process)
+
+
+@pytest.mark.slow
+def test_train_dp2_cp2_matches_one_process(tmp_path, one_process):
+    """4 ranks = 2 DP x 2 CP: rows split over DP, sequences over CP; the 1-process run."""
+    proc = _torchrun(tmp_path, 4, [*TRAIN, "--context-parallel", "2"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 data-parallel x 2 context-parallel" in proc.stdout
+    _assert_same_run(tmp_path / "run", one_process)
+
+
+@pytest.mark.slow
+def test_train_context_parallel_resumes(tmp_path, cp2_run):
+    """Drop the last checkpoint of the 2-rank run, --resume from step 3: the same weights, bit for bit."""
+    from fastrpe.train import read_checkpoint
+
+    out = tmp_path / "run"
+    shutil.copytree(cp2_run, out)
+    last = out / "checkpoints" / "step-00000006.safetensors"
+    before = read_checkpoint(last).model_state()
+    last.unlink()
+    (out / "checkpoints" / "latest").unlink(missing_ok=True)
+    proc = _torchrun(tmp_path, 2, [*TRAIN, "--context-parallel", "2", "--resume"], out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from step 3" in proc.stdout
+    after = read_checkpoint(last).model_state()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+def test_checkpoint_whose_header_length_starts_with_0x80_loads(tmp_path):
+    """A safetensors length prefix whose first byte is 0x80 (a header of 128 + 256k bytes, hit
+    by a context-parallel run's checkpoint) is not a pickle: it loads."""
+    from fastrpe.train import read_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    for pad in range(512):
+        path = save_checkpoint(tmp_path / "c.safetensors", model, step=1, rng=False, extra={"pad": "x" * pad})
+        if path.read_bytes()[:1] == b"\x80":
+            break
+    else:
+        pytest.fail("no header length with a first byte 0x80 in 512 tries")
+    assert read_checkpoint(path).step == 1
 
 
 def test_train_context_parallel_refusals(tmp_path, capsys):

@@ -127,7 +127,9 @@ def _parse_header(data: bytes, where: str) -> tuple[int, dict, dict]:
     size = len(data)
     if size < 8:
         raise CheckpointError(f"{where}: file is {size} bytes, too short for a safetensors header (truncated?)")
-    if data[:2] == b"PK" or data[:1] == b"\x80":
+    # a safetensors header (JSON) starts at byte 8 with "{"; its length prefix may well begin
+    # with 0x80 (any header of 128 + 256·k bytes), so the pickle magic alone is not enough
+    if data[8:9] != b"{" and (data[:2] == b"PK" or data[:1] == b"\x80"):
         raise CheckpointError(f"{where}: this is a pickle / torch.save file, not a safetensors checkpoint; "
                               "fastrpe never unpickles files (they can run arbitrary code)")
     (n,) = struct.unpack("<Q", data[:8])
