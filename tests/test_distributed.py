@@ -215,12 +215,16 @@ def _bytes(case: dict, rank: int, world: int) -> float:
     v = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)[:, :, sl].requires_grad_()
     kernel = "softmax" if case["path"] == "ring" else "nprf"
     with comm.counting() as c:
-        out = frd.attention(q, k, v, kernel, fr.positions.KerpleLog(H).double(), causal=True, path=case["path"])
+        out = frd.attention(q, k, v, kernel, fr.positions.KerpleLog(H).double(), causal=case["causal"],
+                            path=case["path"])
     fwd = c.total
     with comm.counting() as c:
         out.sum().backward()
     bwd = c.total
-    if case["path"] == "ring":
+    if case["path"] == "ring" and case["causal"]:  # blocks stop at the last rank
+        want_f = B * H * sum(LENGTHS[:rank + 1]) * (D + Dv) * b if rank < P - 1 else 0
+        want_b = B * H * ((L - n_next) * 2 * (D + Dv) + n_next * (D + Dv)) * b
+    elif case["path"] == "ring":
         want_f = B * H * (L - n_next) * (D + Dv) * b
         want_b = B * H * ((L - n_next) * 2 * (D + Dv) + n_next * (D + Dv)) * b
     else:  # gather: two all-gathers padded to the longest slice; backward all-reduces the stacks
@@ -267,7 +271,8 @@ def _cases() -> dict[str, dict]:
     cases["world1"] = dict(fn="world1")
     for path, kernel in (("ring", "softmax"), ("gather", "nprf")):
         cases[f"lowp-bf16-{path}"] = dict(fn="lowp", kernel=kernel, position="kerple_log", path=path)
-        cases[f"bytes-{path}"] = dict(fn="bytes", path=path)
+        cases[f"bytes-{path}-causal"] = dict(fn="bytes", path=path, causal=True)
+    cases["bytes-ring-full"] = dict(fn="bytes", path="ring", causal=False)
     return cases
 
 

@@ -21,10 +21,15 @@ vector per rank (`b` and `w` at every offset its queries can see, `[H, L_r + L �
 gradient the backward accumulates along the blocks' diagonals; autograd takes it on to the
 term's parameters (this rank's share; summed over ranks it is the single-process gradient).
 
-Communication per rank per layer (B batch, H heads, L sequence, D/Dv widths, P ranks, `b`
-bytes per element): forward `(P − 1)` block sends, about `B·H·(L − L_r)·(D + Dv)·b` bytes
-(plus the `[B, L_r]` masks); backward about `B·H·L·2·(D + Dv)·b` bytes (blocks and their
-`dk, dv` accumulators, in the math dtype).
+Communication, bytes rank r sends per layer (B batch, H heads, L sequence, D/Dv widths, P
+ranks, `b` bytes per element of the inputs, `b'` of the math dtype, float32 for half inputs;
+`r+1` the next rank, mod P):
+* forward, non-causal: every block but the next rank's own, `B·H·(L − L_{r+1})·(D + Dv)·b`;
+  causal: a block stops at the last rank, so rank r sends the blocks of ranks 0..r,
+  `B·H·(off_r + L_r)·(D + Dv)·b`, and the last rank sends nothing (half as much on average);
+* backward: blocks with their accumulators, then the accumulators home,
+  `B·H·((L − L_{r+1})·2·(D + Dv) + L_{r+1}·(D + Dv))·b'`;
+* plus the `[B, L_s]` padding masks (one byte per key) beside the blocks when there are any.
 
 Notation: n = L_r this rank's length, m = a block's length, P ranks, off_r / off_s offsets.
 """
@@ -54,18 +59,18 @@ def _peer(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def _shift(tensors: list[Tensor], recv_shapes: list[tuple], group, name: str) -> tuple[list, list[Tensor]]:
-    """Send `tensors` to the next rank and receive the previous rank's (of `recv_shapes`):
-    returns the handles to `wait()` on (holding the sent tensors alive) and the receive buffers."""
+def _shift(tensors: list[Tensor], recv_shapes: list[tuple], group, name: str, send: bool = True,
+           recv: bool = True) -> tuple[list, list[Tensor] | None]:
+    """Send `tensors` to the next rank (if `send`) and receive the previous rank's (of
+    `recv_shapes`, if `recv`; both sides of a pair must agree): returns the handles to
+    `wait()` on (holding the sent tensors alive) and the receive buffers (None without recv)."""
     rank, size = comm.world(group)
     nxt, prv = _peer(group, (rank + 1) % size), _peer(group, (rank - 1) % size)
-    bufs = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, recv_shapes)]
-    sent = [t.contiguous() for t in tensors]
-    ops = []
-    for t, b in zip(sent, bufs):
-        ops.append(dist.P2POp(dist.isend, t, nxt, group))
-        ops.append(dist.P2POp(dist.irecv, b, prv, group))
-    works = dist.batch_isend_irecv(ops)
+    bufs = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, recv_shapes)] if recv else None
+    sent = [t.contiguous() for t in tensors] if send else []
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sent]
+    ops += [dist.P2POp(dist.irecv, b, prv, group) for b in bufs or []]
+    works = dist.batch_isend_irecv(ops) if ops else []
     comm._record(name, sum(t.numel() * t.element_size() for t in sent))
     return _Pending(works, sent), bufs
 
@@ -101,7 +106,11 @@ class _Ring(torch.autograd.Function):
             if t < size - 1:  # the next block is in flight while this one is scored
                 m_in = lengths[(src - 1) % size]
                 shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
-                works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring")
+                # causal: a block goes no further than the last rank (no rank after a wrap reads it)
+                send = not causal or (rank < size - 1 and t <= rank)
+                recv = not causal or (rank >= 1 and t <= rank - 1)
+                works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring",
+                                     send=send, recv=recv)
             if not (causal and src > rank):  # a later rank's block is wholly in the future
                 s = _scores(qm, kv[..., :D].to(dt), coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank,
                             blk_mask)[0]  # (B, H, n, m)
@@ -116,8 +125,9 @@ class _Ring(torch.autograd.Function):
             if t < size - 1:
                 for w in works:
                     w.wait()
-                kv = bufs[0]
-                blk_mask = bufs[1] if mask is not None else None
+                if bufs is not None:
+                    kv = bufs[0]
+                    blk_mask = bufs[1] if mask is not None else None
         ok = l > 0
         out = torch.where(ok[..., None], acc / torch.where(ok, l, torch.ones_like(l))[..., None], torch.zeros_like(acc))
         lse = torch.where(ok, m + torch.log(torch.where(ok, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
