@@ -260,8 +260,10 @@ def test_right_padding_is_exact_and_left_padding_is_refused():
         model(x, attention_mask=left)
     with pytest.raises(FastRPEError, match="attention_mask has padding"):
         model(x, attention_mask=mask, use_cache=True)
-    with pytest.raises(FastRPEError, match=r"attention_mask must be \[B, 9\]"):
+    with pytest.raises(FastRPEError, match=r"attention_mask must be \[2, 9\]"):
         model(x, attention_mask=mask[:, :5])
+    with pytest.raises(FastRPEError, match=r"attention_mask must be \[2, 9\] .*, got \(1, 9\)"):
+        model(x, attention_mask=mask[:1])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -55,11 +55,10 @@ def _build_lm(config: FastRPEConfig) -> DecoderLM:
 
 
 def _check_inputs(where: str, input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs) -> None:
-    if input_ids is None:
-        raise FastRPEError(f"{where}: input_ids is required" + (" (inputs_embeds is not supported)"
-                                                                 if inputs_embeds is not None else ""))
     if inputs_embeds is not None:
         raise FastRPEError(f"{where}: inputs_embeds is not supported; pass input_ids")
+    if input_ids is None:
+        raise FastRPEError(f"{where}: input_ids is required")
     if output_attentions:
         raise FastRPEError(f"{where}: output_attentions is not supported (kernelized backends never form the "
                            "attention weights)")
@@ -73,13 +72,14 @@ def _check_inputs(where: str, input_ids, inputs_embeds, output_attentions, outpu
         raise FastRPEError(f"{where}: position_ids is not supported (positions are relative: token i sits at i)")
 
 
-def _check_mask(where: str, mask: Tensor | None, length: int, cached: bool) -> Tensor | None:
+def _check_mask(where: str, mask: Tensor | None, batch: int, length: int, cached: bool) -> Tensor | None:
     """Checks `attention_mask: [B, S]` (1 = token, 0 = padding) and returns it as bool, or None."""
     if mask is None:
         return None
-    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] != length:
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(mask.shape) != (batch, length):
         shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-        raise FastRPEError(f"{where}: attention_mask must be [B, {length}] (1 = token, 0 = padding), got {shape}")
+        raise FastRPEError(f"{where}: attention_mask must be [{batch}, {length}] (1 = token, 0 = padding), "
+                           f"got {shape}")
     m = mask.bool()
     if cached:
         if not bool(m.all()):
@@ -129,7 +129,7 @@ class FastRPEModel(FastRPEPreTrainedModel):
                 output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs):
         _check_inputs("FastRPEModel", input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs)
         check_tokens(input_ids, self.config.vocab_size, "input_ids", "FastRPEModel")
-        _check_mask("FastRPEModel", attention_mask, input_ids.shape[1], cached=False)
+        _check_mask("FastRPEModel", attention_mask, *input_ids.shape, cached=False)
         h = _hidden(self.model, input_ids)  # (B, L, E)
         if return_dict is False:
             return (h,)
@@ -193,7 +193,7 @@ class FastRPEForCausalLM(FastRPEPreTrainedModel, GenerationMixin):
         check_tokens(input_ids, self.config.vocab_size, "input_ids", where)
         cached = past_key_values is not None or bool(use_cache)
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        _check_mask(where, attention_mask, past + input_ids.shape[1], cached)
+        _check_mask(where, attention_mask, input_ids.shape[0], past + input_ids.shape[1], cached)
         if cached:
             cache = past_key_values if past_key_values is not None else self.new_cache()
             logits, states = self.model.step(input_ids, cache.states if past else None)  # (B, L, V)
@@ -236,7 +236,7 @@ class FastRPEForSequenceClassification(FastRPEPreTrainedModel):
         B, L = input_ids.shape
         if attention_mask is None and self.config.pad_token_id is not None:
             attention_mask = input_ids != self.config.pad_token_id
-        m = _check_mask(where, attention_mask, L, cached=False)
+        m = _check_mask(where, attention_mask, B, L, cached=False)
         last = (m.sum(1) - 1).clamp(min=0) if m is not None else torch.full((B,), L - 1, device=input_ids.device)
         h = _hidden(self.model, input_ids)  # (B, L, E)
         logits = self.score(h[torch.arange(B, device=h.device), last])  # (B, C)
