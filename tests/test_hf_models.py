@@ -22,7 +22,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,  # noqa: 
 
 import fastrpe.hf as H  # noqa: E402
 from fastrpe import FastRPEError  # noqa: E402
-from fastrpe.nn import BandState, KVCache, LinearState  # noqa: E402
+from fastrpe.nn import BandState, KVCache, LinearState, SoEState  # noqa: E402
 from fastrpe.nn.block import init_weights  # noqa: E402
 
 V = 259
@@ -59,8 +59,8 @@ def test_config_round_trips_and_maps_to_lm_config(tmp_path):
     assert isinstance(back, H.FastRPEConfig)
     assert back.to_lm_config() == cfg.to_lm_config()
     lm = cfg.to_lm_config()
-    assert (lm.d_model, lm.n_heads, lm.n_layers, lm.kernel, lm.position, lm.backend, lm.max_len,
-            lm.num_features, lm.feature_seed, lm.dropout) == (48, 3, 3, "nprf", "kerple_power", "dense", 333, 20, 7, 0.1)
+    assert (lm.d_model, lm.n_heads, lm.n_layers, lm.kernel, lm.position, lm.backend, lm.max_len, lm.num_features,
+            lm.feature_seed, lm.dropout) == (48, 3, 3, "nprf", "kerple_power", "dense", 333, 20, 7, 0.1)
     assert H.FastRPEConfig.from_lm_config(lm).to_lm_config() == lm
 
 
@@ -231,6 +231,16 @@ def test_generate_keeps_the_decode_state_decoder_picks(kernel, position, state):
         assert sizes[2] == sizes[24]  # constant size: does not grow with the length
     elif state is KVCache:
         assert sizes[24] > sizes[2]
+
+
+def test_generate_with_the_soe_backend_keeps_soe_states_and_equals_fastrpe():
+    model = tiny("nprf", "kerple_log", backend="soe")
+    x = prompt(2, 6)
+    out = model.generate(x, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    assert all(type(s) is SoEState for s in out.past_key_values.states)
+    assert torch.equal(out.sequences, model.model.generate(x, 10))
+    beams = model.generate(x, max_new_tokens=4, num_beams=3, do_sample=False, length_penalty=0.0)
+    assert beams.shape == (2, 10)
 
 
 def test_generate_refuses_a_dynamic_cache_and_padded_prompts():

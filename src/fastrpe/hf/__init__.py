@@ -22,5 +22,5 @@ register()
 
 from .convert import convert  # noqa: E402,F401  (converting a pretrained transformers model)
 
-__all__ = ["FastRPEConfig", "FastRPEModel", "FastRPEForCausalLM", "FastRPEForSequenceClassification", "FastRPEPreTrainedModel",
-           "FastRPECache", "FastRPECacheLayer"]
+__all__ = ["FastRPEConfig", "FastRPEModel", "FastRPEForCausalLM", "FastRPEForSequenceClassification",
+           "FastRPEPreTrainedModel", "FastRPECache", "FastRPECacheLayer"]
