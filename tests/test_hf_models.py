@@ -128,6 +128,8 @@ def test_forward_is_decoderlm_and_loss_is_next_token_cross_entropy():
     x = prompt(3, 21)
     out = model(x, labels=x)
     assert torch.equal(out.logits, model.model(x))
+    loss, logits = model(x, labels=x, return_dict=False)
+    assert torch.equal(loss, out.loss) and torch.equal(logits, out.logits)
     ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, V).double(), x[:, 1:].reshape(-1).long())
     torch.testing.assert_close(out.loss.double(), ref, rtol=1e-6, atol=1e-6)
     labels = x.clone()
