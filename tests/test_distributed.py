@@ -213,7 +213,7 @@ def _bytes(case: dict, rank: int, world: int) -> float:
     sl = slice(sum(LENGTHS[:rank]), sum(LENGTHS[:rank + 1]))
     q, k = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64)[:, :, sl].requires_grad_() for _ in range(2))
     v = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)[:, :, sl].requires_grad_()
-    kernel = "softmax" if case["path"] == "ring" else "nprf"
+    kernel = case["kernel"]
     with comm.counting() as c:
         out = frd.attention(q, k, v, kernel, fr.positions.KerpleLog(H).double(), causal=case["causal"],
                             path=case["path"])
@@ -250,7 +250,13 @@ def _cases() -> dict[str, dict]:
         cases[f"gather-softmax-t5-{c}"] = dict(fn="compare", kernel="softmax", position="t5", causal=causal,
                                                path="gather")
         cases[f"auto-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
-                                                  causal=causal, path="auto", expect="gather")
+                                                  causal=causal, path="auto", expect="ring")
+        # the kernelized ring: block-Toeplitz FFT products, k/v blocks passed around
+        cases[f"ring-nprf-learned-mask-{c}"] = dict(fn="compare", kernel="nprf", position="learned", causal=causal,
+                                                    path="ring", mask=True)
+        cases[f"ring-prf-kerple_log-{c}"] = dict(fn="compare", kernel="prf", position="kerple_log", causal=causal,
+                                                 path="ring")
+        cases[f"ring-elu-none-{c}"] = dict(fn="compare", kernel="elu", position="none", causal=causal, path="ring")
         cases[f"auto-softmax-alibi-{c}"] = dict(fn="compare", kernel="softmax", position="alibi", causal=causal,
                                                 path="auto", expect="ring")
         # E1's state-passing paths, reached through the public dispatcher
@@ -258,21 +264,24 @@ def _cases() -> dict[str, dict]:
             cases[f"auto-linear-{kind}-nprf-{pos}-{c}"] = dict(fn="compare", kernel="nprf", position=pos, causal=causal,
                                                              path="auto", expect="linear", mask=pos == "t5")
         cases[f"fft-forced-nprf-alibi-{c}"] = dict(fn="compare", kernel="nprf", position="alibi", causal=causal,
-                                                   path="auto", backend="fft", expect="gather")
+                                                   path="auto", backend="fft", expect="ring")
+        cases[f"dense-forced-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
+                                                          causal=causal, path="auto", backend="dense", expect="gather")
     cases["soe-forced-nprf-kerple_log-causal"] = dict(fn="compare", kernel="nprf", position="kerple_log",
                                                       causal=True, path="auto", backend="soe", ref_backend="soe",
                                                       expect="linear")
     cases["ring-alibi-causal-two-long"] = dict(fn="compare", kernel="softmax", position="alibi", causal=True,
                                                path="ring", lengths=(30, 33, 1, 1))
-    for path, kernel in (("ring", "softmax"), ("gather", "nprf")):
-        cases[f"noleak-{path}"] = dict(fn="no_leak", kernel=kernel, position="kerple_log", path=path)
+    for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
+        cases[f"noleak-{path}-{kernel}"] = dict(fn="no_leak", kernel=kernel, position="kerple_log", path=path)
     for what in ("q_offset", "grid", "one_rank_nan", "mixed_causal", "features_differ"):
         cases[f"refuse-{what}"] = dict(fn="refusal", what=what)
     cases["world1"] = dict(fn="world1")
-    for path, kernel in (("ring", "softmax"), ("gather", "nprf")):
-        cases[f"lowp-bf16-{path}"] = dict(fn="lowp", kernel=kernel, position="kerple_log", path=path)
-        cases[f"bytes-{path}-causal"] = dict(fn="bytes", path=path, causal=True)
-    cases["bytes-ring-full"] = dict(fn="bytes", path="ring", causal=False)
+    for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
+        cases[f"lowp-bf16-{path}-{kernel}"] = dict(fn="lowp", kernel=kernel, position="kerple_log", path=path)
+        cases[f"bytes-{path}-{kernel}-causal"] = dict(fn="bytes", path=path, kernel=kernel, causal=True)
+    cases["bytes-ring-softmax-full"] = dict(fn="bytes", path="ring", kernel="softmax", causal=False)
+    cases["bytes-ring-nprf-full"] = dict(fn="bytes", path="ring", kernel="nprf", causal=False)
     return cases
 
 
@@ -414,12 +423,14 @@ def _whole(kernel, position, causal, L=4096, **kw):
     ("softmax", "alibi", True, "auto", "ring"),
     ("softmax", "t5", False, "auto", "ring"),
     ("softmax", "fastrpb", False, "auto", "gather"),  # additive terms are not in the ring
-    ("nprf", "kerple_log", False, "auto", "gather"),  # arbitrary table: the exact FFT on gathered keys
-    ("nprf", "kerple_log", True, "auto", "gather"),  # soe is approximate: only when asked for
+    ("nprf", "kerple_log", False, "auto", "ring"),  # arbitrary table: block-Toeplitz FFT products on the ring
+    ("nprf", "kerple_log", True, "auto", "ring"),  # soe is approximate: only when asked for
+    ("nprf", "kerple_log", True, "dense", "gather"),  # a forced backend runs as such on the gathered keys
+    ("exp", "kerple_log", False, "auto", "gather"),  # SIKF's shift depends on every key
     ("nprf", "kerple_log", True, "soe", "linear"),
     ("nprf", "alibi", True, "auto", "linear"),
     ("nprf", "alibi", False, "auto", "linear"),
-    ("nprf", "alibi", True, "fft", "gather"),  # the forced backend's numbers, on gathered keys
+    ("nprf", "alibi", True, "fft", "ring"),  # the forced FFT op, block by block
     ("nprf", "t5", False, "auto", "linear"),
     ("nprf", "none", False, "auto", "linear"),
     ("nprf", "shaw", True, "auto", "gather"),
@@ -434,7 +445,7 @@ def test_path_choice(kernel, position, causal, backend, expected):
 
 
 @pytest.mark.parametrize("kernel,position,causal,path,match", [
-    ("nprf", "kerple_log", False, "ring", "exact softmax only"),
+    ("exp", "kerple_log", False, "ring", "data-dependent"),
     ("softmax", "alibi", False, "linear", "kernelized"),
     ("nprf", "kerple_log", False, "linear", "no exact state-passing form"),
     ("nprf", "grid", False, "gather", "2D grid"),

@@ -178,7 +178,10 @@ def path_reasons(path: str, p, backend: str = "auto") -> list[str]:
     if path == "ring":
         from .ring import ring_reasons
 
-        return ring_reasons(p)
+        r = ring_reasons(p)
+        if not p.softmax and backend not in ("auto", "fft"):
+            r.append(f"backend={backend!r} is forced (the kernelized ring runs the FFT op on each block)")
+        return r
     if path == "linear":
         from . import linear
 
@@ -205,11 +208,7 @@ def choose_path(p, backend: str = "auto", path: str = "auto") -> str:
             raise FastRPEError(f"path={path!r} cannot run this call: " + "; ".join(r))
         return path
     refused = {}
-    for name in PATHS:
-        if name == "ring" and not p.softmax:
-            continue
-        if name == "linear" and p.softmax:
-            continue
+    for name in (("ring", "gather") if p.softmax else ("linear", "ring", "gather")):
         r = path_reasons(name, p, backend)
         if not r:
             return name
@@ -273,10 +272,10 @@ def attention(
     if call.has_mask and mask is None:  # another rank has padding: every rank sends a mask
         mask = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
     if chosen == "ring":
-        from .ring import ring_attention
+        from .ring import kernel_ring_attention, ring_attention
 
-        return ring_attention(q, k, v, p, key_padding_mask=mask, has_mask=call.has_mask, lengths=call.lengths,
-                              group=group)
+        run = ring_attention if p.softmax else kernel_ring_attention
+        return run(q, k, v, p, key_padding_mask=mask, has_mask=call.has_mask, lengths=call.lengths, group=group)
     if chosen == "linear":
         from . import linear
 

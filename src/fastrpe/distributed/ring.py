@@ -45,9 +45,9 @@ from . import comm
 
 def ring_reasons(p) -> list[str]:
     """Why the ring cannot run the whole-sequence problem `p` (empty: it can)."""
-    r = []
     if not p.softmax:
-        r.append("the ring runs exact softmax only (kernelized attention: linear or gather)")
+        return kernel_ring_reasons(p)
+    r = []
     if p.additive:
         r.append("additive terms (" + ", ".join(type(t).__name__ for t in p.additive)
                  + ") are not in the ring (path 'gather' runs them)")
@@ -247,3 +247,171 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, p, *, key_padding_mask: Tens
                                                                                    device=q.device)
         mask = mask.to(torch.uint8)  # travels with its keys; gloo has no bool
     return _Ring.apply(q, k, v, coef, wvec, mask, float(scale), bool(p.causal), tuple(lengths), group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernelized attention with an arbitrary Toeplitz term: block-Toeplitz products on the ring
+#
+# Luo et al. 2021 Eq. 10 for rank r's rows, `out_i = Σ_s num_s(i) / Σ_s den_s(i)` with
+# `[num_s, den_s](i) = Σ_{j in rank s} φ(q_i)·φ(k_j)·c(j − i)·[v_j, 1]`: each rank pair's
+# block is a Toeplitz product with offsets `off_s − off_r − L_r + 1 .. off_s − off_r + L_s − 1`,
+# which the single-process FFT op computes (`q_offset = 0` on a slice of the coefficient
+# vector). The blocks of `k, v` travel as in the softmax ring; partial sums carry their own
+# row scales (`log_scale`), merged by a running maximum. Backward recomputes each block's op
+# under autograd and sends `dk, dv` home with the blocks: one block in memory at a time.
+
+
+def kernel_ring_reasons(p) -> list[str]:
+    """Why the kernelized ring cannot run the whole-sequence problem `p` (empty: it can)."""
+    from ..kernels import Exp, FeatureMap
+    from ..positions.grid import GridTerm
+
+    kern, r = p.kernel, []
+    if not isinstance(kern, FeatureMap):
+        return ["not a feature map"]
+    if p.additive:
+        r.append("additive terms (" + ", ".join(type(t).__name__ for t in p.additive)
+                 + ") are not in the ring (path 'gather' runs them)")
+    data_dependent = (isinstance(kern, Exp) and not kern.normalize) or \
+        (type(kern).key_features is not FeatureMap.key_features and not isinstance(kern, Exp))
+    if data_dependent:
+        r.append(f"{type(kern).__name__} shifts keys by a data-dependent amount (path 'gather' runs it)")
+    if any(prm.requires_grad for prm in kern.parameters()):
+        r.append(f"{type(kern).__name__} has trainable parameters (path 'gather' trains them)")
+    if p.position is not None and (p.position.softmax_only or isinstance(p.position, GridTerm)):
+        r.append(f"{type(p.position).__name__} has no 1D kernelized form")
+    return r
+
+
+def _block_num_den(kernel, qm, kb, vb, coef_b, diagonal, mask_b):
+    """`(num, den, log_scale)` of this rank's rows against one key block (`log_scale` as
+    `[B, H, n]`): the single-process FFT op on the block's slice of the coefficients."""
+    from ..ops.kernelized import num_den_fft
+
+    phi_q = kernel(qm, is_query=True)  # (B, H, n, F)
+    phi_k, _ = kernel.key_features(kb, causal=False, key_padding_mask=mask_b)  # shift: data-independent
+    num, den, ls = num_den_fft(phi_q, phi_k, vb.to(phi_q.dtype), coef_b, causal=diagonal, q_offset=0,
+                               key_padding_mask=mask_b)
+    return num, den, torch.broadcast_to(ls, den.shape)
+
+
+class _KernelRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, coef, mask, kernel, causal, lengths, group):
+        rank, size = comm.world(group)
+        B, H, n, D = q.shape
+        Dv = v.shape[-1]
+        off = sum(lengths[:rank])
+        num = den = top = None
+        kv = torch.cat([k, v], dim=-1)  # (B, H, n, D + Dv)
+        blk_mask = mask
+        for t in range(size):
+            src = (rank - t) % size
+            if t < size - 1:
+                m_in = lengths[(src - 1) % size]
+                shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
+                send = not causal or (rank < size - 1 and t <= rank)
+                recv = not causal or (rank >= 1 and t <= rank - 1)
+                works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring",
+                                     send=send, recv=recv)
+            if not (causal and src > rank):
+                m, off_s = kv.shape[2], sum(lengths[:src])
+                coef_b = None if coef is None else coef[:, off_s:off_s + n + m - 1]
+                nb, db, ls = _block_num_den(kernel, q, kv[..., :D], kv[..., D:], coef_b, causal and src == rank,
+                                            None if blk_mask is None else blk_mask.bool())
+                if num is None:
+                    num, den, top = nb, db, ls
+                else:  # merge by the larger row scale
+                    new = torch.maximum(top, ls)
+                    a, b = torch.exp(top - new), torch.exp(ls - new)
+                    num, den, top = num * a[..., None] + nb * b[..., None], den * a + db * b, new
+            if t < size - 1:
+                for w in works:
+                    w.wait()
+                if bufs is not None:
+                    kv = bufs[0]
+                    blk_mask = bufs[1] if mask is not None else None
+        ok = den != 0
+        out = torch.where(ok[..., None], num / torch.where(ok, den, torch.ones_like(den))[..., None],
+                          torch.zeros_like(num))
+        ctx.save_for_backward(q, k, v, coef, mask, out, den, top)
+        ctx.cfg = (kernel, causal, lengths, group)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, coef, mask, out, den, top = ctx.saved_tensors
+        kernel, causal, lengths, group = ctx.cfg
+        rank, size = comm.world(group)
+        B, H, n, D = q.shape
+        Dv = v.shape[-1]
+        off = sum(lengths[:rank])
+        dt = out.dtype
+        ok = den != 0
+        safe = torch.where(ok, den, torch.ones_like(den))
+        # out = N / Dn with N = Σ_s num_s·e^(ls_s − top), Dn likewise (top: a constant)
+        g_num = torch.where(ok[..., None], dout.to(dt) / safe[..., None], torch.zeros_like(out))
+        g_den = torch.where(ok, -(dout.to(dt) * out).sum(-1) / safe, torch.zeros_like(den))
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+        dcoef = None if coef is None else torch.zeros(coef.shape, dtype=dt, device=q.device)
+        blk = torch.cat([k.to(dt), v.to(dt), torch.zeros(B, H, n, D + Dv, dtype=dt, device=q.device)], dim=-1)
+        blk_mask = mask
+        for t in range(size):
+            src = (rank - t) % size
+            if not (causal and src > rank):
+                m, off_s = blk.shape[2], sum(lengths[:src])
+                with torch.enable_grad():
+                    qq = q.detach().requires_grad_()
+                    kb = blk[..., :D].to(k.dtype).detach().requires_grad_()
+                    vb = blk[..., D:D + Dv].to(v.dtype).detach().requires_grad_()
+                    ins = [qq, kb, vb]
+                    coef_b = None
+                    if coef is not None:
+                        coef_b = coef[:, off_s:off_s + n + m - 1].detach().requires_grad_()
+                        ins.append(coef_b)
+                    nb, db, ls = _block_num_den(kernel, qq, kb, vb, coef_b, causal and src == rank,
+                                                None if blk_mask is None else blk_mask.bool())
+                    w = torch.exp(ls - top)  # (B, H, n)
+                    surrogate = ((nb * g_num).sum(-1) * w).sum() + (db * g_den * w).sum()
+                    grads = torch.autograd.grad(surrogate, ins, allow_unused=True)
+                grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, ins)]
+                dq += grads[0].to(dt)
+                blk = torch.cat([blk[..., :D + Dv], blk[..., D + Dv:] + torch.cat(
+                    [grads[1].to(dt), grads[2].to(dt)], dim=-1)], dim=-1)
+                if coef is not None:
+                    dcoef[:, off_s:off_s + n + m - 1] += grads[3].to(dt)
+            if t < size - 1:
+                m_in = lengths[(src - 1) % size]
+                shapes = [(B, H, m_in, 2 * (D + Dv))] + ([(B, m_in)] if mask is not None else [])
+                works, bufs = _shift([blk] + ([blk_mask] if mask is not None else []), shapes, group, "ring.backward")
+                for w_ in works:
+                    w_.wait()
+                blk = bufs[0]
+                blk_mask = bufs[1] if mask is not None else None
+        grads = blk[..., D + Dv:]
+        if size > 1:
+            works, bufs = _shift([grads], [(B, H, n, D + Dv)], group, "ring.backward")
+            for w_ in works:
+                w_.wait()
+            grads = bufs[0]
+        return (dq.to(q.dtype), grads[..., :D].to(k.dtype), grads[..., D:].to(v.dtype),
+                None if dcoef is None else dcoef.to(coef.dtype), None, None, None, None, None)
+
+
+def kernel_ring_attention(q: Tensor, k: Tensor, v: Tensor, p, *, key_padding_mask: Tensor | None, has_mask: bool,
+                          lengths: list[int], group) -> Tensor:
+    """This rank's rows of kernelized attention with any 1D Toeplitz term (Luo Eq. 10) over the
+    whole sequence, key/value blocks passed around the ring. Arguments as `ring_attention`."""
+    rank, size = comm.world(group)
+    B, H, n, D = q.shape
+    L, off = sum(lengths), sum(lengths[:rank])
+    coef = None
+    if p.position is not None:
+        coef = p.position.log_coefficients(n, L, off).to(q.device)  # (H, n + L - 1)
+    mask = None
+    if has_mask:
+        mask = key_padding_mask if key_padding_mask is not None else torch.zeros(B, n, dtype=torch.bool,
+                                                                                   device=q.device)
+        mask = mask.to(torch.uint8)
+    with torch.autocast(q.device.type, enabled=False):
+        return _KernelRing.apply(q, k, v, coef, mask, p.kernel, bool(p.causal), tuple(lengths), group)
