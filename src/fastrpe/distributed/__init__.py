@@ -8,13 +8,14 @@ Built on `torch.distributed` (NCCL on GPU, gloo on CPU). The arguments and their
 `fastrpe.attention`'s; the call picks a distributed path from the same information as the
 single-process dispatcher (see `docs/DISTRIBUTED.md`):
 
-* `ring` (softmax): exact softmax with any 1D positional term, key/value blocks passed
-  around the ring, merged by log-sum-exp (`fastrpe.distributed.ring`);
+* `ring`: exact softmax with any 1D positional term, key/value blocks passed around the
+  ring, merged by log-sum-exp; kernelized attention with any 1D Toeplitz term by
+  block-Toeplitz FFT products on the same ring (`fastrpe.distributed.ring`);
 * `linear` (kernelized with an exact state-passing form: no term or a geometric decay
   (chunked), a finite-support term (band), none non-causal (bidirectional); or the forced
   backend "soe"): `O(F·Dv)` states passed between ranks (`fastrpe.distributed.linear`);
-* `gather` (everything else 1D: arbitrary Toeplitz tables by FFT, additive terms): the key
-  side gathered from every rank, exact (`fastrpe.distributed.gather`).
+* `gather` (everything else 1D: additive terms, SIKF, trainable feature maps, a forced
+  backend): the key side gathered from every rank, exact (`fastrpe.distributed.gather`).
 
 2D grid terms have no distributed form and are refused.
 
@@ -200,8 +201,9 @@ def path_reasons(path: str, p, backend: str = "auto") -> list[str]:
 
 def choose_path(p, backend: str = "auto", path: str = "auto") -> str:
     """The distributed path for the whole-sequence problem `p` and `backend`: the forced one
-    if it fits, else the first of ring (softmax), linear (a state-passing form: O(F·Dv) sent
-    per rank instead of the keys), gather that fits. Raises `FastRPEError` with the reasons."""
+    if it fits, else the first that fits of ring, gather (softmax) or linear (a state-passing
+    form: O(F·Dv) sent per rank instead of the keys), ring, gather (kernelized). Raises
+    `FastRPEError` with the reasons."""
     if path != "auto":
         r = path_reasons(path, p, backend)
         if r:
@@ -248,8 +250,8 @@ def attention(
             single-process call would refuse it); a forced backend with a state-passing form
             ("chunked", "band", "bidirectional", "soe", ...) runs it across ranks, any other
             runs on the gathered keys.
-        path: "auto" (ring for softmax, linear where an exact state-passing form exists,
-            gather otherwise), or "ring", "linear", "gather".
+        path: "auto" (softmax: ring; kernelized: linear where an exact state-passing form
+            exists, else the ring; gather for what neither runs), or "ring", "linear", "gather".
         group: the process group (None: the default group). With no process group
             initialized (and group None) or a group of one rank, this is `fastrpe.attention`.
 

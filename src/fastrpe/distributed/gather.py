@@ -23,12 +23,10 @@ independent of L; and the compute per rank is the op on `[L_r, L]`, not `[L_r, L
 Gathering `k, v` costs less than gathering the feature channels `φ(k)⊗[v, 1]`
 (`F·(Dv + 1)` per position) whenever `D + Dv < F·(Dv + 1)`, which is always.
 
-A better design, left for later: block-Toeplitz products between rank pairs. Rank s's keys
-contribute to rank r's rows through the `[L_r, L_s]` Toeplitz block `c(j − i)` with offsets
-`off_s − off_r − L_r + 1 .. off_s − off_r + L_s − 1`, which an FFT of length `L_r + L_s`
-applies to rank s's `F·(Dv + 1)` channels. Passing those channels around a ring (as the
-softmax ring passes `k, v`) needs memory for one block at a time instead of the whole
-gathered sequence, at `O(P)` FFTs of length ~`2L/P` per rank.
+The ring (`fastrpe.distributed.ring`) computes the same rows for arbitrary tables by
+block-Toeplitz products between rank pairs with one key block in memory; `auto` prefers it
+and falls back here for what it does not run (additive terms, SIKF `exp`, trainable feature
+maps, a forced single-process backend other than fft).
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Exact softmax attention with a positional term, key/value blocks passed around a ring.
+"""Exact attention with a positional term, key/value blocks passed around a ring: softmax
+(below) and kernelized attention with any 1D Toeplitz term (`kernel_ring_attention`, at the
+end of this module: block-Toeplitz FFT products between rank pairs).
 
 Rank r holds queries, keys and values of its slice (global positions `off_r .. off_r+L_r-1`).
 In P steps every key/value block visits every rank: at step t rank r holds the block of
