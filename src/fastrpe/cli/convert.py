@@ -38,6 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-control", action="store_true",
                    help="skip the control run (the softmax model trained for the same extra steps)")
     p.add_argument("--max-bytes", type=int, default=None, help="corpus bytes (default 8e6, quick 1e6)")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="validation tokens of each reported loss (default 65536, quick 16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/convert", help="output directory (default runs/convert)")
     p.add_argument("--no-progress", action="store_true")
@@ -53,7 +55,7 @@ def options_from_args(args):
                "position": None if args.position in (None, "none") else args.position,
                "keep_position_encoding": bool(args.keep_position_encoding), "num_features": args.num_features,
                "control": not args.no_control, "seed": args.seed}
-    for name in ("pretrain_steps", "finetune_steps", "finetune_lr", "max_bytes"):
+    for name in ("pretrain_steps", "finetune_steps", "finetune_lr", "max_bytes", "eval_tokens"):
         v = getattr(args, name)
         if v is not None:
             changes[name] = v

@@ -195,7 +195,7 @@ def _curve(history) -> dict[str, list]:
 
 
 def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *, progress: bool | None = None,
-                   log=print) -> dict[str, Any]:
+                   log=print, plot: bool = True) -> dict[str, Any]:
     """Train a softmax model, save and reload it, convert it, fine-tune it; see the module docstring.
 
     Args:
@@ -204,6 +204,7 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
         options: `RecipeOptions` (default: the full setting; `RecipeOptions.quick()` for --quick).
         progress: tqdm bars of the training loop (None: when stderr is a terminal).
         log: called with one line per stage.
+        plot: draw `convert.png` (when matplotlib is installed).
 
     Returns:
         The results dict written to `results.json`: losses in nats/byte under
@@ -294,7 +295,8 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
                     "transformers": transformers.__version__, "threads": torch.get_num_threads()},
     }
     (out / "results.json").write_text(json.dumps(_finite_or_null(results), indent=2, allow_nan=False) + "\n")
-    plot_recipe(results, out / "convert.png")
+    if plot:
+        plot_recipe(results, out / "convert.png")
     return results
 
 
