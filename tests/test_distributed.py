@@ -1,8 +1,9 @@
 """`fastrpe.distributed.attention` across 4 CPU processes (gloo) against the single-process call.
 
-One launch of 4 processes runs every multi-rank check (start-up is the slow part) and writes
-each check's largest error; the tests below read them. The processes run this file as a
-script (`python tests/test_distributed.py RANK WORLD INIT OUT CASES`), so nothing is pickled;
+One launch of 4 forked processes runs every multi-rank check and writes each check's largest
+error; the tests below read them (forked from the test process, which has imported torch:
+importing it four times over was most of the time). `python tests/test_distributed.py RANK
+WORLD INIT OUT CASES` runs one rank as a script, and
 `OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 tests/test_distributed.py` runs every check
 under torchrun and prints each one's largest error.
 The reference is the single-process `fastrpe.attention(..., backend="dense")` (materialized
@@ -319,20 +320,40 @@ def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> Non
     dist.destroy_process_group()
 
 
+def _forked(rank: int, world: int, init: str, out: str, names: list[str], log: str) -> None:
+    """A forked child: torch is already imported (start-up costs nothing); its output goes to a log."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        _worker(rank, world, init, out, names)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def _launch(tmp: Path, names: list[str]) -> dict:
+    """Run the checks `names` on WORLD forked processes (gloo, `file://` rendezvous under tmp)."""
+    import multiprocessing as mp
+
     init, out = tmp / "init", tmp / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(init), str(out), ",".join(names)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(WORLD)]
-    logs = []
+    ctx = mp.get_context("fork")  # the parent has imported torch and fastrpe: the children need not
+    logs = [tmp / f"rank{r}.log" for r in range(WORLD)]
+    procs = [ctx.Process(target=_forked, args=(r, WORLD, str(init), str(out), names, str(logs[r])))
+             for r in range(WORLD)]
     for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for pp in procs:
-                pp.kill()
-            raise AssertionError("the 4 processes did not finish in 240 s")
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    text = "\n".join(f.read_text(errors="replace") for f in logs if f.exists())
+    assert not alive, "the processes did not finish in 240 s\n" + text[-4000:]
+    assert all(p.exitcode == 0 for p in procs), text[-4000:]
     return json.loads(out.read_text())
 
 
