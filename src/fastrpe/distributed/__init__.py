@@ -50,20 +50,20 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _fingerprint(modules) -> tuple[float, float]:
-    """Two numbers that differ when ranks hold different parameters/buffers (say, random
-    features drawn from different seeds): they would give silently wrong sums."""
-    s1 = s2 = 0.0
+def _fingerprint(modules, device) -> Tensor:
+    """`[2]` float64 on `device`: two numbers that differ when ranks hold different
+    parameters/buffers (say, random features drawn from different seeds), which would give
+    silently wrong sums. No host sync (the agreement's one all-gather reads it)."""
+    acc = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for m in modules:
             if not isinstance(m, torch.nn.Module):
                 continue
             for t in list(m.parameters()) + list(m.buffers()):
-                if t.is_floating_point():
-                    t64 = t.detach().double()
-                    s1 += float(t64.sum())
-                    s2 += float((t64 * t64).sum())
-    return s1, s2
+                if t.is_floating_point() and t.numel():
+                    t64 = t.detach().to(device=device, dtype=torch.float64)
+                    acc += torch.stack([t64.sum(), (t64 * t64).sum()])
+    return acc
 
 
 def _structure(obj) -> str:
@@ -111,15 +111,16 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
     dev = q.device if isinstance(q, Tensor) else torch.device("cpu")
     if p is not None:
         mods = [p.kernel, p.position, *p.additive]
-        fp = _fingerprint(mods)
         sig = zlib.crc32("|".join([_structure(m) for m in mods] + [backend, path]).encode())
         meta = [q.shape[2], 0, *q.shape[:2], q.shape[3], v.shape[3], _DTYPES.index(q.dtype) if q.dtype in _DTYPES
                 else 99, float(causal), float(key_padding_mask is not None), -1.0 if scale is None else float(scale),
-                float(sig), *fp, -1.0 if q_offset is None else float(q_offset)]
+                float(sig), -1.0 if q_offset is None else float(q_offset)]
+        fp = _fingerprint(mods, dev)
     else:
-        meta = [0, 1] + [0.0] * (_META - 2)
-    assert len(meta) == _META
-    t = torch.tensor(meta, dtype=torch.float64, device=dev)
+        meta = [0, 1] + [0.0] * (_META - 4)
+        fp = torch.zeros(2, dtype=torch.float64, device=dev)
+    t = torch.cat([torch.tensor(meta, dtype=torch.float64, device=dev), fp])
+    assert t.numel() == _META
     allm = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(allm, t, group=group)
     allm = torch.stack(allm).cpu()  # (P, _META)
@@ -130,8 +131,8 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
         raise FastRPEError(f"rank {bad[0]} rejected its arguments (its own error says why); nothing was computed")
     lengths = [int(x) for x in allm[:, 0].tolist()]
     names = {2: "B", 3: "H", 4: "D", 5: "Dv", 6: "dtype", 7: "causal", 9: "scale",
-             10: "kernel, position, backend or path", 11: "kernel/position parameters",
-             12: "kernel/position parameters"}
+             10: "kernel, position, backend or path", 12: "kernel/position parameters",
+             13: "kernel/position parameters"}
     for col, what in names.items():
         if not bool((allm[:, col] == allm[0, col]).all()):
             vals = allm[:, col].tolist()
