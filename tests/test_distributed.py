@@ -84,6 +84,9 @@ def _compare(case: dict, rank: int, world: int) -> float:
 
     sl = slice(off, off + n)
     ql, kl, vl = (t[:, :, sl].clone().requires_grad_() for t in (q, k, v))
+    if case.get("strided"):  # [B, L, H, D] projections viewed as [B, H, L, D]: not contiguous
+        ql, kl, vl = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (ql, kl, vl))
+        leaves, (ql, kl, vl) = (ql, kl, vl), (t.transpose(1, 2) for t in (ql, kl, vl))
     kw = dict(causal=causal, key_padding_mask=None if mask is None else mask[:, sl], path=case["path"],
               backend=case.get("backend", "auto"))
     if "expect" in case:  # the path auto takes
@@ -93,8 +96,9 @@ def _compare(case: dict, rank: int, world: int) -> float:
     out = frd.attention(ql, kl, vl, kernel, pos, **kw)
     (out * go[:, :, sl]).sum().backward()
     errs = [(out - ref[:, :, sl]).abs().max()]
-    for mine, theirs in ((ql, qr), (kl, kr), (vl, vr)):
-        errs.append((mine.grad - theirs.grad[:, :, sl]).abs().max())
+    mine = [t.grad.transpose(1, 2) for t in leaves] if case.get("strided") else [t.grad for t in (ql, kl, vl)]
+    for g_mine, theirs in zip(mine, (qr, kr, vr)):
+        errs.append((g_mine - theirs.grad[:, :, sl]).abs().max())
     if pos is not None:
         for a, b in zip(pos.parameters(), pos_ref.parameters()):
             ga = a.grad.clone() if a.grad is not None else torch.zeros_like(a)
@@ -268,6 +272,9 @@ def _cases() -> dict[str, dict]:
                                                    path="auto", backend="fft", expect="ring")
         cases[f"dense-forced-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
                                                           causal=causal, path="auto", backend="dense", expect="gather")
+    for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
+        cases[f"strided-{path}-{kernel}-causal"] = dict(fn="compare", kernel=kernel, position="kerple_log",
+                                                        causal=True, path=path, strided=True, mask=True)
     cases["soe-forced-nprf-kerple_log-causal"] = dict(fn="compare", kernel="nprf", position="kerple_log",
                                                       causal=True, path="auto", backend="soe", ref_backend="soe",
                                                       expect="linear")
