@@ -279,6 +279,29 @@ def test_converted_modules_are_submodules_trainable_and_move_with_to():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pos_params)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_save_pretrained_and_load_converted_round_trip(arch, tmp_path):
+    from fastrpe.hf.convert import load_converted
+
+    conv = converted(tiny_model(arch), kernel="nprf", position="kerple_log", keep_position_encoding=False,
+                     num_features=8, seed=3)
+    with torch.no_grad():  # as if fine-tuned: the positional parameters moved away from their start
+        for n, p in conv.named_parameters():
+            if ".fastrpe." in n:
+                p.add_(0.25)
+    x = torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        want = conv(x).logits
+    conv.save_pretrained(tmp_path)
+    back = load_converted(tmp_path).eval()
+    assert back.config._attn_implementation == "fastrpe"
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, want, atol=1e-6, rtol=0)
+    tiny_model(arch).save_pretrained(tmp_path / "plain")
+    with pytest.raises(FastRPEError, match="no converted model"):
+        load_converted(tmp_path / "plain")
+
+
 def test_training_mode_is_supported_and_dropout_is_zeroed():
     model = tiny_model("gpt2")
     assert model.config.attn_pdrop > 0

@@ -38,6 +38,10 @@ Hkv key/value heads, L length, D head width):
 * Attention-probability dropout has no counterpart in kernelized attention: `convert` sets
   it to 0 (with a warning when it was not 0); the attention function refuses a nonzero rate.
 
+Saving: `save_pretrained` writes every weight, the fastrpe ones included, and records the
+arguments in `config.fastrpe_conversion`; load with `load_converted(path)` (a plain
+`from_pretrained` would rebuild the original softmax attention and drop the fastrpe weights).
+
 The identity check (`tests/test_hf_convert.py`): with `kernel="softmax"`, `position=None`
 and the model's encoding kept, the converted model's logits equal the original's.
 """
@@ -347,4 +351,45 @@ def convert(model: nn.Module, kernel="nprf", position="kerple_log", *, keep_posi
         "keep_position_encoding": keep_position_encoding, "num_features": num_features, "seed": seed,
         "backend": backend,
     }
+    return model
+
+
+def load_converted(path, model_class=None, **kwargs) -> nn.Module:
+    """Load a model that was converted and saved with `save_pretrained`.
+
+    A plain `from_pretrained` builds the original architecture with its own attention and
+    drops the fastrpe weights (positional parameters, random features). This builds it, applies
+    `convert` again with the arguments recorded in `config.fastrpe_conversion`, and loads the
+    fastrpe tensors from the checkpoint's safetensors files.
+
+    Args:
+        path: the directory written by `save_pretrained`.
+        model_class: the transformers class to load with (default `AutoModelForCausalLM`).
+        **kwargs: passed to `from_pretrained` (e.g. `torch_dtype`).
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    model = model_class.from_pretrained(path, **kwargs)
+    recorded = getattr(model.config, "fastrpe_conversion", None)
+    if not isinstance(recorded, dict):
+        raise FastRPEError(f"path: {path} holds no converted model (its config has no fastrpe_conversion)")
+    if "custom" in (recorded.get("kernel"), recorded.get("position")):
+        raise FastRPEError(f"path: {path} was converted with a custom kernel or position function; convert the "
+                           "loaded model with the same function and load its state dict yourself")
+    args = {k: recorded[k] for k in ("kernel", "position", "keep_position_encoding", "num_features", "seed", "backend")
+            if k in recorded}
+    convert(model, **args)
+    want = {k for k in model.state_dict() if ".fastrpe." in k}
+    tensors = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update({k: v for k, v in load_file(str(f)).items() if k in want})
+    missing = sorted(want - set(tensors))
+    if missing:
+        raise FastRPEError(f"path: {path} lacks the fastrpe tensors {', '.join(missing[:3])}"
+                           + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""))
+    model.load_state_dict(tensors, strict=False)
     return model
