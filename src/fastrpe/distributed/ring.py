@@ -29,8 +29,9 @@ ranks, `b` bytes per element of the inputs, `b'` of the math dtype, float32 for 
 * forward, non-causal: every block but the next rank's own, `B·H·(L − L_{r+1})·(D + Dv)·b`;
   causal: a block stops at the last rank, so rank r sends the blocks of ranks 0..r,
   `B·H·(off_r + L_r)·(D + Dv)·b`, and the last rank sends nothing (half as much on average);
-* backward: blocks with their accumulators, then the accumulators home,
-  `B·H·((L − L_{r+1})·2·(D + Dv) + L_{r+1}·(D + Dv))·b'`;
+* backward: blocks (sent ahead, while the previous one is computed) and their
+  accumulators, then the accumulators home,
+  `B·H·((L − L_{r+1})·(D + Dv)·(b + b') + L_{r+1}·(D + Dv)·b')`;
 * plus the `[B, L_s]` padding masks (one byte per key) beside the blocks when there are any.
 
 Notation: n = L_r this rank's length, m = a block's length, P ranks, off_r / off_s offsets.
@@ -62,7 +63,7 @@ def _peer(group, r: int) -> int:
 
 
 def _shift(tensors: list[Tensor], recv_shapes: list[tuple], group, name: str, send: bool = True,
-           recv: bool = True) -> tuple[list, list[Tensor] | None]:
+           recv: bool = True, tag: int = 0) -> tuple[list, list[Tensor] | None]:
     """Send `tensors` to the next rank (if `send`) and receive the previous rank's (of
     `recv_shapes`, if `recv`; both sides of a pair must agree): returns the handles to
     `wait()` on (holding the sent tensors alive) and the receive buffers (None without recv)."""
@@ -70,8 +71,8 @@ def _shift(tensors: list[Tensor], recv_shapes: list[tuple], group, name: str, se
     nxt, prv = _peer(group, (rank + 1) % size), _peer(group, (rank - 1) % size)
     bufs = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, recv_shapes)] if recv else None
     sent = [t.contiguous() for t in tensors] if send else []
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sent]
-    ops += [dist.P2POp(dist.irecv, b, prv, group) for b in bufs or []]
+    ops = [dist.P2POp(dist.isend, t, nxt, group, tag + 10 * i) for i, t in enumerate(sent)]
+    ops += [dist.P2POp(dist.irecv, b, prv, group, tag + 10 * i) for i, b in enumerate(bufs or [])]
     works = dist.batch_isend_irecv(ops) if ops else []
     comm._record(name, sum(t.numel() * t.element_size() for t in sent))
     return _Pending(works, sent), bufs
@@ -143,54 +144,72 @@ class _Ring(torch.autograd.Function):
         scale, causal, lengths, group = ctx.cfg
         rank, size = comm.world(group)
         dt = _math_dtype(q.dtype)
-        B, H, n, D = q.shape
-        Dv = v.shape[-1]
+        H = q.shape[1]
         off = sum(lengths[:rank])
         qm, do = q.to(dt), dout.to(dt)
         delta = (do * out).sum(-1)  # (B, H, n): rowsum(dO ∘ O)
         dq = torch.zeros_like(qm)
         dcoef = None if coef is None else torch.zeros(coef.shape, dtype=dt, device=q.device)
         dw = None if wvec is None else torch.zeros(wvec.shape, dtype=dt, device=q.device)
-        # a travelling block: keys, values and their gradient accumulators, in the math dtype
-        blk = torch.cat([k.to(dt), v.to(dt), torch.zeros(B, H, n, D + Dv, dtype=dt, device=q.device)], dim=-1)
-        blk_mask = mask
-        for t in range(size):
-            src = (rank - t) % size
-            if not (causal and src > rank):
-                kb, vb = blk[..., :D], blk[..., D:D + Dv]
-                s, qk, idx = _scores(qm, kb, coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank,
-                                     blk_mask)
-                p = torch.exp(s - lse[..., None])  # (B, H, n, m); rows with no key: 0
-                dv_b = p.transpose(-1, -2) @ do  # (B, H, m, Dv)
-                dp = do @ vb.transpose(-1, -2)
-                ds = p * (dp - delta[..., None])  # d(score)
-                if dcoef is not None:
-                    dcoef.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(H, -1))
-                if dw is not None:
-                    dw.index_add_(1, idx.reshape(-1), (ds * qk).sum(0).reshape(H, -1))
-                    ds = ds * wvec.to(dt)[:, idx]
-                dq += scale * (ds @ kb)
-                dk_b = scale * (ds.transpose(-1, -2) @ qm)  # (B, H, m, D)
-                blk = torch.cat([blk[..., :D + Dv], blk[..., D + Dv:] + torch.cat([dk_b, dv_b], dim=-1)], dim=-1)
-            if t < size - 1:
-                m_in = lengths[(src - 1) % size]
-                shapes = [(B, H, m_in, 2 * (D + Dv))] + ([(B, m_in)] if mask is not None else [])
-                works, bufs = _shift([blk] + ([blk_mask] if mask is not None else []), shapes, group, "ring.backward")
-                for w in works:
-                    w.wait()
-                blk = bufs[0]
-                blk_mask = bufs[1] if mask is not None else None
-        # the block here now belongs to the next rank: its accumulators go home
-        grads = blk[..., D + Dv:]
-        if size > 1:
-            works, bufs = _shift([grads], [(B, H, n, D + Dv)], group, "ring.backward")
-            for w in works:
-                w.wait()
-            grads = bufs[0]
+
+        def block_grad(src, kb, vb, blk_mask):
+            nonlocal dq
+            kb, vb = kb.to(dt), vb.to(dt)
+            s, qk, idx = _scores(qm, kb, coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank, blk_mask)
+            p = torch.exp(s - lse[..., None])  # (B, H, n, m); rows with no key: 0
+            dv_b = p.transpose(-1, -2) @ do  # (B, H, m, Dv)
+            dp = do @ vb.transpose(-1, -2)
+            ds = p * (dp - delta[..., None])  # d(score)
+            if dcoef is not None:
+                dcoef.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(H, -1))
+            if dw is not None:
+                dw.index_add_(1, idx.reshape(-1), (ds * qk).sum(0).reshape(H, -1))
+                ds = ds * wvec.to(dt)[:, idx]
+            dq = dq + scale * (ds @ kb)
+            dk_b = scale * (ds.transpose(-1, -2) @ qm)  # (B, H, m, D)
+            return torch.cat([dk_b, dv_b], dim=-1)
+
+        grads = _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad)
+        D = k.shape[-1]
         dk, dv = grads[..., :D], grads[..., D:]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None if dcoef is None else dcoef.to(coef.dtype), None if dw is None else dw.to(wvec.dtype),
                 None, None, None, None, None)
+
+
+def _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad):
+    """The backward's ring: every key/value block visits every rank again, and its gradient
+    accumulator `[dk, dv]` (in the math dtype `dt`) follows it and finally returns home.
+    `block_grad(src, kb, vb, mask_b) -> [B, H, m, D + Dv]` is this rank's contribution to the
+    block of rank `src` (called for every block this rank's rows see: causal skips later
+    ranks). The next block's keys and values are in flight while one is computed; only the
+    accumulator waits for the computation. Returns this rank's own `[B, H, n, D + Dv]`."""
+    rank, size = comm.world(group)
+    B, H, n, D = k.shape
+    Dv = v.shape[-1]
+    kv, blk_mask = torch.cat([k, v], dim=-1), mask  # (B, H, n, D + Dv), in the inputs' dtype
+    acc = torch.zeros(B, H, n, D + Dv, dtype=dt, device=k.device)
+    for t in range(size):
+        src = (rank - t) % size
+        if t < size - 1:
+            m_in = lengths[(src - 1) % size]
+            shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
+            kv_works, kv_bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group,
+                                       "ring.backward", tag=1)
+        if not (causal and src > rank):
+            acc = acc + block_grad(src, kv[..., :D], kv[..., D:], blk_mask)
+        if t < size - 1:
+            acc_works, acc_bufs = _shift([acc], [(B, H, m_in, D + Dv)], group, "ring.backward", tag=2)
+            for w in (*kv_works, *acc_works):
+                w.wait()
+            kv, acc = kv_bufs[0], acc_bufs[0]
+            blk_mask = kv_bufs[1] if mask is not None else None
+    if size > 1:  # the block here now belongs to the next rank: its accumulator goes home
+        works, bufs = _shift([acc], [(B, H, n, D + Dv)], group, "ring.backward", tag=2)
+        for w in works:
+            w.wait()
+        acc = bufs[0]
+    return acc
 
 
 def _scores(qm, kb, coef, wvec, scale, off_q, off_k, diagonal, blk_mask):
@@ -303,7 +322,6 @@ class _KernelRing(torch.autograd.Function):
         rank, size = comm.world(group)
         B, H, n, D = q.shape
         Dv = v.shape[-1]
-        off = sum(lengths[:rank])
         num = den = top = None
         kv = torch.cat([k, v], dim=-1)  # (B, H, n, D + Dv)
         blk_mask = mask
@@ -344,10 +362,8 @@ class _KernelRing(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, coef, mask, out, den, top = ctx.saved_tensors
         kernel, causal, lengths, group = ctx.cfg
-        rank, size = comm.world(group)
-        B, H, n, D = q.shape
-        Dv = v.shape[-1]
-        off = sum(lengths[:rank])
+        rank = comm.world(group)[0]
+        n = q.shape[2]
         dt = out.dtype
         ok = den != 0
         safe = torch.where(ok, den, torch.ones_like(den))
@@ -356,46 +372,32 @@ class _KernelRing(torch.autograd.Function):
         g_den = torch.where(ok, -(dout.to(dt) * out).sum(-1) / safe, torch.zeros_like(den))
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dcoef = None if coef is None else torch.zeros(coef.shape, dtype=dt, device=q.device)
-        blk = torch.cat([k.to(dt), v.to(dt), torch.zeros(B, H, n, D + Dv, dtype=dt, device=q.device)], dim=-1)
-        blk_mask = mask
-        for t in range(size):
-            src = (rank - t) % size
-            if not (causal and src > rank):
-                m, off_s = blk.shape[2], sum(lengths[:src])
-                with torch.enable_grad():
-                    qq = q.detach().requires_grad_()
-                    kb = blk[..., :D].to(k.dtype).detach().requires_grad_()
-                    vb = blk[..., D:D + Dv].to(v.dtype).detach().requires_grad_()
-                    ins = [qq, kb, vb]
-                    coef_b = None
-                    if coef is not None:
-                        coef_b = coef[:, off_s:off_s + n + m - 1].detach().requires_grad_()
-                        ins.append(coef_b)
-                    nb, db, ls = _block_num_den(kernel, qq, kb, vb, coef_b, causal and src == rank,
-                                                None if blk_mask is None else blk_mask.bool())
-                    w = torch.exp(ls - top)  # (B, H, n)
-                    surrogate = ((nb * g_num).sum(-1) * w).sum() + (db * g_den * w).sum()
-                    grads = torch.autograd.grad(surrogate, ins, allow_unused=True)
-                grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, ins)]
-                dq += grads[0].to(dt)
-                blk = torch.cat([blk[..., :D + Dv], blk[..., D + Dv:] + torch.cat(
-                    [grads[1].to(dt), grads[2].to(dt)], dim=-1)], dim=-1)
+
+        def block_grad(src, kb, vb, blk_mask):
+            nonlocal dq
+            m, off_s = kb.shape[2], sum(lengths[:src])
+            with torch.enable_grad():
+                qq = q.detach().requires_grad_()
+                kb = kb.detach().requires_grad_()
+                vb = vb.detach().requires_grad_()
+                ins = [qq, kb, vb]
+                coef_b = None
                 if coef is not None:
-                    dcoef[:, off_s:off_s + n + m - 1] += grads[3].to(dt)
-            if t < size - 1:
-                m_in = lengths[(src - 1) % size]
-                shapes = [(B, H, m_in, 2 * (D + Dv))] + ([(B, m_in)] if mask is not None else [])
-                works, bufs = _shift([blk] + ([blk_mask] if mask is not None else []), shapes, group, "ring.backward")
-                for w_ in works:
-                    w_.wait()
-                blk = bufs[0]
-                blk_mask = bufs[1] if mask is not None else None
-        grads = blk[..., D + Dv:]
-        if size > 1:
-            works, bufs = _shift([grads], [(B, H, n, D + Dv)], group, "ring.backward")
-            for w_ in works:
-                w_.wait()
-            grads = bufs[0]
+                    coef_b = coef[:, off_s:off_s + n + m - 1].detach().requires_grad_()
+                    ins.append(coef_b)
+                nb, db, ls = _block_num_den(kernel, qq, kb, vb, coef_b, causal and src == rank,
+                                            None if blk_mask is None else blk_mask.bool())
+                w = torch.exp(ls - top)  # (B, H, n)
+                surrogate = ((nb * g_num).sum(-1) * w).sum() + (db * g_den * w).sum()
+                grads = torch.autograd.grad(surrogate, ins, allow_unused=True)
+            grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, ins)]
+            dq = dq + grads[0].to(dt)
+            if coef is not None:
+                dcoef[:, off_s:off_s + n + m - 1] += grads[3].to(dt)
+            return torch.cat([grads[1].to(dt), grads[2].to(dt)], dim=-1)
+
+        grads = _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad)
+        D = k.shape[-1]
         return (dq.to(q.dtype), grads[..., :D].to(k.dtype), grads[..., D:].to(v.dtype),
                 None if dcoef is None else dcoef.to(coef.dtype), None, None, None, None, None)
 
