@@ -39,6 +39,13 @@ def test_recipe_softmax_identity_conversion_costs_nothing(tmp_path):
     res = convert_recipe(tmp_path, o, progress=False, log=lambda *_: None, plot=False)
     assert res["val_loss"]["converted"] == pytest.approx(res["val_loss"]["softmax"], abs=1e-5)
     assert res["val_loss"]["softmax_control"] is None and res["control_curve"] is None
+    # a user's own saved softmax model: no pretraining, the same starting loss
+    again = RecipeOptions(pretrained=str(tmp_path / "softmax-model"), control=False, num_features=8,
+                          **{k: v for k, v in TOY.items() if k != "hidden_size"})
+    res2 = convert_recipe(tmp_path / "again", again, progress=False, log=lambda *_: None, plot=False)
+    assert res2["val_loss"]["softmax"] == pytest.approx(res["val_loss"]["softmax"], abs=1e-9)
+    assert res2["pretrain_final_train_loss"] is None and not (tmp_path / "again" / "pretrain").exists()
+    assert abs(res2["val_loss"]["converted"] - res2["val_loss"]["softmax"]) > 1e-4  # nprf + kerple_log
 
 
 def test_cli_convert_quick_runs_and_reports(tmp_path, capsys):
@@ -58,3 +65,11 @@ def test_cli_convert_out_is_a_file(tmp_path, capsys):
     assert main(["convert", "--quick", "--out", str(f)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0] and "not a directory" in err[0]
+
+
+def test_cli_convert_pretrained_must_be_a_saved_model(tmp_path, capsys):
+    rc = main(["convert", "--quick", "--max-bytes", "300000", "--pretrained", str(tmp_path / "nope"),
+               "--out", str(tmp_path / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pretrained" in err[0] and "save_pretrained" in err[0]

@@ -24,6 +24,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a trained softmax transformer to fastrpe attention, fine-tune, report",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model and few steps (about 1-2 minutes on 2 cores)")
+    p.add_argument("--pretrained", default=None, metavar="DIR",
+                   help="start from this softmax model (a save_pretrained directory) instead of training one")
     p.add_argument("--arch", default="llama", help="transformers architecture to train and convert: llama, mistral, "
                    "qwen2, gpt_neox, gpt2")
     p.add_argument("--kernel", default="nprf", help="kernel after conversion: nprf (default), prf, softmax, elu, ...")
@@ -54,7 +56,7 @@ def options_from_args(args):
     changes = {"arch": args.arch, "kernel": args.kernel,
                "position": None if args.position in (None, "none") else args.position,
                "keep_position_encoding": bool(args.keep_position_encoding), "num_features": args.num_features,
-               "control": not args.no_control, "seed": args.seed}
+               "control": not args.no_control, "seed": args.seed, "pretrained": args.pretrained}
     for name in ("pretrain_steps", "finetune_steps", "finetune_lr", "max_bytes", "eval_tokens"):
         v = getattr(args, name)
         if v is not None:

@@ -50,6 +50,7 @@ class RecipeOptions:
     CPU cores)."""
 
     arch: str = "llama"
+    pretrained: str | None = None  # a softmax model saved with save_pretrained: skip the pretraining
     kernel: str = "nprf"
     position: str | None = "kerple_log"
     keep_position_encoding: bool = False
@@ -238,19 +239,31 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
     def curve_eval(m):
         return {"val_loss": validation_loss(m, val_curve, eval_bs)}
 
-    # 1. the "pretrained" softmax model
-    torch.manual_seed(o.seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(o, corpus.vocab_size))
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"convert: pretraining a softmax {o.arch} ({n_params / 1e6:.2f} M parameters) for {o.pretrain_steps} steps")
-    pre, pre_s = _train(model, batches, o, o.pretrain_steps, o.pretrain_lr, out / "pretrain", None, progress)
-    saved = out / "softmax-model"
-    model.save_pretrained(saved)
-    trained_loss = validation_loss(model, val, eval_bs)
-    del model
+    # 1. the "pretrained" softmax model (trained here unless one is given)
+    pre, pre_s, trained_loss = None, None, None
+    if o.pretrained is None:
+        torch.manual_seed(o.seed)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(o, corpus.vocab_size))
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"convert: pretraining a softmax {o.arch} ({n_params / 1e6:.2f} M parameters) for "
+            f"{o.pretrain_steps} steps")
+        pre, pre_s = _train(model, batches, o, o.pretrain_steps, o.pretrain_lr, out / "pretrain", None, progress)
+        saved = out / "softmax-model"
+        model.save_pretrained(saved)
+        trained_loss = validation_loss(model, val, eval_bs)
+        del model
+    else:
+        saved = Path(o.pretrained)
+        if not (saved / "config.json").is_file():
+            raise FastRPEError(f"pretrained: {saved} is not a directory written by save_pretrained (no config.json)")
 
     # 2. a user's workflow starts here: load, measure, convert, measure
     model = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    arch = model.config.model_type
+    n_params = sum(p.numel() for p in model.parameters())
+    if model.get_input_embeddings().num_embeddings < corpus.vocab_size:
+        raise FastRPEError(f"pretrained: the model's vocabulary ({model.get_input_embeddings().num_embeddings}) is "
+                           f"smaller than the byte corpus' ({corpus.vocab_size})")
     loss_softmax = validation_loss(model, val, eval_bs)
     log(f"convert: softmax model loaded from {saved}: validation loss {loss_softmax:.4f} nats/byte")
     control = None
@@ -279,7 +292,7 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
     results = {
         "command": "fastrpe convert",
         "options": {k: v for k, v in asdict(o).items() if k != "extra"},
-        "model": {"arch": o.arch, "parameters": n_params, "vocab_size": corpus.vocab_size,
+        "model": {"arch": arch, "parameters": n_params, "vocab_size": corpus.vocab_size,
                   "saved": str(saved), "corpus": corpus.name},
         "val_loss": {"softmax": loss_softmax, "converted": loss_converted, "finetuned": loss_finetuned,
                      "softmax_control": loss_control, "softmax_before_save": trained_loss},
@@ -288,7 +301,7 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
                      "finetuned_vs_control": None if loss_control is None else loss_finetuned - loss_control},
         "finetune_curve": _curve(ft.history),
         "control_curve": ctl_curve,
-        "pretrain_final_train_loss": pre.final_loss,
+        "pretrain_final_train_loss": None if pre is None else pre.final_loss,
         "seconds": {"pretrain": pre_s, "finetune": ft_s, "control": ctl_s,
                     "total": time.perf_counter() - t_start},
         "machine": {"platform": platform.platform(), "processor": platform.machine(), "torch": torch.__version__,
@@ -326,7 +339,7 @@ def plot_recipe(results: dict[str, Any], path: str | Path) -> Path | None:
     ax.set_xlabel("fine-tuning step")
     ax.set_ylabel("loss (nats/byte)")
     enc = "kept" if o["keep_position_encoding"] else "removed"
-    ax.set_title(f"{o['arch']} softmax → {o['kernel']} + {o['position']} (own position encoding {enc})", fontsize=10)
+    ax.set_title(f"{results['model']['arch']} softmax → {o['kernel']} + {o['position']} (own position encoding {enc})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
