@@ -88,11 +88,17 @@ def _compare(case: dict, rank: int, world: int) -> float:
         leaves, (ql, kl, vl) = (ql, kl, vl), (t.transpose(1, 2) for t in (ql, kl, vl))
     kw = dict(causal=causal, key_padding_mask=None if mask is None else mask[:, sl], path=case["path"],
               backend=case.get("backend", "auto"))
-    if "expect" in case:  # the path auto takes
-        said = frd.explain(ql, kl, vl, kernel, pos, **kw).splitlines()[0]
-        if f"path {case['expect']!r}" not in said:
-            raise AssertionError(f"expected path {case['expect']!r}: {said}")
-    out = frd.attention(ql, kl, vl, kernel, pos, **kw)
+    saved = frd._memory_limit
+    if "memory_limit" in case:  # a device too small to hold the gathered keys
+        frd._memory_limit = lambda device: case["memory_limit"]
+    try:
+        if "expect" in case:  # the path auto takes
+            said = frd.explain(ql, kl, vl, kernel, pos, **kw).splitlines()[0]
+            if f"path {case['expect']!r}" not in said:
+                raise AssertionError(f"expected path {case['expect']!r}: {said}")
+        out = frd.attention(ql, kl, vl, kernel, pos, **kw)
+    finally:
+        frd._memory_limit = saved
     (out * go[:, :, sl]).sum().backward()
     errs = [(out - ref[:, :, sl]).abs().max()]
     mine = [t.grad.transpose(1, 2) for t in leaves] if case.get("strided") else [t.grad for t in (ql, kl, vl)]
@@ -254,7 +260,9 @@ def _cases() -> dict[str, dict]:
         cases[f"gather-softmax-t5-{c}"] = dict(fn="compare", kernel="softmax", position="t5", causal=causal,
                                                path="gather")
         cases[f"auto-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
-                                                  causal=causal, path="auto", expect="ring")
+                                                  causal=causal, path="auto", expect="gather")
+        cases[f"auto-lowmem-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
+                                                         causal=causal, path="auto", expect="ring", memory_limit=1)
         # the kernelized ring: block-Toeplitz FFT products, k/v blocks passed around
         cases[f"ring-nprf-learned-mask-{c}"] = dict(fn="compare", kernel="nprf", position="learned", causal=causal,
                                                     path="ring", mask=True)
@@ -268,7 +276,7 @@ def _cases() -> dict[str, dict]:
             cases[f"auto-linear-{kind}-nprf-{pos}-{c}"] = dict(fn="compare", kernel="nprf", position=pos, causal=causal,
                                                              path="auto", expect="linear", mask=pos == "t5")
         cases[f"fft-forced-nprf-alibi-{c}"] = dict(fn="compare", kernel="nprf", position="alibi", causal=causal,
-                                                   path="auto", backend="fft", expect="ring")
+                                                   path="auto", backend="fft", expect="gather")
         cases[f"dense-forced-nprf-kerple_log-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
                                                           causal=causal, path="auto", backend="dense", expect="gather")
     for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
@@ -469,6 +477,20 @@ def test_path_choice(kernel, position, causal, backend, expected):
            "shaw": fr.positions.ShawRelative(H, 8, 4)}[position]
     p = _whole(kernel, pos, causal)
     assert frd.choose_path(p, backend) == expected
+
+
+def test_kernelized_auto_gathers_when_it_fits_else_rings():
+    """gather (one FFT over `[L_r, L]`, the faster) when the gathered keys and its op fit the
+    memory limit, the ring (one key block in memory) when they do not."""
+    p = _whole("nprf", fr.positions.KerpleLog(2), True, L=4096)
+    lengths = [1024] * 4
+    need = frd.gather_bytes(p, lengths)
+    assert need > 2 * 4096 * 16 * 4  # at least the gathered k, v
+    assert frd.choose_path(p, "auto", lengths=lengths, memory_limit=need) == "gather"
+    assert frd.choose_path(p, "auto", lengths=lengths, memory_limit=need - 1) == "ring"
+    assert frd.choose_path(p, "fft", lengths=lengths, memory_limit=need) == "gather"
+    soft = _whole("softmax", fr.positions.KerpleLog(2), True, L=4096)
+    assert frd.choose_path(soft, "auto", lengths=lengths, memory_limit=1 << 40) == "ring"
 
 
 @pytest.mark.parametrize("kernel,position,causal,path,match", [

@@ -35,13 +35,13 @@ from torch import Tensor
 
 from .._validate import FastRPEError
 
-__all__ = ["attention", "explain", "choose_path", "path_reasons", "PATHS"]
+__all__ = ["attention", "explain", "choose_path", "path_reasons", "gather_bytes", "PATHS"]
 
 #: the distributed paths, in the order `auto` prefers them when several fit
 PATHS = ("ring", "linear", "gather")
 
 #: numbers each rank contributes to the agreement check (see `_agree`)
-_META = 14
+_META = 15
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -82,6 +82,7 @@ class _Call:
     lengths: list[int]
     problem: object  # dispatch.Problem for the whole sequence
     has_mask: bool
+    memory_limit: int  # the smallest rank's (every rank must choose the same path)
 
     @property
     def offset(self) -> int:
@@ -114,7 +115,7 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
         sig = zlib.crc32("|".join([_structure(m) for m in mods] + [backend, path]).encode())
         meta = [q.shape[2], 0, *q.shape[:2], q.shape[3], v.shape[3], _DTYPES.index(q.dtype) if q.dtype in _DTYPES
                 else 99, float(causal), float(key_padding_mask is not None), -1.0 if scale is None else float(scale),
-                float(sig), -1.0 if q_offset is None else float(q_offset)]
+                float(sig), -1.0 if q_offset is None else float(q_offset), float(_memory_limit(dev))]
         fp = _fingerprint(mods, dev)
     else:
         meta = [0, 1] + [0.0] * (_META - 4)
@@ -131,8 +132,8 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
         raise FastRPEError(f"rank {bad[0]} rejected its arguments (its own error says why); nothing was computed")
     lengths = [int(x) for x in allm[:, 0].tolist()]
     names = {2: "B", 3: "H", 4: "D", 5: "Dv", 6: "dtype", 7: "causal", 9: "scale",
-             10: "kernel, position, backend or path", 12: "kernel/position parameters",
-             13: "kernel/position parameters"}
+             10: "kernel, position, backend or path", 13: "kernel/position parameters",
+             14: "kernel/position parameters"}
     for col, what in names.items():
         if not bool((allm[:, col] == allm[0, col]).all()):
             vals = allm[:, col].tolist()
@@ -144,7 +145,25 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
     has_mask = bool(allm[:, 8].any())
     L = sum(lengths)
     gp = dataclasses.replace(p, Lq=L, Lk=L, q_offset=0, has_padding_mask=has_mask)
-    return _Call(rank, world, lengths, gp, has_mask)
+    return _Call(rank, world, lengths, gp, has_mask, int(allm[:, 12].min()))
+
+
+def _memory_limit(device) -> int:
+    from ..dispatch import memory_limit
+
+    return memory_limit(device)
+
+
+def gather_bytes(p, lengths) -> int:
+    """Peak extra bytes of the gather path on the rank with the longest slice: the gathered
+    `k, v` (twice: the padded stack and its concatenation) and the single-process FFT op over
+    `[L_r, L]` (its own estimate)."""
+    from ..ops.linear.fft.plan import estimate_fft_cost
+
+    L, n = sum(lengths), max(lengths)
+    el = 8 if p.dtype == torch.float64 else 4 if p.dtype == torch.float32 else 2
+    kv = 2 * p.B * p.H * L * (p.D + p.Dv) * el
+    return kv + estimate_fft_cost(p.B, p.H, n, L, p.F, p.Dv, p.dtype)[1]
 
 
 def _grid_reason(p) -> str | None:
@@ -200,18 +219,24 @@ def path_reasons(path: str, p, backend: str = "auto") -> list[str]:
     raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
 
 
-def choose_path(p, backend: str = "auto", path: str = "auto") -> str:
+def choose_path(p, backend: str = "auto", path: str = "auto", *, lengths=None, memory_limit: int | None = None) -> str:
     """The distributed path for the whole-sequence problem `p` and `backend`: the forced one
     if it fits, else the first that fits of ring, gather (softmax) or linear (a state-passing
-    form: O(F·Dv) sent per rank instead of the keys), ring, gather (kernelized). Raises
-    `FastRPEError` with the reasons."""
+    form: O(F·Dv) sent per rank instead of the keys), then gather if its gathered keys and
+    FFT op fit `memory_limit` (it is the faster: one FFT over `[L_r, L]`), else the ring (one
+    key block in memory) (kernelized). Without `lengths` and `memory_limit` the kernelized
+    choice assumes gather does not fit. Raises `FastRPEError` with the reasons."""
     if path != "auto":
         r = path_reasons(path, p, backend)
         if r:
             raise FastRPEError(f"path={path!r} cannot run this call: " + "; ".join(r))
         return path
+    order = ("ring", "gather")
+    if not p.softmax:
+        fits = lengths is not None and memory_limit is not None and gather_bytes(p, lengths) <= memory_limit
+        order = ("linear", "gather", "ring") if fits else ("linear", "ring", "gather")
     refused = {}
-    for name in (("ring", "gather") if p.softmax else ("linear", "ring", "gather")):
+    for name in order:
         r = path_reasons(name, p, backend)
         if not r:
             return name
@@ -252,7 +277,8 @@ def attention(
             ("chunked", "band", "bidirectional", "soe", ...) runs it across ranks, any other
             runs on the gathered keys.
         path: "auto" (softmax: ring; kernelized: linear where an exact state-passing form
-            exists, else the ring; gather for what neither runs), or "ring", "linear", "gather".
+            exists, else gather when the gathered keys fit the memory limit, else the ring),
+            or "ring", "linear", "gather".
         group: the process group (None: the default group). With no process group
             initialized (and group None) or a group of one rank, this is `fastrpe.attention`.
 
@@ -269,7 +295,7 @@ def attention(
     if call.world == 1:
         return _attention(q, k, v, kernel, position, causal=causal, key_padding_mask=key_padding_mask,
                           scale=scale, backend=backend)
-    single, chosen, _ = _plan(call.problem, backend, path)
+    single, chosen, _ = _plan(call, backend, path)
     p = call.problem
     mask = key_padding_mask
     if call.has_mask and mask is None:  # another rank has padding: every rank sends a mask
@@ -302,17 +328,18 @@ def _check_single(q, k, q_offset, path, group) -> None:
         raise FastRPEError(f"path: unknown path {path!r}; known: auto, {', '.join(PATHS)}")
 
 
-def _plan(p, backend: str, path: str) -> tuple[str, str, dict[str, list[str]]]:
+def _plan(call: _Call, backend: str, path: str) -> tuple[str, str, dict[str, list[str]]]:
     """`(single-process backend, distributed path, every path's refusal reasons)` for the
-    whole-sequence problem `p`; raises `FastRPEError` where nothing runs it."""
+    agreed call; raises `FastRPEError` where nothing runs it."""
     from ..dispatch import select_backend
 
+    p = call.problem
     why = _grid_reason(p)
     if why:
         raise FastRPEError(f"position: {why}")
     single = select_backend(p, backend).name  # the single-process semantics (and refusals) of `backend`
     reasons = {name: path_reasons(name, p, backend) for name in PATHS}
-    return single, choose_path(p, backend, path), reasons
+    return single, choose_path(p, backend, path, lengths=call.lengths, memory_limit=call.memory_limit), reasons
 
 
 def explain(
@@ -342,9 +369,12 @@ def explain(
     call = _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale, backend, path, group)
     if call.world == 1:
         return "one rank: fastrpe.attention"
-    single, chosen, reasons = _plan(call.problem, backend, path)
+    single, chosen, reasons = _plan(call, backend, path)
     lines = [f"distributed attention over {call.world} ranks, slices {call.lengths} (L={sum(call.lengths)}): "
              f"path {chosen!r} (the single-process call would run {single!r}; exact paths give its numbers)"]
+    if not call.problem.softmax:
+        lines.append(f"  gather would need ~{gather_bytes(call.problem, call.lengths) / 2**20:.3g} MiB on the "
+                     f"longest slice; memory limit {call.memory_limit / 2**20:.3g} MiB (the ring holds one block)")
     for name in PATHS:
         mark = "*" if name == chosen else " "
         lines.append(f"{mark} {name:7s} " + ("refused: " + "; ".join(reasons[name]) if reasons[name] else "fits"))

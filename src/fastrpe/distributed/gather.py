@@ -24,9 +24,11 @@ Gathering `k, v` costs less than gathering the feature channels `φ(k)⊗[v, 1]`
 (`F·(Dv + 1)` per position) whenever `D + Dv < F·(Dv + 1)`, which is always.
 
 The ring (`fastrpe.distributed.ring`) computes the same rows for arbitrary tables by
-block-Toeplitz products between rank pairs with one key block in memory; `auto` prefers it
-and falls back here for what it does not run (additive terms, SIKF `exp`, trainable feature
-maps, a forced single-process backend other than fft).
+block-Toeplitz products between rank pairs with one key block in memory, but slower (each
+off-diagonal block is a full FFT product, and its backward recomputes the forward): `auto`
+gathers when the gathered keys and the op fit the memory limit (`gather_bytes`), rings
+otherwise, and gathers whatever the ring does not run (additive terms, SIKF `exp`,
+trainable feature maps, a forced single-process backend other than fft).
 """
 from __future__ import annotations
 
