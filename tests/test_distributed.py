@@ -269,6 +269,8 @@ def _cases() -> dict[str, dict]:
         cases[f"ring-prf-kerple_log-{c}"] = dict(fn="compare", kernel="prf", position="kerple_log", causal=causal,
                                                  path="ring")
         cases[f"ring-elu-none-{c}"] = dict(fn="compare", kernel="elu", position="none", causal=causal, path="ring")
+        cases[f"ring-fft-nprf-kerple_log-mask-{c}"] = dict(fn="compare", kernel="nprf", position="kerple_log",
+                                                           causal=causal, path="ring", backend="fft", mask=True)
         cases[f"auto-softmax-alibi-{c}"] = dict(fn="compare", kernel="softmax", position="alibi", causal=causal,
                                                 path="auto", expect="ring")
         # E1's state-passing paths, reached through the public dispatcher
@@ -281,7 +283,8 @@ def _cases() -> dict[str, dict]:
                                                           causal=causal, path="auto", backend="dense", expect="gather")
     for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
         cases[f"strided-{path}-{kernel}-causal"] = dict(fn="compare", kernel=kernel, position="kerple_log",
-                                                        causal=True, path=path, strided=True, mask=True)
+                                                        causal=True, path=path, strided=True, mask=True,
+                                                        backend="fft" if kernel == "nprf" else "auto")
     cases["soe-forced-nprf-kerple_log-causal"] = dict(fn="compare", kernel="nprf", position="kerple_log",
                                                       causal=True, path="auto", backend="soe", ref_backend="soe",
                                                       expect="linear")

@@ -303,8 +303,11 @@ def attention(
     if chosen == "ring":
         from .ring import kernel_ring_attention, ring_attention
 
-        run = ring_attention if p.softmax else kernel_ring_attention
-        return run(q, k, v, p, key_padding_mask=mask, has_mask=call.has_mask, lengths=call.lengths, group=group)
+        if p.softmax:
+            return ring_attention(q, k, v, p, key_padding_mask=mask, has_mask=call.has_mask, lengths=call.lengths,
+                                  group=group)
+        return kernel_ring_attention(q, k, v, p, key_padding_mask=mask, has_mask=call.has_mask, lengths=call.lengths,
+                                     group=group, backend=backend)
     if chosen == "linear":
         from . import linear
 

@@ -304,21 +304,44 @@ def kernel_ring_reasons(p) -> list[str]:
     return r
 
 
-def _block_num_den(kernel, qm, kb, vb, coef_b, diagonal, mask_b):
+def _block_num_den(kernel, op, qm, kb, vb, coef_b, diagonal, mask_b):
     """`(num, den, log_scale)` of this rank's rows against one key block (`log_scale` as
-    `[B, H, n]`): the single-process FFT op on the block's slice of the coefficients."""
-    from ..ops.kernelized import num_den_fft
-
+    `[B, H, n]`): the single-process op `op(m, diagonal)` (dense or FFT) on the block's slice
+    of the coefficients."""
     phi_q = kernel(qm, is_query=True)  # (B, H, n, F)
     phi_k, _ = kernel.key_features(kb, causal=False, key_padding_mask=mask_b)  # shift: data-independent
-    num, den, ls = num_den_fft(phi_q, phi_k, vb.to(phi_q.dtype), coef_b, causal=diagonal, q_offset=0,
-                               key_padding_mask=mask_b)
+    num, den, ls = op(kb.shape[2], diagonal)(phi_q, phi_k, vb.to(phi_q.dtype), coef_b, causal=diagonal, q_offset=0,
+                                             key_padding_mask=mask_b)
     return num, den, torch.broadcast_to(ls, den.shape)
+
+
+def _block_ops(p, n: int, backend: str):
+    """`op(m, diagonal)`: the inner-product algorithm for an `[n, m]` block: the FFT when
+    `backend="fft"` is forced, else dense or FFT, whichever the single-process cost model
+    says is cheaper for that block (dense wins for small blocks on CPU by a wide margin)."""
+    import dataclasses
+
+    from ..dispatch import BACKENDS, memory_limit
+    from ..ops.kernelized import num_den_dense, num_den_fft
+
+    cache: dict = {}
+
+    def op(m: int, diagonal: bool):
+        if backend == "fft":
+            return num_den_fft
+        if (m, diagonal) not in cache:
+            pb = dataclasses.replace(p, Lq=n, Lk=m, q_offset=0, causal=diagonal, requires_grad=True)
+            dense, fft = BACKENDS["dense"].cost(pb), BACKENDS["fft"].cost(pb)
+            cheap = dense.seconds <= fft.seconds and dense.bytes <= memory_limit(p.device)
+            cache[(m, diagonal)] = num_den_dense if cheap else num_den_fft
+        return cache[(m, diagonal)]
+
+    return op
 
 
 class _KernelRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, coef, mask, kernel, causal, lengths, group):
+    def forward(ctx, q, k, v, coef, mask, kernel, op, causal, lengths, group):
         rank, size = comm.world(group)
         B, H, n, D = q.shape
         Dv = v.shape[-1]
@@ -337,7 +360,7 @@ class _KernelRing(torch.autograd.Function):
             if not (causal and src > rank):
                 m, off_s = kv.shape[2], sum(lengths[:src])
                 coef_b = None if coef is None else coef[:, off_s:off_s + n + m - 1]
-                nb, db, ls = _block_num_den(kernel, q, kv[..., :D], kv[..., D:], coef_b, causal and src == rank,
+                nb, db, ls = _block_num_den(kernel, op, q, kv[..., :D], kv[..., D:], coef_b, causal and src == rank,
                                             None if blk_mask is None else blk_mask.bool())
                 if num is None:
                     num, den, top = nb, db, ls
@@ -355,13 +378,13 @@ class _KernelRing(torch.autograd.Function):
         out = torch.where(ok[..., None], num / torch.where(ok, den, torch.ones_like(den))[..., None],
                           torch.zeros_like(num))
         ctx.save_for_backward(q, k, v, coef, mask, out, den, top)
-        ctx.cfg = (kernel, causal, lengths, group)
+        ctx.cfg = (kernel, op, causal, lengths, group)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, coef, mask, out, den, top = ctx.saved_tensors
-        kernel, causal, lengths, group = ctx.cfg
+        kernel, op, causal, lengths, group = ctx.cfg
         rank = comm.world(group)[0]
         n = q.shape[2]
         dt = out.dtype
@@ -385,7 +408,7 @@ class _KernelRing(torch.autograd.Function):
                 if coef is not None:
                     coef_b = coef[:, off_s:off_s + n + m - 1].detach().requires_grad_()
                     ins.append(coef_b)
-                nb, db, ls = _block_num_den(kernel, qq, kb, vb, coef_b, causal and src == rank,
+                nb, db, ls = _block_num_den(kernel, op, qq, kb, vb, coef_b, causal and src == rank,
                                             None if blk_mask is None else blk_mask.bool())
                 w = torch.exp(ls - top)  # (B, H, n)
                 surrogate = ((nb * g_num).sum(-1) * w).sum() + (db * g_den * w).sum()
@@ -399,13 +422,14 @@ class _KernelRing(torch.autograd.Function):
         grads = _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad)
         D = k.shape[-1]
         return (dq.to(q.dtype), grads[..., :D].to(k.dtype), grads[..., D:].to(v.dtype),
-                None if dcoef is None else dcoef.to(coef.dtype), None, None, None, None, None)
+                None if dcoef is None else dcoef.to(coef.dtype), None, None, None, None, None, None)
 
 
 def kernel_ring_attention(q: Tensor, k: Tensor, v: Tensor, p, *, key_padding_mask: Tensor | None, has_mask: bool,
-                          lengths: list[int], group) -> Tensor:
+                          lengths: list[int], group, backend: str = "auto") -> Tensor:
     """This rank's rows of kernelized attention with any 1D Toeplitz term (Luo Eq. 10) over the
-    whole sequence, key/value blocks passed around the ring. Arguments as `ring_attention`."""
+    whole sequence, key/value blocks passed around the ring. Arguments as `ring_attention`;
+    `backend`: "fft" runs every block by FFT, "auto" each block by dense or FFT, by cost."""
     rank, size = comm.world(group)
     B, H, n, D = q.shape
     L, off = sum(lengths), sum(lengths[:rank])
@@ -418,4 +442,5 @@ def kernel_ring_attention(q: Tensor, k: Tensor, v: Tensor, p, *, key_padding_mas
                                                                                    device=q.device)
         mask = mask.to(torch.uint8)
     with torch.autocast(q.device.type, enabled=False):
-        return _KernelRing.apply(q, k, v, coef, mask, p.kernel, bool(p.causal), tuple(lengths), group)
+        return _KernelRing.apply(q, k, v, coef, mask, p.kernel, _block_ops(p, n, backend), bool(p.causal),
+                                 tuple(lengths), group)
