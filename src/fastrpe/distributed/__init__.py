@@ -40,8 +40,10 @@ __all__ = ["attention", "explain", "choose_path", "path_reasons", "gather_bytes"
 #: the distributed paths, in the order `auto` prefers them when several fit
 PATHS = ("ring", "linear", "gather")
 
-#: numbers each rank contributes to the agreement check (see `_agree`)
-_META = 15
+#: numbers each rank contributes to the agreement check (see `_agree`): 0 L_r, 1 error flag,
+#: 2 B, 3 H, 4 D, 5 Dv, 6 dtype, 7 causal, 8 has mask, 9 scale, 10 signature of kernel, terms,
+#: backend and path, 11 q_offset, 12 memory limit, 13 requires grad, 14-15 parameter fingerprint
+_META = 16
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -115,12 +117,13 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
         sig = zlib.crc32("|".join([_structure(m) for m in mods] + [backend, path]).encode())
         meta = [q.shape[2], 0, *q.shape[:2], q.shape[3], v.shape[3], _DTYPES.index(q.dtype) if q.dtype in _DTYPES
                 else 99, float(causal), float(key_padding_mask is not None), -1.0 if scale is None else float(scale),
-                float(sig), -1.0 if q_offset is None else float(q_offset), float(_memory_limit(dev))]
+                float(sig), -1.0 if q_offset is None else float(q_offset), float(_memory_limit(dev)),
+                float(p.requires_grad)]
         fp = _fingerprint(mods, dev)
     else:
         meta = [0, 1] + [0.0] * (_META - 4)
         fp = torch.zeros(2, dtype=torch.float64, device=dev)
-    t = torch.cat([torch.tensor(meta, dtype=torch.float64, device=dev), fp])
+    t = torch.cat([torch.tensor(meta, dtype=torch.float64, device=dev), fp])  # fingerprint: the last two
     assert t.numel() == _META
     allm = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(allm, t, group=group)
@@ -132,8 +135,8 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
         raise FastRPEError(f"rank {bad[0]} rejected its arguments (its own error says why); nothing was computed")
     lengths = [int(x) for x in allm[:, 0].tolist()]
     names = {2: "B", 3: "H", 4: "D", 5: "Dv", 6: "dtype", 7: "causal", 9: "scale",
-             10: "kernel, position, backend or path", 13: "kernel/position parameters",
-             14: "kernel/position parameters"}
+             10: "kernel, position, backend or path", 14: "kernel/position parameters",
+             15: "kernel/position parameters"}
     for col, what in names.items():
         if not bool((allm[:, col] == allm[0, col]).all()):
             vals = allm[:, col].tolist()
@@ -144,7 +147,9 @@ def _agree(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale,
                            f"{off} (the sum of the earlier ranks' lengths); got q_offset={q_offset}")
     has_mask = bool(allm[:, 8].any())
     L = sum(lengths)
-    gp = dataclasses.replace(p, Lq=L, Lk=L, q_offset=0, has_padding_mask=has_mask)
+    # what decides the path must be the same on every rank (or they would wait on each other)
+    gp = dataclasses.replace(p, Lq=L, Lk=L, q_offset=0, has_padding_mask=has_mask,
+                             requires_grad=bool(allm[:, 13].any()))
     return _Call(rank, world, lengths, gp, has_mask, int(allm[:, 12].min()))
 
 
