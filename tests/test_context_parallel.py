@@ -88,6 +88,47 @@ def _compare(case: dict, rank: int, world: int) -> float:
     return float(torch.stack([e.detach() for e in errs]).max())
 
 
+def _mha(case: dict, rank: int, world: int) -> float:
+    """`MultiheadAttention` on uneven slices with a key padding mask: output, input gradient
+    and parameter gradients (summed over the group) against the layer without a group."""
+    import copy
+
+    import torch.distributed as dist
+
+    import fastrpe as fr
+
+    group = dist.new_group(list(range(world)))
+    H, E = 3, 24
+    torch.manual_seed(1)
+    kernel = "softmax" if case["kernel"] == "softmax" else fr.kernels.get_kernel(case["kernel"], head_dim=E // H,
+                                                                                 num_features=12, seed=2)
+    pos = {"t5": lambda: fr.positions.T5Bias(H, num_buckets=8, max_distance=20, bidirectional=not case["causal"]),
+           "kerple_log": lambda: fr.positions.KerpleLog(H)}[case["position"]]()
+    ref = MultiheadAttention(E, H, kernel, pos, causal=case["causal"]).double()
+    mine = copy.deepcopy(ref)
+    mine.group = group
+    g = torch.Generator().manual_seed(4)
+    L = sum(UNEVEN)
+    x = torch.randn(2, L, E, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, L, generator=g) < 0.3
+    mask[:, 0] = False
+    go = torch.randn(2, L, E, generator=g, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    out_ref = ref(xr, key_padding_mask=mask)
+    (out_ref * go).sum().backward()
+    off, n = sum(UNEVEN[:rank]), UNEVEN[rank]
+    sl = slice(off, off + n)
+    xl = x[:, sl].clone().requires_grad_()
+    out = mine(xl, key_padding_mask=mask[:, sl])
+    (out * go[:, sl]).sum().backward()
+    errs = [(out - out_ref[:, sl]).abs().max(), (xl.grad - xr.grad[:, sl]).abs().max()]
+    for (name, a), b in zip(mine.named_parameters(), ref.parameters()):
+        ga = a.grad.clone() if a.grad is not None else torch.zeros_like(a)
+        dist.all_reduce(ga, group=group)
+        errs.append((ga - (b.grad if b.grad is not None else torch.zeros_like(b))).abs().max())
+    return float(torch.stack([e.detach() for e in errs]).max())
+
+
 def _refusals(case: dict, rank: int, world: int) -> float:
     """What a context-parallel layer refuses, on every rank, with one line."""
     import torch.distributed as dist
@@ -117,11 +158,14 @@ def _cases() -> dict[str, dict]:
                              ("elu", "sinusoidal")):
         for cp in (2, 4):
             cases[f"{kernel}-{position}-cp{cp}"] = dict(fn="compare", kernel=kernel, position=position, cp=cp)
+    for kernel, position, causal in (("softmax", "t5", False), ("nprf", "kerple_log", True)):
+        cases[f"mha-{kernel}-{position}-mask-{'causal' if causal else 'full'}"] = dict(
+            fn="mha", kernel=kernel, position=position, causal=causal)
     cases["refusals"] = dict(fn="refusals")
     return cases
 
 
-_FNS = {"compare": _compare, "refusals": _refusals}
+_FNS = {"compare": _compare, "mha": _mha, "refusals": _refusals}
 
 
 def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> None:
@@ -180,6 +224,13 @@ def _tb(results, name) -> str:
 def test_decoder_lm_matches_one_process(results, name):
     """Loss, logits (uneven slices 5, 17, 1, 40 / 20, 43) and every parameter gradient within
     1e-10 in float64; cp2 is 2 DP x 2 CP (rows split over DP, gradients summed over CP)."""
+    assert results[name] <= TOL, f"{name}: max error {results[name]}\n" + _tb(results, name)
+
+
+@pytest.mark.parametrize("name", [n for n, c in _cases().items() if c["fn"] == "mha"])
+def test_attention_layer_with_padding_matches_one_process(results, name):
+    """`MultiheadAttention(group=...)` on slices 5, 17, 1, 40 with a key padding mask: output,
+    input and parameter gradients within 1e-10 (float64)."""
     assert results[name] <= TOL, f"{name}: max error {results[name]}\n" + _tb(results, name)
 
 
