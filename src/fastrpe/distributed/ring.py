@@ -1,6 +1,7 @@
 """Exact attention with a positional term, key/value blocks passed around a ring: softmax
 (below) and kernelized attention with any 1D Toeplitz term (`kernel_ring_attention`, at the
-end of this module: block-Toeplitz FFT products between rank pairs).
+end of this module: block-Toeplitz products between rank pairs, each by the single-process
+dense or FFT op).
 
 Rank r holds queries, keys and values of its slice (global positions `off_r .. off_r+L_r-1`).
 In P steps every key/value block visits every rank: at step t rank r holds the block of
@@ -79,7 +80,7 @@ def _shift(tensors: list[Tensor], recv_shapes: list[tuple], group, name: str, se
 
 
 class _Pending(list):
-    """The handles of a shift; iterating waits on them. Keeps the sent tensors alive."""
+    """The handles of a shift (call `wait()` on each), holding the sent tensors alive until then."""
 
     def __init__(self, works, sent):
         super().__init__(works)
