@@ -290,8 +290,9 @@ def _cases() -> dict[str, dict]:
                                                       expect="linear")
     cases["ring-alibi-causal-two-long"] = dict(fn="compare", kernel="softmax", position="alibi", causal=True,
                                                path="ring", lengths=(30, 33, 1, 1))
-    for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
-        cases[f"noleak-{path}-{kernel}"] = dict(fn="no_leak", kernel=kernel, position="kerple_log", path=path)
+    for path, kernel, pos in (("ring", "softmax", "kerple_log"), ("ring", "nprf", "kerple_log"),
+                              ("gather", "nprf", "kerple_log"), ("linear", "nprf", "alibi"), ("linear", "nprf", "t5")):
+        cases[f"noleak-{path}-{kernel}-{pos}"] = dict(fn="no_leak", kernel=kernel, position=pos, path=path)
     for what in ("q_offset", "grid", "one_rank_nan", "mixed_causal", "features_differ"):
         cases[f"refuse-{what}"] = dict(fn="refusal", what=what)
     cases["world1"] = dict(fn="world1")
