@@ -243,6 +243,20 @@ def _bytes(case: dict, rank: int, world: int) -> float:
     return float(abs(fwd - want_f) + abs(bwd - want_b))
 
 
+def _autocast(case: dict, rank: int, world: int) -> float:
+    """float32 inputs under bfloat16 autocast give the float32 result bit for bit (the paths
+    run their math with autocast off, as the single-process backends do). 0 when identical."""
+    g = torch.Generator().manual_seed(9)
+    n, off = LENGTHS[rank], sum(LENGTHS[:rank])
+    q, k, v = (torch.randn(1, 2, sum(LENGTHS), 8, generator=g)[:, :, off:off + n] for _ in range(3))
+    pos = _position("kerple_log", 2, True).float()
+    kernel = _kernel(case["kernel"], 8)
+    a = frd.attention(q, k, v, kernel, pos, causal=True, path=case["path"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = frd.attention(q, k, v, kernel, pos, causal=True, path=case["path"])
+    return 0.0 if b.dtype == torch.float32 and torch.equal(a, b) else 1.0
+
+
 def _cases() -> dict[str, dict]:
     cases = {}
     for causal in (False, True):
@@ -297,6 +311,8 @@ def _cases() -> dict[str, dict]:
         cases[f"refuse-{what}"] = dict(fn="refusal", what=what)
     cases["world1"] = dict(fn="world1")
     for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
+        cases[f"autocast-{path}-{kernel}"] = dict(fn="autocast", kernel=kernel, path=path)
+    for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
         cases[f"lowp-bf16-{path}-{kernel}"] = dict(fn="lowp", kernel=kernel, position="kerple_log", path=path)
         cases[f"bytes-{path}-{kernel}-causal"] = dict(fn="bytes", path=path, kernel=kernel, causal=True)
     cases["bytes-ring-softmax-full"] = dict(fn="bytes", path="ring", kernel="softmax", causal=False)
@@ -305,7 +321,7 @@ def _cases() -> dict[str, dict]:
 
 
 _FNS = {"compare": _compare, "no_leak": _no_leak, "refusal": _refusal, "world1": _world1_equal, "lowp": _lowp,
-        "bytes": _bytes}
+        "bytes": _bytes, "autocast": _autocast}
 
 
 def _worker(rank: int, world: int, init: str, out: str, names: list[str]) -> None:
@@ -413,6 +429,12 @@ def test_low_precision_against_float64(results, name):
 def test_bytes_sent_match_the_documented_formula(results, name):
     tb = "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith(name + "@"))
     assert results[name] == 0.0, tb or f"recorded bytes differ from the formula by {results[name]}"
+
+
+@pytest.mark.parametrize("name", _case_ids("autocast"))
+def test_autocast_leaves_the_math_alone(results, name):
+    tb = "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith(name + "@"))
+    assert results[name] == 0.0, tb or "bfloat16 autocast changed a float32 result"
 
 
 def test_group_of_one_rank_is_fastrpe_attention(results):

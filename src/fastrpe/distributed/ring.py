@@ -268,7 +268,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, p, *, key_padding_mask: Tens
         mask = key_padding_mask if key_padding_mask is not None else torch.zeros(B, n, dtype=torch.bool,
                                                                                    device=q.device)
         mask = mask.to(torch.uint8)  # travels with its keys; gloo has no bool
-    return _Ring.apply(q, k, v, coef, wvec, mask, float(scale), bool(p.causal), tuple(lengths), group)
+    with torch.autocast(q.device.type, enabled=False):  # scores in float32/64, as the dense backend
+        return _Ring.apply(q, k, v, coef, wvec, mask, float(scale), bool(p.causal), tuple(lengths), group)
 
 
 # ---------------------------------------------------------------------------------------------
