@@ -88,9 +88,12 @@ def _compare(case: dict, rank: int, world: int) -> float:
         leaves, (ql, kl, vl) = (ql, kl, vl), (t.transpose(1, 2) for t in (ql, kl, vl))
     kw = dict(causal=causal, key_padding_mask=None if mask is None else mask[:, sl], path=case["path"],
               backend=case.get("backend", "auto"))
-    saved = frd._memory_limit
+    from fastrpe.distributed import ring
+
+    saved, saved_tile = frd._memory_limit, ring.TILE_ELEMENTS
     if "memory_limit" in case:  # a device too small to hold the gathered keys
         frd._memory_limit = lambda device: case["memory_limit"]
+    ring.TILE_ELEMENTS = case.get("tile", saved_tile)  # small tiles: the ring's tiling is exercised
     try:
         if "expect" in case:  # the path auto takes
             said = frd.explain(ql, kl, vl, kernel, pos, **kw).splitlines()[0]
@@ -98,7 +101,7 @@ def _compare(case: dict, rank: int, world: int) -> float:
                 raise AssertionError(f"expected path {case['expect']!r}: {said}")
         out = frd.attention(ql, kl, vl, kernel, pos, **kw)
     finally:
-        frd._memory_limit = saved
+        frd._memory_limit, ring.TILE_ELEMENTS = saved, saved_tile
     (out * go[:, :, sl]).sum().backward()
     errs = [(out - ref[:, :, sl]).abs().max()]
     mine = [t.grad.transpose(1, 2) for t in leaves] if case.get("strided") else [t.grad for t in (ql, kl, vl)]
@@ -302,6 +305,9 @@ def _cases() -> dict[str, dict]:
     cases["soe-forced-nprf-kerple_log-causal"] = dict(fn="compare", kernel="nprf", position="kerple_log",
                                                       causal=True, path="auto", backend="soe", ref_backend="soe",
                                                       expect="linear")
+    for causal in (False, True):
+        cases[f"ring-tiled-bias_weight-mask-{'causal' if causal else 'full'}"] = dict(
+            fn="compare", kernel="softmax", position="bias_weight", causal=causal, path="ring", mask=True, tile=64)
     cases["ring-alibi-causal-two-long"] = dict(fn="compare", kernel="softmax", position="alibi", causal=True,
                                                path="ring", lengths=(30, 33, 1, 1))
     for path, kernel, pos in (("ring", "softmax", "kerple_log"), ("ring", "nprf", "kerple_log"),

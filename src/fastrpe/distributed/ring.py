@@ -11,15 +11,16 @@ rank `(r − t) mod P`, scores it against its queries,
                                                      logit weight, KERPLE bias+weight only)
 
 with i, j global positions, and merges it into a running (max, sum, output) by log-sum-exp
-(online softmax, as FlashAttention). Causal calls skip blocks of later ranks (wholly in the
-future: their numbers never enter this rank's output) and mask the diagonal block. Key
-padding masks travel with their keys. While a block is scored, the next one is already in
-flight (`isend`/`irecv`).
+(online softmax, as FlashAttention), tile by tile (at most `TILE_ELEMENTS` scores at once:
+a million-token slice never materializes its `[L_r, L_s]` scores). Causal calls skip
+blocks of later ranks (wholly in the future: their numbers never enter this rank's output)
+and mask the diagonal block. Key padding masks travel with their keys. While a block is
+scored, the next one is already in flight (`isend`/`irecv`).
 
 Backward (a custom autograd Function, FlashAttention-2's form): the blocks go around the ring
 again, now with their gradient accumulators `dk, dv`, which return to their owner after the
-last step; each rank recomputes its scores from the saved log-sum-exp, so memory is one
-block at a time, never the `[L_r, L]` scores. The positional term enters as one coefficient
+last step; each rank recomputes its scores tile by tile from the saved log-sum-exp, so
+memory is one key block and one tile of scores at a time, never the `[L_r, L]` scores. The positional term enters as one coefficient
 vector per rank (`b` and `w` at every offset its queries can see, `[H, L_r + L − 1]`), whose
 gradient the backward accumulates along the blocks' diagonals; autograd takes it on to the
 term's parameters (this rank's share; summed over ranks it is the single-process gradient).
@@ -116,16 +117,18 @@ class _Ring(torch.autograd.Function):
                 works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring",
                                      send=send, recv=recv)
             if not (causal and src > rank):  # a later rank's block is wholly in the future
-                s = _scores(qm, kv[..., :D].to(dt), coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank,
-                            blk_mask)[0]  # (B, H, n, m)
-                bmax = s.amax(-1)
-                m_new = torch.maximum(m, bmax)
-                m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-                p = torch.exp(s - m_safe[..., None])
-                alpha = torch.exp(m - m_safe)
-                l = l * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + p @ kv[..., D:].to(dt)
-                m = m_new
+                off_s = sum(lengths[:src])
+                for i0, i1, j0, j1 in _tiles(B, H, n, kv.shape[2]):
+                    s = _scores(qm[:, :, i0:i1], kv[:, :, j0:j1, :D].to(dt), coef, wvec, scale, n, off + i0,
+                                off_s + j0, off, causal, None if blk_mask is None else blk_mask[:, j0:j1])[0]
+                    mo = m[..., i0:i1]
+                    m_new = torch.maximum(mo, s.amax(-1))  # (B, H, rows)
+                    m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+                    p = torch.exp(s - m_safe[..., None])
+                    alpha = torch.exp(mo - m_safe)
+                    l[..., i0:i1] = l[..., i0:i1] * alpha + p.sum(-1)
+                    acc[:, :, i0:i1] = acc[:, :, i0:i1] * alpha[..., None] + p @ kv[:, :, j0:j1, D:].to(dt)
+                    m[..., i0:i1] = m_new
             if t < size - 1:
                 for w in works:
                     w.wait()
@@ -145,7 +148,7 @@ class _Ring(torch.autograd.Function):
         scale, causal, lengths, group = ctx.cfg
         rank, size = comm.world(group)
         dt = _math_dtype(q.dtype)
-        H = q.shape[1]
+        B, H, n, _ = q.shape
         off = sum(lengths[:rank])
         qm, do = q.to(dt), dout.to(dt)
         delta = (do * out).sum(-1)  # (B, H, n): rowsum(dO ∘ O)
@@ -154,21 +157,24 @@ class _Ring(torch.autograd.Function):
         dw = None if wvec is None else torch.zeros(wvec.shape, dtype=dt, device=q.device)
 
         def block_grad(src, kb, vb, blk_mask):
-            nonlocal dq
             kb, vb = kb.to(dt), vb.to(dt)
-            s, qk, idx = _scores(qm, kb, coef, wvec, scale, off, sum(lengths[:src]), causal and src == rank, blk_mask)
-            p = torch.exp(s - lse[..., None])  # (B, H, n, m); rows with no key: 0
-            dv_b = p.transpose(-1, -2) @ do  # (B, H, m, Dv)
-            dp = do @ vb.transpose(-1, -2)
-            ds = p * (dp - delta[..., None])  # d(score)
-            if dcoef is not None:
-                dcoef.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(H, -1))
-            if dw is not None:
-                dw.index_add_(1, idx.reshape(-1), (ds * qk).sum(0).reshape(H, -1))
-                ds = ds * wvec.to(dt)[:, idx]
-            dq = dq + scale * (ds @ kb)
-            dk_b = scale * (ds.transpose(-1, -2) @ qm)  # (B, H, m, D)
-            return torch.cat([dk_b, dv_b], dim=-1)
+            m, off_s = kb.shape[2], sum(lengths[:src])
+            g = torch.zeros(B, H, m, kb.shape[-1] + vb.shape[-1], dtype=dt, device=q.device)  # [dk, dv]
+            for i0, i1, j0, j1 in _tiles(B, H, n, m):
+                qt, kt, vt, dot = qm[:, :, i0:i1], kb[:, :, j0:j1], vb[:, :, j0:j1], do[:, :, i0:i1]
+                s, qk, idx = _scores(qt, kt, coef, wvec, scale, n, off + i0, off_s + j0, off, causal,
+                                     None if blk_mask is None else blk_mask[:, j0:j1])
+                p = torch.exp(s - lse[..., i0:i1, None])  # (B, H, rows, keys); rows with no key: 0
+                dv_t = p.transpose(-1, -2) @ dot  # (B, H, keys, Dv)
+                ds = p * (dot @ vt.transpose(-1, -2) - delta[..., i0:i1, None])  # d(score)
+                if dcoef is not None:
+                    dcoef.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(H, -1))
+                if dw is not None:
+                    dw.index_add_(1, idx.reshape(-1), (ds * qk).sum(0).reshape(H, -1))
+                    ds = ds * wvec.to(dt)[:, idx]
+                dq[:, :, i0:i1] += scale * (ds @ kt)
+                g[:, :, j0:j1] += torch.cat([scale * (ds.transpose(-1, -2) @ qt), dv_t], dim=-1)
+            return g
 
         grads = _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad)
         D = k.shape[-1]
@@ -213,20 +219,39 @@ def _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad):
     return acc
 
 
-def _scores(qm, kb, coef, wvec, scale, off_q, off_k, diagonal, blk_mask):
-    """Scores of this rank's queries against one block: `(s, qk, idx)` with `s: [B, H, n, m]`
-    masked to -inf where excluded, `qk = scale·q·kᵀ` and `idx: [n, m]` the index of each
-    pair's offset into the coefficient vectors (offset `j − i + n − 1 + off_q`)."""
-    n, m = qm.shape[2], kb.shape[2]
-    qk = scale * (qm @ kb.transpose(-1, -2))  # (B, H, n, m)
-    idx = _index.toeplitz_index(n, m, device=qm.device) + off_k  # j_global - i_local + n - 1
+#: score elements (B·H·rows·keys) one tile may hold: the ring never materializes more than
+#: this much of the `[L_r, L_s]` scores of a block at once (256 MiB in float64)
+TILE_ELEMENTS = 1 << 25
+
+
+def _tiles(B: int, H: int, n: int, m: int):
+    """`(i0, i1, j0, j1)` tiles of an `[n, m]` block with at most `TILE_ELEMENTS` scores each."""
+    per_row = B * H
+    cq = n if per_row * n * m <= TILE_ELEMENTS else max(1, min(n, int((TILE_ELEMENTS // per_row) ** 0.5)))
+    ck = max(1, min(m, TILE_ELEMENTS // (per_row * cq)))
+    for i0 in range(0, n, cq):
+        for j0 in range(0, m, ck):
+            yield i0, min(n, i0 + cq), j0, min(m, j0 + ck)
+
+
+def _scores(qm, kb, coef, wvec, scale, n: int, q_pos: int, k_pos: int, off: int, causal: bool, blk_mask):
+    """Scores of a tile: rows of this rank's queries at global positions `q_pos + 0..` against
+    keys at `k_pos + 0..`. Returns `(s, qk, idx)`: `s` `[B, H, rows, keys]` masked to -inf
+    where excluded (causal: keys after the query; padding), `qk = scale·q·kᵀ`, and `idx`
+    `[rows, keys]` the index of each pair's offset in the coefficient vectors, whose entry
+    `j − i + n − 1` belongs to this rank's row i (global `off + i`) and global key j."""
+    rows, keys = qm.shape[2], kb.shape[2]
+    qk = scale * (qm @ kb.transpose(-1, -2))  # (B, H, rows, keys)
+    qp = torch.arange(q_pos, q_pos + rows, device=qm.device)[:, None]
+    kp = torch.arange(k_pos, k_pos + keys, device=qm.device)[None, :]
+    idx = kp - (qp - off) + (n - 1)  # (rows, keys)
     s = qk
     if wvec is not None:
         s = s * wvec.to(qm.dtype)[:, idx]
     if coef is not None:
         s = s + coef.to(qm.dtype)[:, idx]
-    if diagonal:  # keys after the query in the block of its own rank
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=qm.device).triu(1), float("-inf"))
+    if causal and k_pos + keys - 1 > q_pos:  # some key after some query
+        s = s.masked_fill(kp > qp, float("-inf"))
     if blk_mask is not None:
         s = s.masked_fill(blk_mask.bool()[:, None, None, :], float("-inf"))
     return s, qk, idx
