@@ -279,8 +279,8 @@ def attention(
             without one count as no padding.
         backend: as `fastrpe.attention`: "auto" or a single-process backend (refused where the
             single-process call would refuse it); a forced backend with a state-passing form
-            ("chunked", "band", "bidirectional", "soe", ...) runs it across ranks, any other
-            runs on the gathered keys.
+            ("chunked", "band", "bidirectional", "soe", ...) runs it across ranks, "fft" may
+            run block by block on the ring, any other runs on the gathered keys.
         path: "auto" (softmax: ring; kernelized: linear where an exact state-passing form
             exists, else gather when the gathered keys fit the memory limit, else the ring),
             or "ring", "linear", "gather".
