@@ -47,7 +47,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, check_finite: bool = True) -> 
         raise FastRPEError("k and v are empty sequences (Lk = 0)")
     if D == 0 or v.shape[3] == 0:
         raise FastRPEError(f"head dimension must be positive, got D={D}, Dv={v.shape[3]}")
-    if check_finite:
+    if check_finite and not torch.compiler.is_compiling():
+        # value check, eager only: under torch.compile a host read of tensor values breaks the graph
         # one host sync for all three (a GPU stalls at each bool()); names only on failure
         ok = torch.stack([torch.isfinite(t).all() for t in (q, k, v)])
         if not bool(ok.all()):
@@ -136,7 +137,8 @@ def check_tokens(tokens, vocab_size: int, name: str, where: str, *, dims: tuple[
     if tokens.dim() not in dims:
         raise FastRPEError(f"{where}: {name} must have {' or '.join(map(str, dims))} dimensions [B, L], "
                            f"got shape {tuple(tokens.shape)}")
-    if tokens.numel():
+    # value check, eager only: a host read breaks a compiled graph (an id out of range still fails in the embedding)
+    if tokens.numel() and not torch.compiler.is_compiling():
         lo, hi = torch.aminmax(tokens)  # one pass, two host reads
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= vocab_size:
@@ -188,6 +190,8 @@ def warn_underflowed_rows(kernel, phi_q: Tensor, phi_k: Tensor) -> None:
     — silently, unless said here. Normalized maps (`nexp`, `nprf`) cannot underflow; other
     maps are not checked. `phi_q: [B, H, Lq, F]`, `phi_k: [B, H, Lk, F]` (non-negative)."""
     name = getattr(kernel, "name", None)
+    if torch.compiler.is_compiling():  # reads values on the host (a graph break): eager only
+        return
     if name not in ("exp", "prf") or getattr(kernel, "normalize", True) or name in _ZERO_ROWS_WARNED:
         return
     if phi_q.numel() == 0 or phi_k.numel() == 0:

@@ -345,6 +345,10 @@ class SoEBackend(Backend):
     def _fit_reasons(p: Problem) -> list[str]:
         from .ops.linear.soe import soe_fit_refusal
 
+        if torch.compiler.is_compiling():
+            # the fit's quality depends on the term's parameter values: reading them on the host
+            # breaks the graph, so under torch.compile `run` asserts it inside the graph instead
+            return []
         with torch.no_grad():
             why = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
         return [why] if why else []
@@ -361,11 +365,14 @@ class SoEBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=K * (10 + 2 * L // T)), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.soe import soe_plan_for
+        from .ops.linear.soe import causal_log_coefficients, soe_assert_fit, soe_fit_length, soe_plan
 
         # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
         with torch.autocast(q.device.type, enabled=False):
-            plan = soe_plan_for(p.position, max(p.Lk, p.q_offset + p.Lq))
+            b = causal_log_coefficients(p.position, soe_fit_length(max(p.Lk, p.q_offset + p.Lq)))
+            plan = soe_plan(b)  # = soe_plan_for(p.position, ...)
+            if torch.compiler.is_compiling():
+                soe_assert_fit(b, plan)  # the refusal `_fit_reasons` skipped under compile
         return _kernelized(q, k, v, p, kpm, kops.num_den_soe, plan)
 
 

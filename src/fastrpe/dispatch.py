@@ -90,16 +90,31 @@ def machine_time(device: torch.device, flops: float, bytes_moved: float, calls: 
     return flops / m["flops"] + bytes_moved / m["bw"] + calls * m["overhead"]
 
 
-def memory_limit(device: torch.device) -> int:
-    """Bytes `auto` may plan for one call: half the device memory (all of it is not ours)."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).total_memory // 2
+def _host_memory_limit() -> int:
     try:
         import os
 
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         return 8 << 30
+
+
+#: memory limits per device, read once: `os.sysconf` cannot be traced by torch.compile, and a
+#: device's memory does not change while a process runs
+_MEMORY_LIMITS: dict[str, int] = {"cpu": _host_memory_limit()}
+
+
+def memory_limit(device: torch.device) -> int:
+    """Bytes `auto` may plan for one call: half the device memory (all of it is not ours)."""
+    key = str(device) if device.type == "cuda" else device.type
+    lim = _MEMORY_LIMITS.get(key)
+    if lim is None:
+        if device.type == "cuda" and torch.cuda.is_available():
+            lim = torch.cuda.get_device_properties(device).total_memory // 2
+        else:
+            lim = _MEMORY_LIMITS["cpu"]
+        _MEMORY_LIMITS[key] = lim
+    return lim
 
 
 @dataclass
@@ -183,8 +198,10 @@ def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_onl
         if cost is not None and cost.bytes > memory_limit(p.device):
             reasons_auto.append(f"would need {_fmt_bytes(cost.bytes)} > memory limit {_fmt_bytes(memory_limit(p.device))}")
         cands.append(Candidate(b.name, reasons + reasons_auto, cost, b.exact))
-    ok = [c for c in cands if not c.reasons]
-    chosen = min(ok, key=lambda c: c.cost.seconds).backend if ok else None
+    chosen, best = None, None
+    for c in cands:  # the first cheapest, as min(); a loop, which torch.compile traces (min(key=) it does not)
+        if not c.reasons and (best is None or c.cost.seconds < best):
+            chosen, best = c.backend, c.cost.seconds
     return Explanation(chosen, p, cands)
 
 
@@ -219,6 +236,16 @@ def _signature(p: Problem) -> tuple:
 
 
 def _auto_choice(p: Problem) -> str:
+    if torch.compiler.is_compiling():
+        # torch.compile traces the decision itself (once per compiled graph; its guards on the
+        # shapes and the terms' configuration recompile it when they change): the cache, a
+        # weak table keyed by objects, is not read or written under tracing. The uncached
+        # decision is the one the cache stores, so compiled and eager calls pick one backend.
+        chosen = explain_problem(p, eligible_only=True).chosen
+        if chosen is None:
+            raise FastRPEError("backend: no backend supports this call (run it eagerly, or fastrpe.explain, "
+                               "for every backend's reasons)")
+        return chosen
     table = _AUTO_CACHE_NO_POSITION if p.position is None else _AUTO_CACHE.setdefault(p.position, OrderedDict())
     key = _signature(p) if p.position is None else (_signature(p), _structure(p.position))
     chosen = table.get(key)

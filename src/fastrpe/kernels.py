@@ -117,7 +117,10 @@ class EluPlusOne(FeatureMap):
         return head_dim
 
     def features(self, x: Tensor, is_query: bool) -> Tensor:
-        return torch.nn.functional.elu(x) + 1.0
+        # elu(x) + 1 = x + 1 (x > 0), exp(x) (x <= 0), gradient 1 or exp(x) as elu's; not F.elu: in
+        # torch 2.13 its CPU backward lays out its output unlike its meta function, and a compiled
+        # (aot_eager) backward then fails on a view. min(x, 0): the unused branch cannot overflow
+        return torch.where(x > 0, x + 1.0, torch.exp(x.clamp_max(0.0)))
 
 
 class ReLU(FeatureMap):

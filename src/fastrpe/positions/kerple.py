@@ -114,6 +114,11 @@ def abs_pow(r: Tensor, p: Tensor) -> Tensor:
     return torch.where(nonzero, torch.exp(p * torch.log(safe)), torch.zeros_like(a))
 
 
+def _refresh_p_is_one(module: "KerplePower", incompatible_keys) -> None:
+    """After `load_state_dict`: the loaded `fixed_p` decides whether the term is geometric."""
+    module._p_is_one = bool((module.fixed_p == 1).all())
+
+
 class KerplePower(Position):
     """KERPLE power variant: `b_h(r) = -r1_h·|r|^p_h`, `r1 > 0`, `0 < p <= 2`.
 
@@ -152,6 +157,8 @@ class KerplePower(Position):
             if not bool(((fixed > 0) & (fixed <= 2)).all()):
                 raise ValueError(f"p must be in (0, 2], got {p}")
             self.register_buffer("fixed_p", fixed)
+            self.register_load_state_dict_post_hook(_refresh_p_is_one)
+        self._p_is_one = not learn_p and bool((self.fixed_p == 1).all())
 
     @property
     def r1(self) -> Tensor:
@@ -165,9 +172,14 @@ class KerplePower(Position):
         return -self.r1[h] * abs_pow(r, self.p[h].to(self.raw_r1.dtype))
 
     def geometric_decay(self) -> Tensor | None:
-        if self.learn_p or not bool((self.fixed_p == 1).all()):
+        if self.learn_p:
             return None
-        return torch.exp(-self.r1)
+        # whether p = 1 picks an algorithm, so it is read on the host: on every eager call (the
+        # buffer may be written in place), from the last eager read (or construction, or
+        # load_state_dict) under torch.compile, where a host read would break the graph
+        if not torch.compiler.is_compiling():
+            self._p_is_one = bool((self.fixed_p == 1).all())
+        return torch.exp(-self.r1) if self._p_is_one else None
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, learn_p={self.learn_p}"

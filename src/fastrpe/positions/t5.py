@@ -67,10 +67,20 @@ class T5Bias(Position):
                              f"{half // 2}, got num_buckets={num_buckets}, max_distance={max_distance}")
         self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
         self.embedding = nn.Parameter(torch.zeros(num_buckets, num_heads))
+        self._support: tuple = ((), 0)  # (configuration, finite_support())
+        self.finite_support()  # computed eagerly here, not first inside a compiled graph
 
     def finite_support(self) -> int:
         """The first distance in the last bucket (at most `max_distance`; beyond, every offset
         shares it on either side; causal future offsets share bucket 0)."""
+        # computed once per configuration: it is a function of the configuration alone, and
+        # under torch.compile its tensor search (a data-dependent read) would break the graph
+        key = (self.num_buckets, self.max_distance, self.bidirectional)
+        if self._support[0] != key:
+            self._support = (key, self._first_in_last_bucket())
+        return self._support[1]
+
+    def _first_in_last_bucket(self) -> int:
         n = torch.arange(2 * self.max_distance + 2)
         last = t5_bucket(-n, self.bidirectional, self.num_buckets, self.max_distance)
         return int(torch.nonzero(last == last[-1])[0, 0])

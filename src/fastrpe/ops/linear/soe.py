@@ -67,11 +67,15 @@ def fit_soe(log_c_far: Tensor, r_far: Tensor, gamma: Tensor) -> Tensor:
 
 
 def _far_samples(window: int, max_len: int, n: int = 256) -> Tensor:
-    """Distances W..max_len-1, log-spaced (plus the ends), to fit and to check the fit."""
+    """Distances W..max_len-1, log-spaced (plus the ends), to fit and to check the fit.
+    Computed on the host from the two lengths alone: `torch.unique` has a data-dependent
+    size, which torch.compile cannot trace without a graph break."""
     if max_len <= window:
         return torch.zeros(0, dtype=torch.long)
-    r = torch.unique(torch.round(torch.logspace(math.log10(window), math.log10(max_len - 1), n)).long())
-    return r.clamp(window, max_len - 1)
+    lo, hi = math.log10(window), math.log10(max_len - 1)
+    # round() is half-to-even, as torch.round
+    r = {min(max(round(10.0 ** (lo + (hi - lo) * i / (n - 1))), window), max_len - 1) for i in range(n)}
+    return torch.tensor(sorted(r), dtype=torch.long)
 
 
 def soe_fit_error(log_coeff_causal: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_TERMS) -> float:
@@ -204,6 +208,18 @@ def soe_fit_refusal(position, length: int) -> str | None:
                 f"positional weight (> {SOE_MAX_WEIGHT_ERROR:g}); "
                 + ("band is exact and linear-time" if position.finite_support() is not None else "fft is exact"))
     return None
+
+
+def soe_assert_fit(b: Tensor, plan: SoEPlan) -> None:
+    """`soe_fit_refusal` inside a compiled graph: the fit's quality depends on the term's
+    parameter values, and reading them on the host would break the graph, so the same test
+    (`soe_weight_error` at most `SOE_MAX_WEIGHT_ERROR`, NaN failing) becomes a runtime assert
+    (a RuntimeError when the graph runs, not a refusal before it). `b: [H, N]` as `soe_plan`'s."""
+    with torch.no_grad():
+        err = soe_weight_error(b.detach(), plan).max()
+    torch._assert_async(err <= SOE_MAX_WEIGHT_ERROR,
+                        f"backend 'soe': the sum-of-exponentials fit misplaces more than {SOE_MAX_WEIGHT_ERROR:g} "
+                        "of a row's positional weight (run eagerly for the refusal's details)")
 
 
 def _near_coefficients(plan: SoEPlan, T: int) -> Tensor:
