@@ -234,9 +234,10 @@ def _bytes(case: dict, rank: int, world: int) -> float:
     with comm.counting() as c:
         out.sum().backward()
     bwd = c.total
-    if case["path"] == "ring" and case["causal"]:  # blocks stop at the last rank
+    if case["path"] == "ring" and case["causal"]:  # blocks stop at the last rank, which sends dk, dv home
         want_f = B * H * sum(LENGTHS[:rank + 1]) * (D + Dv) * b if rank < P - 1 else 0
-        want_b = B * H * ((L - n_next) * 2 * (D + Dv) + n_next * (D + Dv)) * b
+        want_b = (B * H * sum(LENGTHS[:rank + 1]) * 2 * (D + Dv) * b if rank < P - 1
+                  else B * H * (L - LENGTHS[-1]) * (D + Dv) * b)
     elif case["path"] == "ring":
         want_f = B * H * (L - n_next) * (D + Dv) * b
         want_b = B * H * ((L - n_next) * 2 * (D + Dv) + n_next * (D + Dv)) * b

@@ -19,7 +19,7 @@ scored, the next one is already in flight (`isend`/`irecv`).
 
 Backward (a custom autograd Function, FlashAttention-2's form): the blocks go around the ring
 again, now with their gradient accumulators `dk, dv`, which return to their owner after the
-last step; each rank recomputes its scores tile by tile from the saved log-sum-exp, so
+last step (causal: from the last rank, directly); each rank recomputes its scores tile by tile from the saved log-sum-exp, so
 memory is one key block and one tile of scores at a time, never the `[L_r, L]` scores. The positional term enters as one coefficient
 vector per rank (`b` and `w` at every offset its queries can see, `[H, L_r + L − 1]`), whose
 gradient the backward accumulates along the blocks' diagonals; autograd takes it on to the
@@ -32,8 +32,10 @@ ranks, `b` bytes per element of the inputs, `b'` of the math dtype, float32 for 
   causal: a block stops at the last rank, so rank r sends the blocks of ranks 0..r,
   `B·H·(off_r + L_r)·(D + Dv)·b`, and the last rank sends nothing (half as much on average);
 * backward: blocks (sent ahead, while the previous one is computed) and their
-  accumulators, then the accumulators home,
-  `B·H·((L − L_{r+1})·(D + Dv)·(b + b') + L_{r+1}·(D + Dv)·b')`;
+  accumulators, then the accumulators home; non-causal
+  `B·H·((L − L_{r+1})·(D + Dv)·(b + b') + L_{r+1}·(D + Dv)·b')`; causal (blocks stop at the
+  last rank, which sends each accumulator straight home) `B·H·(off_r + L_r)·(D + Dv)·(b + b')`,
+  the last rank `B·H·(L − L_{P−1})·(D + Dv)·b'`;
 * plus the `[B, L_s]` padding masks (one byte per key) beside the blocks when there are any.
 
 Notation: n = L_r this rank's length, m = a block's length, P ranks, off_r / off_s offsets.
@@ -185,32 +187,59 @@ class _Ring(torch.autograd.Function):
 
 
 def _backward_ring(k, v, mask, dt, lengths, group, causal, block_grad):
-    """The backward's ring: every key/value block visits every rank again, and its gradient
-    accumulator `[dk, dv]` (in the math dtype `dt`) follows it and finally returns home.
-    `block_grad(src, kb, vb, mask_b) -> [B, H, m, D + Dv]` is this rank's contribution to the
-    block of rank `src` (called for every block this rank's rows see: causal skips later
-    ranks). The next block's keys and values are in flight while one is computed; only the
-    accumulator waits for the computation. Returns this rank's own `[B, H, n, D + Dv]`."""
+    """The backward's ring: every key/value block visits the ranks that read it again, and its
+    gradient accumulator `[dk, dv]` (in the math dtype `dt`) follows it and finally returns
+    home. `block_grad(src, kb, vb, mask_b) -> [B, H, m, D + Dv]` is this rank's contribution
+    to the block of rank `src` (called for every block this rank's rows see). The next
+    block's keys and values are in flight while one is computed; only the accumulator waits
+    for the computation. Non-causal: all the way round, then one step home. Causal: a block
+    goes from its owner to the last rank (no earlier rank reads it), which sends the
+    accumulator straight home. Returns this rank's own `[B, H, n, D + Dv]`."""
     rank, size = comm.world(group)
     B, H, n, D = k.shape
     Dv = v.shape[-1]
     kv, blk_mask = torch.cat([k, v], dim=-1), mask  # (B, H, n, D + Dv), in the inputs' dtype
     acc = torch.zeros(B, H, n, D + Dv, dtype=dt, device=k.device)
+    last = size - 1
+    home = None
+    if causal and size > 1 and rank < last:  # the last rank sends this rank's accumulator home
+        home = torch.empty(B, H, n, D + Dv, dtype=dt, device=k.device)
+        home_work = dist.irecv(home, _peer(group, last), group, tag=3)
+    home_sends = []
     for t in range(size):
         src = (rank - t) % size
+        if causal and src > rank:  # every block this rank reads is done
+            break
         if t < size - 1:
             m_in = lengths[(src - 1) % size]
+            send = not causal or (rank < last and t <= rank)
+            recv = not causal or (rank >= 1 and t <= rank - 1)
             shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
             kv_works, kv_bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group,
-                                       "ring.backward", tag=1)
-        if not (causal and src > rank):
-            acc = acc + block_grad(src, kv[..., :D], kv[..., D:], blk_mask)
+                                       "ring.backward", send=send, recv=recv, tag=1)
+        acc = acc + block_grad(src, kv[..., :D], kv[..., D:], blk_mask)
+        if src == rank:
+            mine = acc  # the last rank's own block is complete here (causal: no later rank)
+        elif causal and rank == last:  # every rank that reads this block is done: straight home
+            acc_c = acc.contiguous()
+            home_sends.append((dist.isend(acc_c, _peer(group, src), group, tag=3), acc_c))
+            comm._record("ring.backward", acc_c.numel() * acc_c.element_size())
         if t < size - 1:
-            acc_works, acc_bufs = _shift([acc], [(B, H, m_in, D + Dv)], group, "ring.backward", tag=2)
+            acc_works, acc_bufs = _shift([acc], [(B, H, m_in, D + Dv)], group, "ring.backward", send=send,
+                                         recv=recv, tag=2)
             for w in (*kv_works, *acc_works):
                 w.wait()
-            kv, acc = kv_bufs[0], acc_bufs[0]
-            blk_mask = kv_bufs[1] if mask is not None else None
+            if kv_bufs is not None:
+                kv = kv_bufs[0]
+                blk_mask = kv_bufs[1] if mask is not None else None
+                acc = acc_bufs[0]
+    for w, _ in home_sends:
+        w.wait()
+    if causal:
+        if rank == last:
+            return mine
+        home_work.wait()
+        return home
     if size > 1:  # the block here now belongs to the next rank: its accumulator goes home
         works, bufs = _shift([acc], [(B, H, n, D + Dv)], group, "ring.backward", tag=2)
         for w in works:
