@@ -11,7 +11,7 @@ from fastrpe.cli.main import main  # noqa: E402
 from fastrpe.hf.recipe import RecipeOptions, convert_recipe  # noqa: E402
 
 TOY = dict(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, seq_len=32, batch_size=4, pretrain_steps=3,
-           finetune_steps=2, warmup_steps=1, max_bytes=300_000, eval_tokens=512, curve_eval_tokens=256, eval_every=1)
+           finetune_steps=2, warmup_steps=1, max_bytes=300_000, eval_tokens=512, eval_every=1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -26,7 +26,9 @@ def test_recipe_end_to_end(tmp_path, arch):
     assert abs(v["converted"] - v["softmax"]) > 1e-4, "the conversion must change the attention"
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["val_loss"] == pytest.approx(v)
-    assert on_disk["finetune_curve"]["eval_step"] == [1, 2]
+    assert on_disk["finetune_curve"]["eval_step"] == [0, 1, 2]
+    assert on_disk["finetune_curve"]["eval_loss"][0] == pytest.approx(v["converted"])
+    assert on_disk["finetune_curve"]["eval_loss"][-1] == pytest.approx(v["finetuned"])
     assert (tmp_path / "softmax-model" / "config.json").is_file()
     assert (tmp_path / "finetune" / "metrics.jsonl").is_file() and (tmp_path / "control" / "metrics.jsonl").is_file()
     if arch == "llama" and pytest.importorskip("matplotlib"):

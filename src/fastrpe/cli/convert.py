@@ -34,8 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--keep-position-encoding", action="store_true",
                    help="keep the model's own rotary / absolute encoding (default: removed)")
     p.add_argument("--num-features", type=int, default=None, help="random features per head (default 64)")
-    p.add_argument("--pretrain-steps", type=int, default=None, help="softmax training steps (default 1500, quick 300)")
-    p.add_argument("--finetune-steps", type=int, default=None, help="fine-tuning steps (default 500, quick 100)")
+    p.add_argument("--pretrain-steps", type=int, default=None, help="softmax training steps (default 1500, quick 200)")
+    p.add_argument("--finetune-steps", type=int, default=None, help="fine-tuning steps (default 500, quick 80)")
     p.add_argument("--finetune-lr", type=float, default=None, help="fine-tuning learning rate (default 1e-3)")
     p.add_argument("--no-control", action="store_true",
                    help="skip the control run (the softmax model trained for the same extra steps)")

@@ -69,7 +69,6 @@ class RecipeOptions:
     control: bool = True
     max_bytes: int = 8_000_000
     eval_tokens: int = 65_536
-    curve_eval_tokens: int = 8_192  # the points on the fine-tuning curve use this many validation tokens
     eval_every: int = 50
     corpus: str = "python-stdlib"
     seed: int = 0
@@ -77,8 +76,8 @@ class RecipeOptions:
 
     @classmethod
     def quick(cls, **changes) -> RecipeOptions:
-        base = dict(hidden_size=64, num_layers=2, seq_len=64, pretrain_steps=300, finetune_steps=100, warmup_steps=20,
-                    max_bytes=1_000_000, eval_tokens=16_384, curve_eval_tokens=4_096, eval_every=20)
+        base = dict(hidden_size=64, num_layers=2, seq_len=64, pretrain_steps=200, finetune_steps=80, warmup_steps=20,
+                    max_bytes=1_000_000, eval_tokens=16_384, eval_every=20)
         base.update(changes)
         return cls(**base)
 
@@ -88,7 +87,7 @@ class RecipeOptions:
         if self.arch not in SUPPORTED:
             raise FastRPEError(f"arch: supported are {', '.join(SUPPORTED)}; got {self.arch!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "seq_len", "batch_size",
-                     "pretrain_steps", "finetune_steps", "max_bytes", "eval_tokens", "curve_eval_tokens"):
+                     "pretrain_steps", "finetune_steps", "max_bytes", "eval_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise FastRPEError(f"{name}: must be an int >= 1, got {v!r}")
@@ -188,9 +187,10 @@ def _finite_or_null(x):
     return x
 
 
-def _curve(history) -> dict[str, list]:
+def _curve(history, start: float) -> dict[str, list]:
+    """The logged train losses, and the validation loss at step 0 (`start`) and each evaluation."""
     train_pts = [(r["step"], r["loss"]) for r in history if r.get("kind") == "train"]
-    eval_pts = [(r["step"], r["val_loss"]) for r in history if r.get("kind") == "eval"]
+    eval_pts = [(0, start)] + [(r["step"], r["val_loss"]) for r in history if r.get("kind") == "eval"]
     return {"train_step": [s for s, _ in train_pts], "train_loss": [v for _, v in train_pts],
             "eval_step": [s for s, _ in eval_pts], "eval_loss": [v for _, v in eval_pts]}
 
@@ -212,6 +212,20 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
         `"val_loss"`: `softmax` (the loaded model), `converted` (right after `convert`),
         `finetuned`, and `softmax_control` (the softmax model after the same extra steps).
     """
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the one-line reports below say what happens; no weight-loading bars
+    hf_logging.disable_progress_bar()
+    try:
+        return _convert_recipe(out_dir, options, progress, log, plot)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_recipe(out_dir, options, progress, log, plot) -> dict[str, Any]:
     import transformers
 
     from ..data.text import eval_windows, load_corpus, random_windows
@@ -224,20 +238,18 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
     if out.exists() and not out.is_dir():
         raise FastRPEError(f"out_dir: {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    transformers.logging.set_verbosity_error()
     t_start = time.perf_counter()
 
     corpus = load_corpus(o.corpus, max_bytes=o.max_bytes)
     train_stream, val_stream = corpus.train, corpus.validation
     val = eval_windows(val_stream, o.seq_len, max_tokens=o.eval_tokens)
-    val_curve = eval_windows(val_stream, o.seq_len, max_tokens=o.curve_eval_tokens)
     batches = seeded_batches(lambda g, bs: random_windows(train_stream, o.seq_len, bs, g), o.batch_size, o.seed)
     ft_batches = seeded_batches(lambda g, bs: random_windows(train_stream, o.seq_len, bs, g), o.batch_size,
                                 o.seed + 1)  # fine-tuning sees other windows than pretraining
     eval_bs = max(1, o.batch_size)
 
     def curve_eval(m):
-        return {"val_loss": validation_loss(m, val_curve, eval_bs)}
+        return {"val_loss": validation_loss(m, val, eval_bs)}
 
     # 1. the "pretrained" softmax model (trained here unless one is given)
     pre, pre_s, trained_loss = None, None, None
@@ -272,12 +284,12 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
     convert(model, kernel=o.kernel, position=o.position, keep_position_encoding=o.keep_position_encoding,
             num_features=o.num_features, seed=o.seed)
     loss_converted = validation_loss(model, val, eval_bs)
-    log(f"convert: converted to {o.kernel} + {o.position} (model's own position encoding "
+    log(f"convert: converted to {o.kernel} + {o.position or 'no positional term'} (model's own position encoding "
         f"{'kept' if o.keep_position_encoding else 'removed'}): {loss_converted:.4f} nats/byte before fine-tuning")
 
     # 3. fine-tune the converted model
     ft, ft_s = _train(model, ft_batches, o, o.finetune_steps, o.finetune_lr, out / "finetune", curve_eval, progress)
-    loss_finetuned = validation_loss(model, val, eval_bs)
+    loss_finetuned = ft.eval["val_loss"] if ft.eval else validation_loss(model, val, eval_bs)
     log(f"convert: after {o.finetune_steps} fine-tuning steps: {loss_finetuned:.4f} nats/byte")
 
     # 4. the control: softmax, the same extra steps
@@ -285,8 +297,8 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
     if control is not None:
         ctl, ctl_s = _train(control, ft_batches, o, o.finetune_steps, o.finetune_lr, out / "control", curve_eval,
                             progress)
-        loss_control = validation_loss(control, val, eval_bs)
-        ctl_curve = _curve(ctl.history)
+        loss_control = ctl.eval["val_loss"] if ctl.eval else validation_loss(control, val, eval_bs)
+        ctl_curve = _curve(ctl.history, loss_softmax)
         log(f"convert: control (softmax, the same {o.finetune_steps} steps): {loss_control:.4f} nats/byte")
 
     results = {
@@ -299,7 +311,7 @@ def convert_recipe(out_dir: str | Path, options: RecipeOptions | None = None, *,
         "val_tokens": int(val[:, 1:].numel()),
         "increase": {"converted": loss_converted - loss_softmax, "finetuned": loss_finetuned - loss_softmax,
                      "finetuned_vs_control": None if loss_control is None else loss_finetuned - loss_control},
-        "finetune_curve": _curve(ft.history),
+        "finetune_curve": _curve(ft.history, loss_converted),
         "control_curve": ctl_curve,
         "pretrain_final_train_loss": None if pre is None else pre.final_loss,
         "seconds": {"pretrain": pre_s, "finetune": ft_s, "control": ctl_s,
@@ -333,13 +345,13 @@ def plot_recipe(results: dict[str, Any], path: str | Path) -> Path | None:
     ax.axhline(v["softmax"], color="k", ls="--", lw=1, label=f"softmax before conversion ({v['softmax']:.3f})")
     ax.axhline(v["converted"], color="C3", ls=":", lw=1.2,
                label=f"right after conversion ({v['converted']:.3f})")
-    top = min(v["converted"], max(c["train_loss"] + c["eval_loss"] + [v["softmax"]])) + 0.1
-    lo = min(c["train_loss"] + c["eval_loss"] + [v["softmax"]] + ((cc or {}).get("eval_loss") or [])) - 0.05
-    ax.set_ylim(lo, max(top, v["softmax"] + 0.2))
-    ax.set_xlabel("fine-tuning step")
+    shown = c["eval_loss"] + [v["softmax"], v["converted"]] + ((cc or {}).get("eval_loss") or [])
+    ax.set_ylim(min(shown + c["train_loss"]) - 0.05, max(shown) + 0.1)  # a first train loss may sit above
+    ax.set_xlabel(f"fine-tuning step (validation: {results['val_tokens']:,} held-out bytes)")
     ax.set_ylabel("loss (nats/byte)")
     enc = "kept" if o["keep_position_encoding"] else "removed"
-    ax.set_title(f"{results['model']['arch']} softmax → {o['kernel']} + {o['position']} (own position encoding {enc})", fontsize=10)
+    ax.set_title(f"{results['model']['arch']} softmax → {o['kernel']} + {o['position'] or 'no positional term'} "
+                 f"(own position encoding {enc})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
