@@ -405,6 +405,10 @@ def train(model: nn.Module, loss_fn: LossFn | None, train_batches: Any, config: 
     # group share their rows (the model splits the sequences)
     replica, replicas = info.dp_rank, info.dp_size
     main = rank == 0
+    if info.context_parallel > 1 and not any(getattr(m, "group", None) is info.cp_group for m in model.modules()):
+        # each CP rank would compute the whole rows' gradient, and the CP sum multiply it by N
+        raise ValueError(f"train: the job is context-parallel ({info.context_parallel} ranks per sequence) but no "
+                         "layer of the model has this rank's CP group; build it with group=info.cp_group")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("train: the model has no trainable parameters")
