@@ -106,6 +106,16 @@ def test_identity_softmax_with_left_padding(arch):
         torch.testing.assert_close(out[b, p:], alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kw", [dict(scale_attn_by_inverse_layer_idx=True), dict(scale_attn_weights=False)],
+                         ids=["inverse-layer-idx", "unscaled"])
+def test_identity_gpt2_with_its_other_score_scales(kw):
+    model = tiny_model("gpt2", **kw)
+    conv = converted(model, kernel="softmax", position=None)
+    x = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(conv(x).logits, model(x).logits, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_identity_with_a_prepared_4d_mask(arch):
     """A user's own 4D mask (bool or additive) is read back into key padding."""
@@ -204,6 +214,25 @@ def test_kernelized_matches_the_paper_formula(arch, kernel, position, reference_
         assert any("fastrpe.position" in n for n in names)
     for n in names:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-9, rtol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("kernel,position", [("softmax", None), ("nprf", "kerple_log")], ids=["softmax", "nprf-kerple"])
+def test_bfloat16_error_is_within_the_reference_paths(arch, kernel, position, reference_implementation):
+    """In bf16 the converted model is judged against float64 (STYLE §9): its error may be a
+    small factor of the error of the same model on a reference attention in bf16."""
+    from fastrpe.testing import assert_lowp_close
+
+    conv = converted(tiny_model(arch, dtype=torch.float64), kernel=kernel, position=position,
+                     keep_position_encoding=position is None, num_features=16)
+    x = torch.randint(0, V, (2, 21), generator=torch.Generator().manual_seed(8))
+    naive = copy.deepcopy(conv)
+    naive.set_attn_implementation(reference_implementation)
+    with torch.no_grad():
+        ref64 = naive(x).logits
+        fast = copy.deepcopy(conv).to(torch.bfloat16)(x).logits
+        slow = naive.to(torch.bfloat16)(x).logits
+    assert_lowp_close(fast, slow, ref64, msg=f"{arch} {kernel}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
