@@ -390,6 +390,26 @@ def test_a_sliding_window_that_bites_is_refused_and_one_that_does_not_is_exact()
         conv(torch.randint(0, V, (1, 9)))
 
 
+def test_decoding_past_a_sliding_window_matches_the_model():
+    """Mistral's sliding-window cache keeps the last keys only: decoding past the window attends
+    to what the model's own attention does."""
+    model = tiny_model("mistral", sliding_window=8)
+    conv = converted(model, kernel="softmax", position=None)
+    x = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(9))
+
+    def decode(m):
+        o = m(x[:, :6], use_cache=True)
+        cache, outs = o.past_key_values, [o.logits]
+        for t in range(6, 14):
+            o = m(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            outs.append(o.logits)
+        return torch.cat(outs, 1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(decode(conv), decode(model), atol=1e-5, rtol=0)
+
+
 def test_attention_dropout_set_back_is_refused_in_training():
     conv = converted(tiny_model("llama"), kernel="softmax", position=None)
     conv.train()

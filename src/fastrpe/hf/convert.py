@@ -138,8 +138,15 @@ def _mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     sliding window that reaches back less than the keys, packed sequences) raises."""
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-    if mask_function is not causal_mask_function:
-        # e.g. Mistral's sliding window: exact as long as it does not bite on this call's positions
+    local_size, plain = kwargs.get("local_size"), kwargs.get("allow_is_causal_skip", False)
+    if mask_function is not causal_mask_function and local_size is not None and plain:
+        # transformers' plain sliding-window causal mask (no overlay, which would have turned `plain`
+        # off): the same as causal unless the oldest key is `local_size` or more behind the last query
+        if int(kv_offset) <= int(q_offset) + q_length - 1 - int(local_size):
+            raise FastRPEError(f"attention_mask: fastrpe attention is causal with key padding only; the model's "
+                               f"sliding window ({local_size}) is shorter than this call's keys reach back")
+    elif mask_function is not causal_mask_function:
+        # another pattern: exact only if it is causal on this call's positions (checked on the full matrix)
         common = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                       kv_offset=kv_offset, attention_mask=None, allow_is_causal_skip=False, device=device)
         got = sdpa_mask(mask_function=mask_function, use_vmap=use_vmap, **common)
