@@ -130,9 +130,13 @@ def test_identity_with_a_prepared_4d_mask(arch):
         got_bool = conv(ids, attention_mask=m4, position_ids=pos).logits
         additive = torch.zeros(m4.shape).masked_fill(~m4, torch.finfo(torch.float32).min)
         got_add = conv(ids, attention_mask=additive, position_ids=pos).logits
+        got_1e9 = conv(ids, attention_mask=torch.zeros(m4.shape).masked_fill(~m4, -1e9), position_ids=pos).logits
     real = mask.bool()
     torch.testing.assert_close(got_bool[real], want[real], atol=1e-6, rtol=0)
     torch.testing.assert_close(got_add[real], want[real], atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_1e9[real], want[real], atol=1e-6, rtol=0)
+    with pytest.raises(FastRPEError, match="bias"):  # an additive bias is not a mask
+        conv(ids, attention_mask=additive + 0.5 * m4, position_ids=pos)
     with pytest.raises(FastRPEError, match="attention_mask"):  # a window is not causal + padding
         conv(ids, attention_mask=m4 & ~torch.ones(9, 9, dtype=torch.bool).tril(-3), position_ids=pos)
 

@@ -118,7 +118,13 @@ def _key_padding_from_4d(mask: Tensor, B: int, Lq: int, Lk: int) -> Tensor | Non
     "causal (bottom-right) and key padding"."""
     if mask.dim() != 4 or mask.shape[-2:] != (Lq, Lk):
         raise FastRPEError(f"attention_mask: expected [B, 1, {Lq}, {Lk}], got {tuple(mask.shape)}")
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:  # additive: 0 attends, a large negative number (-1e4 .. -inf) blocks; anything else is a bias
+        allowed = mask == 0
+        if not bool((allowed | (mask <= -1e4)).all()):
+            raise FastRPEError("attention_mask: an additive 4D mask must hold 0 (attend) or a large negative number "
+                               "(blocked); other values are a bias, which fastrpe attention does not take")
     allowed = allowed.all(dim=1).expand(B, Lq, Lk)  # [B, Lq, Lk]
     kpm = ~allowed[:, -1, :]  # the last query sees every key it may (causal, bottom-right aligned)
     i = torch.arange(Lq, device=mask.device)[:, None] + (Lk - Lq)
