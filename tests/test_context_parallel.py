@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -149,6 +150,17 @@ def _refusals(case: dict, rank: int, world: int) -> float:
             bad += 1
         except FastRPEError as e:
             bad += "\n" in str(e)
+    # a context-parallel job whose model is not on the CP group is refused before any step
+    from fastrpe.train import TrainConfig, train
+    from fastrpe.train import distributed as D
+
+    D.make_groups(2)
+    try:
+        train(_model("softmax", "alibi"), lambda mdl, b: mdl.loss(b), [torch.zeros(2, 9, dtype=torch.long)],
+              TrainConfig(steps=1, batch_size=2, warmup_steps=0))
+        bad += 1
+    except ValueError as e:
+        bad += "no layer of the model has this rank's CP group" not in str(e)
     return float(bad)
 
 
@@ -275,13 +287,27 @@ def _records(out: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
+def _run_job(cmd: list[str], tmp: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in a session of its own; on a timeout kill the whole session (torchrun and its
+    workers, which would otherwise be left waiting in a collective) and fail with its output."""
+    proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[3:6])} did not finish in {timeout:.0f} s\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _torchrun(tmp: Path, nproc: int, args: list[str], out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # --standalone: a local rendezvous on a port the launcher picks (no fixed port shared with other jobs)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "fastrpe.cli.main", *args, "--out", str(out)]
     for attempt in range(2):
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+        proc = _run_job(cmd, tmp, env, timeout=180)
         if proc.returncode == 0 or not any(t in proc.stderr for t in _TRANSIENT):
             break
         shutil.rmtree(out, ignore_errors=True)  # one retry, from scratch
