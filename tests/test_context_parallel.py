@@ -10,6 +10,7 @@ but the weights is shared with the path under test.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -295,14 +296,19 @@ def _run_job(cmd: list[str], tmp: Path, env: dict, timeout: float) -> subprocess
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every process prints where it waits
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd[3:6])} did not finish in {timeout:.0f} s\n{out[-2000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _torchrun(tmp: Path, nproc: int, args: list[str], out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     # --standalone: a local rendezvous on a port the launcher picks (no fixed port shared with other jobs)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "fastrpe.cli.main", *args, "--out", str(out)]
