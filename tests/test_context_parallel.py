@@ -35,10 +35,10 @@ UNEVEN = (5, 17, 1, 40)  # forward() slices of a 63-token sequence, one of lengt
 # the checks, run on every rank
 
 
-def _model(kernel: str, position: str) -> DecoderLM:
+def _model(kernel: str, position: str, backend: str = "auto") -> DecoderLM:
     torch.manual_seed(0)  # the same weights (and random features) on every rank
     cfg = LMConfig(vocab_size=37, d_model=24, n_layers=2, n_heads=3, kernel=kernel, position=position,
-                   num_features=12 if kernel != "softmax" else None)
+                   num_features=12 if kernel != "softmax" else None, backend=backend)
     m = DecoderLM(cfg).double()
     with torch.no_grad():  # positional parameters away from their initial values
         for name, p in m.named_parameters():
@@ -63,13 +63,13 @@ def _compare(case: dict, rank: int, world: int) -> float:
     B, L = 4, 63
     tokens = torch.randint(0, 37, (B, L + 1), generator=g)
 
-    ref = _model(case["kernel"], case["position"])
+    ref = _model(case["kernel"], case["position"], case.get("backend", "auto"))
     ref_loss = ref.loss(tokens)
     ref_loss.backward()
     ref_logits = ref(tokens[:, :-1]).detach()
     want = _grads(ref)
 
-    m = _model(case["kernel"], case["position"])
+    m = _model(case["kernel"], case["position"], case.get("backend", "auto"))
     m.group = cp_group
     rows = slice(dp_rank * (B // dp_size), (dp_rank + 1) * (B // dp_size))
     loss = m.loss(tokens[rows])  # every CP rank passes the same whole windows of its DP rows
@@ -171,6 +171,10 @@ def _cases() -> dict[str, dict]:
                              ("elu", "sinusoidal")):
         for cp in (2, 4):
             cases[f"{kernel}-{position}-cp{cp}"] = dict(fn="compare", kernel=kernel, position=position, cp=cp)
+    # the state-passing paths: chunked (geometric decay) and band (finite support), forced as on one process
+    for position, backend in (("alibi", "chunked"), ("t5", "band")):
+        cases[f"nprf-{position}-{backend}-cp4"] = dict(fn="compare", kernel="nprf", position=position, cp=4,
+                                                      backend=backend)
     for kernel, position, causal in (("softmax", "t5", False), ("nprf", "kerple_log", True)):
         cases[f"mha-{kernel}-{position}-mask-{'causal' if causal else 'full'}"] = dict(
             fn="mha", kernel=kernel, position=position, causal=causal)
@@ -236,7 +240,9 @@ def _tb(results, name) -> str:
 @pytest.mark.parametrize("name", [n for n, c in _cases().items() if c["fn"] == "compare"])
 def test_decoder_lm_matches_one_process(results, name):
     """Loss, logits (uneven slices 5, 17, 1, 40 / 20, 43) and every parameter gradient within
-    1e-10 in float64; cp2 is 2 DP x 2 CP (rows split over DP, gradients summed over CP)."""
+    1e-10 in float64; cp2 is 2 DP x 2 CP (rows split over DP, gradients summed over CP).
+    Paths taken: softmax -> ring; NPRF + KERPLE log -> gather; elu (no term), NPRF + ALiBi
+    (chunked), NPRF + T5 (band) -> linear."""
     assert results[name] <= TOL, f"{name}: max error {results[name]}\n" + _tb(results, name)
 
 
