@@ -164,23 +164,25 @@ def plot(rows: list[dict], path: Path) -> None:
     if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in PATHS:
+    for i, name in enumerate(PATHS):
         rs = sorted((r for r in rows if r["path"] == name), key=lambda r: r["L"])
         if not rs:
             continue
         L = [r["L"] for r in rs]
-        a.plot(L, [max(f + w for f, w in zip(r["bytes_fwd"], r["bytes_bwd"])) for r in rs], "o-", label=name)
+        # markers of decreasing size: paths that send the same bytes stay visible on one line
+        a.plot(L, [max(f + w for f, w in zip(r["bytes_fwd"], r["bytes_bwd"])) for r in rs], "-",
+               marker="osD^vP"[i % 6], markersize=10 - i, label=name)
         b.plot(L, [r["seconds"] for r in rs], "o-", label=f"{name}, {rs[0]['ranks']} ranks")
         one = [(r["L"], r["single_seconds"]) for r in rs if r.get("single_seconds") is not None]
         if one:
             b.plot(*zip(*one), "x--", color=b.lines[-1].get_color(), label=f"{name}, 1 process")
+    a.set_title("communication (ring, kernelized ring and gather coincide)")
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length L")
         ax.grid(True, which="both", alpha=0.3)
     a.set_ylabel("bytes sent per rank per layer (fwd + bwd, largest rank)")
-    a.set_title("communication")
     b.set_ylabel("seconds, fwd + bwd (slowest rank)")
     b.set_title("time on 2 shared CPU cores (not a speed claim)")
     a.legend(fontsize=8)
@@ -223,7 +225,7 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    plot(rows, Path(a.plot))
+    plot(rows, Path(a.plot))  # or again from the JSON: plot(json.load(open(out))["rows"], path)
     print(f"wrote {out} and {a.plot} ({meta['wall_seconds']:.0f} s)")
 
 
