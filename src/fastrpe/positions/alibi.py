@@ -47,5 +47,7 @@ class ALiBi(Position):
         return -self.slopes[h] * r.abs().to(self.slopes.dtype)
 
     def geometric_decay(self) -> Tensor:
-        """Kernelized form: `c(r) = γ^|r|` with `γ_h = exp(-m_h)` (`[H]`)."""
-        return torch.exp(-self.slopes)
+        """Kernelized form: `c(r) = γ^|r|` with `γ_h = exp(-m_h)` (`[H]`, float64: the linear-time
+        ops take `log γ` in the call's dtype, so a float64 call gets the dense path's `-m_h`
+        exactly; rounding γ to float32 first put 5e-8 between backends)."""
+        return torch.exp(-self.slopes.to(torch.float64))

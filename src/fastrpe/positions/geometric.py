@@ -92,8 +92,8 @@ class GeometricDecay(Position):
         return lg[h] * r.abs().to(lg.dtype)
 
     def geometric_decay(self) -> Tensor:
-        """`[H]` decays γ: the linear-time causal form `c(r) = γ^|r|`."""
-        return self.gamma
+        """`[H]` decays γ: the linear-time causal form `c(r) = γ^|r|` (float64, as `ALiBi`'s)."""
+        return torch.exp(self.log_gamma.to(torch.float64))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, learnable={self.learnable}"
