@@ -7,8 +7,8 @@
 from . import kernels, nn, positions  # noqa: F401
 from ._validate import FastRPEError  # noqa: F401
 from .api import attention, explain  # noqa: F401
-from .dispatch import BACKENDS, register_backend  # noqa: F401
+from .dispatch import BACKENDS, register_backend, set_auto_policy  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["attention", "explain", "kernels", "positions", "nn", "FastRPEError", "BACKENDS"]
+__all__ = ["attention", "explain", "kernels", "positions", "nn", "FastRPEError", "BACKENDS", "set_auto_policy"]
 

@@ -103,7 +103,7 @@ def attention(
         `[B, H, Lq, Dv]` in q's dtype. A row with no admissible key (all weights 0) is 0.
     """
     p, kpm = _problem(q, k, v, kernel, position, causal, q_offset, key_padding_mask, scale)
-    b = select_backend(p, backend)
+    b = select_backend(p, backend, (q, k, v, kpm))  # the "measure" policy times on these
     return b.run(q, k, v, p, kpm)
 
 

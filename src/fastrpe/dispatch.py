@@ -150,6 +150,8 @@ class Candidate:
     reasons: list[str]
     cost: Cost | None
     exact: bool
+    #: measured seconds under the "measure" policy (forward, or forward+backward with grad)
+    measured: float | None = None
 
 
 @dataclass
@@ -159,6 +161,10 @@ class Explanation:
     chosen: str | None
     problem: Problem
     candidates: list[Candidate] = field(default_factory=list)
+    #: "model" or "measure" (see `set_auto_policy`)
+    policy: str = "model"
+    #: the timings `auto` took for this call's signature bucket, if it has measured it
+    measurement: "Measurement | None" = None
 
     def __str__(self) -> str:
         p = self.problem
@@ -170,21 +176,44 @@ class Explanation:
             f"on {p.device}; kernel={kern}; position={pos}; additive={add}; causal={p.causal}; "
             f"q_offset={p.q_offset}; grad={p.requires_grad}",
             f"auto picks: {self.chosen or 'nothing (no backend supports this call)'}",
+            _policy_line(self),
         ]
+        m = self.measurement
         for c in sorted(self.candidates, key=lambda c: (bool(c.reasons), c.cost.seconds if c.cost else 0)):
             tag = "exact" if c.exact else "APPROXIMATE"
             if c.reasons:
                 lines.append(f"  {c.backend:10s} refused: " + "; ".join(c.reasons))
             else:
                 mark = "*" if c.backend == self.chosen else " "
-                lines.append(f"{mark} {c.backend:10s} {c.cost}  ({tag})")
+                meas = ""
+                if c.measured is not None:
+                    meas = f", measured {_fmt_time(c.measured)}"
+                elif m is not None:
+                    meas = f", not measured: {m.not_measured.get(c.backend, 'not eligible when measured')}"
+                lines.append(f"{mark} {c.backend:10s} {c.cost}{meas}  ({tag})")
         return "\n".join(lines)
 
 
-def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_only: bool = False) -> Explanation:
+def _policy_line(e: "Explanation") -> str:
+    if e.policy == "model":
+        return "policy: model (estimated times below; fastrpe.set_auto_policy('measure') times the candidates)"
+    p, m = e.problem, e.measurement
+    bucket = f"Lq<={_bucket(p.Lq)}, Lk<={_bucket(p.Lk)}"
+    if m is None:
+        return (f"policy: measure (not measured yet: the first call with this signature times every exact "
+                f"candidate within {MEASURE_FACTOR:g}x of the best estimate, once per bucket {bucket}; "
+                "until then, the model's pick)")
+    return (f"policy: measure (timed {m.what} at the first call in bucket {bucket}: lengths are bucketed to "
+            "the next power of two, so other lengths in it reuse these timings)")
+
+
+def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_only: bool = False,
+                    measured: bool = True) -> Explanation:
     """Every backend's reasons and cost, and the cheapest one that may run. With
     `eligible_only`, backends that `auto` may not pick anyway (approximate ones, unless
-    allowed) are left out instead of asked: their reasons can cost a fit per call."""
+    allowed) are left out instead of asked: their reasons can cost a fit per call. With
+    `measured` (and the "measure" policy for p's device), timings `auto` took for p's
+    signature bucket are shown, and the fastest measured candidate is the pick."""
     cands = []
     for b in BACKENDS.values():
         if eligible_only and not b.exact and not allow_approximate:
@@ -202,7 +231,12 @@ def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_onl
     for c in cands:  # the first cheapest, as min(); a loop, which torch.compile traces (min(key=) it does not)
         if not c.reasons and (best is None or c.cost.seconds < best):
             chosen, best = c.backend, c.cost.seconds
-    return Explanation(chosen, p, cands)
+    ex = Explanation(chosen, p, cands)
+    if measured and not torch.compiler.is_compiling():
+        ex.policy = auto_policy(p.device)
+        if ex.policy == "measure":
+            _overlay_measurement(ex, allow_approximate)
+    return ex
 
 
 # `auto`'s decisions, cached per problem signature: asking every backend for its reasons and
@@ -211,14 +245,16 @@ def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_onl
 # class and configuration, never their parameter values), so the key holds those. A term's
 # decisions live in a weak table keyed by the term object itself (they die with it, and an id
 # reused by a later object can never hit them). After changing a term's configuration in
-# place (not its parameters), call `clear_dispatch_cache()`.
+# place (not its parameters), call `clear_dispatch_cache()`. The same tables hold the
+# "measure" policy's timings, per signature bucket (`_bucket_key`).
 _AUTO_CACHE: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
 _AUTO_CACHE_NO_POSITION: OrderedDict = OrderedDict()
 _AUTO_CACHE_SIZE = 256
 
 
 def clear_dispatch_cache() -> None:
-    """Forget every cached `auto` decision (backends registered, terms reconfigured in place)."""
+    """Forget every cached `auto` decision and timing (backends registered, terms reconfigured
+    in place, the policy changed)."""
     _AUTO_CACHE.clear()
     _AUTO_CACHE_NO_POSITION.clear()
 
@@ -229,43 +265,247 @@ def _structure(obj) -> tuple:
     return type(obj).__module__, type(obj).__qualname__, extra
 
 
-def _signature(p: Problem) -> tuple:
-    return (p.B, p.H, p.Lq, p.Lk, p.D, p.Dv, p.dtype, p.device, _structure(p.kernel), p.F,
-            tuple((_structure(t), id(t)) for t in p.additive), p.causal, p.q_offset, p.has_padding_mask,
-            p.requires_grad, p.scale, tuple(BACKENDS))
+def _signature(p: Problem, Lq: int | None = None, Lk: int | None = None, q_offset: int | None = None) -> tuple:
+    return (p.B, p.H, p.Lq if Lq is None else Lq, p.Lk if Lk is None else Lk, p.D, p.Dv, p.dtype, p.device,
+            _structure(p.kernel), p.F, tuple((_structure(t), id(t)) for t in p.additive), p.causal,
+            p.q_offset if q_offset is None else q_offset, p.has_padding_mask, p.requires_grad, p.scale,
+            tuple(BACKENDS))
 
 
-def _auto_choice(p: Problem) -> str:
+def _table(p: Problem, create: bool = True) -> OrderedDict | None:
+    if p.position is None:
+        return _AUTO_CACHE_NO_POSITION
+    return _AUTO_CACHE.setdefault(p.position, OrderedDict()) if create else _AUTO_CACHE.get(p.position)
+
+
+def _key(p: Problem, policy: str) -> tuple:
+    sig = _signature(p) if p.position is None else (_signature(p), _structure(p.position))
+    return policy, sig
+
+
+def _bucket(n: int) -> int:
+    """The next power of two >= n (lengths in one bucket share one measurement)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _bucket_key(p: Problem) -> tuple:
+    sig = _signature(p, _bucket(p.Lq), _bucket(p.Lk), _bucket(p.q_offset) if p.q_offset else 0)
+    return "measured", sig if p.position is None else (sig, _structure(p.position))
+
+
+def _cache_put(table: OrderedDict, key, value) -> None:
+    table[key] = value
+    if len(table) > _AUTO_CACHE_SIZE:
+        table.popitem(last=False)
+
+
+# --- the `auto` policy: the cost model, or the first call's own timings ---------------------
+
+_POLICIES = ("model", "measure")
+_AUTO_POLICY: str | None = None  # None: per device, see `auto_policy`
+#: "measure" times the exact candidates whose modelled time is within this factor of the best
+MEASURE_FACTOR = 4.0
+#: timed runs per candidate after one warm-up (fewer when one run is slow)
+MEASURE_REPEATS = 3
+
+
+def set_auto_policy(policy: str | None) -> None:
+    """How `backend="auto"` chooses among the backends that support a call.
+
+    Args:
+        policy: "model" (the cheapest by the flop/byte cost model, `Backend.cost`), "measure"
+            (the first call of each problem signature times every exact candidate within
+            `MEASURE_FACTOR` of the model's best on the call's own tensors, and keeps the
+            fastest; lengths are bucketed to the next power of two, so a new length in a
+            measured bucket costs no new timing), or None for the default: "measure" on CUDA,
+            "model" elsewhere. Approximate backends are never timed. Under torch.compile
+            tracing, CUDA-graph capture or CUDA sync debug mode nothing is timed: the model
+            decides. Changing the policy forgets every cached decision.
+    """
+    global _AUTO_POLICY
+    if policy is not None and policy not in _POLICIES:
+        raise FastRPEError(f"policy: expected one of {', '.join(map(repr, _POLICIES))} or None, got {policy!r}")
+    _AUTO_POLICY = policy
+    clear_dispatch_cache()
+
+
+def auto_policy(device: torch.device) -> str:
+    """The policy `auto` uses on `device` ("model" or "measure"; see `set_auto_policy`)."""
+    if _AUTO_POLICY is not None:
+        return _AUTO_POLICY
+    # CUDA: one flop/byte model cannot know every GPU, kernel library and Triton version, while
+    # a warmed-up call timed with CUDA events is steady. CPU: the model is calibrated there
+    # (benchmarks/auto_cpu_check.py), and a first call's timings are noisy (thread pools and
+    # the allocator warming up, other processes on the cores).
+    return "measure" if device.type == "cuda" else "model"
+
+
+def _can_measure(device: torch.device) -> bool:
+    if device.type == "cuda":
+        # timings synchronize the stream: not while a graph is captured, nor where the user
+        # asked to be told about every synchronization
+        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
+            return False
+    return True
+
+
+@dataclass
+class Measurement:
+    """Timings of one signature bucket's candidates (seconds) and why others were not timed."""
+
+    what: str  # "forward" or "forward+backward"
+    times: dict[str, float]
+    not_measured: dict[str, str]
+
+    def fastest(self, allowed) -> str | None:
+        best = None
+        for name, s in self.times.items():
+            if name in allowed and (best is None or s < self.times[best]):
+                best = name
+        return best
+
+
+def _timer(device: torch.device):
+    """`timer(fn) -> seconds` of one call of `fn`: CUDA events on GPU, perf_counter elsewhere."""
+    if device.type == "cuda":
+        def timer(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return timer
+
+    import time
+
+    def timer(fn):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    return timer
+
+
+def time_backend(backend: Backend, inputs: tuple, p: Problem, repeats: int = MEASURE_REPEATS,
+                 give_up_after: float = float("inf")) -> float:
+    """Seconds of one `backend.run` on `inputs = (q, k, v, key_padding_mask)`: one warm-up,
+    then the best of `repeats` timed runs (one when a run takes longer than `give_up_after` or
+    0.5 s; none when the warm-up took over 10x `give_up_after`: its time is returned).
+    With `p.requires_grad` the backward pass is included, through `torch.autograd.grad` on
+    detached copies of the leaves (no `.grad` is written, the caller's graph is not touched);
+    without, the forward runs under no_grad."""
+    q, k, v, kpm = inputs
+    if p.requires_grad:
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        params = [prm for t in (p.position, *p.additive, p.kernel) if isinstance(t, torch.nn.Module)
+                  for prm in t.parameters() if prm.requires_grad]
+        wrt = [t for t in leaves if t.requires_grad] + params
+
+        def fn():
+            with torch.enable_grad():
+                out = backend.run(*leaves, p, kpm)
+                torch.autograd.grad(out, wrt, grad_outputs=torch.ones_like(out), allow_unused=True)
+    else:
+        def fn():
+            with torch.no_grad():
+                backend.run(q, k, v, p, kpm)
+    timer = _timer(p.device)
+    best = timer(fn)  # the warm-up (Triton compiles, caches fill): an upper bound
+    if best > 10 * give_up_after:
+        return best
+    for _ in range(max(1, repeats)):
+        best = min(best, timer(fn))
+        if best > min(give_up_after, 0.5):
+            break
+    return best
+
+
+def measure_problem(p: Problem, inputs: tuple, allow_approximate: bool = False,
+                    factor: float | None = None) -> Measurement:
+    """Time every eligible backend whose modelled time is within `factor` (default
+    `MEASURE_FACTOR`) of the model's best, on `inputs = (q, k, v, key_padding_mask)`.
+    The RNG state is restored afterwards; a candidate that raises is recorded, not timed."""
+    factor = MEASURE_FACTOR if factor is None else factor
+    ex = explain_problem(p, allow_approximate, eligible_only=True, measured=False)
+    ok = [c for c in ex.candidates if not c.reasons]
+    best_model = min((c.cost.seconds for c in ok), default=0.0)
+    times, not_measured = {}, {}
+    devices = [p.device] if p.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for c in sorted(ok, key=lambda c: c.cost.seconds):
+            if c.cost.seconds > factor * best_model:
+                not_measured[c.backend] = f"estimate {c.cost.seconds / best_model:.3g}x the best (> {factor:g}x)"
+                continue
+            try:
+                fastest = min(times.values(), default=float("inf"))
+                times[c.backend] = time_backend(BACKENDS[c.backend], inputs, p, give_up_after=4 * fastest)
+            except Exception as e:  # noqa: BLE001 - a candidate that fails (out of memory) is not chosen
+                not_measured[c.backend] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return Measurement("forward+backward" if p.requires_grad else "forward", times, not_measured)
+
+
+def _overlay_measurement(ex: Explanation, allow_approximate: bool) -> None:
+    """Show the timings `auto` took for ex's bucket; the fastest eligible one is the pick."""
+    table = _table(ex.problem, create=False)
+    m = table.get(_bucket_key(ex.problem)) if table is not None else None
+    if m is None:
+        return
+    ex.measurement = m
+    for c in ex.candidates:
+        c.measured = m.times.get(c.backend)
+    chosen = m.fastest({c.backend for c in ex.candidates if not c.reasons})
+    if chosen is not None:
+        ex.chosen = chosen
+
+
+def _measured_choice(p: Problem, inputs: tuple, table: OrderedDict) -> str | None:
+    """The fastest timed candidate of p's bucket that supports p itself (timing the bucket first
+    if needed); None when none does (the model decides then)."""
+    bkey = _bucket_key(p)
+    m = table.get(bkey)
+    if m is None:
+        m = measure_problem(p, inputs)
+        _cache_put(table, bkey, m)
+    ex = explain_problem(p, eligible_only=True, measured=False)
+    return m.fastest({c.backend for c in ex.candidates if not c.reasons})
+
+
+def _auto_choice(p: Problem, inputs: tuple | None = None) -> str:
     if torch.compiler.is_compiling():
         # torch.compile traces the decision itself (once per compiled graph; its guards on the
         # shapes and the terms' configuration recompile it when they change): the cache, a
-        # weak table keyed by objects, is not read or written under tracing. The uncached
-        # decision is the one the cache stores, so compiled and eager calls pick one backend.
-        chosen = explain_problem(p, eligible_only=True).chosen
+        # weak table keyed by objects, is not read or written under tracing, and nothing is
+        # timed. The model's uncached decision is the one the "model" policy caches, so
+        # compiled and eager calls pick one backend; under "measure" eager calls may pick a
+        # faster one.
+        chosen = explain_problem(p, eligible_only=True, measured=False).chosen
         if chosen is None:
             raise FastRPEError("backend: no backend supports this call (run it eagerly, or fastrpe.explain, "
                                "for every backend's reasons)")
         return chosen
-    table = _AUTO_CACHE_NO_POSITION if p.position is None else _AUTO_CACHE.setdefault(p.position, OrderedDict())
-    key = _signature(p) if p.position is None else (_signature(p), _structure(p.position))
+    measure = inputs is not None and auto_policy(p.device) == "measure" and _can_measure(p.device)
+    table = _table(p)
+    key = _key(p, "measure" if measure else "model")
     chosen = table.get(key)
     if chosen is None:
-        chosen = explain_problem(p, eligible_only=True).chosen
+        if measure:
+            chosen = _measured_choice(p, inputs, table)
+        if chosen is None:
+            chosen = explain_problem(p, eligible_only=True, measured=False).chosen
         if chosen is None:
             raise FastRPEError("backend: no backend supports this call:\n" + str(explain_problem(p)))
-        table[key] = chosen
-        if len(table) > _AUTO_CACHE_SIZE:
-            table.popitem(last=False)
+        _cache_put(table, key, chosen)
     else:
         table.move_to_end(key)
     return chosen
 
 
-def select_backend(p: Problem, backend: str) -> Backend:
+def select_backend(p: Problem, backend: str, inputs: tuple | None = None) -> Backend:
     """The backend to run: `auto`'s choice (cached per problem signature), or the forced one
-    if it supports the call."""
+    if it supports the call. `inputs = (q, k, v, key_padding_mask)` lets the "measure" policy
+    time the candidates on the call's own tensors (without them the model decides)."""
     if backend == "auto":
-        return BACKENDS[_auto_choice(p)]
+        return BACKENDS[_auto_choice(p, inputs)]
     if backend not in BACKENDS:
         raise FastRPEError(f"backend: unknown backend {backend!r}; known: {', '.join(['auto', *BACKENDS])}")
     b = BACKENDS[backend]
