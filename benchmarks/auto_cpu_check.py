@@ -60,7 +60,8 @@ def main(argv=None) -> int:
             kern = kern.to(dev) if isinstance(kern, torch.nn.Module) else kern
             pos = make_position(pos_name, H)
             pos = pos.to(dev) if pos is not None else None
-            p, kpm = _problem(q, k, v, kern, pos, causal, None, None, None)
+            with torch.set_grad_enabled(a.grad):  # forward only: the problem needs no grad
+                p, kpm = _problem(q, k, v, kern, pos, causal, None, None, None)
             ex = dispatch.explain_problem(p, eligible_only=True, measured=False)
             model_pick = ex.chosen
             cands = sorted((c for c in ex.candidates if not c.reasons), key=lambda c: c.cost.seconds)

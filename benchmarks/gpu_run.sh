@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_run.sh short   # host-sync check, decoding at 64k, L = 4k, 16k, 64k
 #   bash benchmarks/gpu_run.sh long    # L = 256k, 1M (resumes the JSON of `short`)
 #   bash benchmarks/gpu_run.sh tests   # the GPU tests (pytest -m gpu)
+#   bash benchmarks/gpu_run.sh auto    # auto's model pick vs measured best (auto_cpu_check.py --device cuda)
 #   bash benchmarks/gpu_run.sh check   # the criteria from the JSON, nothing run
 #
 # Where things land: $OUT (the device tool's output folder) or runs/gpu: gpu.json (every row,
@@ -33,6 +34,13 @@
 #   run(command="bash benchmarks/gpu_run.sh long", carry=[".whl", ".gpu_runs"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=600)
 # and locally: fastrpe bench --suite gpu --check <files_at>/gpu.json
+#
+# `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
+# (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
+# writes $OUT/auto_check_fwd.json, auto_check_grad.json) and then the bench `--check`. `auto`'s
+# default policy on CUDA is "measure" (fastrpe.set_auto_policy): the 1.2x rule must hold for the
+# bench's "auto" rows; a worst ratio > 1.2 in auto_check_*.json says the GPU cost model needs work.
+#   run(command="bash benchmarks/gpu_run.sh auto", carry=[".gpu_runs"], timeout_s=600)
 set -uo pipefail
 
 phase="${1:-short}"
@@ -78,8 +86,13 @@ case "$phase" in
   tests)
     python3 -m pytest -q -m gpu tests/ -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -80
     exit "${PIPESTATUS[0]}" ;;
+  auto)
+    python3 benchmarks/auto_cpu_check.py --device cuda --lengths 1024,4096,16384 --out "$OUT_DIR/auto_check_fwd.json" \
+        2>&1 | tee "$OUT_DIR/auto_check.log"
+    python3 benchmarks/auto_cpu_check.py --device cuda --grad --lengths 1024,4096,16384 \
+        --out "$OUT_DIR/auto_check_grad.json" 2>&1 | tee -a "$OUT_DIR/auto_check.log" ;;
   check) ;;
-  *) echo "usage: $0 short|long|tests|check"; exit 2 ;;
+  *) echo "usage: $0 short|long|tests|auto|check"; exit 2 ;;
 esac
 fastrpe bench --suite gpu --check "$OUT_DIR/gpu.json" | tee "$OUT_DIR/gpu_check.log"
 exit 0

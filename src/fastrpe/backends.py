@@ -128,7 +128,7 @@ class DenseBackend(Backend):
         pairs = p.B * p.H * p.Lq * p.Lk
         flops = 2 * pairs * (F + p.Dv) + 10 * pairs
         mem = pairs * p.bytes_per_el * (4 if p.requires_grad else 2) + p.H * p.Lq * p.Lk * p.bytes_per_el
-        return Cost(machine_time(p.device, flops, 3 * mem, calls=12), mem)
+        return Cost(machine_time(p.device, flops, 3 * mem, calls=12, working_set=mem), mem)
 
     def run(self, q, k, v, p, kpm):
         if p.softmax:
@@ -163,7 +163,7 @@ class SDPABackend(Backend):
         else:  # fused kernel, no score matrix
             mem = p.B * p.H * p.Lq * (p.Dv + 2) * p.bytes_per_el
             bytes_moved = mem + p.B * p.H * p.Lk * (p.D + p.Dv) * p.bytes_per_el
-        return Cost(machine_time(p.device, flops, bytes_moved, calls=4), mem)
+        return Cost(machine_time(p.device, flops, bytes_moved, calls=4, working_set=mem), mem)
 
     def run(self, q, k, v, p, kpm):
         out = softmax_attention_sdpa(q, k, v, _softmax_bias(q, p), causal=p.causal, q_offset=p.q_offset,
@@ -189,12 +189,12 @@ class FlexBackend(Backend):
         if p.causal:
             pairs //= 2
         flops = 2 * pairs * (p.D + p.Dv) * (2.5 if p.requires_grad else 1) + 20 * pairs
-        if p.device.type == "cpu":  # eager CPU FlexAttention materializes the scores
-            flops *= 4
         mem = p.B * p.H * p.Lq * (p.Dv + 2) * p.bytes_per_el
+        if p.device.type == "cpu":  # eager CPU FlexAttention materializes the full score matrix
+            scores = p.B * p.H * p.Lq * p.Lk * p.bytes_per_el
+            return Cost(machine_time(p.device, 4 * flops, 8 * scores, calls=2, working_set=scores)
+                        + 5e-3, mem)  # + Python-level overhead per call
         seconds = machine_time(p.device, flops, mem, calls=2)
-        if p.device.type == "cpu":
-            seconds += 5e-3  # eager CPU FlexAttention: Python-level overhead per call
         return Cost(seconds, mem)
 
     def run(self, q, k, v, p, kpm):
@@ -219,13 +219,26 @@ class FFTBackend(Backend):
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
 
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
-        if p.requires_grad:
-            flops *= 3
-        if p.causal:  # divide and conquer: about one full-length product per level
-            leaf = causal_leaf(p.B, p.H, p.dtype)
-            flops *= 1 + 0.6 * max(0.0, math.log2(max(p.Lq, p.Lk) / leaf))
-        # FFTs are memory-bound: ~7x below the flop rate (measured: benchmarks/fft_memory.py)
-        return Cost(machine_time(p.device, 7 * flops, 2 * peak, calls=30), peak)
+        grad = 3 if p.requires_grad else 1
+        flops *= grad
+        if not p.causal:
+            # FFTs are memory-bound: ~7x below the flop rate (measured: benchmarks/fft_memory.py)
+            return Cost(machine_time(p.device, 7 * flops, 2 * peak, calls=30, working_set=peak), peak)
+        # divide and conquer: dense diagonal leaves (every row sees up to `leaf` keys), and
+        # about 0.6 of a full-length FFT product per level above them; a call no longer than
+        # one leaf is all leaf (auto_cpu_check: L = 1024 ran 32 ms, not a full product's 260)
+        L = max(p.Lq, p.Lk)
+        leaf = causal_leaf(p.B, p.H, p.dtype)
+        levels = max(0.0, math.log2(L / leaf))
+        pairs = p.B * p.H * p.Lq * min(L, leaf)
+        leaf_flops = grad * pairs * (2 * (p.F + p.Dv + 1) + 10)
+        leaf_bytes = grad * 3 * pairs * p.bytes_per_el
+        leaf_set = p.B * p.H * min(L, leaf) ** 2 * p.bytes_per_el * 3
+        seconds = machine_time(p.device, leaf_flops, leaf_bytes, calls=100, working_set=leaf_set)
+        if levels > 0:
+            seconds += machine_time(p.device, 7 * flops * 0.6 * math.ceil(levels), 2 * peak, calls=30,
+                                    working_set=peak)
+        return Cost(seconds, peak)
 
     def run(self, q, k, v, p, kpm):
         return _kernelized(q, k, v, p, kpm, kops.num_den_fft, _coefficients(p, _math_dtype(p)))
@@ -415,7 +428,10 @@ class BandBackend(Backend):
         flops *= 3 if p.requires_grad else 1
         mem = (p.B * p.H * (2 * p.Lq * X + (p.Lk // T + 3) * F * C * (1 + tails) + p.Lq * (F + C))
                + p.H * p.Lq * X) * p.bytes_per_el * (2 if p.requires_grad else 1)
-        return Cost(machine_time(p.device, flops, 2 * mem, calls=30), mem)
+        seconds = machine_time(p.device, flops, 2 * mem, calls=30)
+        if p.device.type == "cpu":  # the band windows' gathers: measured ~2x this count (auto_cpu_check)
+            seconds *= 2
+        return Cost(seconds, mem)
 
     def run(self, q, k, v, p, kpm):
         coeffs = kops.BandCoefficients(_coefficients(p, _math_dtype(p)), p.position.finite_support())

@@ -78,16 +78,24 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.3g} TiB"  # pragma: no cover
 
 
-# Rough machine model: sustained flop rate and memory bandwidth, and a per-call overhead.
+# Rough machine model: sustained flop rate and memory bandwidth, and a per-call overhead. On
+# CPU, a call whose working set outgrows the caches streams from DRAM at `bw_far` (one thread:
+# dense kernelized attention at L = 4096 moved its [B, H, L, L] weights ~4x slower than at
+# L = 256; benchmarks/auto_cpu_check.py). The GPU's rates are one guess for every GPU: there
+# `auto` measures by default (`set_auto_policy`).
 _MACHINE = {
-    "cpu": {"flops": 5e10, "bw": 1e10, "overhead": 2e-5},
+    "cpu": {"flops": 5e10, "bw": 1e10, "overhead": 2e-5, "cache": 8 << 20, "bw_far": 2.5e9},
     "cuda": {"flops": 5e13, "bw": 2e12, "overhead": 1e-5},
 }
 
 
-def machine_time(device: torch.device, flops: float, bytes_moved: float, calls: int = 1) -> float:
+def machine_time(device: torch.device, flops: float, bytes_moved: float, calls: int = 1,
+                 working_set: float = 0) -> float:
+    """Seconds for `flops` and `bytes_moved` in `calls` kernel launches / op calls; `working_set`
+    (bytes live at once) beyond the CPU's caches moves at its DRAM rate."""
     m = _MACHINE.get(device.type, _MACHINE["cpu"])
-    return flops / m["flops"] + bytes_moved / m["bw"] + calls * m["overhead"]
+    bw = m["bw_far"] if "cache" in m and working_set > m["cache"] else m["bw"]
+    return flops / m["flops"] + bytes_moved / bw + calls * m["overhead"]
 
 
 def _host_memory_limit() -> int:
