@@ -6,6 +6,8 @@ can disagree with the model on purpose; one runs the real timer at tiny sizes.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ H, D = 2, 8
 
 
 @pytest.fixture
-def measure():
+def measure(monkeypatch):
+    monkeypatch.delenv("FASTRPE_CACHE_DIR", raising=False)  # CPU timings stay in memory
     fr.set_auto_policy("measure")
     yield
     fr.set_auto_policy(None)
@@ -225,3 +228,38 @@ def test_no_timing_under_compile(measure, fake_timer, ran, monkeypatch):
         torch.testing.assert_close(out, eager, atol=1e-10, rtol=1e-10)
     finally:
         torch._dynamo.reset()
+
+
+def test_terms_of_one_structure_share_a_measurement(measure, fake_timer):
+    """Timings depend on structure, not parameter values: a second layer's term of the same
+    class and configuration is not timed again; another configuration is."""
+    q, k, v = _qkv(40)
+    fr.attention(q, k, v, "nprf", fr.positions.KerpleLog(H), causal=True)
+    n = len(fake_timer.calls)
+    fr.attention(q, k, v, "nprf", fr.positions.KerpleLog(H), causal=True)
+    assert n >= 1 and len(fake_timer.calls) == n
+    fr.attention(q, k, v, "nprf", fr.positions.T5Bias(H, bidirectional=False), causal=True)
+    assert len(fake_timer.calls) > n
+
+
+def test_timings_persist_on_disk(measure, fake_timer, tmp_path, monkeypatch, ran):
+    """With FASTRPE_CACHE_DIR, a fresh process (here: memory cleared) reads the timings back
+    instead of timing again, and picks the same backend."""
+    monkeypatch.setenv("FASTRPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "MEASURE_FACTOR", 1e9)
+    q, k, v = _qkv(24)
+    ranking = _model_ranking(q, k, v, "softmax", None, True)
+    fake_timer.times = {ranking[0]: 2e-3, ranking[1]: 1e-3}
+    fr.attention(q, k, v, "softmax", None, causal=True)
+    files = list(tmp_path.glob("auto_timings-*.json"))
+    assert len(files) == 1 and ran == [ranking[1]]
+    n = len(fake_timer.calls)
+    dispatch.clear_dispatch_cache()
+    ran.clear()
+    fr.attention(q, k, v, "softmax", None, causal=True)
+    assert len(fake_timer.calls) == n and ran == [ranking[1]]
+    files[0].write_text("{not json")  # a broken file: timed again, and rewritten
+    dispatch.clear_dispatch_cache()
+    fr.attention(q, k, v, "softmax", None, causal=True)
+    assert len(fake_timer.calls) > n
+    assert len(json.loads(files[0].read_text())) == 1

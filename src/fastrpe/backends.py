@@ -231,8 +231,9 @@ class FFTBackend(Backend):
         leaf = causal_leaf(p.B, p.H, p.dtype)
         levels = max(0.0, math.log2(L / leaf))
         pairs = p.B * p.H * p.Lq * min(L, leaf)
-        leaf_flops = grad * pairs * (2 * (p.F + p.Dv + 1) + 10)
-        leaf_bytes = grad * 3 * pairs * p.bytes_per_el
+        leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again
+        leaf_flops = leaf_grad * pairs * (2 * (p.F + p.Dv + 1) + 10)
+        leaf_bytes = leaf_grad * 3 * pairs * p.bytes_per_el
         leaf_set = p.B * p.H * min(L, leaf) ** 2 * p.bytes_per_el * 3
         seconds = machine_time(p.device, leaf_flops, leaf_bytes, calls=100, working_set=leaf_set)
         if levels > 0:

@@ -253,18 +253,22 @@ def explain_problem(p: Problem, allow_approximate: bool = False, *, eligible_onl
 # class and configuration, never their parameter values), so the key holds those. A term's
 # decisions live in a weak table keyed by the term object itself (they die with it, and an id
 # reused by a later object can never hit them). After changing a term's configuration in
-# place (not its parameters), call `clear_dispatch_cache()`. The same tables hold the
-# "measure" policy's timings, per signature bucket (`_bucket_key`).
+# place (not its parameters), call `clear_dispatch_cache()`. The "measure" policy's timings
+# are kept apart (`_MEASUREMENTS`), keyed by structure alone: a backend's speed does not depend
+# on parameter values, so twelve layers with twelve KERPLE terms share one measurement.
 _AUTO_CACHE: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
 _AUTO_CACHE_NO_POSITION: OrderedDict = OrderedDict()
 _AUTO_CACHE_SIZE = 256
+_MEASUREMENTS: OrderedDict = OrderedDict()
 
 
 def clear_dispatch_cache() -> None:
-    """Forget every cached `auto` decision and timing (backends registered, terms reconfigured
-    in place, the policy changed)."""
+    """Forget every cached `auto` decision and timing held in memory (backends registered,
+    terms reconfigured in place, the policy changed). The on-disk timings stay (`_disk_path`)."""
     _AUTO_CACHE.clear()
     _AUTO_CACHE_NO_POSITION.clear()
+    _MEASUREMENTS.clear()
+    _DISK.clear()
 
 
 def _structure(obj) -> tuple:
@@ -296,9 +300,13 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _bucket_key(p: Problem) -> tuple:
-    sig = _signature(p, _bucket(p.Lq), _bucket(p.Lk), _bucket(p.q_offset) if p.q_offset else 0)
-    return "measured", sig if p.position is None else (sig, _structure(p.position))
+def _bucket_key(p: Problem) -> str:
+    """p's signature bucket, by structure only (no object ids), as a string that is the same in
+    every process: lengths (and a nonzero q_offset) rounded up to a power of two."""
+    pos = _structure(p.position) if p.position is not None else None
+    return repr((p.B, p.H, _bucket(p.Lq), _bucket(p.Lk), p.D, p.Dv, str(p.dtype), str(p.device), _structure(p.kernel),
+                 p.F, tuple(_structure(t) for t in p.additive), pos, p.causal, _bucket(p.q_offset) if p.q_offset else 0,
+                 p.has_padding_mask, p.requires_grad, p.scale, tuple(BACKENDS)))
 
 
 def _cache_put(table: OrderedDict, key, value) -> None:
@@ -329,6 +337,12 @@ def set_auto_policy(policy: str | None) -> None:
             "model" elsewhere. Approximate backends are never timed. Under torch.compile
             tracing, CUDA-graph capture or CUDA sync debug mode nothing is timed: the model
             decides. Changing the policy forgets every cached decision.
+
+    Timings are shared by every term of the same structure (class and configuration) and
+    kept on disk per device and torch version, so that a new process does not time again:
+    `$FASTRPE_CACHE_DIR/auto_timings-<device>-torch<version>.json` (any device), else
+    `~/.cache/fastrpe/...` on CUDA (CPU timings stay in memory). Delete the file after
+    upgrading fastrpe.
     """
     global _AUTO_POLICY
     if policy is not None and policy not in _POLICIES:
@@ -454,8 +468,7 @@ def measure_problem(p: Problem, inputs: tuple, allow_approximate: bool = False,
 
 def _overlay_measurement(ex: Explanation, allow_approximate: bool) -> None:
     """Show the timings `auto` took for ex's bucket; the fastest eligible one is the pick."""
-    table = _table(ex.problem, create=False)
-    m = table.get(_bucket_key(ex.problem)) if table is not None else None
+    m = _lookup_measurement(ex.problem)
     if m is None:
         return
     ex.measurement = m
@@ -466,14 +479,79 @@ def _overlay_measurement(ex: Explanation, allow_approximate: bool) -> None:
         ex.chosen = chosen
 
 
-def _measured_choice(p: Problem, inputs: tuple, table: OrderedDict) -> str | None:
+# --- where timings live: in memory, and (CUDA, or FASTRPE_CACHE_DIR set) in a JSON file per
+# device and torch version, so that a new process does not time again ---
+_DISK: dict = {}  # path -> {bucket key: Measurement}, read once per path
+
+
+def _disk_path(device: torch.device):
+    """The timings file for `device`, or None: `$FASTRPE_CACHE_DIR` (any device) or
+    `~/.cache/fastrpe` (CUDA only: CPU timings are kept in memory unless asked)."""
+    import os
+    import re
+    from pathlib import Path
+
+    root = os.environ.get("FASTRPE_CACHE_DIR")
+    if root is None:
+        if device.type != "cuda":
+            return None
+        root = Path.home() / ".cache" / "fastrpe"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}-{os.cpu_count()}cpu"
+    tag = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{name}-torch{torch.__version__}")
+    return Path(root) / f"auto_timings-{tag}.json"
+
+
+def _disk_table(path) -> dict:
+    import json
+
+    if path not in _DISK:
+        try:
+            raw = json.loads(path.read_text())
+            _DISK[path] = {k: Measurement(v["what"], dict(v["times"]), dict(v["not_measured"])) for k, v in raw.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent or unreadable: time again
+            _DISK[path] = {}
+    return _DISK[path]
+
+
+def _lookup_measurement(p: Problem) -> Measurement | None:
+    key = _bucket_key(p)
+    m = _MEASUREMENTS.get(key)
+    if m is None:
+        path = _disk_path(p.device)
+        m = _disk_table(path).get(key) if path is not None else None
+        if m is not None:
+            _cache_put(_MEASUREMENTS, key, m)
+    return m
+
+
+def _store_measurement(p: Problem, m: Measurement) -> None:
+    import json
+    import warnings
+
+    from ._io import atomic_write
+
+    key = _bucket_key(p)
+    _cache_put(_MEASUREMENTS, key, m)
+    path = _disk_path(p.device)
+    if path is None:
+        return
+    table = _disk_table(path)
+    table[key] = m
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {k: {"what": v.what, "times": v.times, "not_measured": v.not_measured} for k, v in table.items()}
+        atomic_write(path, (json.dumps(data, indent=0, sort_keys=True) + "\n").encode())
+    except OSError as e:  # a cache: the timings stay in memory
+        warnings.warn(f"fastrpe: could not write auto timings to {path}: {e}", stacklevel=3)
+
+
+def _measured_choice(p: Problem, inputs: tuple) -> str | None:
     """The fastest timed candidate of p's bucket that supports p itself (timing the bucket first
     if needed); None when none does (the model decides then)."""
-    bkey = _bucket_key(p)
-    m = table.get(bkey)
+    m = _lookup_measurement(p)
     if m is None:
         m = measure_problem(p, inputs)
-        _cache_put(table, bkey, m)
+        _store_measurement(p, m)
     ex = explain_problem(p, eligible_only=True, measured=False)
     return m.fastest({c.backend for c in ex.candidates if not c.reasons})
 
@@ -497,7 +575,7 @@ def _auto_choice(p: Problem, inputs: tuple | None = None) -> str:
     chosen = table.get(key)
     if chosen is None:
         if measure:
-            chosen = _measured_choice(p, inputs, table)
+            chosen = _measured_choice(p, inputs)
         if chosen is None:
             chosen = explain_problem(p, eligible_only=True, measured=False).chosen
         if chosen is None:
