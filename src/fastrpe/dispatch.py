@@ -277,11 +277,10 @@ def _structure(obj) -> tuple:
     return type(obj).__module__, type(obj).__qualname__, extra
 
 
-def _signature(p: Problem, Lq: int | None = None, Lk: int | None = None, q_offset: int | None = None) -> tuple:
-    return (p.B, p.H, p.Lq if Lq is None else Lq, p.Lk if Lk is None else Lk, p.D, p.Dv, p.dtype, p.device,
-            _structure(p.kernel), p.F, tuple((_structure(t), id(t)) for t in p.additive), p.causal,
-            p.q_offset if q_offset is None else q_offset, p.has_padding_mask, p.requires_grad, p.scale,
-            tuple(BACKENDS))
+def _signature(p: Problem) -> tuple:
+    return (p.B, p.H, p.Lq, p.Lk, p.D, p.Dv, p.dtype, p.device, _structure(p.kernel), p.F,
+            tuple((_structure(t), id(t)) for t in p.additive), p.causal, p.q_offset, p.has_padding_mask,
+            p.requires_grad, p.scale, tuple(BACKENDS))
 
 
 def _table(p: Problem, create: bool = True) -> OrderedDict | None:
@@ -475,7 +474,7 @@ def _overlay_measurement(ex: Explanation, allow_approximate: bool) -> None:
     for c in ex.candidates:
         c.measured = m.times.get(c.backend)
     chosen = m.fastest({c.backend for c in ex.candidates if not c.reasons})
-    if chosen is not None:
+    if chosen is not None and not allow_approximate:  # `auto` itself never runs approximate backends
         ex.chosen = chosen
 
 
