@@ -6,6 +6,12 @@ import torch
 # Two cores on CI: keep intra-op threads from oversubscribing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Without a GPU the Triton kernels run under Triton's interpreter. It must be switched on
+# before anything imports triton (torch.compile's tests do, through inductor): `@triton.jit`
+# reads it when it decorates, so a later switch leaves the kernels uncallable on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
