@@ -371,7 +371,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig):
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
-        from fastrpe.dispatch import BACKENDS, explain_problem
+        from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
 
         if p.position == "none":
             return "runs the positional families"
@@ -384,9 +384,11 @@ def fastrpe_setup(backend: str, cfg: GpuConfig):
         except fr.FastRPEError as e:
             return str(e)
         if backend == "auto":
-            chosen = explain_problem(prob, eligible_only=True).chosen
-            if chosen is None:
+            if explain_problem(prob, eligible_only=True).chosen is None:
                 return "auto: no backend supports this call"
+            # what the timed calls will run: under the "measure" policy (CUDA's default) this
+            # first call times the candidates and caches the fastest, which the model may not rank first
+            chosen = select_backend(prob, "auto", inputs=(q, k, v, None)).name
             extra.update(auto_picks=chosen, exact=BACKENDS[chosen].exact)
         else:
             b = BACKENDS.get(backend)
