@@ -13,3 +13,12 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def save(fig, path, dpi: int = 120) -> None:
+    """Lay out `fig`, write it to `path` and free it (pyplot keeps every open figure)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

@@ -849,7 +849,7 @@ def _short_reason(s: str) -> str:
 
 def plot_gpu(res: dict, path: Path) -> Path | None:
     """Log-log time against L, one panel per family, one line per method."""
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -884,9 +884,7 @@ def plot_gpu(res: dict, path: Path) -> Path | None:
     fig.suptitle(("SMOKE (not a measurement) " if res.get("smoke") else "") + res["device"]
                  + f", {res['dtype']}, B={res['config']['B']} H={res['config']['H']} D={res['config']['D']}",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return path
 
 

@@ -228,7 +228,7 @@ def ratios(result: dict, baseline: str = "flex-same-rpe") -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -254,7 +254,5 @@ def plot(result: dict, path: Path) -> Path | None:
         ax.set_title(g)
         ax.legend(fontsize=8)
     fig.suptitle(result["device"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return path

@@ -325,7 +325,7 @@ def format_table(results: list[dict], L: int, factors: list[int]) -> str:
 
 
 def plot(results: list[dict], L: int, factors: list[int], path: Path):
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -344,7 +344,5 @@ def plot(results: list[dict], L: int, factors: list[int], path: Path):
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("perplexity (bytes)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return path

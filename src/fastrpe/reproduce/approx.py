@@ -95,7 +95,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, radii, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -116,6 +116,4 @@ def _plot(result: dict, radii, path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{result['queries']} queries × {result['trials']} feature draws, {result['keys']} keys on the "
                  f"sphere of radius R, d = {result['dim']}: median and quartiles", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -129,7 +129,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -145,6 +145,4 @@ def _plot(result: dict, path) -> None:
     ax.set_ylabel("validation loss (nats/byte); dashed: softmax")
     ax.set_title("softmax models converted to PRF", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

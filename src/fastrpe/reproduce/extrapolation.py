@@ -268,7 +268,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -300,6 +300,4 @@ def _plot(result: dict, path) -> None:
         ax.set_xlabel("evaluation length (tokens)")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("perplexity (bytes): mean ± std, band min–max")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

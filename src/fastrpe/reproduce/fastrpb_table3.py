@@ -136,7 +136,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -160,6 +160,4 @@ def _plot(result: dict, path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"FastRPB Table 3 on CPU, {result['threads']} thread: ListOps classifier, "
                  f"d = {result['d_model']}, {result['layers']} layers", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -122,7 +122,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -139,6 +139,4 @@ def _plot(result: dict, path) -> None:
     ax.set_title(f"KERPLE Table 4: L = {result['train_length']}, d = {result['d_model']}, "
                  f"{result['layers']} layers, {result['threads']} thread", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -100,7 +100,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -119,6 +119,4 @@ def _plot(result: dict, path) -> None:
     ax.set_ylabel("perplexity (bytes), mean ± std over seeds")
     ax.set_title(f"KERPLE Table 5: trained at L = {result['train_length']}, {len(result['seeds'])} seeds", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -128,7 +128,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -141,6 +141,4 @@ def _plot(result: dict, path) -> None:
     ax.set_ylabel("forward ms (fastest of the repeats)")
     ax.set_title(f"Luo Fig. 1(a) on CPU, {result['threads']} thread: 1 head, d = {result['dim']}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

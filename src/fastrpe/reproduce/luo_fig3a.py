@@ -94,7 +94,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -112,6 +112,4 @@ def _plot(result: dict, path) -> None:
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title(f"Luo Fig. 3(a): NPRF + {result['position']}, {len(result['seeds'])} seeds, "
                  f"{result['steps']} steps", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -90,7 +90,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -111,6 +111,4 @@ def _plot(result: dict, path) -> None:
     ax.set_title(f"Scaleformer Fig. 6 on CPU, {result['threads']} thread: bidirectional, "
                  f"{result['heads']} heads × {result['dim']}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -146,7 +146,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, positions: list[str], path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -177,7 +177,5 @@ def _plot(result: dict, positions: list[str], path) -> None:
             ax.set_xlabel("sequence length (slope in the legend)")
             ax.legend(fontsize=6)
     fig.suptitle(result["device"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 

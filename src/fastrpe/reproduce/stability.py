@@ -102,7 +102,7 @@ def run(args, out_dir) -> dict:
 
 
 def _plot(result: dict, labels: list[str], path) -> None:
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -120,6 +120,4 @@ def _plot(result: dict, labels: list[str], path) -> None:
         ax.set_xlabel("step")
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("train loss (nats/byte); dotted: unigram")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -409,7 +409,7 @@ def kernelized_num_den_triton_chunked(
         [B, H, F, Dv+1]` in the accumulation dtype, float32 or float64, if asked).
     """
     B, H, Lq, F = phi_q.shape
-    Lk, Dv = v.shape[2], v.shape[3]
+    Dv = v.shape[3]
     q, k, vv, log_g = _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size)
     if initial_state is not None:
         if initial_state.shape != (B, H, F, Dv + 1):

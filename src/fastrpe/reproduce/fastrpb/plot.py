@@ -6,7 +6,7 @@ from .table import KERNEL_LABELS
 
 def plot(result: dict, path) -> None:
     """Bars of validation accuracy without / with FastRPB per kernel, one panel per task."""
-    from ...plotting import pyplot
+    from ...plotting import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -37,6 +37,4 @@ def plot(result: dict, path) -> None:
     sd = f"mean ± std over {result['seeds']} seeds" if result["seeds"] > 1 else "one seed"
     fig.suptitle(f"FastRPB on/off per kernel: {result['steps']} steps, width {result['d_model']}, "
                  f"{result['layers']} layers, base position {result['base_position']}; {sd}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
