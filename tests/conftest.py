@@ -20,3 +20,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The names of the backends that ran (under compile: that the traced graph calls)."""
+    from fastrpe.dispatch import BACKENDS
+
+    names: list[str] = []
+    for name, b in BACKENDS.items():
+        def run(q, k, v, p, kpm, _name=name, _run=b.run):
+            names.append(_name)
+            return _run(q, k, v, p, kpm)
+        monkeypatch.setattr(b, "run", run)
+    return names

@@ -48,17 +48,6 @@ def fake_timer(monkeypatch):
     return fake
 
 
-@pytest.fixture
-def ran(monkeypatch):
-    names: list[str] = []
-    for name, b in BACKENDS.items():
-        def run(q, k, v, p, kpm, _name=name, _run=b.run):
-            names.append(_name)
-            return _run(q, k, v, p, kpm)
-        monkeypatch.setattr(b, "run", run)
-    return names
-
-
 def _qkv(L, Lk=None, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     Lk = L if Lk is None else Lk

@@ -20,7 +20,6 @@ import torch
 
 import fastrpe as fr
 from fastrpe import positions as P
-from fastrpe.dispatch import BACKENDS
 
 #: compiled vs eager: the same ops in the same order (inductor may fuse and reorder in float32)
 COMPILE_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -43,18 +42,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def ran(monkeypatch):
-    """The names of the backends that ran (under compile: that the traced graph calls)."""
-    names: list[str] = []
-    for name, b in BACKENDS.items():
-        def run(q, k, v, p, kpm, _name=name, _run=b.run):
-            names.append(_name)
-            return _run(q, k, v, p, kpm)
-        monkeypatch.setattr(b, "run", run)
-    return names
 
 
 def _layer(path: str, dtype) -> fr.nn.MultiheadAttention:

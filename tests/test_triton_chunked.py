@@ -3,17 +3,14 @@ reference (`ops/linear/naive.py`, Luo et al. 2021 Eq. 10) and the state's defini
 
 Without CUDA the kernels run on the CPU under the Triton interpreter. Triton reads
 TRITON_INTERPRET when it decorates (its own library functions too, at `import triton`)
-and again when it runs, so it is set here, before triton is imported, for the whole
-process; the `triton_chunked` backend still refuses CPU calls unless a test opts in.
+and again when it runs, so tests/conftest.py sets it before anything imports triton, for
+the whole process; the `triton_chunked` backend still refuses CPU calls unless a test opts in.
 """
-import os
 
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+_CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
 from fastrpe.ops.linear import triton_chunked as tc  # noqa: E402

@@ -3,14 +3,11 @@ then token-by-token steps, gives the full sequence's outputs from the dense refe
 (`ops/linear/naive.py`, weights `γ^(i-j)`, j <= i). Interpreter set-up as in
 test_triton_chunked.py.
 """
-import os
 
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+_CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
 from fastrpe._validate import FastRPEError  # noqa: E402

@@ -4,14 +4,11 @@ weights `c(p_i - j)` for `j <= p_i` (Luo et al. 2021 Eq. 10 with that coefficien
 
 Interpreter set-up as in test_triton_chunked.py (TRITON_INTERPRET before triton imports).
 """
-import os
 
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+_CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
 from fastrpe.ops.linear import triton_soe as ts  # noqa: E402
