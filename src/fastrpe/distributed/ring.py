@@ -94,10 +94,37 @@ def _math_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _forward_blocks(kv: Tensor, mask: Tensor | None, lengths, causal: bool, group):
+    """The forward ring's schedule: yields `(src, kv block, mask block)` for every rank `src`
+    whose keys this rank scores, starting with its own, while the next block is in flight.
+    Causal: a later rank's block is wholly in the future and skipped, and a block goes no
+    further than the last rank (no rank after a wrap reads it)."""
+    rank, size = comm.world(group)
+    B, H, _, C = kv.shape
+    blk_mask = mask
+    for t in range(size):
+        src = (rank - t) % size
+        if t < size - 1:
+            m_in = lengths[(src - 1) % size]
+            shapes = [(B, H, m_in, C)] + ([(B, m_in)] if mask is not None else [])
+            send = not causal or (rank < size - 1 and t <= rank)
+            recv = not causal or (rank >= 1 and t <= rank - 1)
+            works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring",
+                                 send=send, recv=recv)
+        if not (causal and src > rank):
+            yield src, kv, blk_mask
+        if t < size - 1:
+            for w in works:
+                w.wait()
+            if bufs is not None:
+                kv = bufs[0]
+                blk_mask = bufs[1] if mask is not None else None
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, coef, wvec, mask, scale, causal, lengths, group):
-        rank, size = comm.world(group)
+        rank = comm.world(group)[0]
         dt = _math_dtype(q.dtype)
         B, H, n, D = q.shape
         Dv = v.shape[-1]
@@ -107,36 +134,19 @@ class _Ring(torch.autograd.Function):
         l = torch.zeros(B, H, n, dtype=dt, device=q.device)  # running sum
         acc = torch.zeros(B, H, n, Dv, dtype=dt, device=q.device)
         kv = torch.cat([k, v], dim=-1)  # (B, H, n, D + Dv): one message per step
-        blk_mask = mask
-        for t in range(size):
-            src = (rank - t) % size
-            if t < size - 1:  # the next block is in flight while this one is scored
-                m_in = lengths[(src - 1) % size]
-                shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
-                # causal: a block goes no further than the last rank (no rank after a wrap reads it)
-                send = not causal or (rank < size - 1 and t <= rank)
-                recv = not causal or (rank >= 1 and t <= rank - 1)
-                works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring",
-                                     send=send, recv=recv)
-            if not (causal and src > rank):  # a later rank's block is wholly in the future
-                off_s = sum(lengths[:src])
-                for i0, i1, j0, j1 in _tiles(B, H, n, kv.shape[2]):
-                    s = _scores(qm[:, :, i0:i1], kv[:, :, j0:j1, :D].to(dt), coef, wvec, scale, n, off + i0,
-                                off_s + j0, off, causal, None if blk_mask is None else blk_mask[:, j0:j1])[0]
-                    mo = m[..., i0:i1]
-                    m_new = torch.maximum(mo, s.amax(-1))  # (B, H, rows)
-                    m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-                    p = torch.exp(s - m_safe[..., None])
-                    alpha = torch.exp(mo - m_safe)
-                    l[..., i0:i1] = l[..., i0:i1] * alpha + p.sum(-1)
-                    acc[:, :, i0:i1] = acc[:, :, i0:i1] * alpha[..., None] + p @ kv[:, :, j0:j1, D:].to(dt)
-                    m[..., i0:i1] = m_new
-            if t < size - 1:
-                for w in works:
-                    w.wait()
-                if bufs is not None:
-                    kv = bufs[0]
-                    blk_mask = bufs[1] if mask is not None else None
+        for src, kv, blk_mask in _forward_blocks(kv, mask, lengths, causal, group):
+            off_s = sum(lengths[:src])
+            for i0, i1, j0, j1 in _tiles(B, H, n, kv.shape[2]):
+                s = _scores(qm[:, :, i0:i1], kv[:, :, j0:j1, :D].to(dt), coef, wvec, scale, n, off + i0,
+                            off_s + j0, off, causal, None if blk_mask is None else blk_mask[:, j0:j1])[0]
+                mo = m[..., i0:i1]
+                m_new = torch.maximum(mo, s.amax(-1))  # (B, H, rows)
+                m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+                p = torch.exp(s - m_safe[..., None])
+                alpha = torch.exp(mo - m_safe)
+                l[..., i0:i1] = l[..., i0:i1] * alpha + p.sum(-1)
+                acc[:, :, i0:i1] = acc[:, :, i0:i1] * alpha[..., None] + p @ kv[:, :, j0:j1, D:].to(dt)
+                m[..., i0:i1] = m_new
         ok = l > 0
         out = torch.where(ok[..., None], acc / torch.where(ok, l, torch.ones_like(l))[..., None], torch.zeros_like(acc))
         lse = torch.where(ok, m + torch.log(torch.where(ok, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
@@ -398,38 +408,21 @@ def _block_ops(p, n: int, backend: str):
 class _KernelRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, coef, mask, kernel, op, causal, lengths, group):
-        rank, size = comm.world(group)
-        B, H, n, D = q.shape
-        Dv = v.shape[-1]
+        rank = comm.world(group)[0]
+        n, D = q.shape[2], q.shape[3]
         num = den = top = None
         kv = torch.cat([k, v], dim=-1)  # (B, H, n, D + Dv)
-        blk_mask = mask
-        for t in range(size):
-            src = (rank - t) % size
-            if t < size - 1:
-                m_in = lengths[(src - 1) % size]
-                shapes = [(B, H, m_in, D + Dv)] + ([(B, m_in)] if mask is not None else [])
-                send = not causal or (rank < size - 1 and t <= rank)
-                recv = not causal or (rank >= 1 and t <= rank - 1)
-                works, bufs = _shift([kv] + ([blk_mask] if mask is not None else []), shapes, group, "ring",
-                                     send=send, recv=recv)
-            if not (causal and src > rank):
-                m, off_s = kv.shape[2], sum(lengths[:src])
-                coef_b = None if coef is None else coef[:, off_s:off_s + n + m - 1]
-                nb, db, ls = _block_num_den(kernel, op, q, kv[..., :D], kv[..., D:], coef_b, causal and src == rank,
-                                            None if blk_mask is None else blk_mask.bool())
-                if num is None:
-                    num, den, top = nb, db, ls
-                else:  # merge by the larger row scale
-                    new = torch.maximum(top, ls)
-                    a, b = torch.exp(top - new), torch.exp(ls - new)
-                    num, den, top = num * a[..., None] + nb * b[..., None], den * a + db * b, new
-            if t < size - 1:
-                for w in works:
-                    w.wait()
-                if bufs is not None:
-                    kv = bufs[0]
-                    blk_mask = bufs[1] if mask is not None else None
+        for src, kv, blk_mask in _forward_blocks(kv, mask, lengths, causal, group):
+            m, off_s = kv.shape[2], sum(lengths[:src])
+            coef_b = None if coef is None else coef[:, off_s:off_s + n + m - 1]
+            nb, db, ls = _block_num_den(kernel, op, q, kv[..., :D], kv[..., D:], coef_b, causal and src == rank,
+                                        None if blk_mask is None else blk_mask.bool())
+            if num is None:
+                num, den, top = nb, db, ls
+            else:  # merge by the larger row scale
+                new = torch.maximum(top, ls)
+                a, b = torch.exp(top - new), torch.exp(ls - new)
+                num, den, top = num * a[..., None] + nb * b[..., None], den * a + db * b, new
         ok = den != 0
         out = torch.where(ok[..., None], num / torch.where(ok, den, torch.ones_like(den))[..., None],
                           torch.zeros_like(num))
