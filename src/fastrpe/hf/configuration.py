@@ -13,7 +13,6 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from .._validate import FastRPEError
-from ..nn.block import POSITION_NAMES
 from ..nn.lm import LMConfig
 
 #: `LMConfig` field names, in the order `to_lm_config` passes them
@@ -72,9 +71,6 @@ class FastRPEConfig(PreTrainedConfig):
 
     def to_lm_config(self) -> LMConfig:
         """The `fastrpe.nn.LMConfig` of the wrapped `DecoderLM`."""
-        if self.position not in POSITION_NAMES:
-            raise FastRPEError(f"FastRPEConfig: field 'position': unknown name {self.position!r}; known: "
-                               f"{', '.join(POSITION_NAMES)}")
         try:
             return LMConfig(**{name: getattr(self, name) for name in LM_FIELDS})
         except (TypeError, ValueError) as e:  # FastRPEError included: one message, this class's name

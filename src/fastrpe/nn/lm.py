@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .._validate import FastRPEError, check_tokens
 from .attention import KVCache, global_offset, group_size
-from .block import ABSOLUTE, Block, init_weights, layer_seed, sinusoidal
+from .block import ABSOLUTE, POSITION_NAMES, Block, init_weights, layer_seed, sinusoidal
 from .config import ConfigMixin
 
 
@@ -34,6 +34,12 @@ class LMConfig(ConfigMixin):
     max_len: int = 4096
     num_features: int | None = None
     feature_seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.position not in POSITION_NAMES:  # checked when made, not when the model is built
+            raise FastRPEError(f"LMConfig: field 'position': unknown name {self.position!r}; known: "
+                               f"{', '.join(POSITION_NAMES)}")
 
 
 def _upcast(x: Tensor) -> Tensor:
