@@ -189,6 +189,18 @@ def test_bias_has_the_parameter_dtype(family, dtype):
     assert pos.materialize(4, 6, 1).dtype == dtype
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_term_computes_its_offsets_in_float32(family):
+    """A term cast to bf16 with its model (parameters rounded) must not round the offsets:
+    bf16 holds integers exactly only up to 256, and ALiBi's `-m·|r|` at r = 65,536 was off by
+    tens of nats (issue 12's decoding at 64k). Reference: the same rounded parameters, float64."""
+    pos16 = _build(family).to(torch.bfloat16)
+    ref = _build(family).to(torch.bfloat16).to(torch.float64).log_coefficients(1, 70_001, 0).detach()
+    got = pos16.log_coefficients(1, 70_001, 0).detach()
+    assert got.dtype in (torch.bfloat16, torch.float32)  # tables stay bf16 (lookups), formulas float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # T5 buckets
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import Position
+from .base import Position, compute_dtype
 
 
 def alibi_slopes(n: int) -> list[float]:
@@ -44,7 +44,7 @@ class ALiBi(Position):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(num_heads), dtype=torch.float32))
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
-        return -self.slopes[h] * r.abs().to(self.slopes.dtype)
+        return -self.slopes[h] * r.abs().to(compute_dtype(self.slopes))
 
     def geometric_decay(self) -> Tensor:
         """Kernelized form: `c(r) = γ^|r|` with `γ_h = exp(-m_h)` (`[H]`, float64: the linear-time

@@ -24,6 +24,13 @@ from torch import Tensor, nn
 from .._index import offsets, toeplitz_index  # noqa: F401  (re-exported: fastrpe.positions.offsets)
 
 
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a term computes `b(r)` in: its parameters' dtype, at least float32. A term
+    cast to bf16 with its model would otherwise round the offsets themselves (bf16 holds
+    integers exactly only up to 256: ALiBi's `-m·|r|` was off by tens of nats at 64k)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 class Position(nn.Module):
     """Base class of the log-coefficient positional terms `b_h(r)`.
 

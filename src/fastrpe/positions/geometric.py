@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .._validate import FastRPEError
-from .base import Position
+from .base import Position, compute_dtype
 
 #: largest learned rate `−log γ`: `γ >= e^-80 ≈ 1.8e-35` stays a normal float32, so no
 #: optimizer step can make `γ = 0` (where `|r|·log γ` would be `0·(−inf)` at `r = 0`).
@@ -80,7 +80,7 @@ class GeometricDecay(Position):
         """`[H]` values `log γ_h <= 0`."""
         if not self.learnable:
             return self.fixed_log_gamma
-        return -torch.exp(self.raw_rate.clamp(max=math.log(MAX_RATE)))
+        return -torch.exp(self.raw_rate.to(compute_dtype(self.raw_rate)).clamp(max=math.log(MAX_RATE)))
 
     @property
     def gamma(self) -> Tensor:
@@ -89,7 +89,7 @@ class GeometricDecay(Position):
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
         lg = self.log_gamma
-        return lg[h] * r.abs().to(lg.dtype)
+        return lg[h] * r.abs().to(compute_dtype(lg))
 
     def geometric_decay(self) -> Tensor:
         """`[H]` decays γ: the linear-time causal form `c(r) = γ^|r|` (float64, as `ALiBi`'s)."""

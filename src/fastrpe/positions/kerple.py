@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Position
+from .base import Position, compute_dtype
 
 #: floor of every positive parameter and of every exponent (the official clamp value).
 EPS = 1e-2
@@ -58,12 +58,15 @@ def _inv_exponent(p: float) -> float:
     return math.log(s / (1 - s))
 
 
+# the maps compute in at least float32 (`compute_dtype`): a bf16 module rounds its raw
+# parameters, never the values derived from them
+
 def _positive(raw: Tensor) -> Tensor:
-    return EPS + F.softplus(raw)
+    return EPS + F.softplus(raw.to(compute_dtype(raw)))
 
 
 def _exponent(raw: Tensor) -> Tensor:
-    return EPS + (2 - EPS) * torch.sigmoid(raw)
+    return EPS + (2 - EPS) * torch.sigmoid(raw.to(compute_dtype(raw)))
 
 
 INITS = ("mean", "random")
@@ -108,7 +111,7 @@ def abs_pow(r: Tensor, p: Tensor) -> Tensor:
     `d|r|^p/dp = |r|^p·log|r|` is `0·(-inf)` at `r = 0` and `d|r|^p/dr` is infinite for
     `p < 1`; computing `exp(p·log|r|)` only where `r ≠ 0` keeps both finite.
     """
-    a = r.abs().to(p.dtype)
+    a = r.abs().to(compute_dtype(p))
     nonzero = a > 0
     safe = torch.where(nonzero, a, torch.ones_like(a))
     return torch.where(nonzero, torch.exp(p * torch.log(safe)), torch.zeros_like(a))
@@ -169,7 +172,7 @@ class KerplePower(Position):
         return _exponent(self.raw_p) if self.learn_p else self.fixed_p
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
-        return -self.r1[h] * abs_pow(r, self.p[h].to(self.raw_r1.dtype))
+        return -self.r1[h] * abs_pow(r, self.p[h].to(compute_dtype(self.raw_r1)))
 
     def geometric_decay(self) -> Tensor | None:
         if self.learn_p:
@@ -220,7 +223,7 @@ class KerpleLog(Position):
         return _positive(self.raw_r2)
 
     def bias(self, h: Tensor, r: Tensor) -> Tensor:
-        return -self.r1[h] * torch.log1p(self.r2[h] * r.abs().to(self.raw_r1.dtype))
+        return -self.r1[h] * torch.log1p(self.r2[h] * r.abs().to(compute_dtype(self.raw_r1)))
 
 
 class KerpleLog3(Position):
