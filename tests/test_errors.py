@@ -91,3 +91,13 @@ def test_mha_rejects_bad_config():
         fr.nn.MultiheadAttention(10, 3)
     with pytest.raises(ValueError, match="position: KerpleLog has num_heads=2"):
         fr.nn.MultiheadAttention(12, 3, position=P.KerpleLog(2))
+
+
+def test_value_checks_read_no_tensor_on_an_accelerator():
+    """The non-finite check reads a value back to the host: free on the CPU, a stream sync on a
+    GPU (issue 12: none in the hot path), so it runs on CPU tensors only. Meta tensors stand in
+    for a device here: reading one would raise."""
+    from fastrpe._validate import check_qkv
+
+    q, k, v = (torch.empty(1, 2, 5, 4, device="meta") for _ in range(3))
+    check_qkv(q, k, v)

@@ -47,9 +47,10 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, check_finite: bool = True) -> 
         raise FastRPEError("k and v are empty sequences (Lk = 0)")
     if D == 0 or v.shape[3] == 0:
         raise FastRPEError(f"head dimension must be positive, got D={D}, Dv={v.shape[3]}")
-    if check_finite and not torch.compiler.is_compiling():
-        # value check, eager only: under torch.compile a host read of tensor values breaks the graph
-        # one host sync for all three (a GPU stalls at each bool()); names only on failure
+    if check_finite and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        # value check, eager CPU only: under torch.compile a host read of tensor values breaks the
+        # graph, and on a GPU it would drain the stream on every call (no host sync in the hot
+        # path: there a non-finite input shows as a NaN output); names only on failure
         ok = torch.stack([torch.isfinite(t).all() for t in (q, k, v)])
         if not bool(ok.all()):
             name = next(n for n, good in zip("qkv", ok.tolist()) if not good)
