@@ -218,3 +218,22 @@ def test_decoding_past_the_fit_is_checked_or_refused(monkeypatch):
         assert "misplaces" in str(mha.decoder(130))
         with pytest.raises(fr.FastRPEError, match="cannot decode with this term: .*misplaces"):
             mha.step(x[:, :20], max_length=130)
+
+
+def test_the_fit_verdict_is_read_once_per_parameter_state(monkeypatch):
+    """The refusal reads the fit's error on the host (a GPU stream sync): a frozen term pays it on
+    its first call only; a parameter update (in-place, as an optimizer does) is judged again."""
+    import fastrpe.ops.linear.soe as soe_mod
+
+    calls = []
+    real = soe_mod.soe_fit_refusal
+    monkeypatch.setattr(soe_mod, "soe_fit_refusal", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    pos = P.KerpleLog(2)
+    q, k, v = (torch.randn(1, 2, 50, 8) for _ in range(3))
+    for _ in range(3):
+        fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe")
+    assert len(calls) == 1
+    with torch.no_grad():
+        pos.raw_r1.add_(0.1)
+    fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe")
+    assert len(calls) == 2

@@ -10,6 +10,7 @@ Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -337,6 +338,10 @@ class GridFFTBackend(Backend):
         return _kernelized(q, k, v, p, kpm, kops.num_den_grid_fft, _grid_coefficients(p))
 
 
+#: position -> {(fit length, device, parameter state): refusal or None} (`SoEBackend._fit_reasons`)
+_FIT_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class SoEBackend(Backend):
     """Causal kernelized attention in linear time for any decaying term: exact band plus a
     sum-of-exponentials far field. APPROXIMATE: auto uses it only when allowed."""
@@ -363,8 +368,20 @@ class SoEBackend(Backend):
             # the fit's quality depends on the term's parameter values: reading them on the host
             # breaks the graph, so under torch.compile `run` asserts it inside the graph instead
             return []
-        with torch.no_grad():
-            why = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
+        # the verdict reads the fit's error on the host (a GPU stream sync): once per parameter
+        # state and fit length, so a frozen term pays it on the first call only
+        from .ops.linear.soe import soe_fit_length
+
+        tensors = list(p.position.parameters()) + list(p.position.buffers())
+        key = (soe_fit_length(max(p.Lk, p.q_offset + p.Lq)), p.device,
+               tuple((t.data_ptr(), t._version, t.dtype) for t in tensors))
+        memo = _FIT_VERDICTS.setdefault(p.position, {})
+        if key not in memo:
+            if len(memo) > 16:  # parameters in training: every step is a new state
+                memo.clear()
+            with torch.no_grad():
+                memo[key] = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
+        why = memo[key]
         return [why] if why else []
 
     def cost(self, p: Problem) -> Cost:
