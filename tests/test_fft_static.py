@@ -204,3 +204,24 @@ def test_traces_as_one_graph_under_torch_compile(causal, monkeypatch):
     want = kernelized_num_den_naive(pq, pk, v, lc, causal=causal)
     for a, b in zip(got, want):
         assert_close(a.double(), b.double(), dtype=torch.float32)
+
+
+def test_nan_rows_on_a_gpu_warn_at_the_next_call(monkeypatch):
+    """On a GPU the default schedule is sync-free: rows beyond the recompute capacity come back
+    NaN and the flag, copied back without waiting, warns once the copy has landed."""
+    class Done:
+        def query(self):
+            return True
+
+    monkeypatch.setattr(certify, "_PENDING", [(Done(), torch.tensor(False)), (Done(), torch.tensor(True))])
+    with pytest.warns(RuntimeWarning, match="sync_recompute"):
+        certify._warn_pending()
+    assert certify._PENDING == []
+
+    class Running:
+        def query(self):
+            return False
+
+    monkeypatch.setattr(certify, "_PENDING", [(Running(), torch.tensor(True))])
+    certify._warn_pending()  # not landed yet: nothing read, nothing said
+    assert len(certify._PENDING) == 1

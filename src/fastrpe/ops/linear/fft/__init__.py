@@ -27,14 +27,14 @@ from ...common import causal_offset_mask
 from ...toeplitz.fft import fft_dtype_for
 from .band import NEAR_BAND, band_covers_all, band_product, far_coefficients
 from .causal import causal_product, causal_segments
-from .certify import ROW_RTOL, certify_rows, static_schedule
+from .certify import ROW_RTOL, certify_rows, static_schedule, sync_recompute
 from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, estimate_fft_cost, fft_block_size,
                    recompute_capacity)
 from .product import scaled_product
 from .scale import row_max, sliding_max
 
 __all__ = ["kernelized_num_den_fft", "estimate_fft_cost", "fft_block_size", "causal_leaf", "causal_segments",
-           "recompute_capacity", "static_schedule", "CAUSAL_LEAF", "CAUSAL_LEAF_MAX", "DEFAULT_BUDGET", "ROW_RTOL",
+           "recompute_capacity", "static_schedule", "sync_recompute", "CAUSAL_LEAF", "CAUSAL_LEAF_MAX", "DEFAULT_BUDGET", "ROW_RTOL",
            "sliding_max"]
 
 

@@ -16,10 +16,13 @@ recomputed: the first failing rows in index order (so that, causally, whether a 
 recomputed depends only on earlier rows).
 
 Rows that fail beyond that capacity (tables whose values swing by tens of nats across
-offsets: a ±30 random walk at L = 4,096 fails most rows) are, in eager mode, recomputed
-exactly as well, at the price of one host synchronization per call to learn how many there
-are. Under `torch.compile`, during CUDA-graph capture, or inside `static_schedule()` the
-schedule stays fixed and sync-free, and such rows are set to NaN: loud, never silently wrong.
+offsets: a ±30 random walk at L = 4,096 fails most rows) are, in eager mode on the CPU,
+recomputed exactly as well, at the price of one read of a count (free there). On a GPU that
+read would drain the stream on every call, so there the schedule stays fixed and sync-free by
+default, as it does under `torch.compile`, during CUDA-graph capture and inside
+`static_schedule()`: such rows are set to NaN (loud, never silently wrong), and the next call
+warns, having read the flag back asynchronously. `sync_recompute()` lets a GPU call pay the one
+sync and recompute them.
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ from .scale import MAX_RESCALE_NATS
 ROW_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 _STATIC = [False]
+_SYNC_ON_CUDA = [False]
+#: (event, pinned flag) of GPU calls whose rows beyond the capacity became NaN, read when done
+_PENDING: list = []
 
 
 @contextmanager
@@ -49,11 +55,51 @@ def static_schedule():
         _STATIC[0] = prev
 
 
+@contextmanager
+def sync_recompute():
+    """Within this block the FFT path on a GPU, in eager mode, makes one host synchronization
+    per call to recompute exactly every row beyond the fixed capacity (the CPU always does)."""
+    prev, _SYNC_ON_CUDA[0] = _SYNC_ON_CUDA[0], True
+    try:
+        yield
+    finally:
+        _SYNC_ON_CUDA[0] = prev
+
+
 def _may_sync(y: Tensor) -> bool:
-    """Eager mode outside `static_schedule()`: one host sync to recompute every failing row."""
+    """Eager mode outside `static_schedule()`, on the CPU or inside `sync_recompute()`: one host
+    sync to recompute every failing row."""
     if _STATIC[0] or torch.compiler.is_compiling():
         return False
-    return not (y.is_cuda and torch.cuda.is_current_stream_capturing())
+    if y.is_cuda:
+        return _SYNC_ON_CUDA[0] and not torch.cuda.is_current_stream_capturing()
+    return True
+
+
+def _warn_pending() -> None:
+    """Warn for earlier GPU calls that returned NaN rows, once their flag has arrived (an event
+    query, never a wait)."""
+    import warnings
+
+    while _PENDING and _PENDING[0][0].query():
+        _, flag = _PENDING.pop(0)
+        if bool(flag):  # pinned host memory the copy has finished writing: no device sync
+            warnings.warn("fastrpe fft: some rows could not be certified and were beyond the fixed recompute "
+                          "capacity, so they came back NaN (a table that swings by tens of nats); run the call "
+                          "inside fastrpe.ops.linear.fft.sync_recompute() to recompute them exactly (one host "
+                          "sync per call)", RuntimeWarning, stacklevel=4)
+            _PENDING.clear()
+
+
+def _flag_later(over: Tensor) -> None:
+    """Copy `over.any()` to pinned host memory without waiting; `_warn_pending` reads it later."""
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or len(_PENDING) > 64:
+        return
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(over.any(), non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    _PENDING.append((ev, flag))
 
 
 def untrusted_rows(y: Tensor, err: Tensor, lc: Tensor, scale: Tensor) -> Tensor:
@@ -102,6 +148,8 @@ def certify_rows(y: Tensor, err: Tensor, phi_q: Tensor, phi_k: Tensor, vv: Tenso
         done = torch.zeros_like(bad).scatter(2, idx, chosen)
     y = _recompute(y, idx, chosen, phi_q, phi_k, vv, lc, scale, chunk)
     over = bad & ~done
+    if y.is_cuda and not torch.compiler.is_compiling():
+        _warn_pending()
     if _may_sync(y):
         n = int(over.sum(-1).amax())  # the one host sync: how many rows the capacity missed
         if n:
@@ -109,6 +157,8 @@ def certify_rows(y: Tensor, err: Tensor, phi_q: Tensor, phi_k: Tensor, vv: Tenso
                 key2, idx2 = torch.where(over, Lq - torch.arange(Lq, device=y.device), 0).topk(n, dim=-1)
             y = _recompute(y, idx2, key2 > 0, phi_q, phi_k, vv, lc, scale, chunk)
             over = torch.zeros_like(over)
+    elif y.is_cuda and not _STATIC[0]:
+        _flag_later(over)
     y = torch.where(over[..., None], torch.full_like(y, float("nan")), y)
     return torch.where(empty[None, :, :, None], torch.zeros_like(y), y)
 
