@@ -579,7 +579,12 @@ def _watch_syncs(fn, device) -> str | None:
     except RuntimeError as e:
         if "synchroniz" not in str(e).lower():
             raise
-        return _first_line(e)
+        import traceback
+
+        # where: the innermost fastrpe frame (torch's own frames say nothing about whose call it was)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "fastrpe" in f.filename]
+        where = f" at {frames[-1].filename.split('fastrpe/')[-1]}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        return _first_line(e) + where
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize(device)
