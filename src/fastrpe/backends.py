@@ -10,7 +10,6 @@ Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -338,10 +337,6 @@ class GridFFTBackend(Backend):
         return _kernelized(q, k, v, p, kpm, kops.num_den_grid_fft, _grid_coefficients(p))
 
 
-#: position -> {(fit length, device, parameter state): refusal or None} (`SoEBackend._fit_reasons`)
-_FIT_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 class SoEBackend(Backend):
     """Causal kernelized attention in linear time for any decaying term: exact band plus a
     sum-of-exponentials far field. APPROXIMATE: auto uses it only when allowed."""
@@ -368,20 +363,10 @@ class SoEBackend(Backend):
             # the fit's quality depends on the term's parameter values: reading them on the host
             # breaks the graph, so under torch.compile `run` asserts it inside the graph instead
             return []
-        # the verdict reads the fit's error on the host (a GPU stream sync): once per parameter
-        # state and fit length, so a frozen term pays it on the first call only
-        from .ops.linear.soe import soe_fit_length
-
-        tensors = list(p.position.parameters()) + list(p.position.buffers())
-        key = (soe_fit_length(max(p.Lk, p.q_offset + p.Lq)), p.device,
-               tuple((t.data_ptr(), t._version, t.dtype) for t in tensors))
-        memo = _FIT_VERDICTS.setdefault(p.position, {})
-        if key not in memo:
-            if len(memo) > 16:  # parameters in training: every step is a new state
-                memo.clear()
-            with torch.no_grad():
-                memo[key] = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
-        why = memo[key]
+        # the verdict reads the fit's error on the host (a GPU stream sync): `soe_terms` does it
+        # once per parameter state, so a frozen term pays it on its first call only
+        with torch.no_grad():
+            why = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
         return [why] if why else []
 
     def cost(self, p: Problem) -> Cost:
@@ -396,12 +381,13 @@ class SoEBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=K * (10 + 2 * L // T)), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.soe import causal_log_coefficients, soe_assert_fit, soe_fit_length, soe_plan
+        from .ops.linear.soe import causal_log_coefficients, soe_assert_fit, soe_fit_length, soe_plan, soe_terms
 
         # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
+        L = max(p.Lk, p.q_offset + p.Lq)
         with torch.autocast(q.device.type, enabled=False):
-            b = causal_log_coefficients(p.position, soe_fit_length(max(p.Lk, p.q_offset + p.Lq)))
-            plan = soe_plan(b)  # = soe_plan_for(p.position, ...)
+            b = causal_log_coefficients(p.position, soe_fit_length(L))
+            plan = soe_plan(b, num_terms=soe_terms(p.position, L)[0])  # = soe_plan_for(p.position, L)
             if torch.compiler.is_compiling():
                 soe_assert_fit(b, plan)  # the refusal `_fit_reasons` skipped under compile
         return _kernelized(q, k, v, p, kpm, kops.num_den_soe, plan)

@@ -14,6 +14,7 @@ Notation: B batch, H heads, L length, F features, C = Dv + 1, K terms, W band wi
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -180,9 +181,55 @@ def soe_fit_length(length: int) -> int:
     return max(int(length), SOE_FIT_LENGTH)
 
 
+#: the numbers of exponentials tried, fewest first: a fit takes the first whose weight error
+#: is within SOE_MAX_WEIGHT_ERROR. 16 serve KERPLE log to 256k; KERPLE power with exponents
+#: down to 0.5 (|r|^0.5 decays slowly) misplaces 1.6e-3 at 64k with 16, 1.3e-4 with 24, 6.9e-5
+#: with 32 (the error is not monotone in K: the ridge-regularized fit, so each is tried)
+TERM_CHOICES = (DEFAULT_TERMS, 24, 32)
+
+#: position -> {(fit length, device, parameter state): (terms, weight error)}: the verdict reads
+#: the error on the host (a GPU stream sync), so a frozen term pays it on its first call only
+_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _state_key(position, fit_length: int):
+    tensors = list(position.parameters()) + list(position.buffers())
+    dev = tensors[0].device if tensors else torch.device("cpu")
+    return (fit_length, dev, tuple((t.data_ptr(), t._version, t.dtype) for t in tensors))
+
+
+def soe_terms(position, length: int) -> tuple[int, float]:
+    """`(K, weight error)`: the fewest exponentials in `TERM_CHOICES` that fit `position` for
+    rows up to `length` within SOE_MAX_WEIGHT_ERROR (the most if none does; the error says so).
+    Once per parameter state; under torch.compile, without reading anything: the eager
+    verdict if there is one, else `(DEFAULT_TERMS, nan)` (`soe_assert_fit` checks in the graph)."""
+    fit_length = soe_fit_length(length)
+    memo = _VERDICTS.get(position)
+    if torch.compiler.is_compiling():
+        for k, v in (memo or {}).items():
+            if k[0] == fit_length:
+                return v
+        return DEFAULT_TERMS, float("nan")
+    key = _state_key(position, fit_length)
+    if memo is None:
+        memo = _VERDICTS.setdefault(position, {})
+    if key not in memo:
+        if len(memo) > 16:  # parameters in training: every step is a new state
+            memo.clear()
+        with torch.no_grad():
+            b = causal_log_coefficients(position, fit_length).detach()
+            for K in TERM_CHOICES:
+                err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
+                if err <= SOE_MAX_WEIGHT_ERROR:
+                    break
+        memo[key] = (K, err)
+    return memo[key]
+
+
 def soe_plan_for(position, length: int) -> SoEPlan:
-    """The fit the `soe` backend uses for `position` with rows up to `length`."""
-    return soe_plan(causal_log_coefficients(position, soe_fit_length(length)))
+    """The fit the `soe` backends use for `position` with rows up to `length` (`soe_terms`)."""
+    b = causal_log_coefficients(position, soe_fit_length(length))
+    return soe_plan(b, num_terms=soe_terms(position, length)[0])
 
 
 def soe_extend(plan: SoEPlan, position, length: int) -> tuple[SoEPlan | None, str | None]:
@@ -205,8 +252,7 @@ def soe_fit_refusal(position, length: int) -> str | None:
     """Why the `soe` form must not run `position` for rows up to `length` (None: it may).
     A term the sum of exponentials cannot represent (steps, noise beyond the exact band)
     would make the output silently wrong rather than approximately right."""
-    fit_length = soe_fit_length(length)
-    err = float(soe_weight_error(causal_log_coefficients(position, fit_length).detach()).max())
+    err = soe_terms(position, length)[1]
     if not err <= SOE_MAX_WEIGHT_ERROR:  # NaN refuses too
         return (f"the sum-of-exponentials fit of {type(position).__name__} misplaces {err:.1e} of a row's "
                 f"positional weight (> {SOE_MAX_WEIGHT_ERROR:g}); "
