@@ -176,6 +176,19 @@ def test_check_decoding_and_sync():
     assert _status(_result([]), "no host synchronization in any backend") == "missing"
 
 
+def test_check_decoding_compares_graphed_steps_like_for_like():
+    dec = [{"method": "state", "kind": "constant", "context": 65536, "seconds": 2e-3, "graph_seconds": 5e-5},
+           {"method": "kv", "kind": "kv", "context": 65536, "seconds": 3e-3, "graph_seconds": 4e-4}]
+    assert _status(_result([], dec), "decoding at 65536:") == "fail"  # eager: 1.5x, launch bound
+    assert _status(_result([], dec), "decoding at 65536, CUDA-graphed") == "pass"  # 8x
+    dec[0]["graph_seconds"] = 1e-4
+    assert _status(_result([], dec), "decoding at 65536, CUDA-graphed") == "fail"  # 4x
+    del dec[1]["graph_seconds"]
+    dec[1]["graph_skipped"] = "operation not permitted when stream is capturing"
+    assert not [c for c in gpu.check(_result([], dec)) if "CUDA-graphed" in c["criterion"]]
+    assert "(no graph: operation not permitted" in gpu._decode_line(dict(dec[1], state_bytes=0))
+
+
 # ----------------------------------------------------------------------------- the reference
 
 
