@@ -35,6 +35,14 @@
 #   run(command="bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=600)
 # and locally: fastrpe bench --suite gpu --check <files_at>/gpu.json
 #
+# What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
+# - run `tests` first, in its own call: it fails fast where something is wrong, and with the
+#   messages the next fix needs (a 250 s cap cut it at 95 % without any);
+# - the first call of fla's chunk_linear_attn autotunes and compiles for more than 60 s: keep the
+#   bench's default --call-cap-s 180 (a lower cap records it as over the cap, not as slow);
+# - each decode row is also timed replayed as a CUDA graph (`graph_seconds`): the eager step is
+#   launch-bound (1.9 ms for ~0.1 ms of work), so compare the graphed columns too.
+#
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
 # writes $OUT/auto_check_fwd.json, auto_check_grad.json) and then the bench `--check`. `auto`'s
@@ -84,7 +92,13 @@ case "$phase" in
     fastrpe bench --suite gpu --lengths 262144,1048576 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_long.log" ;;
   tests)
-    python3 -m pytest -q -m gpu tests/ -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -80
+    # SIGINT at the budget: pytest then still prints every failure so far with its message and
+    # writes the junit XML (the first H100 call was killed by SIGTERM at 95 % and printed none).
+    # TESTS_K narrows the run (pytest -k), e.g. TESTS_K='4096_bf16 and (flex or triton)'.
+    k=(); [ -n "${TESTS_K:-}" ] && k=(-k "$TESTS_K")
+    timeout -s INT -k 30 "${TESTS_BUDGET:-540}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
+        -rfEs --tb=short --durations=15 --junitxml="$OUT_DIR/gpu_tests.xml" "${k[@]}" \
+        2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -150
     exit "${PIPESTATUS[0]}" ;;
   auto)
     python3 benchmarks/auto_cpu_check.py --device cuda --lengths 1024,4096,16384 --out "$OUT_DIR/auto_check_fwd.json" \
