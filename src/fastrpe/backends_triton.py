@@ -29,6 +29,30 @@ INTERPRET_ON_CPU = False
 
 _KERNELS = "fastrpe.ops.linear.triton_chunked"
 
+#: How the kernels multiply a bf16/fp16 problem's feature maps on the GPU.
+#: "float32" (default): the features stay float32 (as the other backends keep them) and each
+#: product runs as three tf32 tensor-core products, about float32's accuracy.
+#: "bfloat16": features and values rounded to bf16 for one tensor-core product (the fastest).
+#: That rounding is what failed the first H100 run's float64 comparison at L = 4,096
+#: (tests/test_gpu.py); the same rounding under the interpreter at L = 1,024 gives dq an error
+#: of 4.4x (triton_chunked, ALiBi) and 6.1x (triton_soe, KERPLE-log) dense bf16's, over the
+#: tests' 4x. Which one `bench --suite gpu` should time by default is for the GPU to say.
+LOWP_FEATURES = "float32"
+
+
+def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
+    """`(dot_dtype, precision)` for the kernels: the dtype the features are rounded to before
+    the kernels (None: kept) and how float32 operands are multiplied (`triton_chunked.PRECISIONS`)."""
+    from ._validate import FastRPEError
+
+    if LOWP_FEATURES not in ("float32", "bfloat16"):
+        raise FastRPEError(f"fastrpe.backends_triton.LOWP_FEATURES: 'float32' or 'bfloat16', got {LOWP_FEATURES!r}")
+    if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16):
+        return None, "ieee"
+    if LOWP_FEATURES == "bfloat16" and p.dtype == torch.bfloat16:
+        return torch.bfloat16, "ieee"
+    return None, "tf32x3"
+
 
 def _shared_reasons(p: Problem) -> list[str]:
     """Kernelized only, no 2D grid, no running maximum over keys (as every linear-time path)."""
@@ -56,10 +80,11 @@ def _triton_reason(p: Problem) -> str | None:
 
 
 def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                           dot_dtype=None):
+                           dot_dtype=None, precision="ieee"):
     """The `NumDen` inner-product algorithm by the Triton kernels; coeffs: `[H]` decays γ or
     None (γ = 1). `dot_dtype` (e.g. bfloat16) rounds the features and values for the tensor
-    cores; sums stay float32 and num, den come back in phi_q's dtype."""
+    cores; sums stay float32 and num, den come back in phi_q's dtype. `precision`: how float32
+    features are multiplied (`lowp_dots`)."""
     from .ops.linear import triton_chunked as tk
 
     if key_log_scale is not None:
@@ -69,11 +94,13 @@ def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_pad
         phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
     if causal:
         return tk.kernelized_num_den_triton_chunked(phi_q, phi_k, v, gamma=coeffs, q_offset=q_offset,
-                                                    key_padding_mask=key_padding_mask, out_dtype=out_dtype)
+                                                    key_padding_mask=key_padding_mask, out_dtype=out_dtype,
+                                                    precision=precision)
     if q_offset:
         raise ValueError(f"triton_chunked: the bidirectional decay needs q_offset = 0, got {q_offset}")
     return tk.kernelized_num_den_triton_bidirectional(phi_q, phi_k, v, gamma=coeffs,
-                                                      key_padding_mask=key_padding_mask, out_dtype=out_dtype)
+                                                      key_padding_mask=key_padding_mask, out_dtype=out_dtype,
+                                                      precision=precision)
 
 
 class TritonChunkedBackend(Backend):
@@ -100,7 +127,7 @@ class TritonChunkedBackend(Backend):
         passes = 1 if p.causal else 2
         # the chunked model's flops and memory without its Python loop over chunks: 4 launches
         flops = passes * p.B * p.H * (2 * L * T * (F + C) + 6 * L * F * C) * (3 if p.requires_grad else 1)
-        el = 2 if p.dtype in (torch.float16, torch.bfloat16) else p.bytes_per_el
+        el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
         mem = passes * p.B * p.H * ((L // T + 1) * F * C * 4 * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
         seconds = machine_time(p.device, flops, 2 * mem, calls=passes * 6)
         if p.device.type != "cuda":
@@ -109,12 +136,12 @@ class TritonChunkedBackend(Backend):
 
     def run(self, q, k, v, p, kpm):
         gamma = p.position.geometric_decay() if p.position is not None else None
-        dot_dtype = torch.bfloat16 if (p.dtype == torch.bfloat16 and p.device.type == "cuda") else None
+        dot_dtype, precision = lowp_dots(p)
 
         def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
             return num_den_triton_chunked(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                           key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                          dot_dtype=dot_dtype)
+                                          dot_dtype=dot_dtype, precision=precision)
 
         return _compose(q, k, v, p, kpm, num_den, gamma)
 
@@ -133,7 +160,7 @@ def _compose(q, k, v, p, kpm, num_den, coeffs):
 
 
 def num_den_triton_soe(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                       dot_dtype=None):
+                       dot_dtype=None, precision="ieee"):
     """The `NumDen` inner-product algorithm by the fused SoE kernel; coeffs: the `SoEPlan`."""
     from .ops.linear.triton_soe import kernelized_num_den_triton_soe
 
@@ -145,7 +172,7 @@ def num_den_triton_soe(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding
     if dot_dtype is not None and dot_dtype != phi_q.dtype:
         phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
     return kernelized_num_den_triton_soe(phi_q, phi_k, v, coeffs, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                                         out_dtype=out_dtype)
+                                         out_dtype=out_dtype, precision=precision)
 
 
 class TritonSoEBackend(Backend):
@@ -172,7 +199,7 @@ class TritonSoEBackend(Backend):
         L = max(p.Lk, p.q_offset + p.Lq)
         # one [T, 2T] near product per chunk, K state updates and K state reads: no K passes
         flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
-        el = 2 if p.dtype in (torch.float16, torch.bfloat16) else p.bytes_per_el
+        el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
         mem = p.B * p.H * ((L // T + 1) * K * F * C * el * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
         seconds = machine_time(p.device, flops, 2 * mem, calls=12)
         if p.device.type != "cuda":
@@ -185,12 +212,12 @@ class TritonSoEBackend(Backend):
         # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
         with torch.autocast(q.device.type, enabled=False):
             plan = soe_plan_for(p.position, max(p.Lk, p.q_offset + p.Lq))
-        dot_dtype = torch.bfloat16 if (p.dtype == torch.bfloat16 and p.device.type == "cuda") else None
+        dot_dtype, precision = lowp_dots(p)
 
         def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
             return num_den_triton_soe(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                       key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                      dot_dtype=dot_dtype)
+                                      dot_dtype=dot_dtype, precision=precision)
 
         return _compose(q, k, v, p, kpm, num_den, plan)
 

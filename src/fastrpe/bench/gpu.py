@@ -15,7 +15,9 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
 * `fastrpe-<backend>` for every backend in `fastrpe.dispatch.BACKENDS` (registered when the
   suite starts, so backends added later appear by themselves) and `fastrpe-auto`, through
   `fastrpe.attention(..., backend=...)`; a backend that refuses the call is recorded with
-  its own `not_supported_reasons`.
+  its own `not_supported_reasons`; `fastrpe-triton_*+bf16-features`: the Triton backends with
+  the features rounded to bf16 (`backends_triton.LOWP_FEATURES`; the default keeps them
+  float32, products by tf32x3), to weigh their speed against their error on the GPU.
 
 Positional parameters are frozen everywhere (gradients for q, k, v only). Times are median
 CUDA-event milliseconds over `repeats` calls after warm-up (compilation excluded), memory
@@ -367,7 +369,10 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
         return num / den
 
 
-def fastrpe_setup(backend: str, cfg: GpuConfig):
+def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None):
+    """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
+    `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`)."""
+
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
@@ -400,7 +405,18 @@ def fastrpe_setup(backend: str, cfg: GpuConfig):
             extra["exact"] = b.exact
 
         def call(q, k, v):
-            return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
+            if lowp_features is None:
+                return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
+            from fastrpe import backends_triton
+
+            before, backends_triton.LOWP_FEATURES = backends_triton.LOWP_FEATURES, lowp_features
+            try:
+                return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
+            finally:
+                backends_triton.LOWP_FEATURES = before
+
+        if lowp_features is not None:
+            extra["lowp_features"] = lowp_features
 
         if p.L == cfg.accuracy_length:
             extra.update(accuracy(call, kern, pos, q, k, v, p.causal, cfg.accuracy_rows))
@@ -443,6 +459,9 @@ def registry(cfg: GpuConfig) -> dict:
     }
     for name in ("auto", *BACKENDS):
         reg[f"fastrpe-{name}"] = fastrpe_setup(name, cfg)
+    for name in ("triton_chunked", "triton_soe"):  # the default keeps bf16 problems' features float32
+        if name in BACKENDS:
+            reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
     return reg
 
 

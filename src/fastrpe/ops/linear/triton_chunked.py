@@ -24,7 +24,8 @@ position sums of `φq·dφq` and `φk·dφk` plus `T·Σ_b <S_b, dS_b>` over chu
 cancellation between terms L·(1-γ) times larger than the result).
 
 Inputs bf16/fp16/fp32/fp64; accumulation in fp32 (fp64 for fp64 inputs). On the GPU the
-`tl.dot` operands are in the input dtype (bf16 tensor cores); the interpreter
+`tl.dot` operands are in the input dtype (bf16 tensor cores; float32 exactly, or by three
+tf32 products with `precision="tf32x3"`); the interpreter
 (`TRITON_INTERPRET=1`, the CPU tests) computes bf16 dots wrongly in triton 3.9, so there
 the operands are rounded to the input dtype and multiplied in the accumulation dtype.
 
@@ -76,10 +77,14 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 if HAS_TRITON:
 
     @triton.jit
-    def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
-        """`a @ b` with operands rounded to DT and products summed in ACC."""
-        if INTERP:
+    def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+        """`a @ b` with operands rounded to DT and products summed in ACC. MODE (`dot_mode`):
+        1 the interpreter; 2 float32 operands by three tf32 tensor-core products; 0 the rest
+        (bf16/fp16 tensor cores, float32/float64 exactly)."""
+        if MODE == 1:
             return tl.dot(a.to(DT).to(ACC), b.to(DT).to(ACC), out_dtype=ACC)
+        elif DT == tl.float32 and MODE == 2:
+            return tl.dot(a.to(DT), b.to(DT), input_precision="tf32x3", out_dtype=ACC)
         elif DT == tl.float32 or DT == tl.float64:
             return tl.dot(a.to(DT), b.to(DT), input_precision="ieee", out_dtype=ACC)
         else:
@@ -88,7 +93,7 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, H, Lk, F, Dv, N,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (B·H, BDV/BV). h[:, 0] holds the initial state; writes h[:, 1..N]."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
@@ -112,7 +117,7 @@ if HAS_TRITON:
             kdec = tl.where(pos < e_n, tl.exp(lg * (e_n - 1 - pos).to(ACC)), 0.0)  # (BT,)
             kt = kk * kdec[:, None]
             g = tl.exp(lg * (e_n - e_prev).to(ACC))
-            S = S * g + _dot(tl.trans(kt), vv, DT, ACC, INTERP)
+            S = S * g + _dot(tl.trans(kt), vv, DT, ACC, MODE)
             z = z * g + tl.sum(kt, 0)
             tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S)
             tl.store(z_base + (n + 1) * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
@@ -120,7 +125,7 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (N, B·H, BDV/BV): the outputs of chunk n from the state entering it."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -148,8 +153,8 @@ if HAS_TRITON:
         else:
             keep = d >= 0
         D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
-        A = _dot(q, tl.trans(k), DT, ACC, INTERP) * D
-        o = _dot(qt, S, DT, ACC, INTERP) + _dot(A, v, DT, ACC, INTERP)
+        A = _dot(q, tl.trans(k), DT, ACC, MODE) * D
+        o = _dot(qt, S, DT, ACC, MODE) + _dot(A, v, DT, ACC, MODE)
         tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty),
                  mask=qm[:, None] & (c[None, :] < Dv))
         den = tl.sum(qt * z[None, :], 1) + tl.sum(A, 1)
@@ -159,7 +164,7 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_state_kernel(q_ptr, do_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (B·H, BDV/BV). dh[:, N] holds the final state's gradient; writes dh[:, 0..N-1]
         (dh[:, n] = gradient of the state entering chunk n; dh[:, 0] is the initial state's)."""
         bh = tl.program_id(0).to(tl.int64)
@@ -186,7 +191,7 @@ if HAS_TRITON:
             e_n = tl.minimum(n * BT + BT, Lk)
             qt = q * tl.exp(lg * (pos - e_prev + 1).to(ACC))[:, None]
             g = tl.exp(lg * (e_n - e_prev).to(ACC))
-            dS = dS * g + _dot(tl.trans(qt), do, DT, ACC, INTERP)
+            dS = dS * g + _dot(tl.trans(qt), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qt * dd[:, None], 0)
             tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS)
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
@@ -195,7 +200,7 @@ if HAS_TRITON:
     def _bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr,
                           dq_ptr, dk_ptr, dv_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                          STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                          STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (N, B·H): dφq, dφk, dv of chunk n (every value column in one program:
         dφq and dφk sum over them)."""
         n = tl.program_id(0)
@@ -231,13 +236,13 @@ if HAS_TRITON:
         else:
             keep = d >= 0
         D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
-        A = _dot(q, tl.trans(k), DT, ACC, INTERP) * D
-        dA = (_dot(do, tl.trans(v), DT, ACC, INTERP) + dd[:, None]) * D  # dy·[v, 1] within the chunk
-        dq = _dot(dA, k, DT, ACC, INTERP) + qdec[:, None] * (_dot(do, tl.trans(S), DT, ACC, INTERP)
+        A = _dot(q, tl.trans(k), DT, ACC, MODE) * D
+        dA = (_dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
+        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (_dot(do, tl.trans(S), DT, ACC, MODE)
                                                               + dd[:, None] * z[None, :])
-        dk = _dot(tl.trans(dA), q, DT, ACC, INTERP) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, INTERP)
+        dk = _dot(tl.trans(dA), q, DT, ACC, MODE) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE)
                                                                         + dz[None, :])
-        dv = _dot(tl.trans(A), do, DT, ACC, INTERP) + _dot(k * kdec[:, None], dS, DT, ACC, INTERP)
+        dv = _dot(tl.trans(A), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & fm)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
@@ -266,6 +271,19 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (x - 1).bit_length()))
 
 
+#: how float32 operands of `tl.dot` are multiplied on the GPU: "ieee" exactly (CUDA cores),
+#: "tf32x3" by three tf32 tensor-core products (about float32's accuracy, several times faster)
+PRECISIONS = ("ieee", "tf32x3")
+
+
+def dot_mode(precision: str) -> int:
+    """The kernels' MODE constant (`_dot`): 1 under the interpreter (which has no tensor
+    cores: products are exact, whatever `precision`), else 0 for "ieee", 2 for "tf32x3"."""
+    if precision not in PRECISIONS:
+        raise FastRPEError(f"precision: one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return 1 if INTERPRETED else PRECISIONS.index(precision) * 2
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation (and state) dtype: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -275,7 +293,7 @@ class _ChunkedDecay(torch.autograd.Function):
     """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype):
+    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -293,20 +311,20 @@ class _ChunkedDecay(torch.autograd.Function):
             z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
         num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         _fwd_state_kernel[(B * H, BDV // BVS)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num, den, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **meta)
         state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
         ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init)
-        ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict)
+        ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode)
         return num, den, state
 
     @staticmethod
     def backward(ctx, dnum, dden, dstate):
         phi_q, phi_k, v, log_g, h, z, state, init = ctx.saved_tensors
-        q_offset, BT, BF, BDV, BVS, N, strict = ctx.cfg
+        q_offset, BT, BF, BDV, BVS, N, strict, mode = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -319,7 +337,7 @@ class _ChunkedDecay(torch.autograd.Function):
         if dstate is not None:
             dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
             dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
@@ -348,7 +366,7 @@ class _ChunkedDecay(torch.autograd.Function):
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
         return (dq.to(dt), dk.to(dt), dv.to(dt), dlg, dinit.to(init.dtype) if init is not None else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size):
@@ -389,6 +407,7 @@ def kernelized_num_den_triton_chunked(
     initial_state: Tensor | None = None,
     return_state: bool = False,
     out_dtype: torch.dtype | None = None,
+    precision: str = "ieee",
 ):
     """Causal `num`, `den` (and `log_scale`, all zeros) with weights `γ_h^(p_i - j)`, `j <= p_i`:
     the contract of `kernelized_num_den_chunked`, by Triton kernels (forward and backward).
@@ -403,6 +422,8 @@ def kernelized_num_den_triton_chunked(
         return_state: also return the state after key Lk - 1.
         out_dtype: dtype of num and den (default phi_q's; float32 keeps the fp32 sums of
             bf16 features unrounded).
+        precision: how float32 features are multiplied on the GPU (`PRECISIONS`): "ieee"
+            exactly, "tf32x3" on the tensor cores at about float32's accuracy.
 
     Returns:
         `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` in out_dtype (+ `state
@@ -416,7 +437,7 @@ def kernelized_num_den_triton_chunked(
             raise FastRPEError(f"initial_state: expected shape {(B, H, F, Dv + 1)}, got {tuple(initial_state.shape)}")
         initial_state = initial_state.to(acc_dtype(q.dtype))
     num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False,
-                                          out_dtype or phi_q.dtype)
+                                          out_dtype or phi_q.dtype, dot_mode(precision))
     out = (num, den, phi_q.new_zeros(H, Lq))
     return (*out, state) if return_state else out
 
@@ -430,6 +451,7 @@ def kernelized_num_den_triton_bidirectional(
     key_padding_mask: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     out_dtype: torch.dtype | None = None,
+    precision: str = "ieee",
 ):
     """Non-causal `num_i = Σ_j γ_h^|i-j| (φq_i·φk_j) v_j` (and `den`, `log_scale` zeros) in
     linear time: the causal scan (`j <= i`) plus the strictly causal scan of the reversed
@@ -441,8 +463,8 @@ def kernelized_num_den_triton_bidirectional(
     if Lq != Lk:
         raise FastRPEError(f"phi_q: the bidirectional decay kernel needs Lq == Lk, got Lq={Lq}, Lk={Lk}")
     q, k, vv, log_g = _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size)
-    od = out_dtype or phi_q.dtype
-    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False, od)
+    od, mode = out_dtype or phi_q.dtype, dot_mode(precision)
+    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False, od, mode)
     rev = (q.flip(2).contiguous(), k.flip(2).contiguous(), vv.flip(2).contiguous())
-    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True, od)
+    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True, od, mode)
     return n1 + n2.flip(2), d1 + d2.flip(2), phi_q.new_zeros(H, Lq)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .soe import SoEPlan
-from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, INTERPRETED, _pow2, _tuned, acc_dtype,
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _pow2, _tuned, acc_dtype, dot_mode,
                              triton_unavailable_reason)
 
 if HAS_TRITON:
@@ -40,7 +40,7 @@ if HAS_TRITON:
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (B·H, BDV/BV, K): h[bh, k, n] = S_k(n), the keys of chunks < n decayed to nT - 1."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
@@ -65,7 +65,7 @@ if HAS_TRITON:
             v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & (c[None, :] < Dv),
                         other=0.0)
             kt = k * kdec[:, None]
-            S = S * g + _dot(tl.trans(kt), v, DT, ACC, INTERP)
+            S = S * g + _dot(tl.trans(kt), v, DT, ACC, MODE)
             z = z * g + tl.sum(kt, 0)
 
     @triton.jit
@@ -78,7 +78,7 @@ if HAS_TRITON:
     def _soe_out_kernel(q_ptr, k_ptr, v_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, num_ptr, den_ptr,
                         H, Lq, Lk, F, Dv, N, K, q_offset,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                        DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                        DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (N, B·H, BDV/BV): outputs of query chunk n."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -98,9 +98,9 @@ if HAS_TRITON:
         d0 = t[:, None] - t[None, :]
         M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)  # (BT, BT)
         M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)  # distances 1..2T-1
-        A0 = _dot(q, tl.trans(k0), DT, ACC, INTERP) * M0
-        A1 = _dot(q, tl.trans(k1), DT, ACC, INTERP) * M1
-        o = _dot(A0, v0, DT, ACC, INTERP) + _dot(A1, v1, DT, ACC, INTERP)
+        A0 = _dot(q, tl.trans(k0), DT, ACC, MODE) * M0
+        A1 = _dot(q, tl.trans(k1), DT, ACC, MODE) * M1
+        o = _dot(A0, v0, DT, ACC, MODE) + _dot(A1, v1, DT, ACC, MODE)
         den = tl.sum(A0, 1) + tl.sum(A1, 1)
         if n >= 1:
             for kk in range(K):
@@ -109,7 +109,7 @@ if HAS_TRITON:
                 S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
                 zs = tl.load(z_ptr + off + f)
                 qw = q * w[:, None]
-                o += _dot(qw, S, DT, ACC, INTERP)
+                o += _dot(qw, S, DT, ACC, MODE)
                 den += tl.sum(qw * zs[None, :], 1)
         tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty),
                  mask=qm[:, None] & (c[None, :] < Dv))
@@ -119,7 +119,7 @@ if HAS_TRITON:
     @triton.jit
     def _soe_bwd_state_kernel(q_ptr, do_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K, q_offset,
                               BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                              DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                              DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (B·H, BDV/BV, K): dh[bh, k, n] = gradient of S_k(n) (read by query chunk n+1,
         and through S_k(n+1) = γ^T S_k(n) + ... by every later one); dh[bh, k, N] stays 0."""
         bh = tl.program_id(0).to(tl.int64)
@@ -144,7 +144,7 @@ if HAS_TRITON:
             qw = _load_rows(q_ptr + bh * Lq * F, qi, qm, f, F, F).to(ACC) * w[:, None]
             do = _load_rows(do_ptr + bh * Lq * Dv, qi, qm, c, Dv, Dv)
             dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
-            D = D * g + _dot(tl.trans(qw), do, DT, ACC, INTERP)
+            D = D * g + _dot(tl.trans(qw), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qw * dd[:, None], 0)
             tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], D.to(dh_ptr.dtype.element_ty))
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
@@ -153,7 +153,7 @@ if HAS_TRITON:
     def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, p0_ptr, p1_ptr,
                            dwq_ptr, H, Lq, Lk, F, Dv, N, K, NS, q_offset,
                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                           DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for the
         tables' gradients: p0/p1 `[BT, BT]` (near pairs (n, n), (n, n-1); summed diagonal by
         diagonal on the host) and dwq `[K, BT]` (far reads)."""
@@ -185,14 +185,14 @@ if HAS_TRITON:
             # near, pair (n, n); the tables are reloaded per chunk (L1 hits): held across the
             # loop they spilled registers
             M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
-            G0 = _dot(don, tl.trans(vn), DT, ACC, INTERP) + ddn[:, None]
-            P0 += _dot(qn, tl.trans(kn), DT, ACC, INTERP) * G0
-            dq = _dot(G0 * M0, kn, DT, ACC, INTERP)
+            G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
+            P0 += _dot(qn, tl.trans(kn), DT, ACC, MODE) * G0
+            dq = _dot(G0 * M0, kn, DT, ACC, MODE)
             # near, pair (n, n-1)
             M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
-            G1 = _dot(don, tl.trans(v1), DT, ACC, INTERP) + ddn[:, None]
-            P1 += _dot(qn, tl.trans(k1), DT, ACC, INTERP) * G1
-            dq += _dot(G1 * M1, k1, DT, ACC, INTERP)
+            G1 = _dot(don, tl.trans(v1), DT, ACC, MODE) + ddn[:, None]
+            P1 += _dot(qn, tl.trans(k1), DT, ACC, MODE) * G1
+            dq += _dot(G1 * M1, k1, DT, ACC, MODE)
             # far field: chunk n reads S_k(n-1)
             if n >= 1:
                 for kk in range(K):
@@ -200,8 +200,8 @@ if HAS_TRITON:
                     off = ((bh * K + kk) * N + n - 1) * BF
                     S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
                     zs = tl.load(z_ptr + off + f)
-                    dq += w[:, None] * (_dot(don, tl.trans(S), DT, ACC, INTERP) + ddn[:, None] * zs[None, :])
-                    X = _dot(qn, S, DT, ACC, INTERP)
+                    dq += w[:, None] * (_dot(don, tl.trans(S), DT, ACC, MODE) + ddn[:, None] * zs[None, :])
+                    X = _dot(qn, S, DT, ACC, MODE)
                     dw = tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
                     tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
             tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
@@ -213,7 +213,7 @@ if HAS_TRITON:
     def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
                             H, Lq, Lk, F, Dv, N, K, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                            DT: tl.constexpr, ACC: tl.constexpr, INTERP: tl.constexpr):
+                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (N, B·H): dφk and dv of key chunk n (near pairs (n, n) and (n+1, n); far: the
         gradient of S_k(n+1), which chunk n's keys enter)."""
         n = tl.program_id(0)
@@ -240,13 +240,13 @@ if HAS_TRITON:
         kn = _load_rows(k_ptr + bh * Lk * F, pos, km, f, F, F).to(ACC)
         vn = _load_rows(v_ptr + bh * Lk * Dv, pos, km, c, Dv, Dv)
         # near, pair (n, n)
-        G0 = _dot(don, tl.trans(vn), DT, ACC, INTERP) + ddn[:, None]
-        dk = _dot(tl.trans(G0 * M0), qn, DT, ACC, INTERP)
-        dv = _dot(tl.trans(_dot(qn, tl.trans(kn), DT, ACC, INTERP) * M0), don, DT, ACC, INTERP)
+        G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
+        dk = _dot(tl.trans(G0 * M0), qn, DT, ACC, MODE)
+        dv = _dot(tl.trans(_dot(qn, tl.trans(kn), DT, ACC, MODE) * M0), don, DT, ACC, MODE)
         # near, pair (n+1, n)
-        G2 = _dot(do2, tl.trans(vn), DT, ACC, INTERP) + dd2[:, None]
-        dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, INTERP)
-        dv += _dot(tl.trans(_dot(q2, tl.trans(kn), DT, ACC, INTERP) * M1), do2, DT, ACC, INTERP)
+        G2 = _dot(do2, tl.trans(vn), DT, ACC, MODE) + dd2[:, None]
+        dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, MODE)
+        dv += _dot(tl.trans(_dot(q2, tl.trans(kn), DT, ACC, MODE) * M1), do2, DT, ACC, MODE)
         # far field
         for kk in range(K):
             lg = tl.load(lgk_ptr + kk).to(ACC)
@@ -254,8 +254,8 @@ if HAS_TRITON:
             off1 = ((bh * K + kk) * (N + 1) + n + 1) * BF
             dS = tl.load(dh_ptr + off1 * BDV + f[:, None] * BDV + c[None, :])
             dzs = tl.load(dz_ptr + off1 + f)
-            dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, INTERP) + dzs[None, :])
-            dv += _dot(kn * kdec[:, None], dS, DT, ACC, INTERP)
+            dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, MODE) + dzs[None, :])
+            dv += _dot(kn * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & (f[None, :] < F))
         tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & (c[None, :] < Dv))
 
@@ -278,7 +278,7 @@ def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
 
 class _SoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype):
+    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype, mode: int):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -291,14 +291,14 @@ class _SoE(torch.autograd.Function):
         hdt = dt if dt in (torch.float16, torch.bfloat16) else acc
         num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         h, z = _SoE.states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta)
         _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq, h, z, num, den, H, Lq, Lk, F, Dv, N, K,
                                                q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
         # the K·N states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk)
-        ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt)
+        ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt, mode)
         return num, den
 
     @staticmethod
@@ -315,7 +315,7 @@ class _SoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk = ctx.saved_tensors
-        q_offset, T, BF, BDV, BV, N, hdt = ctx.cfg
+        q_offset, T, BF, BDV, BV, N, hdt, mode = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -323,7 +323,7 @@ class _SoE(torch.autograd.Function):
         acc = acc_dtype(dt)
         dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
         dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], INTERP=INTERPRETED)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
@@ -348,7 +348,7 @@ class _SoE(torch.autograd.Function):
             dcn = dcn.to(cn.dtype)
         if ctx.needs_input_grad[4]:
             dwq_h = dwq.view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None
 
 
 def soe_tables(plan: SoEPlan, T: int) -> tuple[Tensor, Tensor]:
@@ -375,6 +375,7 @@ def kernelized_num_den_triton_soe(
     key_padding_mask: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     out_dtype: torch.dtype | None = None,
+    precision: str = "ieee",
 ):
     """Causal `(num, den, log_scale)` with the coefficients of `plan` (exact below its window,
     its sum of exponentials beyond), in one fused Triton pass, forward and backward.
@@ -386,6 +387,8 @@ def kernelized_num_den_triton_soe(
         key_padding_mask: `[B, Lk]` bool, True = padding.
         chunk_size: T; raised to the window's power of two if smaller (T >= W).
         out_dtype: dtype of num and den (default phi_q's).
+        precision: how float32 features are multiplied on the GPU ("ieee" or "tf32x3",
+            `triton_chunked.PRECISIONS`).
 
     Returns:
         `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq] zeros)`.
@@ -410,5 +413,6 @@ def kernelized_num_den_triton_soe(
     cn, wq = soe_tables(plan, T)
     lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(),
-                          cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, out_dtype or dt)
+                          cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, out_dtype or dt,
+                          dot_mode(precision))
     return num, den, phi_q.new_zeros(H, Lq)

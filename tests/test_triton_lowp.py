@@ -1,0 +1,90 @@
+"""How the Triton backends multiply a bf16 problem's features on the GPU (`backends_triton.
+lowp_dots`), checked on the CPU under the interpreter with the GPU's choice forced.
+
+The first H100 run failed tests/test_gpu.py's float64 comparison for `triton_chunked` (ALiBi)
+and `triton_soe` (KERPLE-log) at L = 4,096 in bf16, while the same tests passed under the
+interpreter: on CUDA the backends rounded the feature maps to bf16 before the kernels, on the
+CPU they did not. Forcing the CUDA choice here reproduces that failure (dq 4.4x and 6.1x dense
+bf16's error at L = 1,024); the default now keeps the features float32 on the GPU too.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
+pytest.importorskip("triton")
+
+import fastrpe as fr  # noqa: E402
+from fastrpe import backends_triton as bt  # noqa: E402
+from fastrpe._validate import FastRPEError  # noqa: E402
+from fastrpe.api import _problem  # noqa: E402
+from fastrpe.ops.linear.triton_chunked import PRECISIONS, dot_mode, triton_unavailable_reason  # noqa: E402
+from fastrpe.testing import LOWP_FACTOR  # noqa: E402
+
+DEV = torch.device("cuda" if _CUDA else "cpu")
+pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
+                                reason=str(triton_unavailable_reason(DEV)))
+
+B, H, L, D, F = 1, 2, 256, 32, 16
+
+
+def _problem_on(device, dtype):
+    q = torch.zeros(1, 2, 8, 16, dtype=dtype)
+    kern = fr.kernels.get_kernel("nprf", head_dim=16, num_features=16)
+    prob, _ = _problem(q, q, q, kern, fr.positions.ALiBi(2), True, None, None, None)
+    return dataclasses.replace(prob, device=torch.device(device))
+
+
+def test_lowp_dots_policy(monkeypatch):
+    assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (None, "tf32x3")
+    assert bt.lowp_dots(_problem_on("cuda", torch.float16)) == (None, "tf32x3")
+    assert bt.lowp_dots(_problem_on("cuda", torch.float32)) == (None, "ieee")
+    assert bt.lowp_dots(_problem_on("cpu", torch.bfloat16)) == (None, "ieee")
+    monkeypatch.setattr(bt, "LOWP_FEATURES", "bfloat16")
+    assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (torch.bfloat16, "ieee")
+    monkeypatch.setattr(bt, "LOWP_FEATURES", "fp8")
+    with pytest.raises(FastRPEError, match="LOWP_FEATURES: 'float32' or 'bfloat16', got 'fp8'"):
+        bt.lowp_dots(_problem_on("cuda", torch.bfloat16))
+
+
+def test_dot_mode_names_the_precisions():
+    assert PRECISIONS == ("ieee", "tf32x3")
+    with pytest.raises(FastRPEError, match="precision: one of ieee, tf32x3, got 'tf32'"):
+        dot_mode("tf32")
+
+
+def _errors(backend, family):
+    """Max error of `backend` and of dense, both bf16, against float64 dense: out, dq, dk, dv."""
+    from fastrpe.bench.gpu import family_causal, make_position
+
+    pos = make_position(family, H, L)
+    kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
+    g = torch.Generator().manual_seed(0)
+    x64 = [torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    w = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(name, dtype):
+        q, k, v = (t.to(DEV, dtype).requires_grad_() for t in x64)
+        out = fr.attention(q, k, v, kernel=kern, position=pos, causal=family_causal(family), backend=name)
+        return [out.double(), *torch.autograd.grad((out.double() * w.to(DEV)).sum(), (q, k, v))]
+
+    ref = run("dense", torch.float64)
+    err = {name: [(a.double() - r).abs().max().item() for a, r in zip(run(name, torch.bfloat16), ref)]
+           for name in (backend, "dense")}
+    return err[backend], err["dense"]
+
+
+@pytest.mark.parametrize("backend,family", [("triton_chunked", "alibi"), ("triton_soe", "kerple_log")])
+def test_bf16_problem_with_the_gpu_choice_is_as_accurate_as_dense(monkeypatch, backend, family):
+    """The GPU's policy (forced here on the CPU) within LOWP_FACTOR of dense bf16, and rounding
+    the features to bf16 (`LOWP_FEATURES = "bfloat16"`) measurably worse: the check can fail."""
+    monkeypatch.setattr(bt, "INTERPRET_ON_CPU", not _CUDA)
+    on_cuda = bt.lowp_dots
+    monkeypatch.setattr(bt, "lowp_dots", lambda p: on_cuda(dataclasses.replace(p, device=torch.device("cuda"))))
+    fast, dense = _errors(backend, family)
+    for name, e, n in zip(("out", "dq", "dk", "dv"), fast, dense):
+        assert e <= LOWP_FACTOR * n, f"{name}: {e:.3g} vs dense bf16 {n:.3g}"
+    monkeypatch.setattr(bt, "LOWP_FEATURES", "bfloat16")
+    rounded, _ = _errors(backend, family)
+    assert rounded[1] > 1.5 * fast[1], f"dq: bf16 features {rounded[1]:.3g}, float32 features {fast[1]:.3g}"
