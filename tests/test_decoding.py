@@ -130,3 +130,39 @@ def test_step_under_autocast_matches_the_forward_pass():
         dec = torch.cat(outs, 1)
         assert dec.dtype == full.dtype
         torch.testing.assert_close(dec.float(), full.float(), rtol=2e-2, atol=2e-2)
+
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero")
+
+
+@pytest.mark.parametrize("family,backend,kind", [("alibi", "auto", "LinearState"), ("t5", "auto", "BandState"),
+                                                 ("kerple_log", "soe", "SoEState"), ("alibi", "dense", "KVCache")])
+def test_a_decode_step_never_reads_a_tensor_on_the_host(monkeypatch, family, backend, kind):
+    """One `step` after the prompt converts no tensor to a Python value: on a GPU each such
+    read drains the stream, and it would stop the step from being captured as a CUDA graph
+    (what `bench --suite gpu` times as `graph_seconds`). The input check's non-finite test is
+    exempt: it runs on CPU tensors only (`_validate.check_qkv`)."""
+    import sys
+
+    torch.manual_seed(0)
+    mha = fr.nn.MultiheadAttention(E, H, kernel="nprf", position=_terms(family, "nprf"), causal=True,
+                                   backend=backend).double()
+    x = torch.randn(1, 40, E, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = mha.step(x[:, :39], max_length=64)
+        mha.step(x[:, 39:], st)  # warm: memos and fits happen once, before the hot path
+        assert type(st).__name__ == kind
+        originals = {n: getattr(torch.Tensor, n) for n in SYNCS}
+
+        def forbid(name):
+            def read(*args, **kwargs):
+                if sys._getframe(1).f_code.co_filename.endswith("_validate.py"):
+                    return originals[name](*args, **kwargs)
+                raise AssertionError(f"host read in a decode step: Tensor.{name}")
+            return read
+
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, forbid(name))
+        out, st2 = mha.step(x[:, 39:], st)
+        monkeypatch.undo()
+    assert st2.length == 40 and torch.isfinite(out).all()
