@@ -120,6 +120,27 @@ def test_soe_low_precision_against_float64(dtype):
         assert_lowp_close(a, n, r, msg=name)
 
 
+def test_soe_float32_features_with_bf16_states():
+    """`state_dtype=bfloat16` (what a bf16 call's float32 features use): the far-field states
+    rounded to bf16, the output and gradients still within bf16's tolerance of float64, and
+    not bit-equal to float32 storage (the option is applied)."""
+    q, k, v = _inputs(1, 2, 63, 63, 12, 10, torch.float32)
+    plan = _plan(2, 8, 4)
+    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_dtype=torch.bfloat16)
+    full, _, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+    assert not torch.equal(num, full)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rn, rd = reference(q64, k64, v64, plan)
+    assert_close(den, rd.detach(), torch.float32)  # z stays float32
+
+    def rel(a, b):  # against the largest entry: num sums signed values, single entries cancel
+        return ((a.double() - b.detach()).abs().max() / b.detach().abs().max()).item()
+
+    assert rel(num, rn) <= 4 * 2 ** -8  # a few bf16 roundings (1.6e-3 here; float32 storage: 1.8e-7)
+    for name, a, b in zip(("dq", "dk", "dv"), _grads((num, den), (q, k, v)), _grads((rn, rd), (q64, k64, v64))):
+        assert rel(a, b) <= 4 * 2 ** -8, name
+
+
 def test_soe_refusals_name_the_argument():
     q, k, v = _inputs(1, 2, 8, 8, 12, 10, torch.float64)
     with pytest.raises(FastRPEError, match="chunk_size"):

@@ -160,7 +160,7 @@ def _compose(q, k, v, p, kpm, num_den, coeffs):
 
 
 def num_den_triton_soe(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                       dot_dtype=None, precision="ieee"):
+                       dot_dtype=None, precision="ieee", state_dtype=None):
     """The `NumDen` inner-product algorithm by the fused SoE kernel; coeffs: the `SoEPlan`."""
     from .ops.linear.triton_soe import kernelized_num_den_triton_soe
 
@@ -172,7 +172,7 @@ def num_den_triton_soe(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding
     if dot_dtype is not None and dot_dtype != phi_q.dtype:
         phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
     return kernelized_num_den_triton_soe(phi_q, phi_k, v, coeffs, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                                         out_dtype=out_dtype, precision=precision)
+                                         out_dtype=out_dtype, precision=precision, state_dtype=state_dtype)
 
 
 class TritonSoEBackend(Backend):
@@ -200,7 +200,8 @@ class TritonSoEBackend(Backend):
         # one [T, 2T] near product per chunk, K state updates and K state reads: no K passes
         flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
         el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
-        mem = p.B * p.H * ((L // T + 1) * K * F * C * el * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
+        sel = 2 if p.dtype in (torch.float16, torch.bfloat16) else el  # the chunk states' bytes (`run`)
+        mem = p.B * p.H * ((L // T + 1) * K * F * C * sel * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
         seconds = machine_time(p.device, flops, 2 * mem, calls=12)
         if p.device.type != "cuda":
             seconds *= 1e4  # the interpreter: never `auto`'s choice
@@ -213,11 +214,14 @@ class TritonSoEBackend(Backend):
         with torch.autocast(q.device.type, enabled=False):
             plan = soe_plan_for(p.position, max(p.Lk, p.q_offset + p.Lq))
         dot_dtype, precision = lowp_dots(p)
+        # a low-precision call stores its K·N chunk states in its own dtype, whatever its features'
+        # (half the bytes; under the interpreter at L = 1,024, no change in any error vs float64)
+        state_dtype = p.dtype if p.dtype in (torch.bfloat16, torch.float16) else None
 
         def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
             return num_den_triton_soe(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                       key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                      dot_dtype=dot_dtype, precision=precision)
+                                      dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype)
 
         return _compose(q, k, v, p, kpm, num_den, plan)
 

@@ -278,7 +278,7 @@ def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
 
 class _SoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype, mode: int):
+    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype, mode: int, state_dtype):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -287,8 +287,9 @@ class _SoE(torch.autograd.Function):
         BF, BDV = _pow2(F), _pow2(Dv)
         BV = min(BDV, 64)
         N = -(-max(Lk, q_offset + Lq) // T)
-        # the states enter tl.dot in the input dtype anyway: store them so (half the bytes for bf16)
-        hdt = dt if dt in (torch.float16, torch.bfloat16) else acc
+        # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
+        # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
+        hdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
         num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
@@ -348,7 +349,7 @@ class _SoE(torch.autograd.Function):
             dcn = dcn.to(cn.dtype)
         if ctx.needs_input_grad[4]:
             dwq_h = dwq.view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None, None
 
 
 def soe_tables(plan: SoEPlan, T: int) -> tuple[Tensor, Tensor]:
@@ -376,6 +377,7 @@ def kernelized_num_den_triton_soe(
     chunk_size: int = DEFAULT_CHUNK,
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
+    state_dtype: torch.dtype | None = None,
 ):
     """Causal `(num, den, log_scale)` with the coefficients of `plan` (exact below its window,
     its sum of exponentials beyond), in one fused Triton pass, forward and backward.
@@ -389,6 +391,9 @@ def kernelized_num_den_triton_soe(
         out_dtype: dtype of num and den (default phi_q's).
         precision: how float32 features are multiplied on the GPU ("ieee" or "tf32x3",
             `triton_chunked.PRECISIONS`).
+        state_dtype: storage of the K·N chunk states of float32 features (default float32;
+            bfloat16 halves the largest buffer: 1.07 GB at L = 65,536, B·H = 8, F = 32, Dv = 64,
+            K = 16 in float32). bf16/fp16 features always store them in their own dtype.
 
     Returns:
         `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq] zeros)`.
@@ -414,5 +419,5 @@ def kernelized_num_den_triton_soe(
     lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(),
                           cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, out_dtype or dt,
-                          dot_mode(precision))
+                          dot_mode(precision), state_dtype)
     return num, den, phi_q.new_zeros(H, Lq)
