@@ -41,8 +41,9 @@ def test_lowp_dots_policy(monkeypatch):
     assert bt.lowp_dots(_problem_on("cuda", torch.float16)) == (None, "tf32x3")
     assert bt.lowp_dots(_problem_on("cuda", torch.float32)) == (None, "ieee")
     assert bt.lowp_dots(_problem_on("cpu", torch.bfloat16)) == (None, "ieee")
-    monkeypatch.setattr(bt, "LOWP_FEATURES", "bfloat16")
-    assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (torch.bfloat16, "ieee")
+    with bt.use_lowp_features("bfloat16"):  # what the bench's `+bf16-features` rows run under
+        assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (torch.bfloat16, "ieee")
+    assert bt.LOWP_FEATURES == "float32"
     monkeypatch.setattr(bt, "LOWP_FEATURES", "fp8")
     with pytest.raises(FastRPEError, match="LOWP_FEATURES: 'float32' or 'bfloat16', got 'fp8'"):
         bt.lowp_dots(_problem_on("cuda", torch.bfloat16))

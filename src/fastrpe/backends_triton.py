@@ -15,6 +15,7 @@ Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, T chunk.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -40,6 +41,20 @@ _KERNELS = "fastrpe.ops.linear.triton_chunked"
 LOWP_FEATURES = "float32"
 
 
+_LOWP = (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def use_lowp_features(name: str):
+    """`LOWP_FEATURES = name` inside the block, restored after it."""
+    global LOWP_FEATURES
+    before, LOWP_FEATURES = LOWP_FEATURES, name
+    try:
+        yield
+    finally:
+        LOWP_FEATURES = before
+
+
 def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
     """`(dot_dtype, precision)` for the kernels: the dtype the features are rounded to before
     the kernels (None: kept) and how float32 operands are multiplied (`triton_chunked.PRECISIONS`)."""
@@ -47,7 +62,7 @@ def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
 
     if LOWP_FEATURES not in ("float32", "bfloat16"):
         raise FastRPEError(f"fastrpe.backends_triton.LOWP_FEATURES: 'float32' or 'bfloat16', got {LOWP_FEATURES!r}")
-    if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16):
+    if p.device.type != "cuda" or p.dtype not in _LOWP:
         return None, "ieee"
     if LOWP_FEATURES == "bfloat16" and p.dtype == torch.bfloat16:
         return torch.bfloat16, "ieee"
@@ -200,7 +215,7 @@ class TritonSoEBackend(Backend):
         # one [T, 2T] near product per chunk, K state updates and K state reads: no K passes
         flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
         el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
-        sel = 2 if p.dtype in (torch.float16, torch.bfloat16) else el  # the chunk states' bytes (`run`)
+        sel = 2 if p.dtype in _LOWP else el  # the chunk states' bytes (`run`)
         mem = p.B * p.H * ((L // T + 1) * K * F * C * sel * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
         seconds = machine_time(p.device, flops, 2 * mem, calls=12)
         if p.device.type != "cuda":
@@ -216,7 +231,7 @@ class TritonSoEBackend(Backend):
         dot_dtype, precision = lowp_dots(p)
         # a low-precision call stores its K·N chunk states in its own dtype, whatever its features'
         # (half the bytes; under the interpreter at L = 1,024, no change in any error vs float64)
-        state_dtype = p.dtype if p.dtype in (torch.bfloat16, torch.float16) else None
+        state_dtype = p.dtype if p.dtype in _LOWP else None
 
         def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
             return num_den_triton_soe(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
