@@ -160,6 +160,36 @@ def test_prf_kerple_shaw_together(case):
         _check(out, ref, [q, k, v, kerple.raw_r1, shaw.rp])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=_cid)
+def test_shaw_with_a_term_whose_largest_coefficient_is_not_one(case):
+    """A decaying table with `b(0) = 5` (not 0 as KERPLE's): the linear-time algorithms take
+    each head's largest log-coefficient out of their sums, and must say so (`log_scale`), or
+    Shaw's sums, in true units, are weighed against content sums e^5 too small (`soe` was off
+    by 1.9 in the output before it did)."""
+    Lq, Lk, causal, off = case
+    B, H, D, kmax = 1, 2, 8, 3
+    L = max(Lk, off + Lq)
+    pos = P.LearnedTable(H, max_distance=L - 1, causal=True).double()
+    with torch.no_grad():
+        d = torch.arange(L - 1, -1, -1, dtype=F64)  # the table's entries r = -(L-1)..0
+        pos.table.copy_(torch.stack([5 - 2 * torch.log1p(d), 3 - torch.log1p(0.5 * d)]))
+    kern = get_kernel("elu", D).double()
+    shaw = P.ShawRelative(H, D, max_distance=kmax, init_std=0.5, positive=True).double()
+    q, k, v = _qkv(B, H, Lq, Lk, D, 4, seed=11)
+    pq, pk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    r = rel(Lq, Lk, off)
+    c = torch.exp(pos.table[:, (r + L - 1).clamp(0, L - 1)])  # (H, Lq, Lk); r > 0 masked below
+    S = torch.einsum("bhif,hijf->bhij", pq, (torch.nn.functional.elu(shaw.rp) + 1)[:, (-r).clamp(-kmax, kmax) + kmax])
+    ref = eq10(pq, pk, v, c, S=S, mask=(r <= 0).to(F64))
+    params = [q, k, v, pos.table, shaw.rp]
+    for backend in ["dense", "fft", "band", "soe"]:
+        out = fr.attention(q, k, v, kernel=kern, position=[pos, shaw], causal=True, q_offset=off, backend=backend)
+        if backend == "soe":  # approximate beyond its exact band: within its fit's 1e-3
+            assert (out - ref).abs().max().item() <= 1e-3 * ref.abs().max().item(), backend
+        else:
+            _check(out, ref, params)
+
+
 # ----------------------------------------------------------------------------- SIKF
 
 

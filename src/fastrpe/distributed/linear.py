@@ -408,6 +408,7 @@ def num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, kind: str, causal: bool,
         y, _ = _chunked(phi_q, phi_k, v, gamma, causal, group, lengths, offsets, rank)
     elif kind == "soe":
         y, _ = _soe(phi_q, phi_k, v, plan, group, lengths, offsets, rank)
+        log_scale = plan.log_scale(L, dt)  # the fit's per-head shift (Shaw's sums need the units)
     elif kind == "band":
         if table is None or table.shape != (H, 2 * int(window) + 1):
             raise FastRPEError(f"table must be [H, 2W+1] = [{H}, {2 * int(window) + 1}] (b(r) for r = -W..W), "

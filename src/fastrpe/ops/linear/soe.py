@@ -13,6 +13,7 @@ Notation: B batch, H heads, L length, F features, C = Dv + 1, K terms, W band wi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -112,17 +113,28 @@ class SoEPlan:
 
     `gamma: [K]` rates, `a: [H, K]` weights (float64, differentiable in the positional
     parameters), `corr: [H, W]` the exact coefficients minus the fitted ones on the band
-    `d < W` (float64)."""
+    `d < W` (float64), `shift: [H]` the `max b` taken out (detached; None: 0), so the true
+    coefficients are `exp(shift)·c(d)`."""
 
     gamma: Tensor
     a: Tensor
     corr: Tensor
     window: int
     fit_length: int
+    shift: Tensor | None = None
 
     @property
     def num_terms(self) -> int:
         return self.gamma.numel()
+
+    def log_scale(self, Lq: int, dtype: torch.dtype) -> Tensor:
+        """`[H, Lq]`: the `log_scale` of the sums made with this plan (`NumDen`'s units): a
+        constant per head cancels in num/den, but not against Shaw's sums, which are in true
+        units (`ops/kernelized.py`)."""
+        H = self.a.shape[0]
+        if self.shift is None:
+            return torch.zeros(H, Lq, dtype=dtype, device=self.a.device)
+        return self.shift.detach().to(dtype)[:, None].expand(H, Lq)
 
 
 def causal_log_coefficients(position, length: int) -> Tensor:
@@ -134,7 +146,8 @@ def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_T
     """Fit the far field of `b: [H, N]` (`b(-d)`, `d = 0..N-1`; N is the fit length)."""
     H, N = b.shape
     dev = b.device
-    b = (b - b.detach().amax(-1, keepdim=True)).to(torch.float64)
+    shift = b.detach().amax(-1).to(torch.float64)  # (H,)
+    b = (b - shift[:, None]).to(torch.float64)
     W = min(window, N)
     gamma = soe_rates(W, N, num_terms, device=dev)  # (K,) float64
     if N > W:
@@ -145,7 +158,7 @@ def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_T
         a = torch.zeros(H, num_terms, dtype=torch.float64, device=dev)
     dW = torch.arange(W, device=dev, dtype=torch.float64)
     fitted = (a[:, None, :] * gamma[None, None, :] ** dW[None, :, None]).sum(-1)  # (H, W)
-    return SoEPlan(gamma, a, torch.exp(b[:, :W]) - fitted, W, N)
+    return SoEPlan(gamma, a, torch.exp(b[:, :W]) - fitted, W, N, shift)
 
 
 #: the `soe` backend refuses a term whose fit misplaces more than this fraction of any
@@ -245,7 +258,7 @@ def soe_extend(plan: SoEPlan, position, length: int) -> tuple[SoEPlan | None, st
     if not err <= SOE_MAX_WEIGHT_ERROR:
         return None, (f"the sum-of-exponentials fit made for {plan.fit_length} tokens misplaces {err:.1e} of a "
                       f"row's positional weight at {n} (> {SOE_MAX_WEIGHT_ERROR:g})")
-    return SoEPlan(plan.gamma, plan.a, plan.corr, plan.window, n), None
+    return dataclasses.replace(plan, fit_length=n), None
 
 
 def soe_fit_refusal(position, length: int) -> str | None:
@@ -358,7 +371,7 @@ def kernelized_num_den_soe(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_coeff: T
     u = q_pos @ Zq.permute(0, 1, 2, 4, 3, 5).flatten(-2)  # (B, H, m, T, K·C): φq·Z_k for every term
     y = y + (u.view(B, H, m, T, K, C) * qfar.transpose(1, 2)[None, :, None, :, :, None]).sum(-2)
     y = y.reshape(B, H, m * T, C)[:, :, pad_q[0]: pad_q[0] + Lq]
-    out = (y[..., :Dv], y[..., Dv], phi_q.new_zeros(H, Lq))
+    out = (y[..., :Dv], y[..., Dv], plan.log_scale(Lq, dt))
     if not return_state:
         return out
     # after key Lk - 1: the chunks before its chunk ck, then that chunk's e real keys
