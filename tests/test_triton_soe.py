@@ -87,6 +87,49 @@ def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk):
         assert_close(a, b, msg=name)
 
 
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk", [
+    pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, id="T63"),
+    pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, id="T40-Dv72-two-value-blocks"),
+    pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, id="Lq20-Lk50-off10"),
+])
+def test_soe_in_term_groups_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk):
+    """A state budget of one byte: one term per launch (5 launches adding into num/den, dq, dk,
+    dv), the near field in the first only; output and every gradient as the reference's."""
+    q, k, v = _inputs(B, H, Lq, Lk, F, Dv, torch.float64)
+    plan = _plan(H, window, 5)
+    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
+                                                   state_budget=1)
+    rn, rd = reference(q, k, v, plan, q_offset)
+    assert_close(num, rn.detach())
+    assert_close(den, rd.detach())
+    leaves = (q, k, v, plan.a, plan.corr)
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), _grads((num, den), leaves), _grads((rn, rd), leaves)):
+        assert_close(a, b, msg=name)
+
+
+def test_soe_term_groups_in_low_precision_sum_in_float32():
+    """bf16 outputs from several launches: the partial sums stay float32 until the end, so the
+    grouped result is within one bf16 rounding (2^-7 of each entry) of the one-launch result."""
+    q, k, v = _inputs(1, 2, 63, 63, 12, 10, torch.bfloat16)
+    plan = _plan(2, 8, 4)
+    one = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+    grouped = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=1)
+    for a, b in zip(one[:2], grouped[:2]):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert ((a.double() - b.double()).abs() <= 2 ** -7 * b.double().abs()).all()
+
+
+def test_terms_per_group_bounds_the_states():
+    """1M tokens, B·H = 8, F = 32, Dv = 64, bf16 states: one term's states are 0.54 GB, so the
+    1 GiB default takes one term per launch; at 64k all 16 fit; never fewer than one."""
+    N = (1 << 20) // 64
+    assert ts.terms_per_group(8, N, 32, 64, 2, 16) == 1
+    assert ts.terms_per_group(8, N // 16, 32, 64, 2, 16) == 16
+    assert ts.terms_per_group(8, N, 32, 64, 2, 16, budget=1) == 1
+    per_term = 8 * N * 32 * (64 * 2 + 4)
+    assert ts.terms_per_group(8, N, 32, 64, 2, 16, budget=3 * per_term) == 3
+
+
 def test_soe_float32_and_padding():
     q, k, v = _inputs(2, 1, 63, 63, 12, 10, torch.float32)
     plan = _plan(1, 8, 4)

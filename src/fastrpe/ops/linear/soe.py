@@ -27,6 +27,19 @@ from .state import SoEState
 DEFAULT_WINDOW = 64
 DEFAULT_TERMS = 16
 
+#: bytes the chunk states of one launch of the fused Triton kernel may take
+#: (`ops/linear/triton_soe.py`): the K·N states of all terms at once are 17 GB at L = 1M,
+#: B·H = 8, K = 16 (float32 features, bf16 states), so the terms run in groups
+STATE_BUDGET = 1 << 30
+
+
+def terms_per_group(BH: int, N: int, BF: int, BDV: int, state_bytes: int, K: int, budget: int | None = None) -> int:
+    """How many of the K terms one launch of the fused kernel takes: as many as fit their
+    chunk states (`[B·H, ·, N, BF, BDV]` in the state dtype, `z` in float32) in `budget`
+    bytes (default `STATE_BUDGET`), at least one."""
+    per_term = BH * N * BF * (BDV * state_bytes + 4)
+    return max(1, min(K, (STATE_BUDGET if budget is None else budget) // per_term))
+
 
 #: coefficients this far below c(0) = 1 are fitted in absolute, not relative, error
 #: (e^-20 ≈ 2e-9 per key: far below the 1e-3 output target even summed over 10^5 keys)

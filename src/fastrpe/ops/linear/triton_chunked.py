@@ -248,13 +248,15 @@ if HAS_TRITON:
         tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
 
 
-def _tuned(kernel, key, reset=None):
+def _tuned(kernel, key, reset=None, restore=None):
     """`kernel` autotuned over warps and stages on the GPU; as is under the interpreter,
-    which cannot time a config."""
+    which cannot time a config. `reset`: outputs zeroed before each timed run; `restore`:
+    outputs the kernel adds to (saved before tuning and put back, so the timed runs do not
+    add several times)."""
     if INTERPRETED:
         return kernel
     configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
-    return triton.autotune(configs=configs, key=key, reset_to_zero=reset)(kernel)
+    return triton.autotune(configs=configs, key=key, reset_to_zero=reset, restore_value=restore)(kernel)
 
 
 if HAS_TRITON:

@@ -18,6 +18,12 @@ the tables `cn` and `wq`, which carry autograd back to the plan's `a` and `corr`
 learnable positional term trains through this path) and `_soe_bwd_dkv` (dφk, dv); the two
 gradient kernels are apart because together they spilled registers (sm_90, ptxas).
 
+Memory: the K·N chunk states are the largest buffer (K times the geometric path's), so the
+terms run in groups sized to `STATE_BUDGET` (`terms_per_group`): each group builds its
+states, reads them and frees them; the first launch of each kernel also does the near field,
+the later ones add their far field to its sums (the flags NEAR and ACCUM). Backward
+recomputes the states the same way instead of keeping them.
+
 Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, K terms, W band,
 T (BT) chunk, N chunks, NS chunk groups of the gradient kernel.
 """
@@ -27,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from .soe import SoEPlan
+from .soe import STATE_BUDGET, SoEPlan, terms_per_group  # noqa: F401  (STATE_BUDGET: re-exported)
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _pow2, _tuned, acc_dtype, dot_mode,
                              triton_unavailable_reason)
 
@@ -78,8 +84,10 @@ if HAS_TRITON:
     def _soe_out_kernel(q_ptr, k_ptr, v_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, num_ptr, den_ptr,
                         H, Lq, Lk, F, Dv, N, K, q_offset,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                        NEAR: tl.constexpr, ACCUM: tl.constexpr,
                         DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (N, B·H, BDV/BV): outputs of query chunk n."""
+        """Grid (N, B·H, BDV/BV): outputs of query chunk n. K: the terms of this launch (a group,
+        `terms_per_group`); NEAR: also the near field (the first group); ACCUM: add to num/den."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         iv = tl.program_id(2)
@@ -91,17 +99,20 @@ if HAS_TRITON:
         qi = pos - q_offset
         qm = (qi >= 0) & (qi < Lq)
         q = _load_rows(q_ptr + bh * Lq * F, qi, qm, f, F, F).to(ACC)
-        k0 = _load_rows(k_ptr + bh * Lk * F, pos, pos < Lk, f, F, F).to(ACC)  # key chunk n
-        k1 = _load_rows(k_ptr + bh * Lk * F, pos - BT, (pos >= BT) & (pos - BT < Lk), f, F, F).to(ACC)  # chunk n-1
-        v0 = _load_rows(v_ptr + bh * Lk * Dv, pos, pos < Lk, c, Dv, Dv)
-        v1 = _load_rows(v_ptr + bh * Lk * Dv, pos - BT, (pos >= BT) & (pos - BT < Lk), c, Dv, Dv)
-        d0 = t[:, None] - t[None, :]
-        M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)  # (BT, BT)
-        M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)  # distances 1..2T-1
-        A0 = _dot(q, tl.trans(k0), DT, ACC, MODE) * M0
-        A1 = _dot(q, tl.trans(k1), DT, ACC, MODE) * M1
-        o = _dot(A0, v0, DT, ACC, MODE) + _dot(A1, v1, DT, ACC, MODE)
-        den = tl.sum(A0, 1) + tl.sum(A1, 1)
+        o = tl.zeros([BT, BV], dtype=ACC)
+        den = tl.zeros([BT], dtype=ACC)
+        if NEAR:
+            k0 = _load_rows(k_ptr + bh * Lk * F, pos, pos < Lk, f, F, F).to(ACC)  # key chunk n
+            k1 = _load_rows(k_ptr + bh * Lk * F, pos - BT, (pos >= BT) & (pos - BT < Lk), f, F, F).to(ACC)  # n-1
+            v0 = _load_rows(v_ptr + bh * Lk * Dv, pos, pos < Lk, c, Dv, Dv)
+            v1 = _load_rows(v_ptr + bh * Lk * Dv, pos - BT, (pos >= BT) & (pos - BT < Lk), c, Dv, Dv)
+            d0 = t[:, None] - t[None, :]
+            M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)  # (BT, BT)
+            M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)  # distances 1..2T-1
+            A0 = _dot(q, tl.trans(k0), DT, ACC, MODE) * M0
+            A1 = _dot(q, tl.trans(k1), DT, ACC, MODE) * M1
+            o += _dot(A0, v0, DT, ACC, MODE) + _dot(A1, v1, DT, ACC, MODE)
+            den += tl.sum(A0, 1) + tl.sum(A1, 1)
         if n >= 1:
             for kk in range(K):
                 w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
@@ -111,10 +122,13 @@ if HAS_TRITON:
                 qw = q * w[:, None]
                 o += _dot(qw, S, DT, ACC, MODE)
                 den += tl.sum(qw * zs[None, :], 1)
-        tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty),
-                 mask=qm[:, None] & (c[None, :] < Dv))
-        # the first value block writes den
-        tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
+        om = qm[:, None] & (c[None, :] < Dv)
+        dm = qm & ((t + iv * BT) < BT)  # the first value block writes den
+        if ACCUM:  # a later group of terms: this program owns its tile, no race
+            o += tl.load(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=om, other=0.0).to(ACC)
+            den += tl.load(den_ptr + bh * Lq + qi, mask=dm, other=0.0).to(ACC)
+        tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty), mask=om)
+        tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
     def _soe_bwd_state_kernel(q_ptr, do_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K, q_offset,
@@ -153,10 +167,12 @@ if HAS_TRITON:
     def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, p0_ptr, p1_ptr,
                            dwq_ptr, H, Lq, Lk, F, Dv, N, K, NS, q_offset,
                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                           NEAR: tl.constexpr, ACCUM: tl.constexpr,
                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for the
         tables' gradients: p0/p1 `[BT, BT]` (near pairs (n, n), (n, n-1); summed diagonal by
-        diagonal on the host) and dwq `[K, BT]` (far reads)."""
+        diagonal on the host) and dwq `[K, BT]` (far reads). K, NEAR, ACCUM as `_soe_out_kernel`'s
+        (p0/p1 written by the NEAR launch only)."""
         gi = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -176,23 +192,25 @@ if HAS_TRITON:
             qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
             don = _load_rows(dob, qi, qm, c, Dv, Dv)
             ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
-            km = pos < Lk
-            kn = _load_rows(kb, pos, km, f, F, F).to(ACC)
-            vn = _load_rows(vb, pos, km, c, Dv, Dv)
-            km1 = (pos >= BT) & (pos - BT < Lk)  # key chunk n - 1
-            k1 = _load_rows(kb, pos - BT, km1, f, F, F).to(ACC)
-            v1 = _load_rows(vb, pos - BT, km1, c, Dv, Dv)
-            # near, pair (n, n); the tables are reloaded per chunk (L1 hits): held across the
-            # loop they spilled registers
-            M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
-            G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
-            P0 += _dot(qn, tl.trans(kn), DT, ACC, MODE) * G0
-            dq = _dot(G0 * M0, kn, DT, ACC, MODE)
-            # near, pair (n, n-1)
-            M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
-            G1 = _dot(don, tl.trans(v1), DT, ACC, MODE) + ddn[:, None]
-            P1 += _dot(qn, tl.trans(k1), DT, ACC, MODE) * G1
-            dq += _dot(G1 * M1, k1, DT, ACC, MODE)
+            dq = tl.zeros([BT, BF], dtype=ACC)
+            if NEAR:
+                km = pos < Lk
+                kn = _load_rows(kb, pos, km, f, F, F).to(ACC)
+                vn = _load_rows(vb, pos, km, c, Dv, Dv)
+                km1 = (pos >= BT) & (pos - BT < Lk)  # key chunk n - 1
+                k1 = _load_rows(kb, pos - BT, km1, f, F, F).to(ACC)
+                v1 = _load_rows(vb, pos - BT, km1, c, Dv, Dv)
+                # near, pair (n, n); the tables are reloaded per chunk (L1 hits): held across the
+                # loop they spilled registers
+                M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
+                G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
+                P0 += _dot(qn, tl.trans(kn), DT, ACC, MODE) * G0
+                dq += _dot(G0 * M0, kn, DT, ACC, MODE)
+                # near, pair (n, n-1)
+                M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
+                G1 = _dot(don, tl.trans(v1), DT, ACC, MODE) + ddn[:, None]
+                P1 += _dot(qn, tl.trans(k1), DT, ACC, MODE) * G1
+                dq += _dot(G1 * M1, k1, DT, ACC, MODE)
             # far field: chunk n reads S_k(n-1)
             if n >= 1:
                 for kk in range(K):
@@ -204,49 +222,57 @@ if HAS_TRITON:
                     X = _dot(qn, S, DT, ACC, MODE)
                     dw = tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
                     tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
-            tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
-        pb = (bh * NS + gi) * BT * BT + t[:, None] * BT + t[None, :]
-        tl.store(p0_ptr + pb, P0)
-        tl.store(p1_ptr + pb, P1)
+            dqm = qm[:, None] & (f[None, :] < F)
+            if ACCUM:
+                dq += tl.load(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=dqm, other=0.0)
+            tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=dqm)
+        if NEAR:
+            pb = (bh * NS + gi) * BT * BT + t[:, None] * BT + t[None, :]
+            tl.store(p0_ptr + pb, P0)
+            tl.store(p1_ptr + pb, P1)
 
     @triton.jit
     def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
                             H, Lq, Lk, F, Dv, N, K, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                            NEAR: tl.constexpr, ACCUM: tl.constexpr,
                             DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (N, B·H): dφk and dv of key chunk n (near pairs (n, n) and (n+1, n); far: the
-        gradient of S_k(n+1), which chunk n's keys enter)."""
+        gradient of S_k(n+1), which chunk n's keys enter). K, NEAR, ACCUM as `_soe_out_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
-        d0 = t[:, None] - t[None, :]
-        M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
-        M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
-        qb, dob, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
         pos = n * BT + t
-        qi = pos - q_offset
-        qm = (qi >= 0) & (qi < Lq)
-        qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
-        don = _load_rows(dob, qi, qm, c, Dv, Dv)
-        ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
-        qm2 = (qi + BT >= 0) & (qi + BT < Lq)  # query chunk n + 1
-        q2 = _load_rows(qb, qi + BT, qm2, f, F, F).to(ACC)
-        do2 = _load_rows(dob, qi + BT, qm2, c, Dv, Dv)
-        dd2 = tl.load(ddb + qi + BT, mask=qm2, other=0.0).to(ACC)
         km = pos < Lk
         kn = _load_rows(k_ptr + bh * Lk * F, pos, km, f, F, F).to(ACC)
         vn = _load_rows(v_ptr + bh * Lk * Dv, pos, km, c, Dv, Dv)
-        # near, pair (n, n)
-        G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
-        dk = _dot(tl.trans(G0 * M0), qn, DT, ACC, MODE)
-        dv = _dot(tl.trans(_dot(qn, tl.trans(kn), DT, ACC, MODE) * M0), don, DT, ACC, MODE)
-        # near, pair (n+1, n)
-        G2 = _dot(do2, tl.trans(vn), DT, ACC, MODE) + dd2[:, None]
-        dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, MODE)
-        dv += _dot(tl.trans(_dot(q2, tl.trans(kn), DT, ACC, MODE) * M1), do2, DT, ACC, MODE)
+        dk = tl.zeros([BT, BF], dtype=ACC)
+        dv = tl.zeros([BT, BDV], dtype=ACC)
+        if NEAR:
+            d0 = t[:, None] - t[None, :]
+            M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
+            M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
+            qb, dob, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+            qi = pos - q_offset
+            qm = (qi >= 0) & (qi < Lq)
+            qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
+            don = _load_rows(dob, qi, qm, c, Dv, Dv)
+            ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+            qm2 = (qi + BT >= 0) & (qi + BT < Lq)  # query chunk n + 1
+            q2 = _load_rows(qb, qi + BT, qm2, f, F, F).to(ACC)
+            do2 = _load_rows(dob, qi + BT, qm2, c, Dv, Dv)
+            dd2 = tl.load(ddb + qi + BT, mask=qm2, other=0.0).to(ACC)
+            # near, pair (n, n)
+            G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
+            dk += _dot(tl.trans(G0 * M0), qn, DT, ACC, MODE)
+            dv += _dot(tl.trans(_dot(qn, tl.trans(kn), DT, ACC, MODE) * M0), don, DT, ACC, MODE)
+            # near, pair (n+1, n)
+            G2 = _dot(do2, tl.trans(vn), DT, ACC, MODE) + dd2[:, None]
+            dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, MODE)
+            dv += _dot(tl.trans(_dot(q2, tl.trans(kn), DT, ACC, MODE) * M1), do2, DT, ACC, MODE)
         # far field
         for kk in range(K):
             lg = tl.load(lgk_ptr + kk).to(ACC)
@@ -256,12 +282,18 @@ if HAS_TRITON:
             dzs = tl.load(dz_ptr + off1 + f)
             dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, MODE) + dzs[None, :])
             dv += _dot(kn * kdec[:, None], dS, DT, ACC, MODE)
-        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & (f[None, :] < F))
-        tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & (c[None, :] < Dv))
+        dkm, dvm = km[:, None] & (f[None, :] < F), km[:, None] & (c[None, :] < Dv)
+        if ACCUM:
+            dk += tl.load(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=dkm, other=0.0)
+            dv += tl.load(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=dvm, other=0.0)
+        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
+        tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=dvm)
 
-    _soe_out_kernel = _tuned(_soe_out_kernel, ["F", "Dv", "K"])
-    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, ["F", "Dv", "K"], reset=["dwq_ptr"])
-    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, ["F", "Dv", "K"])
+    # BT and NEAR in the keys: a band call (T = 128, one term) and the near-field launch tune apart
+    _soe_out_kernel = _tuned(_soe_out_kernel, ["F", "Dv", "K", "BT", "NEAR"], restore=["num_ptr", "den_ptr"])
+    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, ["F", "Dv", "K", "BT", "NEAR"], reset=["dwq_ptr"],
+                                restore=["dq_ptr"])
+    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, ["F", "Dv", "K", "BT", "NEAR"], restore=["dk_ptr", "dv_ptr"])
 
 
 def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
@@ -277,8 +309,12 @@ def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
 
 
 class _SoE(torch.autograd.Function):
+    """`(num, den)`: the near field once, the far field term group by term group (each group's
+    K·N states built, read and freed before the next: memory bounded by `STATE_BUDGET`)."""
+
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype, mode: int, state_dtype):
+    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype, mode: int, state_dtype,
+                group: int):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -287,24 +323,28 @@ class _SoE(torch.autograd.Function):
         BF, BDV = _pow2(F), _pow2(Dv)
         BV = min(BDV, 64)
         N = -(-max(Lk, q_offset + Lq) // T)
-        # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
-        # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
-        hdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
-        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
-        den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
+        hdt = state_dtype
+        groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
+        # several groups add into num/den: keep the sums in the accumulation dtype until the end
+        sum_dtype = out_dtype if len(groups) == 1 else acc
+        num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
+        den = torch.empty(B, H, Lq, dtype=sum_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        h, z = _SoE.states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta)
-        _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq, h, z, num, den, H, Lq, Lk, F, Dv, N, K,
-                                               q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
-        # the K·N states are not kept for backward (K times the geometric path's: 8.6 GB at
+        for i, (k0, k1) in enumerate(groups):
+            h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, hdt, acc, meta)
+            _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z, num, den,
+                                                   H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
+                                                   BDV=BDV, NEAR=i == 0, ACCUM=i > 0, **meta)
+            del h, z
+        # the states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk)
-        ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt, mode)
-        return num, den
+        ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt, mode, groups)
+        return num.to(out_dtype), den.to(out_dtype)
 
     @staticmethod
     def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta):
-        """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n."""
+        """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K = lgk.numel())."""
         B, H, Lk, F = phi_k.shape
         Dv, K = v.shape[3], lgk.numel()
         h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
@@ -316,7 +356,7 @@ class _SoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk = ctx.saved_tensors
-        q_offset, T, BF, BDV, BV, N, hdt, mode = ctx.cfg
+        q_offset, T, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -331,25 +371,32 @@ class _SoE(torch.autograd.Function):
         dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
         p0 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
         p1 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
-        dwq = torch.zeros(B * H, NS, K, T, dtype=acc, device=dev)
-        # the queries' side reads the states, the keys' side their gradients: one at a time
-        h, z = _SoE.states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta)
-        _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wq, h, z, dq, p0, p1, dwq,
-                                        H, Lq, Lk, F, Dv, N, K, NS, q_offset, BT=T, BF=BF, BDV=BDV, **meta)
-        del h, z
-        dh = torch.zeros(B * H, K, N + 1, BF, BDV, dtype=hdt, device=dev)
-        dz = torch.zeros(B * H, K, N + 1, BF, dtype=acc, device=dev)
-        _soe_bwd_state_kernel[(B * H, BDV // BV, K)](phi_q, dnum, dden, wq, lgk, dh, dz, H, Lq, F, Dv, N, K, q_offset,
-                                                     BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
-        _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, cn, lgk, dh, dz, dk, dv,
-                                        H, Lq, Lk, F, Dv, N, K, q_offset, BT=T, BF=BF, BDV=BDV, **meta)
+        dwq = []
+        for i, (k0, k1) in enumerate(groups):
+            Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
+            flags = dict(NEAR=i == 0, ACCUM=i > 0)
+            # the queries' side reads the states, the keys' side their gradients: one at a time
+            h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta)
+            dwq.append(torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev))
+            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wg, h, z, dq, p0, p1, dwq[-1],
+                                            H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
+                                            **flags, **meta)
+            del h, z
+            dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
+            dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
+            _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, dden, wg, lg, dh, dz, H, Lq, F, Dv, N, Kg,
+                                                          q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, cn, lg, dh, dz, dk, dv,
+                                            H, Lq, Lk, F, Dv, N, Kg, q_offset, BT=T, BF=BF, BDV=BDV,
+                                            **flags, **meta)
+            del dh, dz
         dcn = dwq_h = None
         if ctx.needs_input_grad[3]:
             dcn = _diagonal_sums(p0.view(B, H, NS, T, T).sum((0, 2)), p1.view(B, H, NS, T, T).sum((0, 2)), T)
             dcn = dcn.to(cn.dtype)
         if ctx.needs_input_grad[4]:
-            dwq_h = dwq.view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None, None
+            dwq_h = torch.cat(dwq, 2).view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
+        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None, None, None
 
 
 def soe_tables(plan: SoEPlan, T: int) -> tuple[Tensor, Tensor]:
@@ -378,6 +425,7 @@ def kernelized_num_den_triton_soe(
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
     state_dtype: torch.dtype | None = None,
+    state_budget: int | None = None,
 ):
     """Causal `(num, den, log_scale)` with the coefficients of `plan` (exact below its window,
     its sum of exponentials beyond), in one fused Triton pass, forward and backward.
@@ -394,9 +442,13 @@ def kernelized_num_den_triton_soe(
         state_dtype: storage of the K·N chunk states of float32 features (default float32;
             bfloat16 halves the largest buffer: 1.07 GB at L = 65,536, B·H = 8, F = 32, Dv = 64,
             K = 16 in float32). bf16/fp16 features always store them in their own dtype.
+        state_budget: bytes the states of one launch may take (default `STATE_BUDGET`, 1 GiB):
+            terms beyond it run in further launches that add to the first (`terms_per_group`),
+            so memory stays bounded at any length (L = 1M, B·H = 8: one term's states are 0.5 GB
+            in bf16).
 
     Returns:
-        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq] zeros)`.
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`: the plan's `shift` per head.
     """
     why = triton_unavailable_reason(phi_q.device)
     if why is not None:
@@ -417,7 +469,12 @@ def kernelized_num_den_triton_soe(
     acc = acc_dtype(dt)
     cn, wq = soe_tables(plan, T)
     lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
+    N = -(-max(v.shape[2], q_offset + Lq) // T)
+    # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
+    # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
+    sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
+    group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(),
                           cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, out_dtype or dt,
-                          dot_mode(precision), state_dtype)
-    return num, den, phi_q.new_zeros(H, Lq)
+                          dot_mode(precision), sdt, group)
+    return num, den, plan.log_scale(Lq, num.dtype)
