@@ -5,6 +5,8 @@
 bidirectional (Lq = Lk), by the kernels of `ops/linear/triton_chunked.py`.
 `triton_soe`: the `soe` backend's problems (causal, any decaying term, APPROXIMATE beyond
 the exact band) by the fused kernel of `ops/linear/triton_soe.py`.
+`triton_band`: causal finite-support terms (T5 buckets, clipped tables), EXACT, by the same
+fused kernel with one undecayed term (`ops/linear/triton_band.py`).
 
 The kernel module is imported only when a call runs: `triton.jit` decides when it decorates
 whether a kernel is compiled for the GPU or interpreted on the CPU (`TRITON_INTERPRET=1`).
@@ -174,20 +176,66 @@ def _compose(q, k, v, p, kpm, num_den, coeffs):
     return backends.kernelized_attention(q, k, v, p, kpm, old_num_den, naive=False)
 
 
-def num_den_triton_soe(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                       dot_dtype=None, precision="ieee", state_dtype=None):
-    """The `NumDen` inner-product algorithm by the fused SoE kernel; coeffs: the `SoEPlan`."""
-    from .ops.linear.triton_soe import kernelized_num_den_triton_soe
+def num_den_triton_fused(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
+                         dot_dtype=None, precision="ieee", state_dtype=None):
+    """The `NumDen` inner-product algorithm by the fused kernel of `ops/linear/triton_soe.py`;
+    coeffs: an `SoEPlan` (triton_soe) or `BandCoefficients` (triton_band, exact)."""
+    from .ops.kernelized import BandCoefficients
 
+    name = "triton_band" if isinstance(coeffs, BandCoefficients) else "triton_soe"
     if not causal:
-        raise ValueError("triton_soe: causal only (got causal=False)")
+        raise ValueError(f"{name}: causal only (got causal=False)")
     if key_log_scale is not None:
-        raise ValueError("triton_soe: keys stabilized per key (a running maximum) need the dense algorithm")
+        raise ValueError(f"{name}: keys stabilized per key (a running maximum) need the dense algorithm")
     out_dtype = phi_q.dtype
     if dot_dtype is not None and dot_dtype != phi_q.dtype:
         phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
-    return kernelized_num_den_triton_soe(phi_q, phi_k, v, coeffs, q_offset=q_offset, key_padding_mask=key_padding_mask,
-                                         out_dtype=out_dtype, precision=precision, state_dtype=state_dtype)
+    kw = dict(q_offset=q_offset, key_padding_mask=key_padding_mask, out_dtype=out_dtype, precision=precision,
+              state_dtype=state_dtype)
+    if name == "triton_band":
+        from .ops.linear.triton_band import kernelized_num_den_triton_band
+
+        return kernelized_num_den_triton_band(phi_q, phi_k, v, coeffs.log_coeff, window=coeffs.window, **kw)
+    from .ops.linear.triton_soe import kernelized_num_den_triton_soe
+
+    return kernelized_num_den_triton_soe(phi_q, phi_k, v, coeffs, **kw)
+
+
+def _run_fused(q, k, v, p, kpm, coeffs):
+    """A call of the fused kernel (`num_den_triton_fused`) inside the kernelized composition."""
+    dot_dtype, precision = lowp_dots(p)
+    # a low-precision call stores its chunk states in its own dtype, whatever its features'
+    # (half the bytes; under the interpreter at L = 1,024, no change in any error vs float64)
+    state_dtype = p.dtype if p.dtype in _LOWP else None
+
+    def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
+        return num_den_triton_fused(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
+                                    key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
+                                    dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype)
+
+    return _compose(q, k, v, p, kpm, num_den, coeffs)
+
+
+def _fused_cost(p: Problem, T: int, K: int) -> Cost:
+    """The fused kernel's cost with chunks of T and K terms: one `[T, 2T]` near product per
+    chunk, K state updates and K state reads (no K passes)."""
+    from .ops.linear.soe import terms_per_group
+
+    C, F = p.Dv + 1, p.F
+    L = max(p.Lk, p.q_offset + p.Lq)
+    flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
+    el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
+    sel = 2 if p.dtype in _LOWP else el  # the chunk states' bytes (`_run_fused`)
+    # the states of one group of terms at a time (`terms_per_group`); each further group reads
+    # the queries (in backward their gradients too) again
+    group = terms_per_group(p.B * p.H, L // T + 1, F, C, sel, K)
+    launches = -(-K // group)
+    mem = p.B * p.H * ((L // T + 1) * group * F * C * sel * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
+    moved = 2 * mem + (launches - 1) * p.B * p.H * L * (F + C) * el * (3 if p.requires_grad else 1)
+    seconds = machine_time(p.device, flops, moved, calls=12 * launches)
+    if p.device.type != "cuda":
+        seconds *= 1e4  # the interpreter: never `auto`'s choice
+    return Cost(seconds, mem)
 
 
 class TritonSoEBackend(Backend):
@@ -210,17 +258,7 @@ class TritonSoEBackend(Backend):
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.soe import DEFAULT_TERMS, DEFAULT_WINDOW
 
-        T, C, F, K = max(64, DEFAULT_WINDOW), p.Dv + 1, p.F, DEFAULT_TERMS
-        L = max(p.Lk, p.q_offset + p.Lq)
-        # one [T, 2T] near product per chunk, K state updates and K state reads: no K passes
-        flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
-        el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
-        sel = 2 if p.dtype in _LOWP else el  # the chunk states' bytes (`run`)
-        mem = p.B * p.H * ((L // T + 1) * K * F * C * sel * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
-        seconds = machine_time(p.device, flops, 2 * mem, calls=12)
-        if p.device.type != "cuda":
-            seconds *= 1e4  # the interpreter: never `auto`'s choice
-        return Cost(seconds, mem)
+        return _fused_cost(p, max(64, DEFAULT_WINDOW), DEFAULT_TERMS)
 
     def run(self, q, k, v, p, kpm):
         from .ops.linear.soe import soe_plan_for
@@ -228,17 +266,52 @@ class TritonSoEBackend(Backend):
         # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
         with torch.autocast(q.device.type, enabled=False):
             plan = soe_plan_for(p.position, max(p.Lk, p.q_offset + p.Lq))
-        dot_dtype, precision = lowp_dots(p)
-        # a low-precision call stores its K·N chunk states in its own dtype, whatever its features'
-        # (half the bytes; under the interpreter at L = 1,024, no change in any error vs float64)
-        state_dtype = p.dtype if p.dtype in _LOWP else None
+        return _run_fused(q, k, v, p, kpm, plan)
 
-        def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
-            return num_den_triton_soe(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
-                                      key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                      dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype)
 
-        return _compose(q, k, v, p, kpm, num_den, plan)
+#: the widest finite support `triton_band` takes: the kernel's chunk is the support's power of
+#: two and its `[T, T]` tiles live in registers (T = 128 for T5's default 128 distances)
+MAX_BAND_WINDOW = 128
+
+
+class TritonBandBackend(Backend):
+    """Kernelized attention with a finite-support term (T5 buckets, a clipped learned table),
+    causal, EXACT and linear time: the exact band plus a constant tail as the fused kernel's
+    one undecayed term (`ops/linear/triton_band.py`), forward and backward."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        from . import backends
+
+        r = _shared_reasons(p)
+        why = _triton_reason(p)
+        if why:
+            r.append(why)
+        if not p.causal:
+            r.append("causal only (band runs the bidirectional form)")
+        if p.position is None:
+            r.append("needs a finite-support positional term (triton_chunked runs none)")
+        elif p.position.softmax_only or backends._is_grid(p):
+            r.append(f"{type(p.position).__name__} has no 1D kernelized form")
+        else:
+            W = p.position.finite_support()
+            if W is None:
+                r.append(f"{type(p.position).__name__} is not constant beyond a finite distance")
+            elif W > MAX_BAND_WINDOW:
+                r.append(f"its support of {W} distances is over the kernel's {MAX_BAND_WINDOW} (band runs it)")
+        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            r.append(f"dtype {p.dtype} is not supported")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        W = p.position.finite_support()
+        return _fused_cost(p, max(64, 1 << max(0, (W - 1).bit_length())), 1)  # T: W's power of two
+
+    def run(self, q, k, v, p, kpm):
+        from . import backends
+        from .ops import kernelized as kops
+
+        coeffs = kops.BandCoefficients(backends._coefficients(p, backends._math_dtype(p)), p.position.finite_support())
+        return _run_fused(q, k, v, p, kpm, coeffs)
 
 
 def register() -> None:
@@ -247,3 +320,6 @@ def register() -> None:
     register_backend(TritonSoEBackend(
         "triton_soe", exact=False,
         description="causal kernelized, any decaying term, one fused Triton pass (approximate, CUDA)"))
+    register_backend(TritonBandBackend(
+        "triton_band", description="causal kernelized, finite-support term (T5, clipped table): exact band + "
+                                   "constant tail in one fused Triton pass (CUDA)"))

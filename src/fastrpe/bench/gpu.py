@@ -454,7 +454,7 @@ def registry(cfg: GpuConfig) -> dict:
     }
     for name in ("auto", *BACKENDS):
         reg[f"fastrpe-{name}"] = fastrpe_setup(name, cfg)
-    for name in ("triton_chunked", "triton_soe"):  # the default keeps bf16 problems' features float32
+    for name in ("triton_chunked", "triton_soe", "triton_band"):  # the default keeps bf16 problems' features float32
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
     return reg
