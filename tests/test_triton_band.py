@@ -71,12 +71,14 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, W, chunk
     pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, id="T63-W8"),
     pytest.param(2, 1, 1, 1, 12, 10, 0, 8, 16, id="T1"),
     pytest.param(1, 2, 50, 50, 12, 10, 0, 16, 16, id="T50-W16-band-fills-the-chunk"),
-    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-chunk-raised-to-32"),
+    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-three-near-chunks"),
+    pytest.param(1, 2, 100, 100, 12, 10, 0, 33, 16, id="T100-W33-far-field-past-three-near-chunks"),
     pytest.param(1, 1, 40, 40, 12, 72, 0, 5, 16, id="T40-Dv72-two-value-blocks"),
     pytest.param(1, 2, 5, 60, 12, 10, 55, 8, 16, id="decode-Lq5-Lk60-off55"),
     pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, id="Lq20-Lk50-off10"),
     pytest.param(1, 2, 40, 25, 12, 10, 0, 8, 16, id="queries-past-keys"),
     pytest.param(1, 2, 12, 12, 12, 10, 0, 40, 16, id="W40-longer-than-the-call"),
+    pytest.param(1, 1, 150, 150, 12, 10, 0, 113, 64, id="T150-W113-T5-support"),
 ]
 
 

@@ -66,7 +66,9 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk
     pytest.param(2, 1, 1, 1, 12, 10, 0, 8, 16, id="T1"),
     pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, id="T40-Dv72-two-value-blocks"),
     pytest.param(1, 2, 50, 50, 12, 10, 0, 16, 16, id="T50-W16-C16"),
-    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-chunk-raised-to-32"),
+    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-three-near-chunks"),
+    pytest.param(1, 2, 90, 90, 12, 10, 0, 40, 16, id="T90-W40-four-near-chunks"),
+    pytest.param(1, 2, 90, 70, 12, 10, 20, 60, 16, id="W60-chunk-raised-to-32"),
     pytest.param(1, 2, 5, 60, 12, 10, 55, 8, 16, id="decode-Lq5-Lk60-off55"),
     pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, id="Lq20-Lk50-off10"),
     pytest.param(1, 2, 40, 25, 12, 10, 0, 8, 16, id="queries-past-keys"),
@@ -117,6 +119,20 @@ def test_soe_term_groups_in_low_precision_sum_in_float32():
     for a, b in zip(one[:2], grouped[:2]):
         assert a.dtype == b.dtype == torch.bfloat16
         assert ((a.double() - b.double()).abs() <= 2 ** -7 * b.double().abs()).all()
+
+
+def test_near_chunks_cover_the_band():
+    """The far field starts past the band: `W <= (NB-1)·T + 1`, with NB as small as that
+    allows and at most MAX_NEAR (a wider band raises T)."""
+    assert ts.near_chunks(64, 64) == (64, 2)  # the soe band
+    assert ts.near_chunks(113, 64) == (64, 3)  # T5's 32 buckets over 128 distances
+    assert ts.near_chunks(1, 64) == (64, 2)
+    for W in range(1, 300, 7):
+        for chunk in (16, 64):
+            T, NB = ts.near_chunks(W, chunk)
+            assert W <= (NB - 1) * T + 1 and 2 <= NB <= ts.MAX_NEAR
+            assert NB == 2 or W > (NB - 2) * T + 1
+            assert T == chunk or ts.near_chunks(W, T // 2)[0] == T  # raised only as far as needed
 
 
 def test_terms_per_group_bounds_the_states():

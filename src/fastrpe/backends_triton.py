@@ -216,14 +216,15 @@ def _run_fused(q, k, v, p, kpm, coeffs):
     return _compose(q, k, v, p, kpm, num_den, coeffs)
 
 
-def _fused_cost(p: Problem, T: int, K: int) -> Cost:
-    """The fused kernel's cost with chunks of T and K terms: one `[T, 2T]` near product per
-    chunk, K state updates and K state reads (no K passes)."""
-    from .ops.linear.soe import terms_per_group
+def _fused_cost(p: Problem, window: int, K: int) -> Cost:
+    """The fused kernel's cost for a band of `window` exact distances and K terms: NB `[T, T]`
+    near products per chunk (`near_chunks`), K state updates and K state reads (no K passes)."""
+    from .ops.linear.soe import near_chunks, terms_per_group
 
+    T, NB = near_chunks(window, 64)  # the kernels' DEFAULT_CHUNK (that module imports triton)
     C, F = p.Dv + 1, p.F
     L = max(p.Lk, p.q_offset + p.Lq)
-    flops = p.B * p.H * L * (4 * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
+    flops = p.B * p.H * L * (2 * NB * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
     el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
     sel = 2 if p.dtype in _LOWP else el  # the chunk states' bytes (`_run_fused`)
     # the states of one group of terms at a time (`terms_per_group`); each further group reads
@@ -258,7 +259,7 @@ class TritonSoEBackend(Backend):
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.soe import DEFAULT_TERMS, DEFAULT_WINDOW
 
-        return _fused_cost(p, max(64, DEFAULT_WINDOW), DEFAULT_TERMS)
+        return _fused_cost(p, DEFAULT_WINDOW, DEFAULT_TERMS)
 
     def run(self, q, k, v, p, kpm):
         from .ops.linear.soe import soe_plan_for
@@ -269,9 +270,10 @@ class TritonSoEBackend(Backend):
         return _run_fused(q, k, v, p, kpm, plan)
 
 
-#: the widest finite support `triton_band` takes: the kernel's chunk is the support's power of
-#: two and its `[T, T]` tiles live in registers (T = 128 for T5's default 128 distances)
-MAX_BAND_WINDOW = 128
+#: the widest finite support `triton_band` takes: three near chunks of 64 (T5's default 113
+#: distances); beyond, the chunk would grow (`near_chunks`) and its `[T, T]` tiles with it
+#: (at T = 128 the float32-feature gradient kernel needed 295 KB of shared memory on sm_90)
+MAX_BAND_WINDOW = 129
 
 
 class TritonBandBackend(Backend):
@@ -303,8 +305,7 @@ class TritonBandBackend(Backend):
         return r
 
     def cost(self, p: Problem) -> Cost:
-        W = p.position.finite_support()
-        return _fused_cost(p, max(64, 1 << max(0, (W - 1).bit_length())), 1)  # T: W's power of two
+        return _fused_cost(p, p.position.finite_support(), 1)
 
     def run(self, q, k, v, p, kpm):
         from . import backends

@@ -27,6 +27,9 @@ from .state import SoEState
 DEFAULT_WINDOW = 64
 DEFAULT_TERMS = 16
 
+# --- the fused Triton kernel's geometry (ops/linear/triton_soe.py), here because the
+# dispatcher's cost model reads it without importing triton
+
 #: bytes the chunk states of one launch of the fused Triton kernel may take
 #: (`ops/linear/triton_soe.py`): the K·N states of all terms at once are 17 GB at L = 1M,
 #: B·H = 8, K = 16 (float32 features, bf16 states), so the terms run in groups
@@ -39,6 +42,21 @@ def terms_per_group(BH: int, N: int, BF: int, BDV: int, state_bytes: int, K: int
     bytes (default `STATE_BUDGET`), at least one."""
     per_term = BH * N * BF * (BDV * state_bytes + 4)
     return max(1, min(K, (STATE_BUDGET if budget is None else budget) // per_term))
+
+
+#: the most near chunks a call uses: a wider band raises the chunk instead (`near_chunks`)
+MAX_NEAR = 4
+
+
+def near_chunks(window: int, chunk: int) -> tuple[int, int]:
+    """`(T, NB)`: chunk length and near chunks for a band of `window` exact distances, with
+    `W <= (NB-1)·T + 1` so the far field (distances past `(NB-1)·T`) is all fitted. T is
+    `chunk` unless that would need more than `MAX_NEAR` chunks (then the smallest power of two
+    that needs no more)."""
+    W, T = max(int(window), 1), int(chunk)
+    while 1 + max(1, -(-(W - 1) // T)) > MAX_NEAR:
+        T *= 2
+    return T, 1 + max(1, -(-(W - 1) // T))
 
 
 #: coefficients this far below c(0) = 1 are fitted in absolute, not relative, error

@@ -71,8 +71,8 @@ def kernelized_num_den_triton_band(
             `band.kernelized_num_den_band` takes it (differentiable; only `-W <= r <= 0` is read).
         window: W >= 1, the term's finite support.
         key_padding_mask: `[B, Lk]` bool, True = padding.
-        chunk_size: T, raised to W's power of two when smaller (the kernel's near field spans
-            two chunks, so the exact band must fit in one).
+        chunk_size: T (the near field spans `near_chunks(W, T)` chunks: 3 for T5's 113
+            distances at T = 64).
         out_dtype, precision, state_dtype: as `kernelized_num_den_triton_soe`.
 
     Returns:

@@ -1,22 +1,31 @@
 """Triton kernels for causal kernelized attention with any decaying term in one fused pass,
 from a sum-of-exponentials fit (`soe.SoEPlan`): the fast sibling of `soe.py` (the dense
-reference is `naive.py` with the plan's coefficients).
+reference is `naive.py` with the plan's coefficients). `triton_band.py` runs finite-support
+terms (T5) exactly through the same kernels.
 
 The plan gives `c(d) = Σ_k a_k γ_k^d` beyond the band and `c(d) = Σ_k a_k γ_k^d + corr(d)`
-exactly for `d < W`. With chunks of `T >= W` positions, a query in chunk n sees
+exactly for `d < W`. With chunks of T positions and NB near chunks, `W <= (NB-1)·T + 1`
+(`near_chunks`: NB = 2 for the SoE band of 64 at T = 64, 3 for T5's 113 distances), a query
+in chunk n sees
 
-  * near field, key chunks n and n-1 (`d < 2T`): each chunk pair's `φ(q)·φ(k)` formed once
-    and weighted by the coefficient table `cn[h, d]`, `d = 0..2T-1` (exact below W);
-  * far field, key chunks <= n-2 (`d > T >= W`): K decayed states
-    `S_k(n-1) = Σ_{j < (n-1)T} γ_k^((n-1)T-1-j) φk_j ⊗ [v_j, 1]` read with the weights
-    `wq[h, k, s] = a_hk γ_k^(T+s+1)` (query s of the chunk is T+s+1 past their reference).
+  * near field, key chunks n-NB+1 .. n (`d < NB·T`): each chunk pair's `φ(q)·φ(k)` formed
+    once and weighted by the coefficient table `cn[h, d]`, `d = 0..NB·T-1` (exact below W);
+  * far field, key chunks <= n-NB (`d > (NB-1)·T`, beyond the band): K decayed states
+    `S_k(m) = Σ_{j < mT} γ_k^(mT-1-j) φk_j ⊗ [v_j, 1]`, `m = n-NB+1`, read with the weights
+    `wq[h, k, s] = a_hk γ_k^((NB-1)T+s+1)` (query s of the chunk is that far past their
+    reference).
+
+Chunks stay small (T = 64) whatever the band: a T = 128 chunk (what T5's band needed when
+the near field was two chunks) needed 295 KB of shared memory in `_soe_bwd_dkv` with float32
+features on sm_90 (ptxas; the H100 has 227 KiB) and spilled kilobytes of registers.
 
 Kernels: `_soe_state` (K states, sequential over chunks, parallel over terms),
-`_soe_out` (parallel over chunks: one `[T, 2T]` product, then K `[T, F]x[F, Dv]` reads),
-`_soe_bwd_state` (the states' gradients, reverse), `_soe_bwd_dq` (dφq and the gradients of
-the tables `cn` and `wq`, which carry autograd back to the plan's `a` and `corr`, so a
-learnable positional term trains through this path) and `_soe_bwd_dkv` (dφk, dv); the two
-gradient kernels are apart because together they spilled registers (sm_90, ptxas).
+`_soe_out` (parallel over chunks: NB `[T, T]` products, then K `[T, F]x[F, Dv]` reads),
+`_soe_bwd_state` (the states' gradients, reverse), `_soe_bwd_dq` (dφq and the gradient of
+the far weights `wq`), `_soe_bwd_dkv` (dφk, dv) and `_soe_bwd_dcn` (the gradient of the
+near table `cn`, only when it needs one). The tables carry autograd back to the plan's `a`
+and `corr`, so a learnable positional term trains through this path. The gradient kernels
+are apart because together they spilled registers (sm_90, ptxas).
 
 Memory: the K·N chunk states are the largest buffer (K times the geometric path's), so the
 terms run in groups sized to `STATE_BUDGET` (`terms_per_group`): each group builds its
@@ -25,7 +34,7 @@ the later ones add their far field to its sums (the flags NEAR and ACCUM). Backw
 recomputes the states the same way instead of keeping them.
 
 Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, K terms, W band,
-T (BT) chunk, N chunks, NS chunk groups of the gradient kernel.
+T (BT) chunk, NB near chunks, N chunks, NS chunk groups of the gradient kernels.
 """
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from .soe import STATE_BUDGET, SoEPlan, terms_per_group  # noqa: F401  (STATE_BUDGET: re-exported)
+from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _pow2, _tuned, acc_dtype, dot_mode,
                              triton_unavailable_reason)
 
@@ -81,10 +90,19 @@ if HAS_TRITON:
                        other=0.0)
 
     @triton.jit
+    def _near_table(cn_ptr, hh, d0, j: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr):
+        """`[BT, BT]` coefficients of the pair (query chunk n, key chunk n - j): distance
+        `s - u + j·T` (`d0 = s - u`); the future (j = 0, s < u) is 0."""
+        if j == 0:
+            return tl.load(cn_ptr + hh * NB * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0)
+        else:
+            return tl.load(cn_ptr + hh * NB * BT + d0 + j * BT)
+
+    @triton.jit
     def _soe_out_kernel(q_ptr, k_ptr, v_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, num_ptr, den_ptr,
                         H, Lq, Lk, F, Dv, N, K, q_offset,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                        NEAR: tl.constexpr, ACCUM: tl.constexpr,
+                        NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                         DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """Grid (N, B·H, BDV/BV): outputs of query chunk n. K: the terms of this launch (a group,
         `terms_per_group`); NEAR: also the near field (the first group); ACCUM: add to num/den."""
@@ -102,21 +120,19 @@ if HAS_TRITON:
         o = tl.zeros([BT, BV], dtype=ACC)
         den = tl.zeros([BT], dtype=ACC)
         if NEAR:
-            k0 = _load_rows(k_ptr + bh * Lk * F, pos, pos < Lk, f, F, F).to(ACC)  # key chunk n
-            k1 = _load_rows(k_ptr + bh * Lk * F, pos - BT, (pos >= BT) & (pos - BT < Lk), f, F, F).to(ACC)  # n-1
-            v0 = _load_rows(v_ptr + bh * Lk * Dv, pos, pos < Lk, c, Dv, Dv)
-            v1 = _load_rows(v_ptr + bh * Lk * Dv, pos - BT, (pos >= BT) & (pos - BT < Lk), c, Dv, Dv)
             d0 = t[:, None] - t[None, :]
-            M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)  # (BT, BT)
-            M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)  # distances 1..2T-1
-            A0 = _dot(q, tl.trans(k0), DT, ACC, MODE) * M0
-            A1 = _dot(q, tl.trans(k1), DT, ACC, MODE) * M1
-            o += _dot(A0, v0, DT, ACC, MODE) + _dot(A1, v1, DT, ACC, MODE)
-            den += tl.sum(A0, 1) + tl.sum(A1, 1)
-        if n >= 1:
+            for j in tl.static_range(NB):  # key chunk n - j
+                kp = pos - j * BT
+                km = (kp >= 0) & (kp < Lk)
+                kj = _load_rows(k_ptr + bh * Lk * F, kp, km, f, F, F).to(ACC)
+                vj = _load_rows(v_ptr + bh * Lk * Dv, kp, km, c, Dv, Dv)
+                A = _dot(q, tl.trans(kj), DT, ACC, MODE) * _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC)
+                o += _dot(A, vj, DT, ACC, MODE)
+                den += tl.sum(A, 1)
+        if n >= NB - 1:  # far field: S_k(n - NB + 1)
             for kk in range(K):
                 w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
-                off = ((bh * K + kk) * N + n - 1) * BF
+                off = ((bh * K + kk) * N + n - NB + 1) * BF
                 S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
                 zs = tl.load(z_ptr + off + f)
                 qw = q * w[:, None]
@@ -133,9 +149,10 @@ if HAS_TRITON:
     @triton.jit
     def _soe_bwd_state_kernel(q_ptr, do_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K, q_offset,
                               BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                              DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (B·H, BDV/BV, K): dh[bh, k, n] = gradient of S_k(n) (read by query chunk n+1,
-        and through S_k(n+1) = γ^T S_k(n) + ... by every later one); dh[bh, k, N] stays 0."""
+                              NB: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+        """Grid (B·H, BDV/BV, K): dh[bh, k, n] = gradient of S_k(n) (read by query chunk
+        n + NB - 1, and through S_k(n+1) = γ^T S_k(n) + ... by every later one); dh[bh, k, N]
+        stays 0."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
         kk = tl.program_id(2)
@@ -152,7 +169,7 @@ if HAS_TRITON:
         dz_base = dz_ptr + (bh * K + kk) * (N + 1) * BF
         for i in range(N):
             n = N - 1 - i
-            pos = (n + 1) * BT + t  # query chunk n + 1 reads S_k(n)
+            pos = (n + NB - 1) * BT + t  # the query chunk that reads S_k(n)
             qi = pos - q_offset
             qm = (qi >= 0) & (qi < Lq)
             qw = _load_rows(q_ptr + bh * Lq * F, qi, qm, f, F, F).to(ACC) * w[:, None]
@@ -164,15 +181,13 @@ if HAS_TRITON:
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
 
     @triton.jit
-    def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, p0_ptr, p1_ptr,
-                           dwq_ptr, H, Lq, Lk, F, Dv, N, K, NS, q_offset,
+    def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, dwq_ptr,
+                           H, Lq, Lk, F, Dv, N, K, NS, q_offset,
                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                           NEAR: tl.constexpr, ACCUM: tl.constexpr,
+                           NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for the
-        tables' gradients: p0/p1 `[BT, BT]` (near pairs (n, n), (n, n-1); summed diagonal by
-        diagonal on the host) and dwq `[K, BT]` (far reads). K, NEAR, ACCUM as `_soe_out_kernel`'s
-        (p0/p1 written by the NEAR launch only)."""
+        """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for
+        the far weights' gradient dwq `[K, BT]`. K, NEAR, ACCUM as `_soe_out_kernel`'s."""
         gi = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -180,8 +195,6 @@ if HAS_TRITON:
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
         d0 = t[:, None] - t[None, :]
-        P0 = tl.zeros([BT, BT], dtype=ACC)
-        P1 = tl.zeros([BT, BT], dtype=ACC)
         qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
         dob, ddb = do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
         dwq_base = dwq_ptr + (bh * NS + gi) * K * BT
@@ -194,28 +207,17 @@ if HAS_TRITON:
             ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
             dq = tl.zeros([BT, BF], dtype=ACC)
             if NEAR:
-                km = pos < Lk
-                kn = _load_rows(kb, pos, km, f, F, F).to(ACC)
-                vn = _load_rows(vb, pos, km, c, Dv, Dv)
-                km1 = (pos >= BT) & (pos - BT < Lk)  # key chunk n - 1
-                k1 = _load_rows(kb, pos - BT, km1, f, F, F).to(ACC)
-                v1 = _load_rows(vb, pos - BT, km1, c, Dv, Dv)
-                # near, pair (n, n); the tables are reloaded per chunk (L1 hits): held across the
-                # loop they spilled registers
-                M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
-                G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
-                P0 += _dot(qn, tl.trans(kn), DT, ACC, MODE) * G0
-                dq += _dot(G0 * M0, kn, DT, ACC, MODE)
-                # near, pair (n, n-1)
-                M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
-                G1 = _dot(don, tl.trans(v1), DT, ACC, MODE) + ddn[:, None]
-                P1 += _dot(qn, tl.trans(k1), DT, ACC, MODE) * G1
-                dq += _dot(G1 * M1, k1, DT, ACC, MODE)
-            # far field: chunk n reads S_k(n-1)
-            if n >= 1:
+                for j in tl.static_range(NB):  # key chunk n - j
+                    kp = pos - j * BT
+                    km = (kp >= 0) & (kp < Lk)
+                    kj = _load_rows(kb, kp, km, f, F, F).to(ACC)
+                    vj = _load_rows(vb, kp, km, c, Dv, Dv)
+                    G = _dot(don, tl.trans(vj), DT, ACC, MODE) + ddn[:, None]
+                    dq += _dot(G * _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC), kj, DT, ACC, MODE)
+            if n >= NB - 1:  # far field: chunk n reads S_k(n - NB + 1)
                 for kk in range(K):
                     w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
-                    off = ((bh * K + kk) * N + n - 1) * BF
+                    off = ((bh * K + kk) * N + n - NB + 1) * BF
                     S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
                     zs = tl.load(z_ptr + off + f)
                     dq += w[:, None] * (_dot(don, tl.trans(S), DT, ACC, MODE) + ddn[:, None] * zs[None, :])
@@ -226,18 +228,42 @@ if HAS_TRITON:
             if ACCUM:
                 dq += tl.load(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=dqm, other=0.0)
             tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=dqm)
-        if NEAR:
-            pb = (bh * NS + gi) * BT * BT + t[:, None] * BT + t[None, :]
-            tl.store(p0_ptr + pb, P0)
-            tl.store(p1_ptr + pb, P1)
+
+    @triton.jit
+    def _soe_bwd_dcn_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, p_ptr, Lq, Lk, F, Dv, N, NS, q_offset,
+                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, NB: tl.constexpr,
+                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+        """Grid (NS, B·H, NB), query chunks n = g, g + NS, ...: `P_j = Σ_n (φq_n·φk_(n-j)ᵀ) ⊙
+        (do_n·v_(n-j)ᵀ + dd_n)`, `[BT, BT]`, summed diagonal by diagonal on the host into the
+        gradient of cn (`_diagonal_sums`)."""
+        gi = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        j = tl.program_id(2)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
+        dob, ddb = do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+        P = tl.zeros([BT, BT], dtype=ACC)
+        for n in range(gi, N, NS):
+            pos = n * BT + t
+            qi = pos - q_offset
+            qm = (qi >= 0) & (qi < Lq)
+            kp = pos - j * BT
+            km = (kp >= 0) & (kp < Lk)
+            G = _dot(_load_rows(dob, qi, qm, c, Dv, Dv), tl.trans(_load_rows(vb, kp, km, c, Dv, Dv)), DT, ACC, MODE)
+            G += tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)[:, None]
+            P += _dot(_load_rows(qb, qi, qm, f, F, F).to(ACC), tl.trans(_load_rows(kb, kp, km, f, F, F).to(ACC)),
+                      DT, ACC, MODE) * G
+        tl.store(p_ptr + ((bh * NS + gi) * NB + j) * BT * BT + t[:, None] * BT + t[None, :], P)
 
     @triton.jit
     def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
                             H, Lq, Lk, F, Dv, N, K, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                            NEAR: tl.constexpr, ACCUM: tl.constexpr,
+                            NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                             DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (N, B·H): dφk and dv of key chunk n (near pairs (n, n) and (n+1, n); far: the
+        """Grid (N, B·H): dφk and dv of key chunk n (near: query chunks n .. n+NB-1; far: the
         gradient of S_k(n+1), which chunk n's keys enter). K, NEAR, ACCUM as `_soe_out_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -253,26 +279,17 @@ if HAS_TRITON:
         dv = tl.zeros([BT, BDV], dtype=ACC)
         if NEAR:
             d0 = t[:, None] - t[None, :]
-            M0 = tl.load(cn_ptr + hh * 2 * BT + tl.maximum(d0, 0), mask=d0 >= 0, other=0.0).to(ACC)
-            M1 = tl.load(cn_ptr + hh * 2 * BT + d0 + BT).to(ACC)
             qb, dob, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
-            qi = pos - q_offset
-            qm = (qi >= 0) & (qi < Lq)
-            qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
-            don = _load_rows(dob, qi, qm, c, Dv, Dv)
-            ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
-            qm2 = (qi + BT >= 0) & (qi + BT < Lq)  # query chunk n + 1
-            q2 = _load_rows(qb, qi + BT, qm2, f, F, F).to(ACC)
-            do2 = _load_rows(dob, qi + BT, qm2, c, Dv, Dv)
-            dd2 = tl.load(ddb + qi + BT, mask=qm2, other=0.0).to(ACC)
-            # near, pair (n, n)
-            G0 = _dot(don, tl.trans(vn), DT, ACC, MODE) + ddn[:, None]
-            dk += _dot(tl.trans(G0 * M0), qn, DT, ACC, MODE)
-            dv += _dot(tl.trans(_dot(qn, tl.trans(kn), DT, ACC, MODE) * M0), don, DT, ACC, MODE)
-            # near, pair (n+1, n)
-            G2 = _dot(do2, tl.trans(vn), DT, ACC, MODE) + dd2[:, None]
-            dk += _dot(tl.trans(G2 * M1), q2, DT, ACC, MODE)
-            dv += _dot(tl.trans(_dot(q2, tl.trans(kn), DT, ACC, MODE) * M1), do2, DT, ACC, MODE)
+            for j in tl.static_range(NB):  # query chunk n + j
+                qi = pos + j * BT - q_offset
+                qm = (qi >= 0) & (qi < Lq)
+                qj = _load_rows(qb, qi, qm, f, F, F).to(ACC)
+                doj = _load_rows(dob, qi, qm, c, Dv, Dv)
+                ddj = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+                M = _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC)  # [query s, key u]
+                G = _dot(doj, tl.trans(vn), DT, ACC, MODE) + ddj[:, None]
+                dk += _dot(tl.trans(G * M), qj, DT, ACC, MODE)
+                dv += _dot(tl.trans(_dot(qj, tl.trans(kn), DT, ACC, MODE) * M), doj, DT, ACC, MODE)
         # far field
         for kk in range(K):
             lg = tl.load(lgk_ptr + kk).to(ACC)
@@ -289,22 +306,24 @@ if HAS_TRITON:
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
         tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=dvm)
 
-    # BT and NEAR in the keys: a band call (T = 128, one term) and the near-field launch tune apart
-    _soe_out_kernel = _tuned(_soe_out_kernel, ["F", "Dv", "K", "BT", "NEAR"], restore=["num_ptr", "den_ptr"])
-    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, ["F", "Dv", "K", "BT", "NEAR"], reset=["dwq_ptr"],
-                                restore=["dq_ptr"])
-    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, ["F", "Dv", "K", "BT", "NEAR"], restore=["dk_ptr", "dv_ptr"])
+    # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
+    _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
+    _soe_out_kernel = _tuned(_soe_out_kernel, _KEY, restore=["num_ptr", "den_ptr"])
+    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY, reset=["dwq_ptr"], restore=["dq_ptr"])
+    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY, restore=["dk_ptr", "dv_ptr"])
+    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB"])
 
 
-def _diagonal_sums(P0: Tensor, P1: Tensor, T: int) -> Tensor:
-    """`[H, 2T]`: Σ of P0 over `s - u = d` (d < T) plus Σ of P1 over `s + T - u = d`
-    (index lists, no boolean mask: a mask's nonzero would synchronize with the host)."""
-    H = P0.shape[0]
-    s, u = torch.tril_indices(T, T, device=P0.device)  # s >= u
-    t = torch.arange(T, device=P0.device)
-    out = P0.new_zeros(H, 2 * T)
-    out.index_add_(1, s - u, P0[:, s, u])
-    out.index_add_(1, (t[:, None] + T - t[None, :]).flatten(), P1.flatten(1))
+def _diagonal_sums(P: Tensor, T: int) -> Tensor:
+    """`[H, NB·T]`: `Σ P[:, j, s, u]` over `s - u + j·T = d` (`P: [H, NB, T, T]`; for j = 0 only
+    `s >= u`), by index lists (a boolean mask's nonzero would synchronize with the host)."""
+    H, NB = P.shape[0], P.shape[1]
+    s, u = torch.tril_indices(T, T, device=P.device)  # s >= u
+    t = torch.arange(T, device=P.device)
+    out = P.new_zeros(H, NB * T)
+    out.index_add_(1, s - u, P[:, 0, s, u])
+    for j in range(1, NB):
+        out.index_add_(1, (t[:, None] - t[None, :] + j * T).flatten(), P[:, j].flatten(1))
     return out
 
 
@@ -313,7 +332,7 @@ class _SoE(torch.autograd.Function):
     K·N states built, read and freed before the next: memory bounded by `STATE_BUDGET`)."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, out_dtype, mode: int, state_dtype,
+    def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, NB: int, out_dtype, mode: int, state_dtype,
                 group: int):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
@@ -334,12 +353,12 @@ class _SoE(torch.autograd.Function):
             h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, hdt, acc, meta)
             _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z, num, den,
                                                    H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
-                                                   BDV=BDV, NEAR=i == 0, ACCUM=i > 0, **meta)
+                                                   BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **meta)
             del h, z
         # the states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk)
-        ctx.cfg = (q_offset, T, BF, BDV, BV, N, hdt, mode, groups)
+        ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups)
         return num.to(out_dtype), den.to(out_dtype)
 
     @staticmethod
@@ -356,7 +375,7 @@ class _SoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk = ctx.saved_tensors
-        q_offset, T, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg
+        q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -369,47 +388,47 @@ class _SoE(torch.autograd.Function):
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
         dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
-        p0 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
-        p1 = torch.empty(B * H, NS, T, T, dtype=acc, device=dev)
         dwq = []
         for i, (k0, k1) in enumerate(groups):
             Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
-            flags = dict(NEAR=i == 0, ACCUM=i > 0)
+            flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
             # the queries' side reads the states, the keys' side their gradients: one at a time
             h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta)
             dwq.append(torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev))
-            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wg, h, z, dq, p0, p1, dwq[-1],
+            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wg, h, z, dq, dwq[-1],
                                             H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
                                             **flags, **meta)
             del h, z
             dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
             dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
             _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, dden, wg, lg, dh, dz, H, Lq, F, Dv, N, Kg,
-                                                          q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+                                                          q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, **meta)
             _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, cn, lg, dh, dz, dk, dv,
                                             H, Lq, Lk, F, Dv, N, Kg, q_offset, BT=T, BF=BF, BDV=BDV,
                                             **flags, **meta)
             del dh, dz
         dcn = dwq_h = None
         if ctx.needs_input_grad[3]:
-            dcn = _diagonal_sums(p0.view(B, H, NS, T, T).sum((0, 2)), p1.view(B, H, NS, T, T).sum((0, 2)), T)
-            dcn = dcn.to(cn.dtype)
+            p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
+            _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
+                                                 BT=T, BF=BF, BDV=BDV, NB=NB, **meta)
+            dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
         if ctx.needs_input_grad[4]:
             dwq_h = torch.cat(dwq, 2).view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None, None, None, None
 
 
-def soe_tables(plan: SoEPlan, T: int) -> tuple[Tensor, Tensor]:
+def soe_tables(plan: SoEPlan, T: int, NB: int = 2) -> tuple[Tensor, Tensor]:
     """The plan as the kernels read it (float64, differentiable in `plan.a`, `plan.corr`):
-    `cn: [H, 2T]` the coefficient at distance `d = 0..2T-1` (exact below W, fitted beyond) and
-    `wq: [H, K, T]` the far-field weight `a_hk γ_k^(T+s+1)` of query s of a chunk."""
-    d = torch.arange(2 * T, device=plan.a.device, dtype=torch.float64)
+    `cn: [H, NB·T]` the coefficient at distance `d = 0..NB·T-1` (exact below W, fitted beyond)
+    and `wq: [H, K, T]` the far-field weight `a_hk γ_k^((NB-1)T+s+1)` of query s of a chunk."""
+    d = torch.arange(NB * T, device=plan.a.device, dtype=torch.float64)
     g = plan.gamma.to(torch.float64)
     a = plan.a.to(torch.float64)
-    cn = (a[:, None, :] * g[None, None, :] ** d[None, :, None]).sum(-1)  # (H, 2T)
-    cn = cn + torch.nn.functional.pad(plan.corr.to(torch.float64), (0, 2 * T - plan.window))
+    cn = (a[:, None, :] * g[None, None, :] ** d[None, :, None]).sum(-1)  # (H, NB·T)
+    cn = cn + torch.nn.functional.pad(plan.corr.to(torch.float64), (0, NB * T - plan.window))
     s = torch.arange(T, device=plan.a.device, dtype=torch.float64)
-    wq = a[:, :, None] * g[None, :, None] ** (T + s + 1)[None, None, :]  # (H, K, T)
+    wq = a[:, :, None] * g[None, :, None] ** ((NB - 1) * T + s + 1)[None, None, :]  # (H, K, T)
     return cn, wq
 
 
@@ -435,7 +454,8 @@ def kernelized_num_den_triton_soe(
             v: `[B, H, Lk, Dv]` (cast to phi_q's dtype).
         plan: `SoEPlan` (`soe.soe_plan`); gradients flow to `plan.a` and `plan.corr`.
         key_padding_mask: `[B, Lk]` bool, True = padding.
-        chunk_size: T; raised to the window's power of two if smaller (T >= W).
+        chunk_size: T; the near field spans as many chunks as the window needs
+            (`near_chunks`: 2 for W <= T + 1, up to `MAX_NEAR`, beyond that T is raised).
         out_dtype: dtype of num and den (default phi_q's).
         precision: how float32 features are multiplied on the GPU ("ieee" or "tf32x3",
             `triton_chunked.PRECISIONS`).
@@ -463,11 +483,11 @@ def kernelized_num_den_triton_soe(
         raise FastRPEError(f"plan: fitted for {plan.a.shape[0]} heads, phi_q has {H}")
     if v.shape[2] < 1:
         raise FastRPEError("v: needs at least one key")
-    T = max(chunk_size, _pow2(plan.window))
+    T, NB = near_chunks(plan.window, chunk_size)
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
     acc = acc_dtype(dt)
-    cn, wq = soe_tables(plan, T)
+    cn, wq = soe_tables(plan, T, NB)
     lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
     N = -(-max(v.shape[2], q_offset + Lq) // T)
     # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
@@ -475,6 +495,6 @@ def kernelized_num_den_triton_soe(
     sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
     group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(),
-                          cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, out_dtype or dt,
+                          cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, NB, out_dtype or dt,
                           dot_mode(precision), sdt, group)
     return num, den, plan.log_scale(Lq, num.dtype)
