@@ -191,32 +191,12 @@ def _flex_compiled():
     return _FLEX_COMPILED
 
 
-def _causal_mask(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-_BLOCK_MASKS: dict = {}
-
-
 def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, str]:
-    """A causal `BlockMask` for `L × L` and how it was built (cached per length: every family
-    uses the same one). Compiled construction where this torch offers it: the plain
-    construction materializes the dense mask and runs out of memory first."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The causal `BlockMask` for `L × L` and how it was built: the one fastrpe's own `flex`
+    backend uses (`ops/softmax/flex.py`), cached per length."""
+    from ..ops.softmax.flex import causal_block_mask as make
 
-    key = (L, str(device), compiled)
-    if key not in _BLOCK_MASKS:
-        _BLOCK_MASKS.clear()  # problems come length by length: hold one length's mask at most
-        if compiled:
-            try:
-                _BLOCK_MASKS[key] = (create_block_mask(_causal_mask, None, None, L, L, device=device, _compile=True),
-                                     "create_block_mask(_compile=True)")
-            except TypeError:  # no _compile argument in this torch
-                compiled = False
-        if not compiled:
-            _BLOCK_MASKS[key] = (create_block_mask(_causal_mask, None, None, L, L, device=device),
-                                 "create_block_mask")
-    return _BLOCK_MASKS[key]
+    return make(L, L, 0, device, compiled=compiled)
 
 
 def flex_setup(smoke: bool, max_length: int):
