@@ -43,6 +43,19 @@
 # - each decode row is also timed replayed as a CUDA graph (`graph_seconds`): the eager step is
 #   launch-bound (1.9 ms for ~0.1 ms of work), so compare the graphed columns too.
 #
+# New since that call (CPU, 2026-11-24), for the next one to confirm:
+# - `triton_band` (T5 / clipped tables, exact, the fused kernel with one undecayed term): the
+#   t5 criteria at 64k should now have a Triton row; the GPU tests cover it through BACKENDS;
+# - the fused kernel's near field spans several 64-token chunks (T5: 3) instead of one 128-token
+#   chunk, whose float32-feature backward could not fit the H100's shared memory (ptxas, sm_90);
+# - `triton_soe` runs its terms in groups of states that fit 1 GiB: its 1M row should now fit
+#   the 8 GiB criterion;
+# - ptxas reports register spills in the float32-feature (tf32x3, the bf16 default) gradient
+#   kernels (1.2-2.5 KB) and none with bf16 features (`FASTRPE_COMPILE_CHECK=1 python -m pytest
+#   -s tests/test_triton_compile.py`): weigh the `+bf16-features` rows' speed against
+#   their error before keeping LOWP_FEATURES = "float32";
+# - the `flex` backend now uses a causal BlockMask on CUDA (the bench's Flex rows always did).
+#
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
 # writes $OUT/auto_check_fwd.json, auto_check_grad.json) and then the bench `--check`. `auto`'s

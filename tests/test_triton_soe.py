@@ -61,46 +61,32 @@ def _grads(outs, leaves, seed=1):
     return torch.autograd.grad(loss, leaves)
 
 
-CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk
-    pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, id="T63-F12-Dv10-W8-C16"),
-    pytest.param(2, 1, 1, 1, 12, 10, 0, 8, 16, id="T1"),
-    pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, id="T40-Dv72-two-value-blocks"),
-    pytest.param(1, 2, 50, 50, 12, 10, 0, 16, 16, id="T50-W16-C16"),
-    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, id="T45-W20-three-near-chunks"),
-    pytest.param(1, 2, 90, 90, 12, 10, 0, 40, 16, id="T90-W40-four-near-chunks"),
-    pytest.param(1, 2, 90, 70, 12, 10, 20, 60, 16, id="W60-chunk-raised-to-32"),
-    pytest.param(1, 2, 5, 60, 12, 10, 55, 8, 16, id="decode-Lq5-Lk60-off55"),
-    pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, id="Lq20-Lk50-off10"),
-    pytest.param(1, 2, 40, 25, 12, 10, 0, 8, 16, id="queries-past-keys"),
+CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk, state budget (None: default)
+    pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, None, id="T63-F12-Dv10-W8-C16"),
+    pytest.param(2, 1, 1, 1, 12, 10, 0, 8, 16, None, id="T1"),
+    pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, None, id="T40-Dv72-two-value-blocks"),
+    pytest.param(1, 2, 50, 50, 12, 10, 0, 16, 16, None, id="T50-W16-C16"),
+    pytest.param(1, 2, 45, 45, 12, 10, 0, 20, 16, None, id="T45-W20-three-near-chunks"),
+    pytest.param(1, 2, 90, 90, 12, 10, 0, 40, 16, None, id="T90-W40-four-near-chunks"),
+    pytest.param(1, 2, 90, 70, 12, 10, 20, 60, 16, None, id="W60-chunk-raised-to-32"),
+    pytest.param(1, 2, 5, 60, 12, 10, 55, 8, 16, None, id="decode-Lq5-Lk60-off55"),
+    pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, None, id="Lq20-Lk50-off10"),
+    pytest.param(1, 2, 40, 25, 12, 10, 0, 8, 16, None, id="queries-past-keys"),
+    # a state budget of one byte: one term per launch (4 launches adding into num/den, dq, dk,
+    # dv), the near field in the first only
+    pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, 1, id="T63-a-term-per-launch"),
+    pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, 1, id="Dv72-a-term-per-launch"),
+    pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, 1, id="off10-a-term-per-launch"),
 ]
 
 
-@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk", CASES)
-def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk):
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", CASES)
+def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget):
     q, k, v = _inputs(B, H, Lq, Lk, F, Dv, torch.float64)
     plan = _plan(H, window, 4)
-    num, den, ls = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk)
+    num, den, ls = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
+                                                   state_budget=budget)
     assert not ls.any()
-    rn, rd = reference(q, k, v, plan, q_offset)
-    assert_close(num, rn.detach())
-    assert_close(den, rd.detach())
-    leaves = (q, k, v, plan.a, plan.corr)
-    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), _grads((num, den), leaves), _grads((rn, rd), leaves)):
-        assert_close(a, b, msg=name)
-
-
-@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk", [
-    pytest.param(1, 2, 63, 63, 12, 10, 0, 8, 16, id="T63"),
-    pytest.param(1, 1, 40, 40, 12, 72, 0, 8, 16, id="T40-Dv72-two-value-blocks"),
-    pytest.param(1, 2, 20, 50, 12, 10, 10, 8, 16, id="Lq20-Lk50-off10"),
-])
-def test_soe_in_term_groups_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk):
-    """A state budget of one byte: one term per launch (5 launches adding into num/den, dq, dk,
-    dv), the near field in the first only; output and every gradient as the reference's."""
-    q, k, v = _inputs(B, H, Lq, Lk, F, Dv, torch.float64)
-    plan = _plan(H, window, 5)
-    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
-                                                   state_budget=1)
     rn, rd = reference(q, k, v, plan, q_offset)
     assert_close(num, rn.detach())
     assert_close(den, rd.detach())

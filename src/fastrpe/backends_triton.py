@@ -76,8 +76,7 @@ def _shared_reasons(p: Problem) -> list[str]:
     from . import backends
 
     r = backends._kernel_kind_reasons(p, want_softmax=False) + backends._grid_reasons(p)
-    running_max = getattr(backends, "_running_max_reasons", None)  # causal SIKF, where it exists
-    return r + (running_max(p) if running_max else [])
+    return r + backends._running_max_reasons(p)  # causal SIKF
 
 
 def _triton_reason(p: Problem) -> str | None:
@@ -167,13 +166,7 @@ def _compose(q, k, v, p, kpm, num_den, coeffs):
     """The kernelized composition (features, Shaw, FastRPB) around the inner-product algorithm."""
     from . import backends
 
-    if hasattr(backends, "_kernelized"):  # the composition in ops/kernelized.py
-        return backends._kernelized(q, k, v, p, kpm, num_den, coeffs)
-
-    def old_num_den(phi_q, phi_k, vv, lc, *, causal, q_offset, key_padding_mask):
-        return num_den(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)
-
-    return backends.kernelized_attention(q, k, v, p, kpm, old_num_den, naive=False)
+    return backends._kernelized(q, k, v, p, kpm, num_den, coeffs)
 
 
 def num_den_triton_fused(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
