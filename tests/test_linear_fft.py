@@ -134,6 +134,52 @@ def test_feature_blocks_follow_the_budget_and_agree(causal, monkeypatch, small_l
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_feature_too_big_for_the_budget_goes_through_in_channel_parts(causal, monkeypatch, small_leaves):
+    """A budget below one feature's `Dv + 1` channels (what 1M tokens with B·H = 8 gives):
+    one feature at a time, its channels in parts of the size that fits; output, gradients and
+    the round-off estimate as with whole features (the certificates read it)."""
+    B, H, Lq, Lk, F, Dv = 2, 3, 40, 40, 4, 6
+    C = Dv + 1
+    pq, pk, v, _ = _inputs(B, H, Lq, Lk, F, Dv)
+    lc = (-0.05 * torch.arange(-(Lq - 1), Lk).abs().double()).expand(H, -1).clone().requires_grad_()
+    per_channel = fftplan._bytes_per_feature(B, H, Lq, Lk, Dv, 8) // C
+    widths = []
+    orig = fftproduct._channels
+    monkeypatch.setattr(fftproduct, "_channels", lambda phi, vv: widths.append(phi.shape[-1] * vv.shape[-1])
+                        or orig(phi, vv))
+    errs = []
+    orig_scaled = fftproduct.scaled_product
+    monkeypatch.setattr(fftmod.causal if causal else fftmod, "scaled_product",
+                        lambda *a: errs.append(r := orig_scaled(*a)) or r)
+    res = {}
+    for cb in (3, C):
+        assert fftplan.fft_channel_block(B, H, Lq, Lk, Dv, torch.float64, cb * per_channel) == cb
+        widths.clear()
+        errs.clear()
+        out = kernelized_num_den_fft(pq, pk, v, lc, causal=causal, memory_budget_bytes=cb * per_channel)
+        assert max(widths) == cb  # never a whole feature's 7 channels when 3 fit
+        res[cb] = (out, _grads(out, [pq, pk, v, lc]), [e[1] for e in errs])
+    for a, b in zip(res[3][0] + res[3][1], res[C][0] + res[C][1]):
+        assert_close(a, b)
+    for a, b in zip(res[3][2], res[C][2]):
+        assert_close(a, b)
+
+
+def test_channel_parts_at_a_million_tokens():
+    """The default budget at L = 1M, B·H = 8, Dv = 64 (fp32): one feature's channels need
+    ~35 GB of temporaries, one channel 0.54 GB (just over 512 MiB: one at a time), and the
+    estimated peak stays under issue 12's 40 GiB (it was 50 GB with whole features)."""
+    L = 1 << 20
+    per_feature = fftplan._bytes_per_feature(1, 8, L, L, 64, 4)
+    assert per_feature > 30e9 and fftplan.fft_channel_block(1, 8, L, L, 64, torch.float32) == 1
+    assert fftplan.fft_channel_block(1, 8, 4096, 4096, 64, torch.float32) == 65
+    _, peak = estimate_fft_cost(1, 8, L, L, 32, 64, torch.float32)
+    assert peak < 40 * 2 ** 30
+    with pytest.raises(ValueError, match="one feature at a time"):
+        fftproduct._blocks(8, 65, (2, 10))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_minus_inf_coefficients_and_a_dead_head(causal):
     B, H, Lq, Lk, F, Dv = 2, 3, 150, 140, 8, 5
     pq, pk, v, lc = _inputs(B, H, Lq, Lk, F, Dv, grad=False)

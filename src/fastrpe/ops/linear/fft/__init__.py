@@ -29,13 +29,13 @@ from .band import NEAR_BAND, band_covers_all, band_product, far_coefficients
 from .causal import causal_product, causal_segments
 from .certify import ROW_RTOL, certify_rows, static_schedule, sync_recompute
 from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, estimate_fft_cost, fft_block_size,
-                   recompute_capacity)
+                   fft_channel_block, recompute_capacity)
 from .product import scaled_product
 from .scale import row_max, sliding_max
 
-__all__ = ["kernelized_num_den_fft", "estimate_fft_cost", "fft_block_size", "causal_leaf", "causal_segments",
-           "recompute_capacity", "static_schedule", "sync_recompute", "CAUSAL_LEAF", "CAUSAL_LEAF_MAX", "DEFAULT_BUDGET", "ROW_RTOL",
-           "sliding_max"]
+__all__ = ["kernelized_num_den_fft", "estimate_fft_cost", "fft_block_size", "fft_channel_block", "causal_leaf",
+           "causal_segments", "recompute_capacity", "static_schedule", "sync_recompute", "CAUSAL_LEAF",
+           "CAUSAL_LEAF_MAX", "DEFAULT_BUDGET", "ROW_RTOL", "sliding_max"]
 
 
 def kernelized_num_den_fft(
@@ -80,7 +80,8 @@ def kernelized_num_den_fft(
     lc = torch.zeros(H, Lq + Lk - 1, dtype=dt, device=phi_q.device) if log_coeff is None else log_coeff.to(dt)
     if causal:
         lc = lc.masked_fill(~causal_offset_mask(Lq, Lk, q_offset, device=lc.device), float("-inf"))
-    block = fft_block_size(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes)
+    block = (fft_block_size(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes),
+             fft_channel_block(B, H, Lq, Lk, Dv, dt, memory_budget_bytes))
     rmax = row_max(lc, Lq, Lk)  # (H, Lq)
     empty = ~torch.isfinite(rmax)  # rows that see no coefficient: exactly 0
     scale = torch.where(empty, torch.zeros_like(rmax), rmax)

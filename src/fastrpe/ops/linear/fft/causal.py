@@ -61,7 +61,7 @@ def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: 
 
 
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
-                   block: int, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
+                   block: int | tuple[int, int], leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
     """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
     round-off per entry (`scaled_product`), over `causal_segments`:
     diagonal leaves dense, the rest FFT products each rescaled by its own largest

@@ -59,6 +59,17 @@ def fft_block_size(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torc
     return int(max(1, min(F, budget // per)))
 
 
+def fft_channel_block(B: int, H: int, Lq: int, Lk: int, Dv: int, dtype=torch.float32,
+                      memory_budget_bytes: int | None = None) -> int:
+    """Channels of one feature per block: all `Dv + 1` when a whole feature fits the budget,
+    else as many as fit (at least 1). One feature's channels at L = 1M with B·H = 8 and
+    Dv = 64 need ~35 GB of temporaries, over an 80 GB GPU's room with everything else."""
+    C = Dv + 1
+    budget = budget_or_default(memory_budget_bytes)
+    per_channel = max(1, _bytes_per_feature(B, H, Lq, Lk, Dv, element_size(dtype)) // C)
+    return int(max(1, min(C, budget // per_channel)))
+
+
 def rows_outside_keys(Lq: int, Lk: int, q_offset: int) -> int:
     """Queries whose own position `q_offset + i` is not a key position: they do not see
     offset 0, their largest coefficient drifts with their distance from the keys (a
@@ -89,8 +100,10 @@ def estimate_fft_cost(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=t
     rows, _ = recompute_capacity(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)  # self-attention layout
     flops = fft_flops + 4 * B * H * (Lq + Lk) * F * C + 2 * B * H * rows * Lk * (F + C)
     block = fft_block_size(B, H, Lq, Lk, F, Dv, dtype, memory_budget_bytes)
+    cb = fft_channel_block(B, H, Lq, Lk, Dv, dtype, memory_budget_bytes)
     # one block's temporaries, plus features, values and outputs kept for backward
-    peak = block * _bytes_per_feature(B, H, Lq, Lk, Dv, el) + 3 * B * H * (Lq * (F + C) + Lk * (F + C)) * el
+    peak = (block * cb * _bytes_per_feature(B, H, Lq, Lk, Dv, el) // C
+            + 3 * B * H * (Lq * (F + C) + Lk * (F + C)) * el)
     return flops, int(peak)
 
 

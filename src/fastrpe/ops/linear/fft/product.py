@@ -8,7 +8,8 @@ product of the `Dv + 1` channels `φ(k)_m·[v, 1]`.
 Memory: the channels of all features at once would be `[B, H, L, F·(Dv+1)]` (16 GiB at
 L = 64k, F = 64, fp32). Features are processed `block` at a time (a static loop: the block
 comes from shapes and the memory budget), and backward recomputes each block instead of
-saving it, so forward and backward need O(L·(Dv+1)·block) extra memory.
+saving it, so forward and backward need O(L·(Dv+1)·block) extra memory. Where even one
+feature's `Dv + 1` channels do not fit (1M tokens), its channels go through in parts.
 
 Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, C = Dv + 1
 channels per feature, N FFT length >= Lq + Lk - 1.
@@ -26,8 +27,17 @@ from .scale import to_row_units
 
 
 def _channels(phi: Tensor, vv: Tensor) -> Tensor:
-    """`φ(k)_m·[v, 1]` for a block: `[B, H, Lk, f], [B, H, Lk, C] -> [B, H, Lk, f·C]`."""
+    """`φ(k)_m·[v, 1]` for a block: `[B, H, Lk, f], [B, H, Lk, c] -> [B, H, Lk, f·c]`."""
     return (phi[..., :, None] * vv[..., None, :]).flatten(-2)
+
+
+def _blocks(F: int, C: int, block) -> list[tuple[int, int, int, int]]:
+    """`(s, e, cs, ce)`: features `s..e-1` with channels `cs..ce-1`. `block`: features per
+    block, or `(features, channels)` where channels < C splits one feature's channels."""
+    fb, cb = (block, C) if isinstance(block, int) else block
+    if cb < C and fb != 1:
+        raise ValueError(f"block: a feature's channels are split only one feature at a time, got {block}")
+    return [(s, min(F, s + fb), cs, min(C, cs + cb)) for s in range(0, F, fb) for cs in range(0, C, cb)]
 
 
 #: FFT round-off per output entry of a circular convolution with spectrum P (length N):
@@ -46,7 +56,7 @@ class _FFTNumDen(torch.autograd.Function):
     of each feature's channel products per entry (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, phi_q: Tensor, phi_k: Tensor, vv: Tensor, c: Tensor, block: int):
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, vv: Tensor, c: Tensor, block: int | tuple[int, int]):
         B, H, Lq, F = phi_q.shape
         Lk, C = vv.shape[2], vv.shape[3]
         N = fft_length(Lq + Lk - 1)
@@ -55,14 +65,14 @@ class _FFTNumDen(torch.autograd.Function):
         err = phi_q.new_empty(B, H, F, C)
         # sqrt(2)·‖half spectrum‖₂ >= ‖full spectrum‖₂ (Parseval over the rfft's half)
         unit = ROUND_OFF * torch.finfo(phi_q.dtype).eps * math.sqrt(2 * math.log2(max(N, 2))) / N
-        for s in range(0, F, block):
-            e = min(F, s + block)
-            p = torch.fft.rfft(_channels(phi_k[..., s:e], vv), n=N, dim=2) * cf[..., None]  # (B, H, N//2+1, f·C)
-            pr = torch.view_as_real(p)  # (B, H, N//2+1, f·C, 2)
+        for s, e, cs, ce in _blocks(F, C, block):
+            fc = (e - s, ce - cs)
+            p = torch.fft.rfft(_channels(phi_k[..., s:e], vv[..., cs:ce]), n=N, dim=2) * cf[..., None]
+            pr = torch.view_as_real(p)  # (B, H, N//2+1, f·c, 2)
             energy = torch.einsum("bhkcr,bhkcr->bhc", pr, pr)  # Σ_k |P_k|², a batched dot product
-            err[:, :, s:e] = (unit * energy.sqrt()).unflatten(-1, (e - s, C))
-            t = torch.fft.irfft(p, n=N, dim=2)[:, :, Lk - 1: Lk - 1 + Lq]  # (B, H, Lq, f·C)
-            y += torch.einsum("bhif,bhifc->bhic", phi_q[..., s:e], t.unflatten(-1, (e - s, C)))
+            err[:, :, s:e, cs:ce] = (unit * energy.sqrt()).unflatten(-1, fc)
+            t = torch.fft.irfft(p, n=N, dim=2)[:, :, Lk - 1: Lk - 1 + Lq]  # (B, H, Lq, f·c)
+            y[..., cs:ce] += torch.einsum("bhif,bhifc->bhic", phi_q[..., s:e], t.unflatten(-1, fc))
         ctx.save_for_backward(phi_q, phi_k, vv, c)
         ctx.block = block
         ctx.mark_non_differentiable(err)
@@ -82,22 +92,22 @@ class _FFTNumDen(torch.autograd.Function):
         g_k = torch.zeros_like(phi_k) if ctx.needs_input_grad[1] else None
         g_v = torch.zeros_like(vv) if ctx.needs_input_grad[2] else None
         g_cf = None
-        for s in range(0, F, block):
-            e, f = min(F, s + block), min(F, s + block) - s
-            x = _channels(phi_k[..., s:e], vv)  # (B, H, Lk, f·C)
+        for s, e, cs, ce in _blocks(F, C, block):
+            fc = (e - s, ce - cs)
+            x = _channels(phi_k[..., s:e], vv[..., cs:ce])  # (B, H, Lk, f·c)
             xf = torch.fft.rfft(x, n=N, dim=2)
             if g_q is not None:
                 t = torch.fft.irfft(xf * cf[..., None], n=N, dim=2)[:, :, Lk - 1: Lk - 1 + Lq]
-                g_q[..., s:e] = torch.einsum("bhic,bhifc->bhif", gy, t.unflatten(-1, (f, C)))
-            z = _channels(phi_q[..., s:e], gy)  # (B, H, Lq, f·C): dL/dT-product per channel
+                g_q[..., s:e] += torch.einsum("bhic,bhifc->bhif", gy[..., cs:ce], t.unflatten(-1, fc))
+            z = _channels(phi_q[..., s:e], gy[..., cs:ce])  # (B, H, Lq, f·c): dL/dT-product per channel
             zf = torch.fft.rfft(z, n=N, dim=2)
             if g_k is not None or g_v is not None:
                 g = torch.fft.irfft(zf * cf_t[..., None], n=N, dim=2)[:, :, Lq - 1: Lq - 1 + Lk]
-                g = g.unflatten(-1, (f, C))  # (B, H, Lk, f, C)
+                g = g.unflatten(-1, fc)  # (B, H, Lk, f, c)
                 if g_k is not None:
-                    g_k[..., s:e] = torch.einsum("bhjfc,bhjc->bhjf", g, vv)
+                    g_k[..., s:e] += torch.einsum("bhjfc,bhjc->bhjf", g, vv[..., cs:ce])
                 if g_v is not None:
-                    g_v += torch.einsum("bhjfc,bhjf->bhjc", g, phi_k[..., s:e])
+                    g_v[..., cs:ce] += torch.einsum("bhjfc,bhjf->bhjc", g, phi_k[..., s:e])
             if need_c:
                 # dL/dc[r] = Σ_i Σ_ch z_i x_{i + r - (Lq-1)}: a cross-correlation, summed in the spectrum
                 part = (zf.conj() * xf).sum(dim=(0, 3))  # (H, N//2+1)
@@ -112,7 +122,7 @@ class _FFTNumDen(torch.autograd.Function):
 
 
 def scaled_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor,
-                   block: int) -> tuple[Tensor, Tensor]:
+                   block: int | tuple[int, int]) -> tuple[Tensor, Tensor]:
     """`(y, err)`, each `[B, H, Lq, C]` in the rows' units `exp(scale)` (`scale: [H, Lq]`), for
     the log-coefficients `lc: [H, Lq+Lk-1]`: one FFT product on `exp(lc - m)`, `m` the
     per-head largest entry (computed on the device), then each row brought to its own
