@@ -56,6 +56,17 @@ def test_smoke_runs_every_competitor_and_labels_itself(smoke):
     assert (out / "gpu.md").read_text().startswith("**SMOKE RUN")
 
 
+def test_criteria_rows_run_first_at_every_length(tmp_path):
+    """A phase cut short by its budget still has what `check` reads: the criteria rows of every
+    length come before any other row."""
+    cfg = gpu.smoke_config(lengths=(32, 40), families=("alibi",), decode_context=48)
+    res = gpu.run_gpu_suite(cfg, tmp_path, command="order", log=lambda *a: None)
+    first = [r["competitor"] in gpu.CRITERIA_ROWS[r["problem"]["position"]] for r in res["rows"]]
+    assert any(first) and not all(first)
+    assert first == sorted(first, reverse=True)  # every True before every False
+    assert {r["problem"]["L"] for r, f in zip(res["rows"], first) if f} == {32, 40}
+
+
 def test_smoke_accuracy_rows_of_exact_backends_are_exact(smoke):
     _, res = smoke
     acc = [r for r in res["rows"] if "max_abs_err_fp32" in r]
