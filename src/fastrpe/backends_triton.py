@@ -275,24 +275,20 @@ class TritonBandBackend(Backend):
     one undecayed term (`ops/linear/triton_band.py`), forward and backward."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        from . import backends
+        from .dispatch import BACKENDS
 
-        r = _shared_reasons(p)
+        # what `band` refuses (the kernel kind, a term without finite support), as triton_soe
+        # takes soe's; then what this kernel adds
+        r = [x.replace("chunked runs none", "triton_chunked runs none")
+             for x in BACKENDS["band"].not_supported_reasons(p)]
         why = _triton_reason(p)
         if why:
             r.append(why)
         if not p.causal:
             r.append("causal only (band runs the bidirectional form)")
-        if p.position is None:
-            r.append("needs a finite-support positional term (triton_chunked runs none)")
-        elif p.position.softmax_only or backends._is_grid(p):
-            r.append(f"{type(p.position).__name__} has no 1D kernelized form")
-        else:
-            W = p.position.finite_support()
-            if W is None:
-                r.append(f"{type(p.position).__name__} is not constant beyond a finite distance")
-            elif W > MAX_BAND_WINDOW:
-                r.append(f"its support of {W} distances is over the kernel's {MAX_BAND_WINDOW} (band runs it)")
+        W = p.position.finite_support() if p.position is not None else None
+        if W is not None and W > MAX_BAND_WINDOW:
+            r.append(f"its support of {W} distances is over the kernel's {MAX_BAND_WINDOW} (band runs it)")
         if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             r.append(f"dtype {p.dtype} is not supported")
         return r

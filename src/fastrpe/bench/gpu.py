@@ -709,8 +709,6 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     path = out / "gpu.json"
     old = json.loads(path.read_text()) if resume and path.exists() else None
     rows = list(old["rows"]) if old else []
-    # every pair with a row is done (timed, refused or out of memory); pairs the budget left
-    # out have no row and run now
     env = environment(dev)
     if old and (old.get("device") != env["device"] or old.get("dtype") != cfg.dtype):
         from .._validate import FastRPEError
@@ -751,6 +749,8 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
         def chosen(p, name, first=first):
             return (name in CRITERIA_ROWS.get(p.position, ())) == first and select(p, name)
 
+        # every pair with a row is done (timed, refused or out of memory); pairs the budget
+        # left out have no row and run now
         done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in res["rows"]}
         run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
                   warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,

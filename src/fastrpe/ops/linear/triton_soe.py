@@ -342,7 +342,6 @@ class _SoE(torch.autograd.Function):
         BF, BDV = _pow2(F), _pow2(Dv)
         BV = min(BDV, 64)
         N = -(-max(Lk, q_offset + Lq) // T)
-        hdt = state_dtype
         groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
         # several groups add into num/den: keep the sums in the accumulation dtype until the end
         sum_dtype = out_dtype if len(groups) == 1 else acc
@@ -350,7 +349,7 @@ class _SoE(torch.autograd.Function):
         den = torch.empty(B, H, Lq, dtype=sum_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         for i, (k0, k1) in enumerate(groups):
-            h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, hdt, acc, meta)
+            h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta)
             _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z, num, den,
                                                    H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
                                                    BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **meta)
@@ -358,7 +357,7 @@ class _SoE(torch.autograd.Function):
         # the states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk)
-        ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups)
+        ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups)
         return num.to(out_dtype), den.to(out_dtype)
 
     @staticmethod
