@@ -277,6 +277,81 @@ def test_gradcheck(name):
         assert torch.autograd.gradcheck(lambda t, iq=is_query: kern(t, is_query=iq), (x,), **tol(torch.float64) | {"atol": 1e-6})
 
 
+_PRF_VARIANTS = [dict(normalize=n, two_sided=t, num_heads=h) for n in (False, True) for t in (False, True)
+                 for h in (None, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+@pytest.mark.parametrize("cfg", _PRF_VARIANTS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_prf_lean_backward_matches_autograd(cfg, dtype):
+    """PRF's hand-written backward (`_PRFFeatures`) against autograd through the very ops of
+    `PRF.features`, queries (the maximum's gradient) and keys, a zero row too."""
+    kern = K.PRF(6, 5, **cfg)
+    kern = kern.double() if dtype == torch.float64 else kern
+    x = _x(2, 2, 9, 6, dtype=torch.float64)
+    x[0, 0, 0] = 0.0
+    x = x.to(dtype)
+    w = torch.randn(2, 2, 9, kern.num_features(6), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for is_query in (True, False):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        f1 = kern(x1, is_query=is_query)
+        assert f1.grad_fn is not None and "PRFFeatures" in type(f1.grad_fn).__name__
+        f2 = kern.features(kern._prepare(x2), is_query)
+        assert torch.equal(f1, f2)
+        (g1,) = torch.autograd.grad((f1.double() * w).sum(), x1)
+        (g2,) = torch.autograd.grad((f2.double() * w).sum(), x2)
+        rtol = 1e-12 if dtype == torch.float64 else 1e-2
+        torch.testing.assert_close(g1.double(), g2.double(), rtol=rtol, atol=rtol * float(g2.abs().max()))
+
+
+def test_prf_lean_backward_ties_split_as_amax():
+    """Two equal largest exponents share the maximum's gradient, as `amax` splits it."""
+    kern = K.PRF(2, 2).double()
+    with torch.no_grad():
+        kern.w.copy_(torch.tensor([[1.0, 0.0], [1.0, 0.0]]))  # both projections equal: a tie everywhere
+    x = torch.randn(1, 1, 4, 2, dtype=torch.float64)
+    w = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (g1,) = torch.autograd.grad((kern(x1) * w).sum(), x1)
+    (g2,) = torch.autograd.grad((kern.features(kern._prepare(x2), True) * w).sum(), x2)
+    torch.testing.assert_close(g1, g2, rtol=1e-13, atol=1e-13)
+
+
+def test_prf_backward_in_blocks_of_positions(monkeypatch):
+    """The backward taken a few positions at a time (`PRF_BACKWARD_BLOCK_BYTES`, uneven last
+    block) gives the gradient of one block."""
+    kern = K.PRF(6, 5, normalize=True, num_heads=2)
+    x = _x(2, 2, 11, 6).requires_grad_()
+    w = torch.randn(2, 2, 11, 5, generator=torch.Generator().manual_seed(4))
+    whole = {}
+    for block in (1 << 28, 2 * 2 * 2 * 6 * 4 * 3):  # all at once; 3 positions per block
+        monkeypatch.setattr(K, "PRF_BACKWARD_BLOCK_BYTES", block)
+        for is_query in (True, False):
+            (g,) = torch.autograd.grad((kern(x, is_query=is_query) * w).sum(), x)
+            if is_query in whole:
+                torch.testing.assert_close(g, whole[is_query], rtol=1e-6, atol=1e-7)
+            whole[is_query] = g
+
+
+def test_prf_second_derivatives():
+    kern = K.PRF(4, 3, normalize=True, two_sided=True).double()
+    x = (_x(1, 1, 3, 4, dtype=torch.float64) + 0.1).requires_grad_(True)
+    for is_query in (True, False):
+        assert torch.autograd.gradgradcheck(lambda t, iq=is_query: kern(t, is_query=iq), (x,))
+
+
+def test_prf_saves_only_its_input_and_features():
+    """What the feature map holds for backward: x and φ (the bytes autograd would keep were
+    the float32, normalized and scaled copies, the projections and the exponents)."""
+    kern = K.get_kernel("nprf", head_dim=64, num_features=32)
+    x = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        phi = kern(x, is_query=True)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    assert sum(held.values()) == x.numel() * 2 + phi.numel() * 4
+
+
 # --- get_kernel ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", MAPS)

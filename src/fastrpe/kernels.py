@@ -362,11 +362,15 @@ class PRF(_RandomFeatures):
             bound = wn * r - r * r / 2
         return bound.amax() if self.num_heads is None else bound.amax(-1, keepdim=True)
 
-    def features(self, x: Tensor, is_query: bool) -> Tensor:
+    def _exponents(self, x: Tensor) -> Tensor:
+        """`(.., F)` exponents `±w·xs − ‖xs‖²/2` of prepared inputs, before any shift."""
         xs, wx = self._project(x)  # (.., D), (.., m)
         if self.two_sided:
             wx = torch.cat([wx, -wx], dim=-1)  # (.., 2m)
-        e = wx - xs.pow(2).sum(-1, keepdim=True) / 2  # (.., F) exponents
+        return wx - xs.pow(2).sum(-1, keepdim=True) / 2
+
+    def features(self, x: Tensor, is_query: bool) -> Tensor:
+        e = self._exponents(x)  # (.., F)
         if is_query:
             e = e - e.amax(-1, keepdim=True)
         else:
@@ -374,8 +378,92 @@ class PRF(_RandomFeatures):
             e = e - (shift if self.num_heads is None else shift[:, None, :])  # (H, 1, 1) per head
         return torch.exp(e) / math.sqrt(self._out_features())
 
+    def forward(self, x: Tensor, is_query: bool = True) -> Tensor:
+        """As `FeatureMap.forward`; when x needs a gradient, by `_PRFFeatures`, which keeps
+        only x and φ for backward instead of every intermediate (see there)."""
+        if (torch.is_grad_enabled() and x.requires_grad and not self.w.requires_grad
+                and not torch.compiler.is_compiling()):  # a compiled graph plans its own memory
+            return _PRFFeatures.apply(x, self, is_query)
+        return super().forward(x, is_query)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", two_sided={self.two_sided}"
+
+
+class _PRFFeatures(torch.autograd.Function):
+    """`PRF.features(_prepare(x))` with a hand-written backward that saves x (the caller
+    holds it) and φ (the attention op saves it too), not autograd's float32 copy, normalized
+    copy, scaled copy, projections and exponents: for bf16 inputs with D = 64, F = 32, those
+    are 528 more bytes per (head, position), 4.1 GiB per map at B·H = 8 and a million
+    tokens, held from the forward to the end of the backward.
+
+    Backward, with `de = dφ·φ` (`φ = exp(e)/√F`): a query's `e = e₀ − max e₀` sends
+    `−Σde` to its maximal entries (split evenly among ties, as `amax` does); a key's shift
+    is a constant. `e₀ = [w·xs, −w·xs] − ‖xs‖²/2` gives `dxs = dwx·w − xs·Σde₀`;
+    `xs = s·x̂`, and `x̂ = x/max(‖x‖, 1e-12)` (`F.normalize`) gives
+    `dx = (dx̂ − x̂·(x̂·dx̂))/‖x‖` (`dx̂/1e-12` below the clamp). Second derivatives
+    work (the backward is made of differentiable ops); tests check both against autograd
+    through `PRF.features`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kern: "PRF", is_query: bool) -> Tensor:
+        phi = kern.features(kern._prepare(x), is_query)
+        ctx.kern, ctx.is_query = kern, is_query
+        ctx.save_for_backward(x, phi)
+        return phi
+
+    @staticmethod
+    def backward(ctx, dphi: Tensor):
+        x, phi = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: out of place, one block (second derivatives)
+            return _prf_input_grad(ctx.kern, x, phi, dphi, ctx.is_query, inplace=False), None, None
+        # blocks of positions (dim -2), so that the float32 temporaries (x̂, dx: about 3
+        # bytes of them per byte of bf16 x) stay near PRF_BACKWARD_BLOCK_BYTES at any length
+        L = x.shape[-2]
+        step = max(1, PRF_BACKWARD_BLOCK_BYTES * L // max(1, x.numel() * phi.element_size()))
+        if step >= L:
+            return _prf_input_grad(ctx.kern, x, phi, dphi, ctx.is_query, inplace=True), None, None
+        dx = torch.empty_like(x)
+        for i in range(0, L, step):
+            sl = (..., slice(i, i + step), slice(None))
+            dx[sl] = _prf_input_grad(ctx.kern, x[sl], phi[sl], dphi[sl], ctx.is_query, inplace=True)
+        return dx, None, None
+
+
+#: float32 bytes of x that one block of `_PRFFeatures`' backward widens at a time (256 MiB:
+#: at B·H = 8 and a million tokens, 8 blocks)
+PRF_BACKWARD_BLOCK_BYTES = 1 << 28
+
+
+def _prf_input_grad(kern: PRF, x: Tensor, phi: Tensor, dphi: Tensor, is_query: bool, inplace: bool) -> Tensor:
+    """`dx` of `_PRFFeatures` (its docstring has the formulas) for x, φ, dφ of some positions;
+    `inplace` (not under create_graph) reuses the temporaries: x̂ and dx, `[.., D]` float32."""
+    cd, eps, s = phi.dtype, 1e-12, kern.input_scale
+    de = dphi * phi  # (.., F)
+    xh = x.to(cd)
+    if kern.normalize:
+        n = xh.norm(dim=-1, keepdim=True).clamp_min(eps)
+        xh = xh.div_(n) if inplace and xh is not x else xh / n
+    w = kern.w.to(cd)
+    if is_query:  # the gradient of the subtracted maximum, at the entries the forward's amax found
+        e0 = kern._exponents(xh)
+        top = (e0 == e0.amax(-1, keepdim=True)).to(cd)
+        del e0
+        share = de.sum(-1, keepdim=True) / top.sum(-1, keepdim=True)
+        de = de.addcmul_(top, share, value=-1.0) if inplace else de - top * share
+        del top
+    m = kern.m
+    dwx = de[..., :m] - de[..., m:] if kern.two_sided else de  # (.., m)
+    sde = de.sum(-1, keepdim=True)
+    del de
+    # e₀ = [s·w·x̂, −s·w·x̂] − s²‖x̂‖²/2:  dx̂ = s·dwx·w − s²·x̂·Σde₀
+    dx = dwx @ w if kern.num_heads is None else torch.einsum("...hlm,hmd->...hld", dwx, w)
+    del dwx
+    dx = dx.mul_(s).addcmul_(xh, sde, value=-s * s) if inplace else dx * s - (s * s) * xh * sde
+    if kern.normalize:  # through x̂ = x/max(‖x‖, eps): the radial part goes, unless clamped
+        radial = torch.einsum("...d,...d->...", xh, dx).unsqueeze(-1) * (n > eps)
+        dx = dx.addcmul_(xh, radial, value=-1.0).div_(n) if inplace else (dx - xh * radial) / n
+    return dx.to(x.dtype)
 
 
 class TRF(_RandomFeatures):
