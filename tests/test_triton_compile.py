@@ -71,13 +71,16 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
                   (ts._soe_bwd_dcn_kernel, soe, dict(NB=NB, **tile, **m))]
     if dt == "fp32":
         cases.append((tr._step_kernel, geo, dict(BF=32, BC=64)))
+        # float32 features, bf16 values: dv written as bf16 bits
+        cases.append((tc._bwd_grads_kernel, {**geo, "v_ptr": "bf16", "dv_ptr": "i16"},
+                      dict(STRICT=True, DV_BF16=True, **tile, **m)))
     for kernel, types, consts in cases:
         k = compile_for_h100(kernel, types, consts)
         assert k.metadata.shared <= 227 * 1024, (dt, k.metadata.name, consts.get("NB"), k.metadata.shared)
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (5 + 2 * 6) + 1
+N_COMPILED = 2 * (5 + 2 * 6) + 2
 
 
 @pytest.mark.slow

@@ -90,3 +90,38 @@ def test_bf16_problem_with_the_gpu_choice_is_as_accurate_as_dense(monkeypatch, b
     monkeypatch.setattr(bt, "LOWP_FEATURES", "bfloat16")
     rounded, _ = _errors(backend, family)
     assert rounded[1] > 1.5 * fast[1], f"dq: bf16 features {rounded[1]:.3g}, float32 features {fast[1]:.3g}"
+
+
+def _num_den_ops():
+    from fastrpe.ops.linear.soe import soe_plan_for
+    from fastrpe.ops.linear.triton_chunked import kernelized_num_den_triton_chunked
+    from fastrpe.ops.linear.triton_soe import kernelized_num_den_triton_soe
+
+    plan = soe_plan_for(fr.positions.KerpleLog(H).to(DEV), L)
+    gamma = torch.tensor([0.9, 0.99], device=DEV)
+    return {"triton_chunked": lambda a, b, v: kernelized_num_den_triton_chunked(a, b, v, gamma=gamma)[:2],
+            "triton_soe": lambda a, b, v: kernelized_num_den_triton_soe(a, b, v, plan)[:2]}
+
+
+@pytest.mark.parametrize("name", ["triton_chunked", "triton_soe"])
+def test_bf16_values_are_read_as_they_are(name):
+    """float32 features with bf16 values: the kernels widen v in registers, so num, den and the
+    feature gradients equal those of `v.float()` exactly, dv is the float32 dv rounded once,
+    and no float32 copy of v is kept for backward."""
+    op = _num_den_ops()[name]
+    g = torch.Generator().manual_seed(0)
+    pq, pk = (torch.rand(B, H, 100, F, generator=g).to(DEV).requires_grad_() for _ in range(2))
+    v16 = torch.randn(B, H, 100, D, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    v32 = v16.detach().float().requires_grad_()
+    wn = torch.randn(B, H, 100, D, generator=g).to(DEV)
+    res = {}
+    for v in (v16, v32):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            num, den = op(pq, pk, v)
+        assert not any(t.dtype == torch.float32 and t.shape == v.shape for t in saved) or v is v32
+        res[v.dtype] = (num, den, *torch.autograd.grad((num * wn).sum() + den.sum(), (pq, pk, v)))
+    a, b = res[torch.bfloat16], res[torch.float32]
+    for x, y in zip(a[:4], b[:4]):
+        assert torch.equal(x, y)
+    assert a[4].dtype == torch.bfloat16 and torch.equal(a[4], b[4].to(torch.bfloat16))

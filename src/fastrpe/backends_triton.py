@@ -159,6 +159,7 @@ class TritonChunkedBackend(Backend):
                                           key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
                                           dot_dtype=dot_dtype, precision=precision)
 
+        num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
         return _compose(q, k, v, p, kpm, num_den, gamma)
 
 
@@ -206,6 +207,7 @@ def _run_fused(q, k, v, p, kpm, coeffs):
                                     key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
                                     dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype)
 
+    num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
     return _compose(q, k, v, p, kpm, num_den, coeffs)
 
 

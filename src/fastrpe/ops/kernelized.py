@@ -81,6 +81,8 @@ class NumDen(Protocol):
     `[H, R]` log-coefficients `b_h(r)` or None (dense, fft), `[H]` decays γ or None
     (chunked), None (prefix), an `SoEPlan` (soe), `BandCoefficients` (band),
     `GridCoefficients` (2D grids).
+    `v` comes in the features' dtype, except for an algorithm with the attribute
+    `keeps_value_dtype = True`, which gets the caller's v as it is (bf16/fp16 included).
     `key_log_scale: [B, H, Lk]` is a per-key log-factor of the key features (true features
     `phi_k·exp(key_log_scale)`, the running maximum of causal SIKF); only `num_den_dense`
     accepts it, the others raise.
@@ -306,11 +308,15 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, kernel, num_den: NumDe
         phi_q = kernel(q, is_query=True)  # (B, H, Lq, F), float32/64
         phi_k, s = kernel.key_features(k, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, Lk, F)
         warn_underflowed_rows(kernel, phi_q, phi_k)  # exp/prf at huge norms: zero rows, said once
-        vv = v.to(phi_q.dtype)
+        # values in the features' dtype, unless the algorithm reads bf16/fp16 values itself
+        # (`keeps_value_dtype`, the Triton kernels): then no float32 copy is made and saved
+        vv = v if getattr(num_den, "keeps_value_dtype", False) else v.to(phi_q.dtype)
         s = torch.as_tensor(s, dtype=phi_q.dtype, device=phi_q.device).detach()
         per_key = s.dim() == 3 and s.shape[-1] > 1  # causal running maximum: [B, H, Lk]
         num, den, log_scale = num_den(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                       key_padding_mask=key_padding_mask, key_log_scale=s if per_key else None)
+        if shaw or fastrpb:
+            vv = vv.to(phi_q.dtype)
         if shaw:
             # content sums are in units of exp(log_scale + s) per row, Shaw's in units of 1
             total = log_scale if per_key else log_scale + s  # s: (), (H, 1) or (B, H, 1)

@@ -91,6 +91,13 @@ if HAS_TRITON:
             return tl.dot(a.to(DT), b.to(DT), out_dtype=ACC)
 
     @triton.jit
+    def _bf16_bits(x):
+        """float32 `x` rounded to bf16 (to nearest, ties to even), as int16 bits: written out,
+        because a store that converts truncates under the interpreter and rounds on the GPU."""
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
+
+    @triton.jit
     def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, H, Lk, F, Dv, N,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
@@ -200,9 +207,10 @@ if HAS_TRITON:
     def _bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr,
                           dq_ptr, dk_ptr, dv_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                          STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                          STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                          DV_BF16: tl.constexpr = False):
         """Grid (N, B·H): dφq, dφk, dv of chunk n (every value column in one program:
-        dφq and dφk sum over them)."""
+        dφq and dφk sum over them). DV_BF16: dv_ptr is the int16 view of a bf16 dv."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
@@ -245,7 +253,10 @@ if HAS_TRITON:
         dv = _dot(tl.trans(A), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & fm)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
-        tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
+        if DV_BF16:  # (a branch may not change a variable's type: one store per branch)
+            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], _bf16_bits(dv), mask=km[:, None] & cm)
+        else:
+            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
 
 
 def _tuned(kernel, key, reset=None, restore=None):
@@ -261,7 +272,7 @@ def _tuned(kernel, key, reset=None, restore=None):
 
 if HAS_TRITON:
     _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT"])
-    _bwd_grads_kernel = _tuned(_bwd_grads_kernel, ["F", "Dv", "STRICT"])
+    _bwd_grads_kernel = _tuned(_bwd_grads_kernel, ["F", "Dv", "STRICT", "DV_BF16"])
 
 _TL_DTYPE = {}
 if HAS_TRITON:
@@ -284,6 +295,13 @@ def dot_mode(precision: str) -> int:
     if precision not in PRECISIONS:
         raise FastRPEError(f"precision: one of {', '.join(PRECISIONS)}, got {precision!r}")
     return 1 if INTERPRETED else PRECISIONS.index(precision) * 2
+
+
+def value_dtype(v: Tensor, dt: torch.dtype) -> torch.dtype:
+    """The dtype the kernels read values in: a bf16/fp16 `v` as it comes (`_dot` widens it to
+    the features' dtype in registers, exactly, so no float32 copy of v is stored and saved),
+    any other in the features' dtype `dt`."""
+    return v.dtype if v.dtype in (torch.bfloat16, torch.float16) else dt
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -344,9 +362,13 @@ class _ChunkedDecay(torch.autograd.Function):
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
-        _bwd_grads_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, log_g, h, z, dh, dz, dq, dk, dv,
-                                      H, Lq, Lk, F, Dv, N, q_offset, BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
+        # a bf16 v (features float32) gets dv written in bf16, rounded once in the kernel as
+        # torch would round a float32 dv: no float32 dv at all
+        dv_bf16 = v.dtype == torch.bfloat16 and dt != torch.bfloat16
+        dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
+        _bwd_grads_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, log_g, h, z, dh, dz, dq, dk,
+                                      dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
+                                      BT=BT, BF=BF, BDV=BDV, STRICT=strict, DV_BF16=dv_bf16, **meta)
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
         dlg = None
         if ctx.needs_input_grad[3]:
@@ -367,7 +389,7 @@ class _ChunkedDecay(torch.autograd.Function):
             if init is not None:
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
-        return (dq.to(dt), dk.to(dt), dv.to(dt), dlg, dinit.to(init.dtype) if init is not None else None,
+        return (dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else None,
                 None, None, None, None, None)
 
 
@@ -394,7 +416,7 @@ def _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size):
         if gamma.shape != (H,):
             raise FastRPEError(f"gamma: expected shape ({H},), got {tuple(gamma.shape)}")
         log_g = torch.log(gamma.to(acc))
-    return phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(), log_g.contiguous()
+    return phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(), log_g.contiguous()
 
 
 def kernelized_num_den_triton_chunked(
@@ -416,7 +438,7 @@ def kernelized_num_den_triton_chunked(
 
     Args:
         phi_q: `[B, H, Lq, F]` at positions `q_offset + 0..Lq-1`; phi_k: `[B, H, Lk, F]`;
-            v: `[B, H, Lk, Dv]` (cast to phi_q's dtype).
+            v: `[B, H, Lk, Dv]` (read as it comes if bf16/fp16, else in phi_q's dtype).
         gamma: `[H]` decays in (0, 1] (differentiable), or None for 1.
         key_padding_mask: `[B, Lk]` bool, True = padding.
         chunk_size: T, a power of two >= 16.

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
-from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _pow2, _tuned, acc_dtype, dot_mode,
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _pow2, _tuned, acc_dtype, dot_mode, value_dtype,
                              triton_unavailable_reason)
 
 if HAS_TRITON:
@@ -414,7 +414,7 @@ class _SoE(torch.autograd.Function):
             dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
         if ctx.needs_input_grad[4]:
             dwq_h = torch.cat(dwq, 2).view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(dt), dcn, dwq_h, None, None, None, None, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h, None, None, None, None, None, None, None, None
 
 
 def soe_tables(plan: SoEPlan, T: int, NB: int = 2) -> tuple[Tensor, Tensor]:
@@ -450,7 +450,7 @@ def kernelized_num_den_triton_soe(
 
     Args:
         phi_q: `[B, H, Lq, F]` at positions `q_offset + 0..Lq-1`; phi_k: `[B, H, Lk, F]`;
-            v: `[B, H, Lk, Dv]` (cast to phi_q's dtype).
+            v: `[B, H, Lk, Dv]` (read as it comes if bf16/fp16, else in phi_q's dtype).
         plan: `SoEPlan` (`soe.soe_plan`); gradients flow to `plan.a` and `plan.corr`.
         key_padding_mask: `[B, Lk]` bool, True = padding.
         chunk_size: T; the near field spans as many chunks as the window needs
@@ -493,7 +493,7 @@ def kernelized_num_den_triton_soe(
     # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
     sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
     group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
-    num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(dt).contiguous(),
+    num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
                           cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, NB, out_dtype or dt,
                           dot_mode(precision), sdt, group)
     return num, den, plan.log_scale(Lq, num.dtype)
