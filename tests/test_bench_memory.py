@@ -16,6 +16,23 @@ def test_allocator_peak_counts_freed_temporaries_and_net_counts_kept_tensors():
     assert peak == 6_000_000 and net == 2_000_000
 
 
+def test_freeing_what_an_earlier_call_left_does_not_lower_the_peak():
+    """A block an earlier measured call left behind (the profiler then knows its size), freed
+    during this one, is not this call's memory: its free must not offset this call's
+    allocations (the Triton interpreter leaves each launch's arguments to the garbage
+    collector, so benchmark rows freed the previous row's buffers)."""
+    held = []
+    allocator_peak_bytes(lambda: held.append(torch.ones(1000, 1000)))  # 4 MB left by a measured call
+
+    def fn():
+        held.clear()  # freed here
+        b = torch.ones(500, 1000)  # 2 MB: this call's peak
+        del b
+
+    peak, net = allocator_peak_bytes(fn)
+    assert peak == 2_000_000 and net == 0
+
+
 def test_peak_is_linear_in_the_size_of_a_linear_computation():
     def run(n):
         x = torch.randn(n, 64)

@@ -27,11 +27,21 @@ def allocator_peak_bytes(fn: Callable[[], object]) -> tuple[int, int]:
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))  # < 0 for a free
+            # alloc_size < 0 for a free
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
     cur = peak = 0
-    for _, size in events:
+    live: dict[int, int] = {}
+    for _, size, ptr in events:
+        if size < 0 and live.pop(ptr, None) is None:
+            # a block allocated before the call (the profiler knows its size if an earlier
+            # measured call allocated it; the Triton interpreter leaves a launch's arguments
+            # to the garbage collector): not this call's memory, and counting its free
+            # would lower this call's peak
+            continue
+        if size > 0:
+            live[ptr] = size
         cur += size
         peak = max(peak, cur)
     return peak, cur
