@@ -9,14 +9,15 @@ proportional, the sum-of-exponentials states' `soe.STATE_BUDGET` (1 GiB per grou
 is scaled down here by the same factor, so that terms are grouped as they are at 1M; so is
 the block of positions that PRF's backward widens at a time (`PRF_BACKWARD_BLOCK_BYTES`).
 
-Each row runs `torch.autograd.grad(fastrpe.attention(...), (q, k, v), g)` with bf16
-`q, k, v: [1, H, L, 64]` and NPRF with 32 features, causal; the Triton backends run under
+Each row runs what `fastrpe bench --suite gpu` times, `fastrpe.attention(...)` then
+`out.float().sum().backward()`, with bf16 `q, k, v: [1, H, L, 64]` (their `.grad` already
+held, as after the bench's warm-up) and NPRF with 32 features, causal; the Triton backends run under
 the interpreter (`TRITON_INTERPRET=1`, set here), whose kernels allocate what they do on
 a GPU. The interpreter's launch leaves its arguments in a reference cycle (a recursive
 closure over their storages), which would hold every kernel argument until the garbage
 collector runs; a collection after each launch frees them when the GPU would. Peak = the
-profiler's allocator peak of the call (`fastrpe.bench.memory`) minus the three input
-gradients it returns.
+profiler's allocator peak of the call (`fastrpe.bench.memory`): above the inputs and their
+gradients, as the GPU bench counts it.
 
     python benchmarks/composition_memory.py --out benchmarks/results/composition_memory.json
 """
@@ -60,14 +61,14 @@ def _collect_after_each_launch() -> None:
 def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32) -> dict:
     import fastrpe as fr
     from fastrpe import backends_triton
-    from fastrpe.bench.gpu import make_position
+    from fastrpe.bench.gpu import _closure, make_position
+    from fastrpe import kernels
     from fastrpe.bench.memory import allocator_peak_bytes
-
     from fastrpe.ops.linear import soe
 
     backends_triton.INTERPRET_ON_CPU = True
-    from fastrpe import kernels
-
+    if backend.startswith("triton_"):
+        _collect_after_each_launch()
     budget, block = soe.STATE_BUDGET, kernels.PRF_BACKWARD_BLOCK_BYTES
     soe.STATE_BUDGET = max(1, budget * H * L // TOKENS_1M)  # terms grouped as at 1M tokens
     kernels.PRF_BACKWARD_BLOCK_BYTES = max(1, block * H * L // TOKENS_1M)
@@ -75,22 +76,17 @@ def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32)
     pos = make_position(family, H, L)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, generator=g).bfloat16().requires_grad_() for _ in range(3))
-    go = torch.randn(1, H, L, D, generator=g).bfloat16()
-
-    def call():
-        out = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend)
-        return torch.autograd.grad(out, (q, k, v), go)
-
+    # the GPU bench's own call: out.float().sum().backward(), gradients accumulated in .grad
+    call = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend),
+                    q, k, v, backward=True)
     try:
-        call()  # warm-up: one-time allocations (plans, fits, compiled kernels) are not per token
+        call()  # warm-up: the .grad tensors, and one-time allocations (plans, fits), are not counted
         peak, _ = allocator_peak_bytes(call)
     finally:
         soe.STATE_BUDGET, kernels.PRF_BACKWARD_BLOCK_BYTES = budget, block
-    grads = 3 * q.numel() * q.element_size()
-    per_token = (peak - grads) / (H * L)
+    per_token = peak / (H * L)
     return {"backend": backend, "family": family, "L": L, "H": H, "D": D, "features": F,
-            "peak_bytes": peak, "input_grad_bytes": grads, "bytes_per_token": per_token,
-            "gib_at_1m": per_token * TOKENS_1M / 2**30}
+            "peak_bytes": peak, "bytes_per_token": per_token, "gib_at_1m": per_token * TOKENS_1M / 2**30}
 
 
 def main() -> None:
