@@ -1,0 +1,153 @@
+"""Aten operations and CPU time of one decoding step, `MultiheadAttention.step(x, state)`, for
+the GPU bench's decode rows (`fastrpe.bench.gpu.decode_rows`): the three constant-size states
+(`LinearState` for ALiBi, `SoEState` for KERPLE-log, `BandState` for T5, NPRF features) and a
+KV cache (ALiBi, NPRF, exact), built as the bench builds them, on CPU.
+
+A constant-size step does almost no arithmetic; on a GPU its time is kernel launches and the
+Python between them, so the number of aten operations it dispatches is what to cut. Counted
+with a `TorchDispatchMode` (the ops that reach the backend, after autograd and the composite
+decompositions): `ops` is all of them, `launches` those that are not views (on a GPU, roughly
+one kernel each). `us_per_step` is the median wall time of `--repeats` steps on CPU.
+
+    python benchmarks/decode_ops.py --out benchmarks/results/decode_ops.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched inside it (`ops`), and the ones that are not views."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def launches(self) -> int:
+        return sum(n for f, n in self.ops.items() if not f.is_view)
+
+    def by_name(self) -> dict:
+        return {str(f): n for f, n in self.ops.most_common()}
+
+
+def count_ops(fn) -> OpCounter:
+    with torch.no_grad(), OpCounter() as c:
+        fn()
+    return c
+
+
+def cases(cfg, device, dtype, seed: int = 0):
+    """`(name, layer, state, x)` of each decode row, as `decode_rows` builds them."""
+    import fastrpe as fr
+    from fastrpe.bench.gpu import make_position
+    from fastrpe.nn.attention import KVCache
+
+    H, D, ctx = cfg.H, cfg.D, cfg.decode_context
+    E = H * D
+    g = torch.Generator().manual_seed(seed)
+
+    def layer(kernel, position, backend):
+        torch.manual_seed(0)
+        return fr.nn.MultiheadAttention(E, H, kernel=kernel, position=position, causal=True,
+                                        backend=backend).to(device=device, dtype=dtype).eval()
+
+    def nprf():
+        return fr.kernels.get_kernel(cfg.kernel, head_dim=D, num_features=cfg.features)
+
+    x = torch.randn(cfg.B, 1, E, generator=g).to(device=device, dtype=dtype)
+    prompt = torch.randn(cfg.B, min(cfg.decode_prompt, ctx), E, generator=g).to(device=device, dtype=dtype)
+
+    def state_of(mha):
+        with torch.no_grad():
+            _, st = mha.step(prompt, max_length=ctx + 64)
+        return replace(st, length=ctx)
+
+    def kv_cache(mha):
+        kk = torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype)
+        return KVCache(kk, torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype))
+
+    rows = [
+        ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of),
+        ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of),
+        ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of),
+        ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), kv_cache),
+    ]
+    for name, make, state in rows:
+        mha = make()
+        yield name, mha, state(mha), x
+
+
+def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
+    out = []
+    for name, mha, st, x in cases(cfg, device, dtype):
+        step = lambda: mha.step(x, st)  # noqa: E731
+        with torch.no_grad():
+            for _ in range(warmup):
+                step()
+            c = count_ops(step)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+        out.append({"method": name, "dtype": str(dtype).replace("torch.", ""), "state": type(st).__name__,
+                    "ops": c.total, "launches": c.launches,
+                    "us_per_step": statistics.median(times) * 1e6, "op_counts": c.by_name()})
+    return out
+
+
+def main() -> None:
+    from fastrpe.bench.gpu import GpuConfig
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=4096, help="tokens of context (the KV cache's length)")
+    ap.add_argument("--prompt", type=int, default=512, help="tokens that build the constant-size states")
+    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; the GPU bench runs bfloat16")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (steadier timings)")
+    ap.add_argument("--ops", action="store_true", help="also print each row's ops by name")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dtypes = a.dtypes.split(",")
+    cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device="cpu")
+    rows = [r for dt in dtypes for r in measure(cfg, torch.device("cpu"), getattr(torch, dt), a.repeats, a.warmup)]
+    print(f"{'method':32s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s}")
+    for r in rows:
+        print(f"{r['method']:32s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} "
+              f"{r['us_per_step']:9.1f}")
+        if a.ops:
+            for f, n in r["op_counts"].items():
+                print(f"    {n:4d}  {f}")
+    if a.out:
+        meta = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+                "python": platform.python_version(), "machine": platform.machine(), "threads": a.threads,
+                "config": {"B": cfg.B, "H": cfg.H, "D": cfg.D, "features": cfg.features, "kernel": cfg.kernel,
+                           "dtypes": dtypes, "context": a.context, "prompt": a.prompt, "repeats": a.repeats}}
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
