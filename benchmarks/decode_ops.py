@@ -6,8 +6,8 @@ KV cache (ALiBi, NPRF, exact), built as the bench builds them, on CPU.
 A constant-size step does almost no arithmetic; on a GPU its time is kernel launches and the
 Python between them, so the number of aten operations it dispatches is what to cut. Counted
 with a `TorchDispatchMode` (the ops that reach the backend, after autograd and the composite
-decompositions): `ops` is all of them, `launches` those that are not views (on a GPU, roughly
-one kernel each). `us_per_step` is the median wall time of `--repeats` steps on CPU.
+decompositions): `ops` is all of them, `launches` those that are not views (nor `NO_KERNEL`;
+on a GPU, roughly one kernel each). `us_per_step` is the median wall time of `--repeats` steps on CPU.
 
     python benchmarks/decode_ops.py --out benchmarks/results/decode_ops.json
 """
@@ -24,6 +24,10 @@ from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+#: ops that are not views by their schema but launch nothing either
+NO_KERNEL = (torch.ops.aten._unsafe_view.default, torch.ops.aten.promote_types.default)
 
 
 class OpCounter(TorchDispatchMode):
@@ -43,7 +47,7 @@ class OpCounter(TorchDispatchMode):
 
     @property
     def launches(self) -> int:
-        return sum(n for f, n in self.ops.items() if not f.is_view)
+        return sum(n for f, n in self.ops.items() if not (f.is_view or f in NO_KERNEL))
 
     def by_name(self) -> dict:
         return {str(f): n for f, n in self.ops.most_common()}

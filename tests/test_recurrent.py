@@ -8,7 +8,9 @@ import torch
 
 from fastrpe.ops.linear.chunked import kernelized_num_den_chunked
 from fastrpe.ops.linear.naive import kernelized_num_den_naive
-from fastrpe.ops.linear.recurrent import band_step, linear_step, recurrent_naive, soe_step
+from fastrpe.ops.common import safe_divide
+from fastrpe.ops.linear.recurrent import (band_step, divide_packed, linear_step, recurrent_naive, soe_step, soe_token,
+                                          soe_token_coefficients)
 from fastrpe.ops.linear.soe import kernelized_num_den_soe, soe_plan
 from fastrpe.testing import assert_close
 
@@ -143,6 +145,45 @@ def test_step_ops_match_the_naive_recurrence():
     assert st.length == L and st.keys.shape[2] == plan.window - 1
     S_ref = torch.einsum("kj,bhjf,bhjc->bhkfc", plan.gamma[:, None] ** dist.flip(0), pk, vv)
     assert_close(st.S, S_ref)
+
+
+def test_soe_token_matches_the_naive_recurrence_and_soe_step():
+    """`soe_token` (the layer's one-token SoE body) after a prompt by `soe_step`, on past the
+    band (W = 16): the naive recurrence of the plan's coefficients, and `soe_step` token by token."""
+    H, F, Dv, P, L = 3, 4, 3, 5, 40
+    pq, pk, v = (_feats(2, H, L, n, s, requires_grad=False) for n, s in ((F, 0), (F, 1), (Dv, 2)))
+    _, plan = _plan(H, 200)
+    plan = type(plan)(plan.gamma, plan.a.detach(), plan.corr.detach(), plan.window, plan.fit_length)
+    num, den, st = soe_step(pq[:, :, :P], pk[:, :, :P], v[:, :, :P], plan=plan)
+    ref_st = st
+    ys = [torch.cat([num, den[..., None]], -1)]
+    for t in range(P, L):
+        n = st.keys.shape[2] + 1
+        y, st = soe_token(pq[:, :, t:t + 1], pk[:, :, t:t + 1], _vv(v[:, :, t:t + 1]), st,
+                          *soe_token_coefficients(plan, n, torch.float64))
+        ys.append(y)
+        n_ref, d_ref, ref_st = soe_step(pq[:, :, t:t + 1], pk[:, :, t:t + 1], v[:, :, t:t + 1], ref_st, plan=plan)
+        assert_close(y, torch.cat([n_ref, d_ref[..., None]], -1))
+        for a, b in ((st.S, ref_st.S), (st.keys, ref_st.keys), (st.values, ref_st.values)):
+            assert_close(a, b)
+    y = torch.cat(ys, 2)
+    n_ref, d_ref = recurrent_naive(pq, pk, v, _soe_coeff(plan, L))
+    assert_close(y[..., :Dv], n_ref), assert_close(y[..., Dv], d_ref)
+    assert st.length == L and st.keys.shape[2] == plan.window - 1
+
+
+def test_divide_packed_is_safe_divide():
+    y = _feats(2, 3, 4, 5, 0, requires_grad=False)
+    y[0, 1, 2, -1] = 0.0  # an empty row, and one below the underflow threshold
+    y[1, 0, 3, -1] = 1e-300
+    expected = safe_divide(y[..., :-1], y[..., -1])
+    with torch.no_grad():
+        assert_close(divide_packed(y), expected)
+    yg = y.clone().requires_grad_()
+    out = divide_packed(yg)  # with autograd: safe_divide's finite gradient
+    assert_close(out, expected)
+    out.sum().backward()
+    assert torch.isfinite(yg.grad).all() and (yg.grad[0, 1, 2] == 0).all()
 
 
 def test_band_and_soe_ops_never_sync_with_the_host(monkeypatch):

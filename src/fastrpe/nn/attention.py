@@ -4,7 +4,11 @@ Notation: B batch, L/S query/key lengths, E embed dim, H heads, D = E / H.
 """
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
+
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -25,6 +29,31 @@ def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+
+#: the fused q/k/v projection of a one-token decode step (`MultiheadAttention._fused_qkv`) is
+#: kept while it takes at most this many bytes. It is a second copy of those weights, which saves
+#: up to six launches a step (two matmuls, two casts, the ones of `[v, 1]`); above this size,
+#: reading the weights takes longer than those launches
+STEP_FUSE_MAX_BYTES = 16 << 20
+
+#: layer -> {name: (fingerprint, source tensors, value)}: what a one-token decode step would
+#: rebuild from the parameters on every call (`MultiheadAttention._memoized`)
+_STEP_MEMOS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(tensors) -> tuple:
+    """What identifies the values of `tensors` without reading them: the objects, their
+    storage, version (in-place writes bump it), dtype, device and shape. Writes through
+    `.data` bump no version and go unseen (as `fastrpe.ops.linear.soe`'s fit memo)."""
+    return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape) for t in tensors)
+
+
+def _state_in(state, dt: torch.dtype):
+    """`state` with its tensors in `dt` (a state kept by a layer in another dtype)."""
+    if state.S.dtype == dt:
+        return state
+    return replace(state, **{f: getattr(state, f).to(dt) for f in ("S", "keys", "values") if hasattr(state, f)})
 
 
 def group_size(group) -> int:
@@ -226,6 +255,10 @@ class MultiheadAttention(nn.Module):
         from ..ops.linear.soe import causal_log_coefficients, soe_extend, soe_plan_for
 
         start, L = (0 if state is None else state.length), x.shape[1]
+        if L == 1 and state is not None and not self.rotary and not torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            o, new = self._step_token(x, state, kind)
+            return (o if self.batch_first else o.transpose(0, 1)), new
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if self.rotary:
             pos = torch.arange(start, start + L, device=x.device)
@@ -253,6 +286,95 @@ class MultiheadAttention(nn.Module):
             o = safe_divide(num, den).to(x.dtype)  # (B, H, L, D)
         o = self.out_proj(self.dropout(rearrange(o, "b h l d -> b l (h d)")))
         return (o if self.batch_first else o.transpose(0, 1)), new
+
+    def _step_token(self, x: Tensor, state, kind: str):
+        """`_step_state` for one token `x: [B, 1, E]` after a state, without autograd: the
+        same result in fewer launches (`benchmarks/decode_ops.py` counts them). The q/k/v
+        projections are one matmul that also emits the 1 of `[v, 1]` (`_fused_qkv`), cast
+        once to the features' dtype; the per-head constants (decays, band weights, the fit's
+        coefficients) are built once per parameter state (`_memoized`); the ops are
+        `recurrent`'s `*_token` bodies."""
+        from ..ops.linear import recurrent
+        from ..ops.linear.soe import soe_extend
+
+        B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
+        fused = self._fused_qkv()
+        if fused is not None:
+            qkv = F.linear(x, *fused)  # (B, 1, 2E + H(D+1))
+        with torch.autocast(x.device.type, enabled=False):
+            # with one token, [B, 1, (h d)] is [B, h, 1, d] in memory: the head split is a view
+            if fused is not None:
+                qkv = qkv.float() if qkv.dtype in (torch.float16, torch.bfloat16) else qkv  # as the feature maps
+                q, k = qkv[..., :E].view(B, H, 1, D), qkv[..., E:2 * E].view(B, H, 1, D)
+                vv = qkv[..., 2 * E:].view(B, H, 1, D + 1)  # [v, 1]
+            else:
+                q, k, v = (p(x).view(B, H, 1, D) for p in (self.q_proj, self.k_proj, self.v_proj))
+            phi_q, phi_k = self.kernel(q, is_query=True), self.kernel(k, is_query=False)  # (B, H, 1, F)
+            dt = phi_q.dtype
+            vv = vv.to(dt) if fused is not None else recurrent._vv(v, dt)  # (B, H, 1, C)
+            state, term = _state_in(state, dt), self.position
+            if kind == "linear":
+                def decay():
+                    g = term.geometric_decay()
+                    return None if g is None else g.to(device=x.device, dtype=dt)[:, None, None]  # (H, 1, 1)
+
+                gamma = None if term is None else self._memoized("gamma", self._tensors(term), (dt, x.device), decay)
+                y, S = recurrent.linear_token(phi_q, phi_k, vv, state.S, gamma)
+                new = LinearState(S, state.length + 1)
+            elif kind == "band":
+                from ..ops.linear.soe import causal_log_coefficients
+
+                W, n = term.finite_support(), state.keys.shape[2] + 1
+                b = self._memoized("band_b", self._tensors(term), (W, dt),
+                                   lambda: causal_log_coefficients(term, W + 1).to(dt))  # (H, W+1)
+                w, tail, _ = self._memoized("band_w", [b], n, lambda: recurrent.band_token_weights(b, n, W))
+                y, new = recurrent.band_token(phi_q, phi_k, vv, replace(state, window=W), w, tail)
+            else:
+                plan, why = soe_extend(state.plan, term, state.length + 1)
+                if why:
+                    raise FastRPEError(f"step: backend={self.backend!r} cannot decode past {state.plan.fit_length} "
+                                       f"tokens: {why} (pass max_length= to the first step to fit for longer)")
+                n = state.keys.shape[2] + 1
+                coeffs = self._memoized("soe", [plan.gamma, plan.a, plan.corr], (n, dt),
+                                        lambda: recurrent.soe_token_coefficients(plan, n, dt))
+                y, new = recurrent.soe_token(phi_q, phi_k, vv, replace(state, plan=plan), *coeffs)
+            o = recurrent.divide_packed(y).to(x.dtype)  # (B, H, 1, D)
+        return self.out_proj(self.dropout(o.reshape(B, 1, E))), new
+
+    @staticmethod
+    def _tensors(module: nn.Module) -> list:
+        return list(module.parameters()) + list(module.buffers())
+
+    def _memoized(self, name: str, sources, extra, build):
+        """`build()`, kept for this layer until a tensor in `sources` or `extra` changes (see
+        `_fingerprint`). Decoding without autograd only: the value is built outside any graph."""
+        memo = _STEP_MEMOS.get(self)
+        if memo is None:
+            memo = _STEP_MEMOS[self] = {}
+        key = (_fingerprint(sources), extra)
+        hit = memo.get(name)
+        if hit is None or hit[0] != key:
+            hit = memo[name] = (key, tuple(sources), build())  # the sources are held: their ids stay theirs
+        return hit[2]
+
+    def _fused_qkv(self):
+        """`(weight [2E + H(D+1), E], bias [2E + H(D+1)])`: the q, k and v projections in one
+        matrix, each head's v rows followed by a zero row with bias 1, so that the product is
+        `[q, k, [v, 1]]` (the denominator's column of the state comes out of the matmul).
+        None if it would take more than `STEP_FUSE_MAX_BYTES`."""
+        H, D, E = self.num_heads, self.head_dim, self.embed_dim
+        w = self.q_proj.weight
+        if (2 * E + H * (D + 1)) * (E + 1) * w.element_size() > STEP_FUSE_MAX_BYTES:
+            return None
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+
+        def build():
+            bias = [w.new_zeros(E) if p.bias is None else p.bias for p in projs]
+            wv = torch.cat([self.v_proj.weight.view(H, D, E), w.new_zeros(H, 1, E)], 1).view(H * (D + 1), E)
+            bv = torch.cat([bias[2].view(H, D), w.new_ones(H, 1)], 1).view(H * (D + 1))
+            return torch.cat([self.q_proj.weight, self.k_proj.weight, wv]), torch.cat([bias[0], bias[1], bv])
+
+        return self._memoized("qkv", [t for p in projs for t in (p.weight, p.bias) if t is not None], None, build)
 
     def step(self, x: Tensor, cache: KVCache | LinearState | BandState | SoEState | None = None, *,
              max_length: int | None = None):
