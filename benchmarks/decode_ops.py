@@ -119,6 +119,24 @@ def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
     return out
 
 
+def source_commit() -> str | None:
+    """The git commit of the fastrpe being measured (`+dirty` if its sources differ from it)."""
+    import subprocess
+    from pathlib import Path
+
+    import fastrpe
+
+    src = Path(fastrpe.__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=src, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main() -> None:
     from fastrpe.bench.gpu import GpuConfig
 
@@ -144,7 +162,8 @@ def main() -> None:
             for f, n in r["op_counts"].items():
                 print(f"    {n:4d}  {f}")
     if a.out:
-        meta = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+        meta = {"command": " ".join(["python", *sys.argv]), "fastrpe_commit": source_commit(),
+                "torch": torch.__version__,
                 "python": platform.python_version(), "machine": platform.machine(), "threads": a.threads,
                 "config": {"B": cfg.B, "H": cfg.H, "D": cfg.D, "features": cfg.features, "kernel": cfg.kernel,
                            "dtypes": dtypes, "context": a.context, "prompt": a.prompt, "repeats": a.repeats}}

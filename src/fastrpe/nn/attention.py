@@ -8,7 +8,6 @@ import weakref
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -300,9 +299,10 @@ class MultiheadAttention(nn.Module):
         B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
         fused = self._fused_qkv()
         if fused is not None:
-            qkv = F.linear(x, *fused)  # (B, 1, 2E + H(D+1))
+            wt, bias = fused
+            qkv = torch.addmm(bias, x.view(B, E), wt)  # (B, 2E + H(D+1))
         with torch.autocast(x.device.type, enabled=False):
-            # with one token, [B, 1, (h d)] is [B, h, 1, d] in memory: the head split is a view
+            # with one token, [B, (h d)] is [B, h, 1, d] in memory: the head split is a view
             if fused is not None:
                 qkv = qkv.float() if qkv.dtype in (torch.float16, torch.bfloat16) else qkv  # as the feature maps
                 q, k = qkv[..., :E].view(B, H, 1, D), qkv[..., E:2 * E].view(B, H, 1, D)
@@ -358,21 +358,28 @@ class MultiheadAttention(nn.Module):
         return hit[2]
 
     def _fused_qkv(self):
-        """`(weight [2E + H(D+1), E], bias [2E + H(D+1)])`: the q, k and v projections in one
-        matrix, each head's v rows followed by a zero row with bias 1, so that the product is
-        `[q, k, [v, 1]]` (the denominator's column of the state comes out of the matmul).
-        None if it would take more than `STEP_FUSE_MAX_BYTES`."""
+        """`(weight.T [E, 2E + H(D+1)], bias [2E + H(D+1)])`: the q, k and v projections in one
+        matrix, each head's v rows followed by a zero row with bias 1, so that `x @ weight.T +
+        bias` is `[q, k, [v, 1]]` (the denominator's column of the state comes out of the
+        matmul). None if it would take more than `STEP_FUSE_MAX_BYTES`, or if a projection is
+        not a plain `nn.Linear` without hooks (an adapter or a hook must see its call)."""
+        from torch.nn.modules import module as nn_module
+
         H, D, E = self.num_heads, self.head_dim, self.embed_dim
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks for p in projs) \
+                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return None
         w = self.q_proj.weight
         if (2 * E + H * (D + 1)) * (E + 1) * w.element_size() > STEP_FUSE_MAX_BYTES:
             return None
-        projs = (self.q_proj, self.k_proj, self.v_proj)
 
         def build():
             bias = [w.new_zeros(E) if p.bias is None else p.bias for p in projs]
             wv = torch.cat([self.v_proj.weight.view(H, D, E), w.new_zeros(H, 1, E)], 1).view(H * (D + 1), E)
             bv = torch.cat([bias[2].view(H, D), w.new_ones(H, 1)], 1).view(H * (D + 1))
-            return torch.cat([self.q_proj.weight, self.k_proj.weight, wv]), torch.cat([bias[0], bias[1], bv])
+            wt = torch.cat([self.q_proj.weight, self.k_proj.weight, wv]).t().contiguous()
+            return wt, torch.cat([bias[0], bias[1], bv])
 
         return self._memoized("qkv", [t for p in projs for t in (p.weight, p.bias) if t is not None], None, build)
 

@@ -35,6 +35,11 @@ def _vv(v: Tensor, dt: torch.dtype) -> Tensor:
     return torch.cat([v.to(dt), torch.ones_like(v[..., :1], dtype=dt)], -1)  # (B, H, L, C)
 
 
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b` over `[B, H, i, j]` operands as one bmm (matmul's broadcasting adds views)."""
+    return torch.bmm(a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, a.shape[:2])
+
+
 def _baddbmm(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """`acc + a @ b` over `[B, H, i, j]` operands, one launch (matmul then add are two)."""
     return torch.baddbmm(acc.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)).view(acc.shape)
@@ -57,7 +62,7 @@ def linear_token(phi_q: Tensor, phi_k: Tensor, vv: Tensor, S: Tensor, gamma: Ten
     """
     kv = phi_k.transpose(-1, -2) * vv  # (B, H, F, C)
     S = kv + S if gamma is None else torch.addcmul(kv, gamma, S)
-    return phi_q @ S, S
+    return _bmm(phi_q, S), S
 
 
 def linear_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: LinearState | None = None, *,
@@ -160,10 +165,10 @@ def band_token(phi_q: Tensor, phi_k: Tensor, vv: Tensor, state: BandState, w: Te
     W = state.window
     keys = torch.cat([state.keys, phi_k], 2)  # (B, H, n, F)
     values = torch.cat([torch.cat([state.values, torch.ones_like(state.values[..., :1])], -1), vv], 2)  # (B, H, n, C)
-    att = (phi_q @ keys.transpose(-1, -2)) * w[:, None, :]  # (B, H, 1, n)
-    y = att @ values  # (B, H, 1, C)
+    att = _bmm(phi_q, keys.transpose(-1, -2)) * w[:, None, :]  # (B, H, 1, n)
+    y = _bmm(att, values)  # (B, H, 1, C)
     if tail is not None:
-        y = torch.addcmul(y, tail[:, :, None], phi_q @ state.S)
+        y = torch.addcmul(y, tail[:, :, None], _bmm(phi_q, state.S))
     out = keys.shape[2] - W
     S = _add_outer(state.S, keys[:, :, :out], values[:, :, :out]) if out > 0 else state.S
     # the values kept are a view of the C-wide buffer: one copy fewer per step
@@ -193,9 +198,9 @@ def soe_token(phi_q: Tensor, phi_k: Tensor, vv: Tensor, state: SoEState, gamma: 
     """
     S = torch.addcmul((phi_k.transpose(-1, -2) * vv)[:, :, None], gamma, state.S)  # (B, H, K, F, C)
     B, H, K, F, C = S.shape
-    y = (a * phi_q).reshape(B, H, 1, K * F) @ S.view(B, H, K * F, C)  # (B, H, 1, C)
+    y = _bmm((a * phi_q).view(B, H, 1, K * F), S.view(B, H, K * F, C))  # (B, H, 1, C)
     keys, values = torch.cat([state.keys, phi_k], 2), torch.cat([state.values, vv], 2)  # (B, H, n, F|C)
-    y = _baddbmm(y, (phi_q @ keys.transpose(-1, -2)) * cw[:, None, :], values)
+    y = _baddbmm(y, _bmm(phi_q, keys.transpose(-1, -2)) * cw[:, None, :], values)
     tail = slice(max(0, keys.shape[2] - (state.plan.window - 1)), None)
     return y, SoEState(S, keys[:, :, tail], values[:, :, tail], state.plan, state.length + 1)
 
