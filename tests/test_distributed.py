@@ -322,12 +322,32 @@ def _cases() -> dict[str, dict]:
     for path, kernel in (("ring", "softmax"), ("ring", "nprf"), ("gather", "nprf")):
         cases[f"lowp-bf16-{path}-{kernel}"] = dict(fn="lowp", kernel=kernel, position="kerple_log", path=path)
         cases[f"bytes-{path}-{kernel}-causal"] = dict(fn="bytes", path=path, kernel=kernel, causal=True)
+    cases["broadcast-parameters"] = dict(fn="broadcast")
     cases["bytes-ring-softmax-full"] = dict(fn="bytes", path="ring", kernel="softmax", causal=False)
     cases["bytes-ring-nprf-full"] = dict(fn="bytes", path="ring", kernel="nprf", causal=False)
     return cases
 
 
-_FNS = {"compare": _compare, "no_leak": _no_leak, "refusal": _refusal, "world1": _world1_equal, "lowp": _lowp,
+def _broadcast(case: dict, rank: int, world: int) -> float:
+    """`broadcast_parameters` gives every rank rank 0's parameters and buffers and bumps every
+    tensor's version (caches keyed on `_version`, the decode step's constants, see the change)."""
+    from fastrpe.train.distributed import broadcast_parameters
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.ModuleList([torch.nn.Linear(3, 4), fr.positions.T5Bias(2), fr.positions.ALiBi(2)])
+
+    m = model(100 + rank)
+    tensors = list(m.parameters()) + list(m.buffers())
+    before = [t._version for t in tensors]
+    broadcast_parameters(m)
+    want = list(model(100).parameters()) + list(model(100).buffers())
+    same = all(torch.equal(a, b) for a, b in zip(tensors, want))
+    bumped = all(t._version > v for t, v in zip(tensors, before))
+    return 0.0 if same and bumped else 1.0
+
+
+_FNS = {"broadcast": _broadcast, "compare": _compare, "no_leak": _no_leak, "refusal": _refusal, "world1": _world1_equal, "lowp": _lowp,
         "bytes": _bytes, "autocast": _autocast}
 
 
@@ -546,3 +566,8 @@ if __name__ == "__main__":
         _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env", "-", list(_cases()))
     else:
         _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5].split(","))
+
+
+def test_broadcast_parameters_copies_rank0_and_bumps_versions(results):
+    tb = "\n".join(v for k, v in results["_tracebacks"].items() if k.startswith("broadcast-parameters@"))
+    assert results["broadcast-parameters"] == 0.0, tb or "values differ from rank 0's, or a version did not change"

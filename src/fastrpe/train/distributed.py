@@ -232,16 +232,19 @@ def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers to every rank (as DDP does at construction)."""
+    """Copy rank `src`'s parameters and buffers to every rank (as DDP does at construction).
+
+    Each tensor receives the value through an in-place copy, which bumps its version counter:
+    a collective writing into `.data` directly would not, and caches keyed on `_version` (the
+    decode step's constants, the soe fit) would keep the old values."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     dev = _comm_device()
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            buf = t.data.to(dev)
+            buf = t.detach().to(dev, copy=True)
             dist.broadcast(buf, src)
-            if buf is not t.data:
-                t.data.copy_(buf)
+            t.copy_(buf)
 
 
 def allreduce_gradients(params: Iterable[nn.Parameter], replicas: int | None = None) -> None:
