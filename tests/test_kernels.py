@@ -333,6 +333,38 @@ def test_prf_backward_in_blocks_of_positions(monkeypatch):
             whole[is_query] = g
 
 
+def test_prf_key_shift_is_kept_only_while_w_is_unchanged():
+    """The cached key shift is recomputed after a redraw, an in-place write, `.to()` and a
+    `load_state_dict`: it always equals a fresh computation."""
+    import copy
+
+    kern = K.PRF(6, 5, normalize=True, num_heads=2)
+
+    def _uncached(k):
+        c = copy.deepcopy(k)
+        c.__dict__.pop("_shift_cache", None)
+        return c
+
+    def check(k):
+        torch.testing.assert_close(k.key_log_shift(), type(k).key_log_shift(_uncached(k)), rtol=0, atol=0)
+
+    check(kern)
+    first = kern.key_log_shift()
+    assert kern.key_log_shift() is first  # kept
+    kern.redraw()
+    check(kern)
+    with torch.no_grad():
+        kern.w.mul_(2.0)
+    check(kern)
+    kern = kern.double()
+    assert kern.key_log_shift().dtype == torch.float64
+    check(kern)
+    other = K.PRF(6, 5, normalize=True, num_heads=2, seed=7).double()
+    kern.load_state_dict(other.state_dict())
+    check(kern)
+    torch.testing.assert_close(kern.key_log_shift(), other.key_log_shift(), rtol=0, atol=0)
+
+
 def test_prf_second_derivatives():
     kern = K.PRF(4, 3, normalize=True, two_sided=True).double()
     x = (_x(1, 1, 3, 4, dtype=torch.float64) + 0.1).requires_grad_(True)

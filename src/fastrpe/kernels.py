@@ -352,15 +352,29 @@ class PRF(_RandomFeatures):
 
     def key_log_shift(self) -> Tensor:
         """`max_m sup_x (±w_m·x − ‖x‖²/2)` over the inputs this map can see: a 0-dim tensor,
-        or `[H, 1]` (one per head) with `num_heads`."""
-        wn = self.w.pow(2).sum(-1).sqrt()  # (m,) or (H, m): ‖w_m‖
+        or `[H, 1]` (one per head) with `num_heads`.
+
+        Kept while `w` is the same tensor at the same version (`redraw`, `.to()`, an in-place
+        write, `broadcast_parameters` all change one of them): it is read twice per key call,
+        about ten kernel launches each, which a one-token decoding step notices."""
+        w = self.w
+        caching = not torch.compiler.is_compiling() and not w.requires_grad  # a traced graph: no Python state
+        if caching:
+            key = (w._version, self.normalize, self.input_scale)
+            cached = getattr(self, "_shift_cache", None)  # (w itself, held so that its id is not reused; key; shift)
+            if cached is not None and cached[0] is w and cached[1] == key:
+                return cached[2]
+        wn = w.pow(2).sum(-1).sqrt()  # (m,) or (H, m): ‖w_m‖
         if not self.normalize:
             bound = wn * wn / 2
         else:
             # normalized inputs have norm r = s: the sup over r <= s of ‖w‖·r − r²/2 is at r = min(‖w‖, s)
             r = wn.clamp(max=abs(self.input_scale))
             bound = wn * r - r * r / 2
-        return bound.amax() if self.num_heads is None else bound.amax(-1, keepdim=True)
+        shift = bound.amax() if self.num_heads is None else bound.amax(-1, keepdim=True)
+        if caching:
+            self._shift_cache = (w, key, shift)
+        return shift
 
     def _exponents(self, x: Tensor) -> Tensor:
         """`(.., F)` exponents `±w·xs − ‖xs‖²/2` of prepared inputs, before any shift."""
