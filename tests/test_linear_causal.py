@@ -8,7 +8,7 @@ import fastrpe as fr
 from fastrpe import positions as P
 from fastrpe.ops.linear.chunked import kernelized_num_den_chunked
 from fastrpe.ops.linear.naive import kernelized_num_den_naive
-from fastrpe.testing import assert_close, qkv
+from fastrpe.testing import assert_close, features_and_values, qkv
 
 CASES = [(1, 1, 0, 64), (63, 63, 0, 16), (100, 100, 0, 64), (257, 257, 0, 60), (63, 100, 37, 16), (100, 63, 0, 7),
          (20, 300, 280, 32)]
@@ -19,10 +19,7 @@ def _true(res):
 
 
 def _inputs(Lq, Lk, H=3, F=8, Dv=5, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    pq = torch.rand(2, H, Lq, F, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    pk = torch.rand(2, H, Lk, F, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    v = torch.randn(2, H, Lk, Dv, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    pq, pk, v = features_and_values(2, H, Lq, Lk, F, Dv, dtype=dtype, seed=seed)
     gamma = torch.tensor([0.9, 0.5, 1.0][:H], dtype=dtype).requires_grad_()
     return pq, pk, v, gamma
 

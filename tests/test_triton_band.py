@@ -16,7 +16,7 @@ from fastrpe import positions as P  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.ops.linear import triton_band as tb  # noqa: E402
 from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
-from fastrpe.testing import assert_close, assert_lowp_close  # noqa: E402
+from fastrpe.testing import assert_close, assert_lowp_close, features_and_values, weighted_grads  # noqa: E402
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
@@ -49,22 +49,8 @@ def reference(q, k, v, tab, q_offset=0, kpm=None):
     return a @ v, a.sum(-1)
 
 
-def _inputs(B, H, Lq, Lk, F, Dv, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64)
-    k = torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)
-    return [t.to(DEV, dtype).requires_grad_() for t in (q, k, v)]
-
-
 def _true(num, den, ls):
     return num * ls.exp()[None, :, :, None], den * ls.exp()[None]
-
-
-def _grads(outs, leaves, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
-    return torch.autograd.grad(loss, leaves)
 
 
 CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, W, chunk
@@ -85,7 +71,7 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, W, chunk
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,W,chunk", CASES)
 def test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
     """float64: output and every gradient, the table's included, to round-off."""
-    q, k, v = _inputs(B, H, Lq, Lk, F, Dv, torch.float64)
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
     tab = _table(H, W)
     got = _true(*tb.kernelized_num_den_triton_band(q, k, v, _log_coeff(tab, Lq, Lk, q_offset), window=W,
                                                    q_offset=q_offset, chunk_size=chunk))
@@ -93,14 +79,14 @@ def test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
     for a, b in zip(got, want):
         assert_close(a, b.detach())
     leaves = (q, k, v, tab)
-    for name, a, b in zip(("dq", "dk", "dv", "dtable"), _grads(got, leaves), _grads(want, leaves)):
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads(got, leaves), weighted_grads(want, leaves)):
         assert_close(a, b, msg=name)
 
 
 def test_band_kernel_float32_padding_and_a_wide_table():
     """float32, padded keys, a table spanning 40 nats (every row scaled by its head's largest
     coefficient: rows near the start see only tiny ones, still far from float32's floor)."""
-    q, k, v = _inputs(2, 2, 63, 63, 12, 10, torch.float32)
+    q, k, v = features_and_values(2, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
     tab = _table(2, 8, seed=3, spread=10.0)
     with torch.no_grad():
         tab[0, 5] = 20.0
@@ -116,14 +102,14 @@ def test_band_kernel_float32_padding_and_a_wide_table():
     out, ref = got[0] / got[1][..., None], want[0] / want[1][..., None]
     assert torch.isfinite(out).all()
     assert_close(out, ref.detach(), torch.float32)
-    for name, a, b in zip(("dq", "dk", "dv", "dtable"), _grads([out], (q, k, v, tab)),
-                          _grads([ref], (q64, k64, v64, tab))):
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads([out], (q, k, v, tab)),
+                          weighted_grads([ref], (q64, k64, v64, tab))):
         assert_close(a, b, torch.float32, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_band_kernel_low_precision_against_float64(dtype):
-    q, k, v = _inputs(1, 2, 63, 63, 12, 10, dtype)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=dtype, device=DEV)
     tab = _table(2, 8)
     got = tb.kernelized_num_den_triton_band(q, k, v, _log_coeff(tab, 63, 63, 0), window=8, chunk_size=16)
     got = got[0] / got[1][..., None]
@@ -133,8 +119,8 @@ def test_band_kernel_low_precision_against_float64(dtype):
     nl, dl = reference(ql, kl, vl, tab)
     r64, lowp = n64 / d64[..., None], nl / dl[..., None]
     assert_lowp_close(got, lowp, r64.detach())
-    for name, a, n, r in zip(("dq", "dk", "dv"), _grads([got], (q, k, v)), _grads([lowp], (ql, kl, vl)),
-                             _grads([r64], (q64, k64, v64))):
+    d_got, d_lowp = weighted_grads([got], (q, k, v)), weighted_grads([lowp], (ql, kl, vl))
+    for name, a, n, r in zip(("dq", "dk", "dv"), d_got, d_lowp, weighted_grads([r64], (q64, k64, v64))):
         assert_lowp_close(a, n, r, msg=name)
 
 
@@ -154,7 +140,7 @@ def test_band_plan_is_exact_and_keeps_its_shift():
 
 def test_band_kernel_never_sees_the_future():
     """Changing keys and values after position t leaves outputs up to t alone (forward and dq)."""
-    q, k, v = _inputs(1, 2, 50, 50, 12, 10, torch.float64)
+    q, k, v = features_and_values(1, 2, 50, 50, 12, 10, dtype=torch.float64, device=DEV)
     tab = _table(2, 8)
     lc = _log_coeff(tab, 50, 50, 0)
     num, den, _ = tb.kernelized_num_den_triton_band(q, k, v, lc, window=8, chunk_size=16)
@@ -197,7 +183,7 @@ def test_backend_equals_dense_for_finite_support_terms(interpret_on_cpu, family,
     res = []
     for backend in ("triton_band", "dense"):
         out = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend=backend)
-        res.append((out, _grads([out], (q, k, v, *pos.parameters()))))
+        res.append((out, weighted_grads([out], (q, k, v, *pos.parameters()))))
     (o1, g1), (o2, g2) = res
     assert_close(o1, o2)
     for a, b in zip(g1, g2):
@@ -234,7 +220,7 @@ def test_band_gpu_realistic_size_bf16():
     against the float64 reference."""
     if not _CUDA:
         pytest.skip("needs CUDA")
-    q, k, v = _inputs(1, 8, 4096, 4096, 32, 64, torch.bfloat16)
+    q, k, v = features_and_values(1, 8, 4096, 4096, 32, 64, dtype=torch.bfloat16, device=DEV)
     tab = _table(8, 128, spread=1.0)
     got = tb.kernelized_num_den_triton_band(q, k, v, _log_coeff(tab, 4096, 4096, 0), window=128)
     out = got[0].double() / got[1].double()[..., None]
@@ -242,6 +228,6 @@ def test_band_gpu_realistic_size_bf16():
     rn, rd = reference(q64, k64, v64, tab)
     ref = rn / rd[..., None]
     assert (out - ref.detach()).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    for name, a, b in zip(("dq", "dk", "dv", "dtable"), _grads([out], (q, k, v, tab)),
-                          _grads([ref], (q64, k64, v64, tab))):
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads([out], (q, k, v, tab)),
+                          weighted_grads([ref], (q64, k64, v64, tab))):
         assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item(), name

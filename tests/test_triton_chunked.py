@@ -16,22 +16,16 @@ pytest.importorskip("triton")
 from fastrpe.ops.linear import triton_chunked as tc  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.ops.linear.naive import kernelized_num_den_naive  # noqa: E402
-from fastrpe.testing import assert_close, assert_lowp_close  # noqa: E402
+from fastrpe.testing import assert_close, assert_lowp_close, features_and_values, weighted_grads  # noqa: E402
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 pytestmark = pytest.mark.skipif(tc.triton_unavailable_reason(DEV) is not None,
                                 reason=str(tc.triton_unavailable_reason(DEV)))
 
 
-def _inputs(B, H, Lq, Lk, F, Dv, dtype, seed=0, init=True):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64)  # non-negative, like PRF features
-    k = torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)
-    gamma = torch.linspace(0.5, 1.0, H, dtype=torch.float64)  # 1.0: no positional term
-    s0 = torch.rand(B, H, F, Dv + 1, generator=g, dtype=torch.float64) if init else None
-    out = [t.to(DEV, dtype) for t in (q, k, v)] + [gamma.to(DEV), None if s0 is None else s0.to(DEV)]
-    return [t if t is None else t.requires_grad_() for t in out]
+def _gamma(H):
+    """`[H]` float64 leaf, decays from 0.5 to 1.0 (1.0: no positional term)."""
+    return torch.linspace(0.5, 1.0, H, dtype=torch.float64, device=DEV).requires_grad_()
 
 
 def _log_coeff(gamma, Lq, Lk, q_offset, causal=True):
@@ -60,16 +54,6 @@ def reference(q, k, v, gamma, s0, *, q_offset=0, kpm=None):
     return num, den, state
 
 
-def _loss(outs, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
-
-
-def _grads(outs, leaves):
-    leaves = [t for t in leaves if t is not None]
-    return torch.autograd.grad(_loss(outs), leaves)
-
-
 CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, chunk
     pytest.param(1, 2, 63, 63, 12, 10, 0, 16, id="B1-H2-T63-F12-Dv10-C16"),
     pytest.param(2, 2, 1, 1, 12, 10, 0, 16, id="B2-H2-T1"),
@@ -84,23 +68,24 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, chunk
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
 def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
-    q, k, v, gamma, s0 = _inputs(B, H, Lq, Lk, F, Dv, dtype)
+    q, k, v, s0 = features_and_values(B, H, Lq, Lk, F, Dv, dtype=dtype, device=DEV, state=True)
+    gamma = _gamma(H)
     num, den, ls, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset,
                                                                chunk_size=chunk, initial_state=s0, return_state=True)
     assert not ls.any()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().clone().requires_grad_()
+    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().double().requires_grad_()
     ref = reference(q64, k64, v64, g64, s64, q_offset=q_offset)
     for name, a, b in zip(("num", "den", "state"), (num, den, state), ref):
         assert_close(a, b.detach(), dtype, msg=name)
-    got = _grads((num, den, state), (q, k, v, gamma, s0))
-    want = _grads(ref, (q64, k64, v64, g64, s64))
+    got = weighted_grads((num, den, state), (q, k, v, gamma, s0))
+    want = weighted_grads(ref, (q64, k64, v64, g64, s64))
     for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
         assert_close(a, b, dtype, msg=name)
 
 
 def test_key_padding_and_no_decay():
-    q, k, v, _, _ = _inputs(2, 2, 45, 45, 12, 10, torch.float64, init=False)
+    q, k, v = features_and_values(2, 2, 45, 45, 12, 10, dtype=torch.float64, device=DEV)
     kpm = torch.zeros(2, 45, dtype=torch.bool, device=DEV)
     kpm[0, 30:] = True
     kpm[1, :7] = True
@@ -110,14 +95,15 @@ def test_key_padding_and_no_decay():
     ref = reference(q, k, v, ones, None, kpm=kpm)
     for a, b in zip((num, den, state), ref):
         assert_close(a, b, torch.float64)
-    for a, b in zip(_grads((num, den, state), (q, k, v)), _grads(ref, (q, k, v))):
+    for a, b in zip(weighted_grads((num, den, state), (q, k, v)), weighted_grads(ref, (q, k, v))):
         assert_close(a, b, torch.float64)
 
 
 def test_state_continues_across_calls():
     """Context parallelism / decoding: the second half from the first half's final state
     gives the full pass's outputs and final state, and gradients flow through the state."""
-    q, k, v, gamma, s0 = _inputs(1, 2, 50, 50, 12, 10, torch.float64)
+    q, k, v, s0 = features_and_values(1, 2, 50, 50, 12, 10, dtype=torch.float64, device=DEV, state=True)
+    gamma = _gamma(2)
     full = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, initial_state=s0, chunk_size=16,
                                                 return_state=True)
     a = tc.kernelized_num_den_triton_chunked(q[:, :, :21], k[:, :, :21], v[:, :, :21], gamma=gamma, initial_state=s0,
@@ -127,13 +113,15 @@ def test_state_continues_across_calls():
     split = (torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2), b[3])
     for x, y in zip(split, (full[0], full[1], full[3])):
         assert_close(x, y, torch.float64)
-    for x, y in zip(_grads(split, (q, k, v, gamma, s0)), _grads((full[0], full[1], full[3]), (q, k, v, gamma, s0))):
+    leaves = (q, k, v, gamma, s0)
+    for x, y in zip(weighted_grads(split, leaves), weighted_grads((full[0], full[1], full[3]), leaves)):
         assert_close(x, y, torch.float64)
 
 
 @pytest.mark.parametrize("L", [1, 63], ids=["T1", "T63"])
 def test_bidirectional_matches_reference(L):
-    q, k, v, gamma, _ = _inputs(1, 2, L, L, 12, 10, torch.float64, init=False)
+    q, k, v = features_and_values(1, 2, L, L, 12, 10, dtype=torch.float64, device=DEV)
+    gamma = _gamma(2)
     kpm = torch.zeros(1, L, dtype=torch.bool, device=DEV)
     kpm[0, L // 2:L // 2 + 3] = True
     num, den, _ = tc.kernelized_num_den_triton_bidirectional(q, k, v, gamma=gamma, key_padding_mask=kpm, chunk_size=16)
@@ -143,7 +131,7 @@ def test_bidirectional_matches_reference(L):
     assert not ls.any()  # the diagonal's coefficient is the row max, 1
     assert_close(num, rn.detach())
     assert_close(den, rd.detach())
-    for a, b in zip(_grads((num, den), (q, k, v, gamma)), _grads((rn, rd), (q64, k64, v64, g64))):
+    for a, b in zip(weighted_grads((num, den), (q, k, v, gamma)), weighted_grads((rn, rd), (q64, k64, v64, g64))):
         assert_close(a, b)
 
 
@@ -151,7 +139,8 @@ def test_bidirectional_matches_reference(L):
 def test_low_precision_against_float64(dtype):
     """bf16/fp16 inputs: error against float64 within a small factor of the naive path's
     (outputs and the gradients of the features, values and γ)."""
-    q, k, v, gamma, _ = _inputs(1, 2, 63, 63, 12, 10, dtype, init=False)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=dtype, device=DEV)
+    gamma = _gamma(2)
     num, den, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, chunk_size=16)
     assert num.dtype == dtype and den.dtype == dtype
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -161,14 +150,15 @@ def test_low_precision_against_float64(dtype):
     rl = kernelized_num_den_naive(ql, kl, vl, _log_coeff(gl, 63, 63, 0).to(dtype), causal=True)[:2]
     for name, a, n, r in zip(("num", "den"), (num, den), rl, r64):
         assert_lowp_close(a, n, r.detach(), msg=name)
-    got = _grads((num, den), (q, k, v, gamma))
-    lowp, want = _grads(rl, (ql, kl, vl, gl)), _grads(r64, (q64, k64, v64, g64))
+    got = weighted_grads((num, den), (q, k, v, gamma))
+    lowp, want = weighted_grads(rl, (ql, kl, vl, gl)), weighted_grads(r64, (q64, k64, v64, g64))
     for name, a, n, r in zip(("dq", "dk", "dv", "dgamma"), got, lowp, want):
         assert_lowp_close(a, n, r, msg=name)
 
 
 def test_refusals_name_the_argument():
-    q, k, v, gamma, _ = _inputs(1, 2, 8, 8, 12, 10, torch.float64, init=False)
+    q, k, v = features_and_values(1, 2, 8, 8, 12, 10, dtype=torch.float64, device=DEV)
+    gamma = _gamma(2)
     with pytest.raises(FastRPEError, match="chunk_size"):
         tc.kernelized_num_den_triton_chunked(q, k, v, chunk_size=24)
     with pytest.raises(FastRPEError, match="initial_state"):
@@ -185,18 +175,18 @@ def test_gpu_realistic_size_bf16():
     if not _CUDA:
         pytest.skip("needs CUDA")
     B, H, L, F, Dv = 1, 8, 4096, 32, 64
-    q, k, v, gamma, s0 = _inputs(B, H, L, L, F, Dv, torch.bfloat16)
+    q, k, v, s0 = features_and_values(B, H, L, L, F, Dv, dtype=torch.bfloat16, device=DEV, state=True)
     gamma = (1 - torch.exp(torch.linspace(-8, -3, H, device=DEV, dtype=torch.float64))).requires_grad_()
     q.data /= F  # keep the dense reference's sums moderate
     out = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, initial_state=s0, return_state=True)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().clone().requires_grad_()
+    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().double().requires_grad_()
     ref = reference(q64, k64, v64, g64, s64)
     for a, b in zip((out[0], out[1], out[3]), ref):
         scale = b.abs().max().item()
         assert (a.double() - b.detach()).abs().max().item() <= 2e-2 * scale
-    got = _grads((out[0], out[1], out[3]), (q, k, v, gamma, s0))
-    want = _grads(ref, (q64, k64, v64, g64, s64))
+    got = weighted_grads((out[0], out[1], out[3]), (q, k, v, gamma, s0))
+    want = weighted_grads(ref, (q64, k64, v64, g64, s64))
     for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
         scale = b.abs().max().item()
         assert (a.double() - b).abs().max().item() <= 3e-2 * scale, name
@@ -236,7 +226,7 @@ def test_backend_matches_dense(interpret_on_cpu, causal):
     for backend in ("triton_chunked", "dense"):
         out = fr.attention(q, k, v, kernel="elu", position=pos, causal=causal, key_padding_mask=kpm, backend=backend)
         outs.append(out)
-        grads.append(torch.autograd.grad(_loss([out]), (q, k, v, *pos.parameters())))
+        grads.append(weighted_grads([out], (q, k, v, *pos.parameters())))
     assert_close(outs[0], outs[1])
     for a, b in zip(*grads):
         assert_close(a, b)

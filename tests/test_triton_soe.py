@@ -15,7 +15,7 @@ from fastrpe.ops.linear import triton_soe as ts  # noqa: E402
 from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.ops.linear.soe import SoEPlan, soe_plan  # noqa: E402
-from fastrpe.testing import assert_close, assert_lowp_close  # noqa: E402
+from fastrpe.testing import assert_close, assert_lowp_close, features_and_values, weighted_grads  # noqa: E402
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
@@ -32,14 +32,6 @@ def _plan(H, window, terms, fit_length=256):
                    p.window, p.fit_length)
 
 
-def _inputs(B, H, Lq, Lk, F, Dv, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64)
-    k = torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)
-    return [t.to(DEV, dtype).requires_grad_() for t in (q, k, v)]
-
-
 def reference(q, k, v, plan, q_offset=0, kpm=None):
     """Dense causal sums with the plan's coefficients."""
     Lq, Lk = q.shape[2], k.shape[2]
@@ -53,12 +45,6 @@ def reference(q, k, v, plan, q_offset=0, kpm=None):
     if kpm is not None:
         a = a.masked_fill(kpm[:, None, None, :], 0.0)
     return a @ v, a.sum(-1)
-
-
-def _grads(outs, leaves, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
-    return torch.autograd.grad(loss, leaves)
 
 
 CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk, state budget (None: default)
@@ -82,7 +68,7 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk, state budget (None: d
 
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", CASES)
 def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget):
-    q, k, v = _inputs(B, H, Lq, Lk, F, Dv, torch.float64)
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
     plan = _plan(H, window, 4)
     num, den, ls = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
                                                    state_budget=budget)
@@ -91,14 +77,15 @@ def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, bud
     assert_close(num, rn.detach())
     assert_close(den, rd.detach())
     leaves = (q, k, v, plan.a, plan.corr)
-    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), _grads((num, den), leaves), _grads((rn, rd), leaves)):
+    got, want = weighted_grads((num, den), leaves), weighted_grads((rn, rd), leaves)
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
         assert_close(a, b, msg=name)
 
 
 def test_soe_term_groups_in_low_precision_sum_in_float32():
     """bf16 outputs from several launches: the partial sums stay float32 until the end, so the
     grouped result is within one bf16 rounding (2^-7 of each entry) of the one-launch result."""
-    q, k, v = _inputs(1, 2, 63, 63, 12, 10, torch.bfloat16)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.bfloat16, device=DEV)
     plan = _plan(2, 8, 4)
     one = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
     grouped = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=1)
@@ -133,7 +120,7 @@ def test_terms_per_group_bounds_the_states():
 
 
 def test_soe_float32_and_padding():
-    q, k, v = _inputs(2, 1, 63, 63, 12, 10, torch.float32)
+    q, k, v = features_and_values(2, 1, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
     plan = _plan(1, 8, 4)
     kpm = torch.zeros(2, 63, dtype=torch.bool, device=DEV)
     kpm[0, 40:] = True
@@ -143,15 +130,15 @@ def test_soe_float32_and_padding():
     rn, rd = reference(q64, k64, v64, plan, kpm=kpm)
     assert_close(num, rn.detach(), torch.float32)
     assert_close(den, rd.detach(), torch.float32)
-    got = _grads((num, den), (q, k, v, plan.a, plan.corr))
-    want = _grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
+    got = weighted_grads((num, den), (q, k, v, plan.a, plan.corr))
+    want = weighted_grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
     for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
         assert_close(a, b, torch.float32, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_soe_low_precision_against_float64(dtype):
-    q, k, v = _inputs(1, 2, 63, 63, 12, 10, dtype)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=dtype, device=DEV)
     plan = _plan(2, 8, 5)
     num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -160,7 +147,8 @@ def test_soe_low_precision_against_float64(dtype):
     rl = reference(ql, kl, vl, plan)
     for name, a, n, r in zip(("num", "den"), (num, den), rl, r64):
         assert_lowp_close(a, n, r.detach(), msg=name)
-    got, lowp, want = _grads((num, den), (q, k, v)), _grads(rl, (ql, kl, vl)), _grads(r64, (q64, k64, v64))
+    got = weighted_grads((num, den), (q, k, v))
+    lowp, want = weighted_grads(rl, (ql, kl, vl)), weighted_grads(r64, (q64, k64, v64))
     for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
         assert_lowp_close(a, n, r, msg=name)
 
@@ -169,7 +157,7 @@ def test_soe_float32_features_with_bf16_states():
     """`state_dtype=bfloat16` (what a bf16 call's float32 features use): the far-field states
     rounded to bf16, the output and gradients still within bf16's tolerance of float64, and
     not bit-equal to float32 storage (the option is applied)."""
-    q, k, v = _inputs(1, 2, 63, 63, 12, 10, torch.float32)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
     plan = _plan(2, 8, 4)
     num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_dtype=torch.bfloat16)
     full, _, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
@@ -182,12 +170,13 @@ def test_soe_float32_features_with_bf16_states():
         return ((a.double() - b.detach()).abs().max() / b.detach().abs().max()).item()
 
     assert rel(num, rn) <= 4 * 2 ** -8  # a few bf16 roundings (1.6e-3 here; float32 storage: 1.8e-7)
-    for name, a, b in zip(("dq", "dk", "dv"), _grads((num, den), (q, k, v)), _grads((rn, rd), (q64, k64, v64))):
+    got, want = weighted_grads((num, den), (q, k, v)), weighted_grads((rn, rd), (q64, k64, v64))
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert rel(a, b) <= 4 * 2 ** -8, name
 
 
 def test_soe_refusals_name_the_argument():
-    q, k, v = _inputs(1, 2, 8, 8, 12, 10, torch.float64)
+    q, k, v = features_and_values(1, 2, 8, 8, 12, 10, dtype=torch.float64, device=DEV)
     with pytest.raises(FastRPEError, match="chunk_size"):
         ts.kernelized_num_den_triton_soe(q, k, v, _plan(2, 8, 4), chunk_size=24)
     with pytest.raises(FastRPEError, match="plan"):
@@ -199,15 +188,15 @@ def test_soe_gpu_realistic_size_bf16():
     """L=4096, H=8, F=32, Dv=64, 16 terms, W=64, bf16 on the GPU against the float64 reference."""
     if not _CUDA:
         pytest.skip("needs CUDA")
-    q, k, v = _inputs(1, 8, 4096, 4096, 32, 64, torch.bfloat16)
+    q, k, v = features_and_values(1, 8, 4096, 4096, 32, 64, dtype=torch.bfloat16, device=DEV)
     plan = _plan(8, 64, 16, fit_length=4096)
     num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     rn, rd = reference(q64, k64, v64, plan)
     out, ref = num.double() / den.double()[..., None], rn / rd[..., None]
     assert (out - ref.detach()).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    got = _grads((num, den), (q, k, v, plan.a, plan.corr))
-    want = _grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
+    got = weighted_grads((num, den), (q, k, v, plan.a, plan.corr))
+    want = weighted_grads((rn, rd), (q64, k64, v64, plan.a, plan.corr))
     for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
         assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item(), name
 
@@ -231,7 +220,7 @@ def test_backend_matches_dense_within_the_fit(interpret_on_cpu):
     res = []
     for backend in ("triton_soe", "dense"):
         out = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend=backend)
-        res.append((out, _grads([out], (q, k, v, *pos.parameters()))))
+        res.append((out, weighted_grads([out], (q, k, v, *pos.parameters()))))
     (o1, g1), (o2, g2) = res
     assert (o1 - o2).abs().max().item() <= 1e-3 * o2.abs().max().item()
     for a, b in zip(g1, g2):
@@ -252,7 +241,7 @@ def test_backend_refuses_geometric_and_bidirectional(interpret_on_cpu):
 def test_soe_keeps_no_states_for_backward():
     """The K·N chunk states are recomputed in backward: autograd keeps only the inputs and
     the plan's tables (with states kept, 8.6 GB at L = 1M, B·H = 8, K = 16, bf16)."""
-    q, k, v = _inputs(1, 2, 63, 63, 12, 10, torch.float64)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
     plan = _plan(2, 8, 4)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):

@@ -52,3 +52,58 @@ def qkv(B: int, H: int, Lq: int, Lk: int, D: int, Dv: int | None = None, *, dtyp
     k = (torch.randn(B, H, Lk, D, generator=g, dtype=torch.float64) * scale).to(dtype)
     v = torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64).to(dtype)
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def features_and_values(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, *, dtype=torch.float64,
+                        device=None, seed: int = 0, state: bool = False,
+                        requires_grad: bool = True) -> tuple[Tensor, ...]:
+    """Random inputs for the kernelized ops, which take feature maps rather than `q, k`.
+
+    Feature maps (PRF, elu+1, ...) are non-negative, so `phi_q` and `phi_k` are uniform on
+    [0, 1) where `qkv` would draw signed values; `v` is standard normal. Everything is drawn in
+    float64 from one generator seeded with `seed`, then cast, so a test in float32 or bf16 and
+    its float64 reference (`t.detach().double()`) see the same numbers.
+
+    Args:
+        B, H, Lq, Lk, F, Dv: batch, heads, query and key lengths, features, value width.
+        dtype, device: of every returned tensor.
+        seed: the generator's seed.
+        state: also return an initial state `[B, H, F, Dv+1]` (the keys before position 0,
+            `Σ_j φk_j ⊗ [v_j, 1]`), non-negative, drawn after `v`.
+        requires_grad: make every returned tensor a leaf that requires grad (unlike `qkv`,
+            on by default: these inputs are for gradient checks).
+
+    Returns:
+        `(phi_q [B, H, Lq, F], phi_k [B, H, Lk, F], v [B, H, Lk, Dv])`, and `initial_state
+        [B, H, F, Dv+1]` after them if `state`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.rand(B, H, Lq, F, generator=g, dtype=torch.float64),
+           torch.rand(B, H, Lk, F, generator=g, dtype=torch.float64),
+           torch.randn(B, H, Lk, Dv, generator=g, dtype=torch.float64)]
+    if state:
+        out.append(torch.rand(B, H, F, Dv + 1, generator=g, dtype=torch.float64))
+    return tuple(t.to(device, dtype).requires_grad_(requires_grad) for t in out)
+
+
+def weighted_grads(outs, leaves, seed: int = 1) -> tuple[Tensor | None, ...]:
+    """Gradients of `Σ_o <o, W_o>` (taken in float64) with respect to `leaves`.
+
+    The weights `W_o` are standard normal, drawn on the CPU in float64 from a generator seeded
+    with `seed`, one per output in order: two calls with outputs of the same shapes (a fast op
+    and its reference, on any device, in any dtype) weight them identically, so their
+    gradients should agree. A random weighting, unlike `.sum()`, lets no error cancel.
+
+    Args:
+        outs: the tensors to weight, in the same order on both sides of a comparison.
+        leaves: tensors to differentiate by; a `None` entry (an absent optional input) is
+            passed over and gets `None` back, so the result lines up with `leaves`. Every other
+            leaf must require grad and be used by `outs`: autograd raises otherwise.
+
+    Returns:
+        One gradient per entry of `leaves`, in its dtype.
+    """
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
+    grads = iter(torch.autograd.grad(loss, [t for t in leaves if t is not None]))
+    return tuple(None if t is None else next(grads) for t in leaves)
