@@ -107,3 +107,12 @@ def weighted_grads(outs, leaves, seed: int = 1) -> tuple[Tensor | None, ...]:
     loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
     grads = iter(torch.autograd.grad(loss, [t for t in leaves if t is not None]))
     return tuple(None if t is None else next(grads) for t in leaves)
+
+
+def quotient_reference(num: Tensor, den: Tensor) -> Tensor:
+    """Luo et al. 2021 Eq. 10's output from its sums: `num_i / den_i` (`num: [B, H, Lq, Dv]`,
+    `den: [B, H, Lq]`), 0 for a row with no weight (`den_i = 0`), differentiable. Written
+    from the formula for the tests of the ops that divide themselves (`divide=`), sharing
+    nothing with their `safe_divide`."""
+    empty = den == 0
+    return torch.where(empty[..., None], torch.zeros_like(num), num / torch.where(empty, torch.ones_like(den), den)[..., None])

@@ -35,14 +35,14 @@ def underflow_threshold(dtype: torch.dtype) -> float:
     return fi.tiny / fi.eps
 
 
-def _inverse(den: Tensor) -> Tensor:
+def safe_inverse(den: Tensor) -> Tensor:
     """`1/den`, 0 where `|den|` is below `underflow_threshold` (an empty row)."""
     zero = den.abs() < underflow_threshold(den.dtype)
     return torch.where(zero, torch.zeros_like(den), 1 / torch.where(zero, torch.ones_like(den), den))
 
 
 class _SafeDivide(torch.autograd.Function):
-    """`num·inv[..., None]`, `inv = _inverse(den)`. Autograd's own `num / den` and masking
+    """`num·inv[..., None]`, `inv = safe_inverse(den)`. Autograd's own `num / den` and masking
     held three `[B, H, Lq, Dv]` temporaries in forward and five in backward; this holds the
     output and, in backward, `dnum` (`Σ g·num` is a batched dot, no temporary): at a million
     tokens each is 2 GiB (B·H = 8, Dv = 64, float32). The backward is made of differentiable
@@ -51,12 +51,12 @@ class _SafeDivide(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num: Tensor, den: Tensor) -> Tensor:
         ctx.save_for_backward(num, den)
-        return num * _inverse(den).unsqueeze(-1)
+        return num * safe_inverse(den).unsqueeze(-1)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         num, den = ctx.saved_tensors
-        inv = _inverse(den)
+        inv = safe_inverse(den)
         dnum = g * inv.unsqueeze(-1) if ctx.needs_input_grad[0] else None
         # d(num/den)/d(den) = -num/den²; empty rows have inv = 0 and so a zero gradient
         dden = -torch.einsum("...d,...d->...", g, num) * inv * inv if ctx.needs_input_grad[1] else None
@@ -67,3 +67,39 @@ def safe_divide(num: Tensor, den: Tensor) -> Tensor:
     """`num: [B, H, Lq, Dv]` / `den: [B, H, Lq]`; rows with no weight (`|den|` below
     `underflow_threshold`, exactly 0 included) give 0 and a zero gradient."""
     return _SafeDivide.apply(num, den)
+
+
+# The division inside a kernel's autograd function (the Triton backends, `divide=`): the
+# function returns `out = num/den` and keeps neither num (saved by `_SafeDivide`) nor, in
+# backward, `dnum = dout/den`: its kernels read dout as it comes and scale each row by `inv`.
+
+#: the largest float32 temporary `quotient_grads` makes (its row blocks)
+QUOTIENT_BLOCK_BYTES = 64 * 2**20
+
+
+def quotient(num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
+    """`num/den` as `safe_divide` computes it (empty rows 0), in `dtype`. `num` is scaled in
+    place: it must be a buffer the caller owns and no longer needs."""
+    return num.mul_(safe_inverse(den).unsqueeze(-1)).to(dtype)
+
+
+def quotient_grads(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, Tensor]:
+    """What the gradient of `out = quotient(num, den)` needs in place of `dnum`: `inv = 1/den`
+    (0 for empty rows), by which the kernels scale `dout` row by row (`dnum = dout·inv`), and
+    `dden = -inv·Σ_c dout·out` (the saved output in place of num: `-Σ dout·num/den²`).
+
+    Args:
+        dout: `[B, H, Lq, Dv]` the output's gradient; out: `[B, H, Lq, Dv]` the output (any dtype).
+        den: `[B, H, Lq]`.
+
+    Returns:
+        `(inv, dden)`, `[B, H, Lq]` each in den's dtype; the row sums go through blocks of
+        rows in den's dtype, so no `[B, H, Lq, Dv]` temporary of that width is made whole."""
+    inv = safe_inverse(den)
+    dden = torch.empty_like(den)
+    B, H, Lq, Dv = out.shape
+    step = max(1, QUOTIENT_BLOCK_BYTES // max(1, 2 * B * H * Dv * den.element_size()))
+    for s in range(0, Lq, step):  # from shapes alone: no host synchronization
+        e = min(Lq, s + step)
+        dden[..., s:e] = torch.einsum("...d,...d->...", dout[..., s:e, :].to(den.dtype), out[..., s:e, :].to(den.dtype))
+    return inv, dden.mul_(inv).neg_()
