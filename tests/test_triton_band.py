@@ -16,7 +16,8 @@ from fastrpe import positions as P  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.ops.linear import triton_band as tb  # noqa: E402
 from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
-from fastrpe.testing import assert_close, assert_lowp_close, features_and_values, weighted_grads  # noqa: E402
+from fastrpe.testing import (assert_close, assert_lowp_close, features_and_values, quotient_reference,  # noqa: E402
+                             weighted_grads)
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
@@ -80,6 +81,23 @@ def test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
         assert_close(a, b.detach())
     leaves = (q, k, v, tab)
     for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads(got, leaves), weighted_grads(want, leaves)):
+        assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,W,chunk",
+                         [c for c in CASES if c.id in ("T63-W8", "T1", "T40-Dv72-two-value-blocks",
+                                                       "decode-Lq5-Lk60-off55", "T150-W113-T5-support")])
+def test_band_quotient_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
+    """`divide=`: the quotient and every gradient, the table's included, as `num/den` of the
+    dense sums (the plan's per-head shift cancels in it)."""
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
+    tab = _table(H, W)
+    out, _, _ = tb.kernelized_num_den_triton_band(q, k, v, _log_coeff(tab, Lq, Lk, q_offset), window=W,
+                                                  q_offset=q_offset, chunk_size=chunk, divide=torch.float64)
+    ref = quotient_reference(*reference(q, k, v, tab, q_offset))
+    assert_close(out, ref.detach())
+    leaves = (q, k, v, tab)
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads((out,), leaves), weighted_grads((ref,), leaves)):
         assert_close(a, b, msg=name)
 
 

@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 from fastrpe.ops.linear import triton_chunked as tc  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.ops.linear.naive import kernelized_num_den_naive  # noqa: E402
-from fastrpe.testing import assert_close, assert_lowp_close, features_and_values, weighted_grads  # noqa: E402
+from fastrpe.testing import (assert_close, assert_lowp_close, features_and_values, quotient_reference,  # noqa: E402
+                             weighted_grads)
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 pytestmark = pytest.mark.skipif(tc.triton_unavailable_reason(DEV) is not None,
@@ -82,6 +83,68 @@ def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
     want = weighted_grads(ref, (q64, k64, v64, g64, s64))
     for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
         assert_close(a, b, dtype, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
+def test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
+    """`divide=`: the kernels' backward reads the quotient's gradient and scales it by 1/den
+    itself; output, final state and every gradient (initial state's and γ's included) as
+    Eq. 10's `num/den` from the dense sums."""
+    q, k, v, s0 = features_and_values(B, H, Lq, Lk, F, Dv, dtype=dtype, device=DEV, state=True)
+    gamma = _gamma(H)
+    out, den, _, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset, chunk_size=chunk,
+                                                              initial_state=s0, return_state=True, divide=dtype)
+    assert out.dtype == dtype and not den.requires_grad
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().double().requires_grad_()
+    rn, rd, rs = reference(q64, k64, v64, g64, s64, q_offset=q_offset)
+    ref = (quotient_reference(rn, rd), rs)
+    for name, a, b in zip(("out", "state"), (out, state), ref):
+        assert_close(a, b.detach(), dtype, msg=name)
+    got = weighted_grads((out, state), (q, k, v, gamma, s0))
+    want = weighted_grads(ref, (q64, k64, v64, g64, s64))
+    for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
+        assert_close(a, b, dtype, msg=name)
+
+
+def test_quotient_rows_without_keys_are_zero():
+    """Padding before a row's first real key leaves it no weight: 0, with finite gradients
+    equal to the reference's (which gives such a row none)."""
+    q, k, v = features_and_values(2, 2, 45, 45, 12, 10, dtype=torch.float64, device=DEV)
+    kpm = torch.zeros(2, 45, dtype=torch.bool, device=DEV)
+    kpm[1, :7] = True
+    out, _, _ = tc.kernelized_num_den_triton_chunked(q, k, v, key_padding_mask=kpm, chunk_size=16,
+                                                     divide=torch.float64)
+    assert not out[1, :, :7].any()
+    ref = quotient_reference(*reference(q, k, v, torch.ones(2, dtype=torch.float64, device=DEV), None, kpm=kpm)[:2])
+    assert_close(out, ref)
+    for a, b in zip(weighted_grads((out,), (q, k, v)), weighted_grads((ref,), (q, k, v))):
+        assert torch.isfinite(a).all()
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_quotient_low_precision_against_float64(dtype):
+    """The quotient in bf16/fp16 from float32 features (what the backends ask for): output
+    and gradients against float64 within a small factor of the naive path's error, which
+    divides its own sums in the same dtype."""
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
+    v = v.detach().to(dtype).requires_grad_()
+    gamma = _gamma(2)
+    out, _, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, chunk_size=16, divide=dtype)
+    assert out.dtype == dtype
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g64, gl = gamma.detach().clone().requires_grad_(), gamma.detach().clone().requires_grad_()
+    r64 = quotient_reference(*kernelized_num_den_naive(q64, k64, v64, _log_coeff(g64, 63, 63, 0), causal=True)[:2])
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    nl, dl = kernelized_num_den_naive(ql, kl, vl.float(), _log_coeff(gl, 63, 63, 0).float(), causal=True)[:2]
+    rl = quotient_reference(nl, dl).to(dtype)
+    assert_lowp_close(out, rl, r64.detach(), msg="out")
+    got = weighted_grads((out,), (q, k, v, gamma))
+    lowp, want = weighted_grads((rl,), (ql, kl, vl, gl)), weighted_grads((r64,), (q64, k64, v64, g64))
+    for name, a, n, r in zip(("dq", "dk", "dv", "dgamma"), got, lowp, want):
+        assert_lowp_close(a, n, r, msg=name)
 
 
 def test_key_padding_and_no_decay():
@@ -230,6 +293,47 @@ def test_backend_matches_dense(interpret_on_cpu, causal):
     assert_close(outs[0], outs[1])
     for a, b in zip(*grads):
         assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", ["none", "fastrpb", "shaw"])
+def test_backend_with_additive_terms_matches_dense(interpret_on_cpu, kind):
+    """The composition asks the kernels for the quotient unless Shaw's sums join num and den
+    (FastRPB's W·v is added to the quotient, taken in the features' dtype): all three against
+    the dense backend, output and every gradient."""
+    import fastrpe as fr
+    from fastrpe import positions as P
+
+    torch.manual_seed(0)
+    H = 2
+    q, k, v = (torch.randn(2, H, 37, 8, dtype=torch.float64, device=DEV, requires_grad=True) for _ in range(3))
+    pos = [P.ALiBi(H).double().to(DEV)]
+    if kind == "fastrpb":
+        pos.append(P.FastRPB1D(H, max_len=50, init_std=0.3).double().to(DEV))
+    elif kind == "shaw":
+        pos.append(P.ShawRelative(H, 8, max_distance=4, init_std=0.3).double().to(DEV))
+    leaves = [q, k, v, *(p for t in pos for p in t.parameters())]
+    outs = [fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend=b) for b in ("triton_chunked", "dense")]
+    assert_close(outs[0], outs[1])
+    for a, b in zip(weighted_grads(outs[:1], leaves), weighted_grads(outs[1:], leaves)):
+        assert_close(a, b)
+
+
+def test_backend_keeps_no_float32_numerator(interpret_on_cpu):
+    """bf16 in: autograd keeps no float32 `[B, H, L, Dv]` tensor (the numerator that
+    `safe_divide` would save: 2 GiB at L = 1M, B·H = 8, Dv = 64); the kernels return the
+    quotient in bf16 and divide the gradient themselves."""
+    import fastrpe as fr
+    from fastrpe import positions as P
+
+    B, H, L, D = 1, 2, 70, 16
+    q, k, v = (torch.randn(B, H, L, D, device=DEV).bfloat16().requires_grad_() for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        out = fr.attention(q, k, v, kernel="nprf", position=P.ALiBi(H).to(DEV), causal=True, backend="triton_chunked")
+    assert out.dtype == torch.bfloat16
+    assert ((B, H, L, D), torch.float32) not in saved
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 def test_backend_refusals_say_why(interpret_on_cpu):

@@ -15,7 +15,8 @@ from fastrpe.ops.linear import triton_soe as ts  # noqa: E402
 from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.ops.linear.soe import SoEPlan, soe_plan  # noqa: E402
-from fastrpe.testing import assert_close, assert_lowp_close, features_and_values, weighted_grads  # noqa: E402
+from fastrpe.testing import (assert_close, assert_lowp_close, features_and_values, quotient_reference,  # noqa: E402
+                             weighted_grads)
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
@@ -80,6 +81,48 @@ def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, bud
     got, want = weighted_grads((num, den), leaves), weighted_grads((rn, rd), leaves)
     for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
         assert_close(a, b, msg=name)
+
+
+QUOTIENT_CASES = [c for c in CASES if c.id in ("T63-F12-Dv10-W8-C16", "T1", "T40-Dv72-two-value-blocks",
+                                                "T45-W20-three-near-chunks", "decode-Lq5-Lk60-off55",
+                                                "T63-a-term-per-launch", "off10-a-term-per-launch")]
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", QUOTIENT_CASES)
+def test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget):
+    """`divide=`: the quotient, and the gradients the kernels make from its gradient scaled by
+    1/den (the plan's `a` and `corr` included), as `num/den` of the dense sums; term groups too."""
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
+    plan = _plan(H, window, 4)
+    out, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
+                                                   state_budget=budget, divide=torch.float64)
+    assert not den.requires_grad
+    ref = quotient_reference(*reference(q, k, v, plan, q_offset))
+    assert_close(out, ref.detach())
+    leaves = (q, k, v, plan.a, plan.corr)
+    got, want = weighted_grads((out,), leaves), weighted_grads((ref,), leaves)
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
+        assert_close(a, b, msg=name)
+
+
+def test_soe_quotient_low_precision_against_float64():
+    """A bf16 quotient from float32 features and bf16 values, as the backends ask for it,
+    against float64, within a small factor of the naive path dividing in float32."""
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
+    v = v.detach().bfloat16().requires_grad_()
+    plan = _plan(2, 8, 4)
+    out, _, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=1,
+                                                 divide=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r64 = quotient_reference(*reference(q64, k64, v64, plan))
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    rl = quotient_reference(*reference(ql, kl, vl.float(), plan)).bfloat16()
+    assert_lowp_close(out, rl, r64.detach(), msg="out")
+    got, lowp, want = (weighted_grads((o,), leaves) for o, leaves in
+                       ((out, (q, k, v)), (rl, (ql, kl, vl)), (r64, (q64, k64, v64))))
+    for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
+        assert_lowp_close(a, n, r, msg=name)
 
 
 def test_soe_term_groups_in_low_precision_sum_in_float32():

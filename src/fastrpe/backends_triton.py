@@ -96,11 +96,13 @@ def _triton_reason(p: Problem) -> str | None:
 
 
 def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                           dot_dtype=None, precision="ieee"):
+                           dot_dtype=None, precision="ieee", divide=None):
     """The `NumDen` inner-product algorithm by the Triton kernels; coeffs: `[H]` decays γ or
     None (γ = 1). `dot_dtype` (e.g. bfloat16) rounds the features and values for the tensor
     cores; sums stay float32 and num, den come back in phi_q's dtype. `precision`: how float32
-    features are multiplied (`lowp_dots`)."""
+    features are multiplied (`lowp_dots`). `divide`: the quotient in that dtype in place of
+    num (`NumDen`); inside the causal kernels' backward, after the two scans' sums otherwise."""
+    from .ops.common import safe_divide
     from .ops.linear import triton_chunked as tk
 
     if key_log_scale is not None:
@@ -111,12 +113,13 @@ def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_pad
     if causal:
         return tk.kernelized_num_den_triton_chunked(phi_q, phi_k, v, gamma=coeffs, q_offset=q_offset,
                                                     key_padding_mask=key_padding_mask, out_dtype=out_dtype,
-                                                    precision=precision)
+                                                    precision=precision, divide=divide)
     if q_offset:
         raise ValueError(f"triton_chunked: the bidirectional decay needs q_offset = 0, got {q_offset}")
-    return tk.kernelized_num_den_triton_bidirectional(phi_q, phi_k, v, gamma=coeffs,
-                                                      key_padding_mask=key_padding_mask, out_dtype=out_dtype,
-                                                      precision=precision)
+    num, den, log_scale = tk.kernelized_num_den_triton_bidirectional(phi_q, phi_k, v, gamma=coeffs,
+                                                                     key_padding_mask=key_padding_mask,
+                                                                     out_dtype=out_dtype, precision=precision)
+    return (num, den, log_scale) if divide is None else (safe_divide(num, den).to(divide), den, log_scale)
 
 
 class TritonChunkedBackend(Backend):
@@ -154,12 +157,14 @@ class TritonChunkedBackend(Backend):
         gamma = p.position.geometric_decay() if p.position is not None else None
         dot_dtype, precision = lowp_dots(p)
 
-        def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
+        def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
+                    divide=None):
             return num_den_triton_chunked(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                           key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                          dot_dtype=dot_dtype, precision=precision)
+                                          dot_dtype=dot_dtype, precision=precision, divide=divide)
 
         num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
+        num_den.divides = True
         return _compose(q, k, v, p, kpm, num_den, gamma)
 
 
@@ -171,9 +176,10 @@ def _compose(q, k, v, p, kpm, num_den, coeffs):
 
 
 def num_den_triton_fused(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                         dot_dtype=None, precision="ieee", state_dtype=None):
+                         dot_dtype=None, precision="ieee", state_dtype=None, divide=None):
     """The `NumDen` inner-product algorithm by the fused kernel of `ops/linear/triton_soe.py`;
-    coeffs: an `SoEPlan` (triton_soe) or `BandCoefficients` (triton_band, exact)."""
+    coeffs: an `SoEPlan` (triton_soe) or `BandCoefficients` (triton_band, exact). `divide`:
+    the quotient in that dtype in place of num (`NumDen`), inside the kernels' backward."""
     from .ops.kernelized import BandCoefficients
 
     name = "triton_band" if isinstance(coeffs, BandCoefficients) else "triton_soe"
@@ -185,7 +191,7 @@ def num_den_triton_fused(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_paddi
     if dot_dtype is not None and dot_dtype != phi_q.dtype:
         phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
     kw = dict(q_offset=q_offset, key_padding_mask=key_padding_mask, out_dtype=out_dtype, precision=precision,
-              state_dtype=state_dtype)
+              state_dtype=state_dtype, divide=divide)
     if name == "triton_band":
         from .ops.linear.triton_band import kernelized_num_den_triton_band
 
@@ -202,12 +208,14 @@ def _run_fused(q, k, v, p, kpm, coeffs):
     # (half the bytes; under the interpreter at L = 1,024, no change in any error vs float64)
     state_dtype = p.dtype if p.dtype in _LOWP else None
 
-    def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None):
+    def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None, divide=None):
         return num_den_triton_fused(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                     key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                    dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype)
+                                    dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype,
+                                    divide=divide)
 
     num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
+    num_den.divides = True
     return _compose(q, k, v, p, kpm, num_den, coeffs)
 
 

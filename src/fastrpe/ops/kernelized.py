@@ -86,6 +86,10 @@ class NumDen(Protocol):
     `key_log_scale: [B, H, Lk]` is a per-key log-factor of the key features (true features
     `phi_k·exp(key_log_scale)`, the running maximum of causal SIKF); only `num_den_dense`
     accepts it, the others raise.
+    An algorithm with the attribute `divides = True` also takes `divide=dtype` and then
+    returns the quotient `num/den` (rows without weight 0, as `safe_divide`) in that dtype in
+    place of num: the composition asks for it when nothing is added to the sums (no Shaw),
+    so that no float32 num is kept for backward and no float32 gradient of it is made.
     """
 
     def __call__(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, coeffs, *, causal: bool, q_offset: int,
@@ -313,8 +317,12 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, kernel, num_den: NumDe
         vv = v if getattr(num_den, "keeps_value_dtype", False) else v.to(phi_q.dtype)
         s = torch.as_tensor(s, dtype=phi_q.dtype, device=phi_q.device).detach()
         per_key = s.dim() == 3 and s.shape[-1] > 1  # causal running maximum: [B, H, Lk]
+        # the algorithm divides itself when the quotient is all that is asked (FastRPB's term
+        # is added to it in the features' dtype: it then gets the quotient in that dtype)
+        divide = getattr(num_den, "divides", False) and not shaw and not per_key
+        kw = dict(divide=phi_q.dtype if fastrpb else q.dtype) if divide else {}
         num, den, log_scale = num_den(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
-                                      key_padding_mask=key_padding_mask, key_log_scale=s if per_key else None)
+                                      key_padding_mask=key_padding_mask, key_log_scale=s if per_key else None, **kw)
         if shaw or fastrpb:
             vv = vv.to(phi_q.dtype)
         if shaw:
@@ -329,7 +337,7 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, kernel, num_den: NumDe
                 n2, d2 = shaw_fn(phi_q, vv, rp.to(phi_q.dtype), Lk=k.shape[2], causal=causal, q_offset=q_offset,
                                  key_padding_mask=key_padding_mask)
                 num, den = num + n2 * b[..., None], den + d2 * b
-        out = safe_divide(num, den)
+        out = num if divide else safe_divide(num, den)
         out = add_fastrpb(out, vv, fastrpb, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask,
                           naive=naive)
         return out.to(q.dtype)

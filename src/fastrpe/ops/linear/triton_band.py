@@ -60,6 +60,7 @@ def kernelized_num_den_triton_band(
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
     state_dtype: torch.dtype | None = None,
+    divide: torch.dtype | None = None,
 ):
     """Causal `(num, den, log_scale)` exactly as `kernelized_num_den_naive(..., causal=True)`
     for a term with `b(r) = b(-W)` for all `r <= -W` (`W = window`), in one fused Triton pass.
@@ -73,11 +74,12 @@ def kernelized_num_den_triton_band(
         key_padding_mask: `[B, Lk]` bool, True = padding.
         chunk_size: T (the near field spans `near_chunks(W, T)` chunks: 3 for T5's 113
             distances at T = 64).
-        out_dtype, precision, state_dtype: as `kernelized_num_den_triton_soe`.
+        out_dtype, precision, state_dtype, divide: as `kernelized_num_den_triton_soe`.
 
     Returns:
         `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`: the true sums are
-        `num·exp(log_scale)` (log_scale: each head's largest `b(-d)`, `d <= W`).
+        `num·exp(log_scale)` (log_scale: each head's largest `b(-d)`, `d <= W`); with
+        `divide`, the quotient `num/den` in place of num.
     """
     W = int(window)
     if W < 1:
@@ -89,4 +91,5 @@ def kernelized_num_den_triton_band(
     b = log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)]
     return kernelized_num_den_triton_soe(phi_q, phi_k, v, band_plan(b), q_offset=q_offset,
                                          key_padding_mask=key_padding_mask, chunk_size=chunk_size,
-                                         out_dtype=out_dtype, precision=precision, state_dtype=state_dtype)
+                                         out_dtype=out_dtype, precision=precision, state_dtype=state_dtype,
+                                         divide=divide)

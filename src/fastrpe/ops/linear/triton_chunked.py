@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
+from ..common import quotient, quotient_grads
 
 try:  # triton is the optional extra `[triton]`
     import triton
@@ -89,6 +90,18 @@ if HAS_TRITON:
             return tl.dot(a.to(DT), b.to(DT), input_precision="ieee", out_dtype=ACC)
         else:
             return tl.dot(a.to(DT), b.to(DT), out_dtype=ACC)
+
+    @triton.jit
+    def _row_inv(inv_base, rows, ok, ACC: tl.constexpr, SCALED: tl.constexpr):
+        """`[len(rows)]` factor of each row of do in the numerator's gradient: SCALED (do is
+        the gradient of the quotient `num/den`) its `inv = 1/den`, else 1. The kernels apply
+        it to the products of do (all linear in it), not to the do tile: a scaled float32 copy
+        of do doubled the float32-feature gradient kernel's register spills (sm_90, ptxas)."""
+        if SCALED:
+            r = tl.load(inv_base + rows, mask=ok, other=0.0).to(ACC)
+        else:
+            r = tl.where(ok, 1.0, 0.0).to(ACC)
+        return r
 
     @triton.jit
     def _bf16_bits(x):
@@ -169,11 +182,12 @@ if HAS_TRITON:
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
 
     @triton.jit
-    def _bwd_state_kernel(q_ptr, do_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, H, Lq, Lk, F, Dv, N, q_offset,
+    def _bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
         """Grid (B·H, BDV/BV). dh[:, N] holds the final state's gradient; writes dh[:, 0..N-1]
-        (dh[:, n] = gradient of the state entering chunk n; dh[:, 0] is the initial state's)."""
+        (dh[:, n] = gradient of the state entering chunk n; dh[:, 0] is the initial state's).
+        SCALED: do is the quotient's gradient, its rows scaled by inv (`_row_inv`)."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
@@ -198,19 +212,21 @@ if HAS_TRITON:
             e_n = tl.minimum(n * BT + BT, Lk)
             qt = q * tl.exp(lg * (pos - e_prev + 1).to(ACC))[:, None]
             g = tl.exp(lg * (e_n - e_prev).to(ACC))
-            dS = dS * g + _dot(tl.trans(qt), do, DT, ACC, MODE)
+            qs = qt * _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
+            dS = dS * g + _dot(tl.trans(qs), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qt * dd[:, None], 0)
             tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS)
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
 
     @triton.jit
-    def _bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr,
+    def _bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr,
                           dq_ptr, dk_ptr, dv_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                           STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                          DV_BF16: tl.constexpr = False):
+                          SCALED: tl.constexpr, DV_BF16: tl.constexpr = False):
         """Grid (N, B·H): dφq, dφk, dv of chunk n (every value column in one program:
-        dφq and dφk sum over them). DV_BF16: dv_ptr is the int16 view of a bf16 dv."""
+        dφq and dφk sum over them). DV_BF16: dv_ptr is the int16 view of a bf16 dv. SCALED
+        as `_bwd_state_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
@@ -228,6 +244,7 @@ if HAS_TRITON:
         v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & cm, other=0.0)
         do = tl.load(do_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=qm[:, None] & cm, other=0.0)
         dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
+        inv = _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
         hoff = (bh * (N + 1) + n) * BF * BDV + f[:, None] * BDV + c[None, :]
         zoff = (bh * (N + 1) + n) * BF + f
         S = tl.load(h_ptr + hoff)  # (BF, BDV): state entering chunk n
@@ -245,12 +262,12 @@ if HAS_TRITON:
             keep = d >= 0
         D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
         A = _dot(q, tl.trans(k), DT, ACC, MODE) * D
-        dA = (_dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
-        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (_dot(do, tl.trans(S), DT, ACC, MODE)
+        dA = (inv * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
+        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv * _dot(do, tl.trans(S), DT, ACC, MODE)
                                                               + dd[:, None] * z[None, :])
         dk = _dot(tl.trans(dA), q, DT, ACC, MODE) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE)
                                                                         + dz[None, :])
-        dv = _dot(tl.trans(A), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
+        dv = _dot(tl.trans(A * inv), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & fm)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         if DV_BF16:  # (a branch may not change a variable's type: one store per branch)
@@ -272,7 +289,7 @@ def _tuned(kernel, key, reset=None, restore=None):
 
 if HAS_TRITON:
     _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT"])
-    _bwd_grads_kernel = _tuned(_bwd_grads_kernel, ["F", "Dv", "STRICT", "DV_BF16"])
+    _bwd_grads_kernel = _tuned(_bwd_grads_kernel, ["F", "Dv", "STRICT", "SCALED", "DV_BF16"])
 
 _TL_DTYPE = {}
 if HAS_TRITON:
@@ -313,7 +330,8 @@ class _ChunkedDecay(torch.autograd.Function):
     """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int):
+    def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int,
+                divide=None):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -329,36 +347,42 @@ class _ChunkedDecay(torch.autograd.Function):
         if init is not None:
             h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
             z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
-        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype, device=dev)
-        den = torch.empty(B, H, Lq, dtype=out_dtype, device=dev)
+        # a quotient is formed from sums in the accumulation dtype
+        sum_dtype = out_dtype if divide is None else acc
+        num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
+        den = torch.empty(B, H, Lq, dtype=sum_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         _fwd_state_kernel[(B * H, BDV // BVS)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num, den, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **meta)
         state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
-        ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init)
+        out = None
+        if divide is not None:
+            # `num/den` in place of num: no float32 num is kept, and backward takes the
+            # quotient's gradient as it comes (`_row_inv`)
+            out = num = quotient(num, den, divide)
+            ctx.mark_non_differentiable(den)
+        ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init, out, den if divide is not None else None)
         ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode)
         return num, den, state
 
     @staticmethod
     def backward(ctx, dnum, dden, dstate):
-        phi_q, phi_k, v, log_g, h, z, state, init = ctx.saved_tensors
+        phi_q, phi_k, v, log_g, h, z, state, init, out, den = ctx.saved_tensors
         q_offset, BT, BF, BDV, BVS, N, strict, mode = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
         acc = acc_dtype(dt)
-        # the kernels round dy to the input dtype only where it enters a tl.dot
-        dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
-        dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
+        dnum, inv, dden = _numerator_grads(dnum, dden, out, den, (B, H, Lq, Dv), dt, dev)
         dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
         dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
         if dstate is not None:
             dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
             dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=out is not None)
+        _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, inv, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
@@ -366,7 +390,7 @@ class _ChunkedDecay(torch.autograd.Function):
         # torch would round a float32 dv: no float32 dv at all
         dv_bf16 = v.dtype == torch.bfloat16 and dt != torch.bfloat16
         dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
-        _bwd_grads_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, log_g, h, z, dh, dz, dq, dk,
+        _bwd_grads_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, h, z, dh, dz, dq, dk,
                                       dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
                                       BT=BT, BF=BF, BDV=BDV, STRICT=strict, DV_BF16=dv_bf16, **meta)
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
@@ -390,7 +414,22 @@ class _ChunkedDecay(torch.autograd.Function):
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
         return (dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
+
+
+def _numerator_grads(dnum, dden, out, den, shape, dt, dev) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dy, inv, dd)` for the backward kernels: dy the gradient they read for the numerator
+    (the quotient's gradient as it comes when `out` was returned, which they scale by `inv`;
+    inv is then a placeholder), dd the denominator's (`quotient_grads`). The kernels round
+    dy to the input dtype only where it enters a tl.dot."""
+    B, H, Lq, Dv = shape
+    if out is not None:
+        dout = torch.zeros_like(out) if dnum is None else dnum.contiguous()
+        inv, dd = quotient_grads(dout, out, den)
+        return dout, inv, dd
+    dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
+    dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
+    return dnum, dden, dden
 
 
 def _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size):
@@ -432,6 +471,7 @@ def kernelized_num_den_triton_chunked(
     return_state: bool = False,
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
+    divide: torch.dtype | None = None,
 ):
     """Causal `num`, `den` (and `log_scale`, all zeros) with weights `γ_h^(p_i - j)`, `j <= p_i`:
     the contract of `kernelized_num_den_chunked`, by Triton kernels (forward and backward).
@@ -448,10 +488,15 @@ def kernelized_num_den_triton_chunked(
             bf16 features unrounded).
         precision: how float32 features are multiplied on the GPU (`PRECISIONS`): "ieee"
             exactly, "tf32x3" on the tensor cores at about float32's accuracy.
+        divide: a dtype: return `num/den` in it (rows without weight 0, as `safe_divide`)
+            in place of num, from the sums in the accumulation dtype; den is then not
+            differentiable. Backward reads the quotient's gradient as it comes (no float32
+            copy of num kept, no float32 gradient of num made).
 
     Returns:
         `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` in out_dtype (+ `state
-        [B, H, F, Dv+1]` in the accumulation dtype, float32 or float64, if asked).
+        [B, H, F, Dv+1]` in the accumulation dtype, float32 or float64, if asked); with
+        `divide`, the quotient in that dtype in place of num, den in the accumulation dtype.
     """
     B, H, Lq, F = phi_q.shape
     Dv = v.shape[3]
@@ -461,7 +506,7 @@ def kernelized_num_den_triton_chunked(
             raise FastRPEError(f"initial_state: expected shape {(B, H, F, Dv + 1)}, got {tuple(initial_state.shape)}")
         initial_state = initial_state.to(acc_dtype(q.dtype))
     num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False,
-                                          out_dtype or phi_q.dtype, dot_mode(precision))
+                                          out_dtype or phi_q.dtype, dot_mode(precision), divide)
     out = (num, den, phi_q.new_zeros(H, Lq))
     return (*out, state) if return_state else out
 

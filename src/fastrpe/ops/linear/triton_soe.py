@@ -43,14 +43,15 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
-from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _pow2, _tuned, acc_dtype, dot_mode, value_dtype,
-                             triton_unavailable_reason)
+from ..common import quotient
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
+                             triton_unavailable_reason, value_dtype)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _dot
+    from .triton_chunked import _dot, _row_inv
 
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
@@ -147,9 +148,10 @@ if HAS_TRITON:
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
-    def _soe_bwd_state_kernel(q_ptr, do_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K, q_offset,
-                              BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                              NB: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+    def _soe_bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K,
+                              q_offset, BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                              NB: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                              SCALED: tl.constexpr):
         """Grid (B·H, BDV/BV, K): dh[bh, k, n] = gradient of S_k(n) (read by query chunk
         n + NB - 1, and through S_k(n+1) = γ^T S_k(n) + ... by every later one); dh[bh, k, N]
         stays 0."""
@@ -175,17 +177,18 @@ if HAS_TRITON:
             qw = _load_rows(q_ptr + bh * Lq * F, qi, qm, f, F, F).to(ACC) * w[:, None]
             do = _load_rows(do_ptr + bh * Lq * Dv, qi, qm, c, Dv, Dv)
             dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
-            D = D * g + _dot(tl.trans(qw), do, DT, ACC, MODE)
+            qs = qw * _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
+            D = D * g + _dot(tl.trans(qs), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qw * dd[:, None], 0)
             tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], D.to(dh_ptr.dtype.element_ty))
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
 
     @triton.jit
-    def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, dwq_ptr,
+    def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, dwq_ptr,
                            H, Lq, Lk, F, Dv, N, K, NS, q_offset,
                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                            NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
-                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
         """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for
         the far weights' gradient dwq `[K, BT]`. K, NEAR, ACCUM as `_soe_out_kernel`'s."""
         gi = tl.program_id(0)
@@ -196,7 +199,7 @@ if HAS_TRITON:
         c = tl.arange(0, BDV)
         d0 = t[:, None] - t[None, :]
         qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
-        dob, ddb = do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+        dob, ivb, ddb = do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
         dwq_base = dwq_ptr + (bh * NS + gi) * K * BT
         for n in range(gi, N, NS):
             pos = n * BT + t
@@ -205,6 +208,7 @@ if HAS_TRITON:
             qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
             don = _load_rows(dob, qi, qm, c, Dv, Dv)
             ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+            inv = _row_inv(ivb, qi, qm, ACC, SCALED)
             dq = tl.zeros([BT, BF], dtype=ACC)
             if NEAR:
                 for j in tl.static_range(NB):  # key chunk n - j
@@ -212,7 +216,7 @@ if HAS_TRITON:
                     km = (kp >= 0) & (kp < Lk)
                     kj = _load_rows(kb, kp, km, f, F, F).to(ACC)
                     vj = _load_rows(vb, kp, km, c, Dv, Dv)
-                    G = _dot(don, tl.trans(vj), DT, ACC, MODE) + ddn[:, None]
+                    G = inv[:, None] * _dot(don, tl.trans(vj), DT, ACC, MODE) + ddn[:, None]
                     dq += _dot(G * _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC), kj, DT, ACC, MODE)
             if n >= NB - 1:  # far field: chunk n reads S_k(n - NB + 1)
                 for kk in range(K):
@@ -220,9 +224,9 @@ if HAS_TRITON:
                     off = ((bh * K + kk) * N + n - NB + 1) * BF
                     S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
                     zs = tl.load(z_ptr + off + f)
-                    dq += w[:, None] * (_dot(don, tl.trans(S), DT, ACC, MODE) + ddn[:, None] * zs[None, :])
+                    dq += w[:, None] * (inv[:, None] * _dot(don, tl.trans(S), DT, ACC, MODE) + ddn[:, None] * zs[None, :])
                     X = _dot(qn, S, DT, ACC, MODE)
-                    dw = tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
+                    dw = inv * tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
                     tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
             dqm = qm[:, None] & (f[None, :] < F)
             if ACCUM:
@@ -230,9 +234,9 @@ if HAS_TRITON:
             tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=dqm)
 
     @triton.jit
-    def _soe_bwd_dcn_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, p_ptr, Lq, Lk, F, Dv, N, NS, q_offset,
+    def _soe_bwd_dcn_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, p_ptr, Lq, Lk, F, Dv, N, NS, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, NB: tl.constexpr,
-                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
         """Grid (NS, B·H, NB), query chunks n = g, g + NS, ...: `P_j = Σ_n (φq_n·φk_(n-j)ᵀ) ⊙
         (do_n·v_(n-j)ᵀ + dd_n)`, `[BT, BT]`, summed diagonal by diagonal on the host into the
         gradient of cn (`_diagonal_sums`)."""
@@ -243,7 +247,7 @@ if HAS_TRITON:
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
         qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
-        dob, ddb = do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+        dob, ivb, ddb = do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
         P = tl.zeros([BT, BT], dtype=ACC)
         for n in range(gi, N, NS):
             pos = n * BT + t
@@ -252,17 +256,17 @@ if HAS_TRITON:
             kp = pos - j * BT
             km = (kp >= 0) & (kp < Lk)
             G = _dot(_load_rows(dob, qi, qm, c, Dv, Dv), tl.trans(_load_rows(vb, kp, km, c, Dv, Dv)), DT, ACC, MODE)
-            G += tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)[:, None]
+            G = G * _row_inv(ivb, qi, qm, ACC, SCALED)[:, None] + tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)[:, None]
             P += _dot(_load_rows(qb, qi, qm, f, F, F).to(ACC), tl.trans(_load_rows(kb, kp, km, f, F, F).to(ACC)),
                       DT, ACC, MODE) * G
         tl.store(p_ptr + ((bh * NS + gi) * NB + j) * BT * BT + t[:, None] * BT + t[None, :], P)
 
     @triton.jit
-    def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
-                            H, Lq, Lk, F, Dv, N, K, q_offset,
+    def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr,
+                            dv_ptr, H, Lq, Lk, F, Dv, N, K, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                             NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
-                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
         """Grid (N, B·H): dφk and dv of key chunk n (near: query chunks n .. n+NB-1; far: the
         gradient of S_k(n+1), which chunk n's keys enter). K, NEAR, ACCUM as `_soe_out_kernel`'s."""
         n = tl.program_id(0)
@@ -279,17 +283,18 @@ if HAS_TRITON:
         dv = tl.zeros([BT, BDV], dtype=ACC)
         if NEAR:
             d0 = t[:, None] - t[None, :]
-            qb, dob, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, dd_ptr + bh * Lq
+            qb, dob, ivb, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
             for j in tl.static_range(NB):  # query chunk n + j
                 qi = pos + j * BT - q_offset
                 qm = (qi >= 0) & (qi < Lq)
                 qj = _load_rows(qb, qi, qm, f, F, F).to(ACC)
                 doj = _load_rows(dob, qi, qm, c, Dv, Dv)
                 ddj = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+                invj = _row_inv(ivb, qi, qm, ACC, SCALED)[:, None]
                 M = _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC)  # [query s, key u]
-                G = _dot(doj, tl.trans(vn), DT, ACC, MODE) + ddj[:, None]
+                G = invj * _dot(doj, tl.trans(vn), DT, ACC, MODE) + ddj[:, None]
                 dk += _dot(tl.trans(G * M), qj, DT, ACC, MODE)
-                dv += _dot(tl.trans(_dot(qj, tl.trans(kn), DT, ACC, MODE) * M), doj, DT, ACC, MODE)
+                dv += _dot(tl.trans(_dot(qj, tl.trans(kn), DT, ACC, MODE) * (M * invj)), doj, DT, ACC, MODE)
         # far field
         for kk in range(K):
             lg = tl.load(lgk_ptr + kk).to(ACC)
@@ -309,9 +314,9 @@ if HAS_TRITON:
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
     _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY, restore=["num_ptr", "den_ptr"])
-    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY, reset=["dwq_ptr"], restore=["dq_ptr"])
-    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY, restore=["dk_ptr", "dv_ptr"])
-    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB"])
+    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
+    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED"], restore=["dk_ptr", "dv_ptr"])
+    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "SCALED"])
 
 
 def _diagonal_sums(P: Tensor, T: int) -> Tensor:
@@ -333,7 +338,7 @@ class _SoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, NB: int, out_dtype, mode: int, state_dtype,
-                group: int):
+                group: int, divide=None):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -343,8 +348,9 @@ class _SoE(torch.autograd.Function):
         BV = min(BDV, 64)
         N = -(-max(Lk, q_offset + Lq) // T)
         groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
-        # several groups add into num/den: keep the sums in the accumulation dtype until the end
-        sum_dtype = out_dtype if len(groups) == 1 else acc
+        # several groups add into num/den, or a quotient is formed from them: keep the sums in
+        # the accumulation dtype until the end
+        sum_dtype = out_dtype if len(groups) == 1 and divide is None else acc
         num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=sum_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
@@ -356,9 +362,13 @@ class _SoE(torch.autograd.Function):
             del h, z
         # the states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
-        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk)
+        out = None
+        if divide is not None:  # `num/den` in place of num (`triton_chunked._ChunkedDecay`)
+            out = quotient(num, den, divide)
+            ctx.mark_non_differentiable(den)
+        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, out, den if divide is not None else None)
         ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups)
-        return num.to(out_dtype), den.to(out_dtype)
+        return (num.to(out_dtype), den.to(out_dtype)) if divide is None else (out, den)
 
     @staticmethod
     def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta):
@@ -373,16 +383,16 @@ class _SoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dnum, dden):
-        phi_q, phi_k, v, cn, wq, lgk = ctx.saved_tensors
+        phi_q, phi_k, v, cn, wq, lgk, out, den = ctx.saved_tensors
         q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
         dev, dt = phi_q.device, phi_q.dtype
         acc = acc_dtype(dt)
-        dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
-        dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
+        dnum, inv, dden = _numerator_grads(dnum, dden, out, den, (B, H, Lq, Dv), dt, dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+        scaled = dict(SCALED=out is not None)
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
@@ -394,27 +404,28 @@ class _SoE(torch.autograd.Function):
             # the queries' side reads the states, the keys' side their gradients: one at a time
             h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta)
             dwq.append(torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev))
-            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, dden, cn, wg, h, z, dq, dwq[-1],
+            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq[-1],
                                             H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
-                                            **flags, **meta)
+                                            **flags, **meta, **scaled)
             del h, z
             dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
             dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-            _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, dden, wg, lg, dh, dz, H, Lq, F, Dv, N, Kg,
-                                                          q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, **meta)
-            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, dden, cn, lg, dh, dz, dk, dv,
+            _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, inv, dden, wg, lg, dh, dz, H, Lq, F, Dv, N,
+                                                          Kg, q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, **meta,
+                                                          **scaled)
+            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk, dv,
                                             H, Lq, Lk, F, Dv, N, Kg, q_offset, BT=T, BF=BF, BDV=BDV,
-                                            **flags, **meta)
+                                            **flags, **meta, **scaled)
             del dh, dz
         dcn = dwq_h = None
         if ctx.needs_input_grad[3]:
             p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
-            _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
-                                                 BT=T, BF=BF, BDV=BDV, NB=NB, **meta)
+            _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
+                                                 BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
             dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
         if ctx.needs_input_grad[4]:
             dwq_h = torch.cat(dwq, 2).view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h, None, None, None, None, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h, None, None, None, None, None, None, None, None, None
 
 
 def soe_tables(plan: SoEPlan, T: int, NB: int = 2) -> tuple[Tensor, Tensor]:
@@ -444,6 +455,7 @@ def kernelized_num_den_triton_soe(
     precision: str = "ieee",
     state_dtype: torch.dtype | None = None,
     state_budget: int | None = None,
+    divide: torch.dtype | None = None,
 ):
     """Causal `(num, den, log_scale)` with the coefficients of `plan` (exact below its window,
     its sum of exponentials beyond), in one fused Triton pass, forward and backward.
@@ -465,9 +477,12 @@ def kernelized_num_den_triton_soe(
             terms beyond it run in further launches that add to the first (`terms_per_group`),
             so memory stays bounded at any length (L = 1M, B·H = 8: one term's states are 0.5 GB
             in bf16).
+        divide: a dtype: the quotient `num/den` in it in place of num, as
+            `triton_chunked.kernelized_num_den_triton_chunked` returns it.
 
     Returns:
-        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`: the plan's `shift` per head.
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`: the plan's `shift` per head
+        (with `divide`: the quotient in place of num, den in the accumulation dtype).
     """
     why = triton_unavailable_reason(phi_q.device)
     if why is not None:
@@ -495,5 +510,5 @@ def kernelized_num_den_triton_soe(
     group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
                           cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, NB, out_dtype or dt,
-                          dot_mode(precision), sdt, group)
-    return num, den, plan.log_scale(Lq, num.dtype)
+                          dot_mode(precision), sdt, group, divide)
+    return num, den, plan.log_scale(Lq, den.dtype)
