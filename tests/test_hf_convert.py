@@ -24,6 +24,7 @@ from fastrpe.hf.convert import SUPPORTED, FastRPEAttention  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 README = Path(__file__).resolve().parents[1] / "README.md"
+CACHE = fastrpe.hf.CACHE_NAME  # transformers' name for the cache: "cache" from 5.24, "past_key_values" before
 V = 64  # vocabulary of the tiny models
 
 
@@ -247,10 +248,10 @@ def test_decoding_with_the_cache_matches_the_full_forward(arch):
     with torch.no_grad():
         full = conv(x).logits
         first = conv(x[:, :7], use_cache=True)
-        cache, steps = first.past_key_values, [first.logits]
+        cache, steps = getattr(first, CACHE), [first.logits]
         for t in range(7, 11):
-            o = conv(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-            cache = o.past_key_values
+            o = conv(x[:, t:t + 1], use_cache=True, **{CACHE: cache})
+            cache = getattr(o, CACHE)
             steps.append(o.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
@@ -403,10 +404,10 @@ def test_decoding_past_a_sliding_window_matches_the_model():
 
     def decode(m):
         o = m(x[:, :6], use_cache=True)
-        cache, outs = o.past_key_values, [o.logits]
+        cache, outs = getattr(o, CACHE), [o.logits]
         for t in range(6, 14):
-            o = m(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-            cache = o.past_key_values
+            o = m(x[:, t:t + 1], use_cache=True, **{CACHE: cache})
+            cache = getattr(o, CACHE)
             outs.append(o.logits)
         return torch.cat(outs, 1)
 

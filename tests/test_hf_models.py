@@ -7,6 +7,7 @@ a beam search written here over float64 full-sequence forwards (no cache, no sta
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import subprocess
@@ -18,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,  # noqa: E402
-                          AutoModelForSequenceClassification, Trainer, TrainingArguments)
+                          AutoModelForSequenceClassification, GenerationMixin, Trainer, TrainingArguments)
 
 import fastrpe.hf as H  # noqa: E402
 from fastrpe import FastRPEError  # noqa: E402
@@ -29,6 +30,10 @@ V = 259
 # (kernel, position, the decode state `decoder()` picks): a KV cache and two constant-size states
 CASES = [("softmax", "kerple_log", KVCache), ("nprf", "alibi", LinearState), ("elu", "t5", BandState)]
 IDS = [f"{k}-{p}" for k, p, _ in CASES]
+# the name `generate` passes the cache under and returns it under: "cache" from transformers 5.24,
+# "past_key_values" before (read from transformers itself, not from fastrpe.hf.CACHE_NAME)
+CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
+    else "past_key_values"
 
 
 def tiny(kernel="nprf", position="alibi", *, seed=0, std=0.3, cls=None, **kw):
@@ -138,16 +143,21 @@ def test_forward_is_decoderlm_and_loss_is_next_token_cross_entropy():
     torch.testing.assert_close(model(x, labels=labels).loss.double(), ref, rtol=1e-6, atol=1e-6)
 
 
+def test_cache_name_is_the_one_generate_uses():
+    assert H.CACHE_NAME == CACHE
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])  # the name from transformers 5.24, before
 @pytest.mark.parametrize("kernel,position,state", CASES, ids=IDS)
-def test_cached_forward_token_by_token_equals_full_forward_float64(kernel, position, state):
+def test_cached_forward_token_by_token_equals_full_forward_float64(kernel, position, state, keyword):
     model = tiny(kernel, position).double()
     x = prompt(2, 12)
     full = model(x).logits
     cache = model.new_cache()
-    parts = [model(x[:, :5], past_key_values=cache).logits]
+    parts = [model(x[:, :5], **{keyword: cache}).logits]
     for t in range(5, 12):
-        out = model(x[:, t:t + 1], past_key_values=cache, attention_mask=torch.ones(2, t + 1))
-        assert out.past_key_values is cache and cache.get_seq_length() == t + 1
+        out = model(x[:, t:t + 1], attention_mask=torch.ones(2, t + 1), **{keyword: cache})
+        assert getattr(out, CACHE) is cache and cache.get_seq_length() == t + 1
         parts.append(out.logits)
     assert all(type(s) is state for s in cache.states)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
@@ -207,7 +217,7 @@ def test_beam_search_best_beam_equals_reference(kernel, position, _):
     x = prompt(2, 6)
     out = model.generate(x, max_new_tokens=5, num_beams=3, do_sample=False, length_penalty=0.0,
                          early_stopping=True, return_dict_in_generate=True, output_scores=True)
-    assert isinstance(out.past_key_values, H.FastRPECache)
+    assert isinstance(getattr(out, CACHE), H.FastRPECache)
     for b in range(2):
         best, score, margin = reference_beam_search(model.model, x[b], beams=3, steps=5)
         assert margin > 1e-4, "premise: the reference has no near-ties"
@@ -225,7 +235,7 @@ def test_generate_keeps_the_decode_state_decoder_picks(kernel, position, state):
     sizes = {}
     for n in (2, 24):
         out = model.generate(prompt(2, 4), max_new_tokens=n, do_sample=False, return_dict_in_generate=True)
-        cache = out.past_key_values
+        cache = getattr(out, CACHE)
         assert isinstance(cache, H.FastRPECache) and all(type(s) is state for s in cache.states)
         assert cache.get_seq_length() == 4 + n - 1
         sizes[n] = cache.nbytes()
@@ -239,7 +249,7 @@ def test_generate_with_the_soe_backend_keeps_soe_states_and_equals_fastrpe():
     model = tiny("nprf", "kerple_log", backend="soe")
     x = prompt(2, 6)
     out = model.generate(x, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
-    assert all(type(s) is SoEState for s in out.past_key_values.states)
+    assert all(type(s) is SoEState for s in getattr(out, CACHE).states)
     assert torch.equal(out.sequences, model.model.generate(x, 10))
     beams = model.generate(x, max_new_tokens=4, num_beams=3, do_sample=False, length_penalty=0.0)
     assert beams.shape == (2, 10)
@@ -250,8 +260,8 @@ def test_generate_refuses_a_dynamic_cache_and_padded_prompts():
 
     model = tiny()
     x = prompt(2, 5)
-    with pytest.raises(FastRPEError, match="past_key_values must be a FastRPECache"):
-        model.generate(x, max_new_tokens=2, past_key_values=DynamicCache())
+    with pytest.raises(FastRPEError, match=f"{CACHE} must be a FastRPECache"):
+        model.generate(x, max_new_tokens=2, **{CACHE: DynamicCache()})
     x[0, :2] = 256
     model.generation_config.pad_token_id = 256
     with pytest.raises(FastRPEError, match="attention_mask has padding"):
@@ -285,7 +295,10 @@ def test_right_padding_is_exact_and_left_padding_is_refused():
     (dict(position_ids=torch.arange(3)[None]), "position_ids is not supported"),
     (dict(bogus=1), "unexpected argument 'bogus'"),
     (dict(past_key_values=(1, 2)), "past_key_values must be a FastRPECache"),
-], ids=["inputs_embeds", "output_attentions", "output_hidden_states", "position_ids", "unknown", "tuple_cache"])
+    (dict(cache=(1, 2)), "cache must be a FastRPECache"),
+    (dict(cache=H.FastRPECache(2), past_key_values=H.FastRPECache(2)), "got both cache and past_key_values"),
+], ids=["inputs_embeds", "output_attentions", "output_hidden_states", "position_ids", "unknown", "tuple_cache",
+        "tuple_cache_new_name", "both_cache_names"])
 def test_unsupported_arguments_raise_one_line(kwargs, match):
     model = tiny()
     with pytest.raises(FastRPEError, match=match) as e:
@@ -389,4 +402,5 @@ def test_docs_hf_models_example_runs():
     code = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[0]
     ns: dict = {}
     exec(compile(code, str(doc), "exec"), ns)  # noqa: S102 - our own docs
-    assert all(isinstance(s, LinearState) for s in ns["out"].past_key_values.states)
+    assert ns["cache"] is getattr(ns["out"], CACHE)
+    assert all(isinstance(s, LinearState) for s in getattr(ns["out"], CACHE).states)

@@ -16,11 +16,11 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from .cache import FastRPECache, FastRPECacheLayer  # noqa: E402,F401
 from .configuration import FastRPEConfig  # noqa: E402,F401
 from .modeling import (  # noqa: E402,F401
-    FastRPEForCausalLM, FastRPEForSequenceClassification, FastRPEModel, FastRPEPreTrainedModel, register)
+    CACHE_NAME, FastRPEForCausalLM, FastRPEForSequenceClassification, FastRPEModel, FastRPEPreTrainedModel, register)
 
 register()
 
 from .convert import convert  # noqa: E402,F401  (converting a pretrained transformers model)
 
 __all__ = ["FastRPEConfig", "FastRPEModel", "FastRPEForCausalLM", "FastRPEForSequenceClassification",
-           "FastRPEPreTrainedModel", "FastRPECache", "FastRPECacheLayer"]
+           "FastRPEPreTrainedModel", "FastRPECache", "FastRPECacheLayer", "CACHE_NAME"]

@@ -37,7 +37,7 @@ class FastRPEConfig(PreTrainedConfig):
     """
 
     model_type = "fastrpe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the cache's name from transformers 5.24, before
     attribute_map = {
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",

@@ -8,6 +8,11 @@ pass and the decode states are fastrpe's own code. Without a cache the forward p
 `LinearState` / `BandState` / `SoEState` where the layer's `decoder()` picks one, else a
 `KVCache`.
 
+The cache's name: transformers 5.24 renamed the cache argument of `forward` / `generate` and the
+output field that holds it from `past_key_values` to `cache` (`CACHE_NAME` is the installed
+transformers' name). `FastRPEForCausalLM.forward` takes either keyword and returns the cache
+under `CACHE_NAME`.
+
 Padding: `attention_mask` may mark right padding (each row ones, then zeros) in a forward
 pass without a cache (causal attention never lets a real token see the padding after it);
 left padding, or padding while decoding with a cache, is refused with a `FastRPEError`.
@@ -15,6 +20,8 @@ left padding, or padding while decoding with a cache, is refused with a `FastRPE
 Notation: B batch, L new tokens, V vocabulary, E width, C labels.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +35,11 @@ from ..nn.block import init_weights
 from ..nn.lm import DecoderLM
 from .cache import FastRPECache
 from .configuration import FastRPEConfig
+
+#: The keyword `generate` passes the cache to `forward` under, and the output field that holds it:
+#: "cache" from transformers 5.24, "past_key_values" before.
+CACHE_NAME = ("cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+              else "past_key_values")
 
 
 def _hidden(lm: DecoderLM, tokens: Tensor) -> Tensor:
@@ -100,7 +112,7 @@ class FastRPEPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
     _no_split_modules = ["Block"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the cache's name from transformers 5.24, before
     _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
     # fastrpe's constant-size decode states cannot be rolled back (no assisted generation)
     _is_stateful = True
@@ -169,33 +181,42 @@ class FastRPEForCausalLM(FastRPEPreTrainedModel, GenerationMixin):
         return FastRPECache(self.config.n_layers)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                past_key_values: FastRPECache | None = None, labels: Tensor | None = None,
-                use_cache: bool | None = None, *, inputs_embeds: Tensor | None = None,
-                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None, **kwargs):
+                cache: FastRPECache | None = None, labels: Tensor | None = None,
+                use_cache: bool | None = None, *, past_key_values: FastRPECache | None = None,
+                inputs_embeds: Tensor | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs):
         """Args:
-            input_ids: `[B, L]` new tokens (after `past_key_values`' tokens, if any).
+            input_ids: `[B, L]` new tokens (after the cache's tokens, if any).
             attention_mask: `[B, S]`, S = cached + new tokens; see the module docstring for padding.
-            past_key_values: a `FastRPECache` (updated in place and returned).
+            cache: a `FastRPECache` (updated in place and returned).
             labels: `[B, L]` next-token targets as transformers shifts them (`labels[:, 1:]` are
                 predicted from positions `:-1`); -100 is ignored.
             use_cache: decode with fastrpe's states (`DecoderLM.step`) and return the cache.
-                Default: False, unless `past_key_values` is given (`generate` passes True).
+                Default: False, unless a cache is given (`generate` passes True).
+            past_key_values: `cache` under its name before transformers 5.24 (what `generate`
+                passes there); give one of the two.
         Returns:
-            `CausalLMOutputWithPast(loss, logits [B, L, V], past_key_values)`.
+            `CausalLMOutputWithPast(loss, logits [B, L, V], cache)`, the cache under `CACHE_NAME`.
         """
         where = "FastRPEForCausalLM"
         num_items = kwargs.pop("num_items_in_batch", None)
         _check_inputs(where, input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs)
-        if past_key_values is not None and not isinstance(past_key_values, FastRPECache):
-            raise FastRPEError(f"{where}: past_key_values must be a FastRPECache (model.new_cache()), got "
-                               f"{type(past_key_values).__name__}")
+        name = "cache"
+        if past_key_values is not None:
+            if cache is not None:
+                raise FastRPEError(f"{where}: got both cache and past_key_values; pass the cache once "
+                                   "(past_key_values is its name before transformers 5.24)")
+            cache, name = past_key_values, "past_key_values"
+        if cache is not None and not isinstance(cache, FastRPECache):
+            raise FastRPEError(f"{where}: {name} must be a FastRPECache (model.new_cache()), got "
+                               f"{type(cache).__name__}")
         check_tokens(input_ids, self.config.vocab_size, "input_ids", where)
-        cached = past_key_values is not None or bool(use_cache)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
+        cached = cache is not None or bool(use_cache)
         _check_mask(where, attention_mask, input_ids.shape[0], past + input_ids.shape[1], cached)
         if cached:
-            cache = past_key_values if past_key_values is not None else self.new_cache()
+            if cache is None:
+                cache = self.new_cache()
             logits, states = self.model.step(input_ids, cache.states if past else None)  # (B, L, V)
             cache.set_states(states)
         else:
@@ -208,7 +229,7 @@ class FastRPEForCausalLM(FastRPEPreTrainedModel, GenerationMixin):
         if return_dict is False:
             out = (logits, cache) if cache is not None else (logits,)
             return ((loss,) + out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: cache})
 
 
 class FastRPEForSequenceClassification(FastRPEPreTrainedModel):
