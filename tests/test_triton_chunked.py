@@ -108,6 +108,34 @@ def test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype)
         assert_close(a, b, dtype, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+@pytest.mark.parametrize("Dv", [10, 200], ids=["Dv10", "Dv200-two-column-blocks"])
+def test_quotient_backward_is_the_gradient_of_num_over_den(Dv, dtype):
+    """`quotient_backward`: `dout·inv` is the gradient of num and `-inv·Σ dout·out` that of den
+    (autograd through `num / den`); empty rows get 0; bf16 rows are summed in float32 (to
+    float32's round-off, not bf16's)."""
+    g = torch.Generator().manual_seed(2)
+    num = torch.randn(2, 3, 67, Dv, generator=g, dtype=torch.float64)
+    den = torch.randn(2, 3, 67, generator=g, dtype=torch.float64)
+    den[1, 0, 3] = 0.0
+    dout = torch.randn(num.shape, generator=g, dtype=torch.float64)
+    n, d = num.clone().requires_grad_(), den.clone().requires_grad_()
+    empty = d.detach() == 0
+    ref = torch.where(empty[..., None], 0.0, n / torch.where(empty, 1.0, d)[..., None])
+    rn, rd = torch.autograd.grad((ref * dout).sum(), (n, d))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    out, go = ref.detach().to(dtype), dout.to(dtype)
+    inv, dd = tc.quotient_backward(go.to(DEV), out.to(DEV), den.to(DEV, acc))
+    assert inv.dtype == dd.dtype == acc
+    if dtype == torch.float64:
+        assert_close(go.to(DEV) * inv[..., None], rn.to(DEV))
+        assert_close(dd, rd.to(DEV))
+    else:  # the same sums from the rounded inputs, in float64
+        want = -(go.double() * out.double()).sum(-1) * inv.double().cpu()
+        assert_close(dd.double().cpu(), want, torch.float32)
+    assert float(dd[1, 0, 3]) == 0.0 and float(inv[1, 0, 3]) == 0.0
+
+
 def test_quotient_rows_without_keys_are_zero():
     """Padding before a row's first real key leaves it no weight: 0, with finite gradients
     equal to the reference's (which gives such a row none)."""
@@ -145,6 +173,46 @@ def test_quotient_low_precision_against_float64(dtype):
     lowp, want = weighted_grads((rl,), (ql, kl, vl, gl)), weighted_grads((r64,), (q64, k64, v64, g64))
     for name, a, n, r in zip(("dq", "dk", "dv", "dgamma"), got, lowp, want):
         assert_lowp_close(a, n, r, msg=name)
+
+
+@pytest.mark.parametrize("divide", [None, torch.bfloat16], ids=["num-den", "quotient"])
+def test_float32_features_with_bf16_states(divide):
+    """`state_dtype=bfloat16` (what a bf16 call's float32 features use): the chunk states
+    between the kernels rounded to bf16 (each kernel carries its running state in float32),
+    output and gradients (γ's through the states' dot products included) within a few bf16
+    roundings of float64, and not bit-equal to float32 storage (the option is applied). The
+    interpreter truncates to bf16 where the GPU rounds to nearest: up to twice the GPU's error."""
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
+    gamma = _gamma(2)
+    kw = dict(gamma=gamma, chunk_size=16, divide=divide)
+    got = tc.kernelized_num_den_triton_chunked(q, k, v, state_dtype=torch.bfloat16, **kw)[:2]
+    full = tc.kernelized_num_den_triton_chunked(q, k, v, **kw)[:2]
+    assert not torch.equal(got[0], full[0])
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g64 = gamma.detach().clone().requires_grad_()
+    rn, rd, _ = kernelized_num_den_naive(q64, k64, v64, _log_coeff(g64, 63, 63, 0), causal=True)
+    want = (rn, rd) if divide is None else (quotient_reference(rn, rd),)
+    got = got[:len(want)]
+
+    def rel(a, b):  # against the largest entry: num sums signed values, single entries cancel
+        return ((a.double() - b.detach()).abs().max() / b.detach().abs().max()).item()
+
+    for a, b in zip(got, want):
+        assert rel(a, b) <= 4 * 2 ** -8
+    for name, a, b in zip(("dq", "dk", "dv", "dgamma"), weighted_grads(got, (q, k, v, gamma)),
+                          weighted_grads(want, (q64, k64, v64, g64))):
+        assert rel(a, b) <= 4 * 2 ** -8, name
+
+
+def test_states_passed_on_keep_the_accumulation_dtype():
+    """An initial state in or a final state out: `state_dtype` does not apply (the states it
+    hands on are not rounded), so the result is float32 storage's, bit for bit."""
+    q, k, v, s0 = features_and_values(1, 2, 40, 40, 12, 10, dtype=torch.float32, device=DEV, state=True)
+    a = tc.kernelized_num_den_triton_chunked(q, k, v, initial_state=s0, return_state=True, chunk_size=16,
+                                             state_dtype=torch.bfloat16)
+    b = tc.kernelized_num_den_triton_chunked(q, k, v, initial_state=s0, return_state=True, chunk_size=16)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
 
 
 def test_key_padding_and_no_decay():

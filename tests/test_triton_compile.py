@@ -52,7 +52,8 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
     io = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "do_ptr", "dd_ptr", "num_ptr", "den_ptr"], dt)
     sums = dict.fromkeys(["lg_ptr", "z_ptr", "dz_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "cn_ptr", "wq_ptr", "lgk_ptr",
                           "p_ptr", "dwq_ptr", "g_ptr", "s_ptr", "out_s_ptr", "y_ptr", "inv_ptr"], acc := "fp32")
-    geo = {**io, **sums, "h_ptr": acc, "dh_ptr": acc}
+    # a bf16 call stores the chunk states in bf16 (`backends_triton._state_dtype`)
+    geo = {**io, **sums, "h_ptr": "bf16", "dh_ptr": "bf16"}
     soe = {**io, **sums, "h_ptr": "bf16", "dh_ptr": "bf16"}
     m = dict(DT=D, ACC=A, MODE=mode)
     # backward as the composition runs it: the bf16 quotient's gradient, scaled by 1/den inside
@@ -61,7 +62,8 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
     cases = [(tc._fwd_state_kernel, geo, dict(BV=16, **tile, **m)),
              (tc._fwd_out_kernel, geo, dict(BV=64, STRICT=False, **tile, **m)),
              (tc._bwd_state_kernel, geo_b, dict(BV=16, **tile, **sc)),
-             (tc._bwd_grads_kernel, geo_b, dict(STRICT=True, **tile, **sc)),
+             (tc._bwd_dkv_kernel, geo_b, dict(STRICT=True, **tile, **sc)),
+             (tc._bwd_dq_kernel, geo_b, dict(STRICT=True, **tile, **sc)),
              (ts._soe_state_kernel, soe, dict(BV=64, **tile, **m))]
     for NB in (2, 3):  # the soe band (64 distances), T5's (113)
         first, later = dict(NB=NB, NEAR=True, ACCUM=False), dict(NB=NB, NEAR=False, ACCUM=True)
@@ -72,9 +74,11 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
                   (ts._soe_bwd_dkv_kernel, soe_b, dict(**first, **tile, **sc)),
                   (ts._soe_bwd_dcn_kernel, soe_b, dict(NB=NB, **tile, **sc))]
     if dt == "fp32":
-        cases.append((tr._step_kernel, geo, dict(BF=32, BC=64)))
+        cases.append((tr._step_kernel, {**geo, "h_ptr": acc}, dict(BF=32, BC=64)))
+        cases.append((tc._quotient_dd_kernel, {"do_ptr": "bf16", "o_ptr": "bf16", "inv_ptr": acc, "dd_ptr": acc},
+                      dict(BR=64, BC=64, ACC=A)))
         # float32 features, bf16 values: dv written as bf16 bits
-        cases.append((tc._bwd_grads_kernel, {**geo_b, "v_ptr": "bf16", "dv_ptr": "i16"},
+        cases.append((tc._bwd_dkv_kernel, {**geo_b, "v_ptr": "bf16", "dv_ptr": "i16"},
                       dict(STRICT=True, DV_BF16=True, **tile, **sc)))
     for kernel, types, consts in cases:
         k = compile_for_h100(kernel, types, consts)
@@ -82,7 +86,7 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (5 + 2 * 6) + 2
+N_COMPILED = 2 * (6 + 2 * 6) + 3
 
 
 @pytest.mark.slow

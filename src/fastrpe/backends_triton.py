@@ -71,6 +71,13 @@ def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
     return None, "tf32x3"
 
 
+def _state_dtype(p: Problem) -> torch.dtype | None:
+    """Storage of the kernels' chunk states: a low-precision call keeps them in its own dtype,
+    whatever its features' (half the bytes; each kernel carries its running state in float32;
+    under the interpreter at L = 1,024, no change in any error vs float64 for triton_soe)."""
+    return p.dtype if p.dtype in _LOWP else None
+
+
 def _shared_reasons(p: Problem) -> list[str]:
     """Kernelized only, no 2D grid, no running maximum over keys (as every linear-time path)."""
     from . import backends
@@ -96,12 +103,13 @@ def _triton_reason(p: Problem) -> str | None:
 
 
 def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
-                           dot_dtype=None, precision="ieee", divide=None):
+                           dot_dtype=None, precision="ieee", divide=None, state_dtype=None):
     """The `NumDen` inner-product algorithm by the Triton kernels; coeffs: `[H]` decays γ or
     None (γ = 1). `dot_dtype` (e.g. bfloat16) rounds the features and values for the tensor
     cores; sums stay float32 and num, den come back in phi_q's dtype. `precision`: how float32
     features are multiplied (`lowp_dots`). `divide`: the quotient in that dtype in place of
-    num (`NumDen`); inside the causal kernels' backward, after the two scans' sums otherwise."""
+    num (`NumDen`); inside the causal kernels' backward, after the two scans' sums otherwise.
+    `state_dtype`: storage of the chunk states between the kernels (default float32)."""
     from .ops.common import safe_divide
     from .ops.linear import triton_chunked as tk
 
@@ -113,12 +121,13 @@ def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_pad
     if causal:
         return tk.kernelized_num_den_triton_chunked(phi_q, phi_k, v, gamma=coeffs, q_offset=q_offset,
                                                     key_padding_mask=key_padding_mask, out_dtype=out_dtype,
-                                                    precision=precision, divide=divide)
+                                                    precision=precision, divide=divide, state_dtype=state_dtype)
     if q_offset:
         raise ValueError(f"triton_chunked: the bidirectional decay needs q_offset = 0, got {q_offset}")
     num, den, log_scale = tk.kernelized_num_den_triton_bidirectional(phi_q, phi_k, v, gamma=coeffs,
                                                                      key_padding_mask=key_padding_mask,
-                                                                     out_dtype=out_dtype, precision=precision)
+                                                                     out_dtype=out_dtype, precision=precision,
+                                                                     state_dtype=state_dtype)
     return (num, den, log_scale) if divide is None else (safe_divide(num, den).to(divide), den, log_scale)
 
 
@@ -147,7 +156,8 @@ class TritonChunkedBackend(Backend):
         # the chunked model's flops and memory without its Python loop over chunks: 4 launches
         flops = passes * p.B * p.H * (2 * L * T * (F + C) + 6 * L * F * C) * (3 if p.requires_grad else 1)
         el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
-        mem = passes * p.B * p.H * ((L // T + 1) * F * C * 4 * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
+        sel = 2 if _state_dtype(p) is not None else 4  # the chunk states' bytes
+        mem = passes * p.B * p.H * ((L // T + 1) * F * C * sel * 2 + L * (F + C) * el) * (2 if p.requires_grad else 1)
         seconds = machine_time(p.device, flops, 2 * mem, calls=passes * 6)
         if p.device.type != "cuda":
             seconds *= 1e4  # the interpreter: never `auto`'s choice
@@ -156,12 +166,14 @@ class TritonChunkedBackend(Backend):
     def run(self, q, k, v, p, kpm):
         gamma = p.position.geometric_decay() if p.position is not None else None
         dot_dtype, precision = lowp_dots(p)
+        state_dtype = _state_dtype(p)
 
         def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
                     divide=None):
             return num_den_triton_chunked(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
                                           key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
-                                          dot_dtype=dot_dtype, precision=precision, divide=divide)
+                                          dot_dtype=dot_dtype, precision=precision, divide=divide,
+                                          state_dtype=state_dtype)
 
         num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
         num_den.divides = True
@@ -204,9 +216,7 @@ def num_den_triton_fused(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_paddi
 def _run_fused(q, k, v, p, kpm, coeffs):
     """A call of the fused kernel (`num_den_triton_fused`) inside the kernelized composition."""
     dot_dtype, precision = lowp_dots(p)
-    # a low-precision call stores its chunk states in its own dtype, whatever its features'
-    # (half the bytes; under the interpreter at L = 1,024, no change in any error vs float64)
-    state_dtype = p.dtype if p.dtype in _LOWP else None
+    state_dtype = _state_dtype(p)
 
     def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None, divide=None):
         return num_den_triton_fused(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
@@ -229,7 +239,7 @@ def _fused_cost(p: Problem, window: int, K: int) -> Cost:
     L = max(p.Lk, p.q_offset + p.Lq)
     flops = p.B * p.H * L * (2 * NB * T * (F + C) + 4 * K * F * C) * (3 if p.requires_grad else 1)
     el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
-    sel = 2 if p.dtype in _LOWP else el  # the chunk states' bytes (`_run_fused`)
+    sel = 2 if _state_dtype(p) is not None else el  # the chunk states' bytes
     # the states of one group of terms at a time (`terms_per_group`); each further group reads
     # the queries (in backward their gradients too) again
     group = terms_per_group(p.B * p.H, L // T + 1, F, C, sel, K)

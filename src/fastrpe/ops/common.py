@@ -71,35 +71,11 @@ def safe_divide(num: Tensor, den: Tensor) -> Tensor:
 
 # The division inside a kernel's autograd function (the Triton backends, `divide=`): the
 # function returns `out = num/den` and keeps neither num (saved by `_SafeDivide`) nor, in
-# backward, `dnum = dout/den`: its kernels read dout as it comes and scale each row by `inv`.
-
-#: the largest float32 temporary `quotient_grads` makes (its row blocks)
-QUOTIENT_BLOCK_BYTES = 64 * 2**20
+# backward, `dnum = dout/den`: its kernels read dout as it comes and scale each row by `inv`
+# (`triton_chunked.quotient_backward`).
 
 
 def quotient(num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
     """`num/den` as `safe_divide` computes it (empty rows 0), in `dtype`. `num` is scaled in
     place: it must be a buffer the caller owns and no longer needs."""
     return num.mul_(safe_inverse(den).unsqueeze(-1)).to(dtype)
-
-
-def quotient_grads(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, Tensor]:
-    """What the gradient of `out = quotient(num, den)` needs in place of `dnum`: `inv = 1/den`
-    (0 for empty rows), by which the kernels scale `dout` row by row (`dnum = dout·inv`), and
-    `dden = -inv·Σ_c dout·out` (the saved output in place of num: `-Σ dout·num/den²`).
-
-    Args:
-        dout: `[B, H, Lq, Dv]` the output's gradient; out: `[B, H, Lq, Dv]` the output (any dtype).
-        den: `[B, H, Lq]`.
-
-    Returns:
-        `(inv, dden)`, `[B, H, Lq]` each in den's dtype; the row sums go through blocks of
-        rows in den's dtype, so no `[B, H, Lq, Dv]` temporary of that width is made whole."""
-    inv = safe_inverse(den)
-    dden = torch.empty_like(den)
-    B, H, Lq, Dv = out.shape
-    step = max(1, QUOTIENT_BLOCK_BYTES // max(1, 2 * B * H * Dv * den.element_size()))
-    for s in range(0, Lq, step):  # from shapes alone: no host synchronization
-        e = min(Lq, s + step)
-        dden[..., s:e] = torch.einsum("...d,...d->...", dout[..., s:e, :].to(den.dtype), out[..., s:e, :].to(den.dtype))
-    return inv, dden.mul_(inv).neg_()

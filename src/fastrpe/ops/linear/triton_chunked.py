@@ -2,14 +2,18 @@
 `c(r) = γ_h^|r|`, forward and backward (the fast sibling of `chunked.py`; the dense
 reference is `naive.py`).
 
-Chunk-parallel form, as flash-linear-attention's `chunk` kernels: four kernels, two of
-them sequential over chunks and light (the states), two parallel over chunks and heavy
+Chunk-parallel form, as flash-linear-attention's `chunk` kernels: five kernels, two of
+them sequential over chunks and light (the states), three parallel over chunks and heavy
 (the outputs and the gradients):
 
   1. `_fwd_state`:  S_{n+1} = γ^(e_n - e_{n-1}) S_n + Σ_{u in chunk n} γ^(e_n - 1 - u) φk_u ⊗ [v_u, 1]
   2. `_fwd_out`:    y_s = γ^(s + 1 - e_{n-1}) φq_s S_n + Σ_{u <= s} γ^(s - u) (φq_s·φk_u) [v_u, 1]
   3. `_bwd_state`:  dS_n = γ^(e_n - e_{n-1}) dS_{n+1} + Σ_s γ^(s + 1 - e_{n-1}) φq_s ⊗ dy_s
-  4. `_bwd_grads`:  dφq, dφk, dv of each chunk from S_n and dS_{n+1}
+  4. `_bwd_dkv`:    dφk, dv of each chunk from dS_{n+1}; then the dS are freed
+  5. `_bwd_dq`:     dφq of each chunk from S_n
+
+(4 and 5 were one kernel: apart, the states' gradients and dφq are never held together,
+and each kernel holds fewer registers.)
 
 where `e_n = min((n+1)·T, Lk)`: the state after chunk n holds the keys before e_n,
 relative to key e_n - 1, so the last state is exactly the state after key Lk - 1 (no
@@ -40,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from ..common import quotient, quotient_grads
+from ..common import quotient, safe_inverse
 
 try:  # triton is the optional extra `[triton]`
     import triton
@@ -104,6 +108,21 @@ if HAS_TRITON:
         return r
 
     @triton.jit
+    def _quotient_dd_kernel(do_ptr, o_ptr, inv_ptr, dd_ptr, R, Dv,
+                            BR: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+        """Grid (cdiv(R, BR),): `dd = -inv·Σ_c do·o` for rows of the `[R, Dv]` quotient `o`
+        and its gradient `do` (the denominator's gradient, `quotient_backward`)."""
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        rm = r < R
+        c = tl.arange(0, BC)
+        s = tl.zeros([BR], dtype=ACC)
+        for c0 in range(0, Dv, BC):
+            m = rm[:, None] & ((c0 + c)[None, :] < Dv)
+            off = r[:, None] * Dv + (c0 + c)[None, :]
+            s += tl.sum(tl.load(do_ptr + off, mask=m, other=0.0).to(ACC) * tl.load(o_ptr + off, mask=m, other=0.0).to(ACC), 1)
+        tl.store(dd_ptr + r, -tl.load(inv_ptr + r, mask=rm, other=0.0) * s, mask=rm)
+
+    @triton.jit
     def _bf16_bits(x):
         """float32 `x` rounded to bf16 (to nearest, ties to even), as int16 bits: written out,
         because a store that converts truncates under the interpreter and rounds on the GPU."""
@@ -125,7 +144,7 @@ if HAS_TRITON:
         v_base = v_ptr + bh * Lk * Dv
         h_base = h_ptr + bh * (N + 1) * BF * BDV
         z_base = z_ptr + bh * (N + 1) * BF
-        S = tl.load(h_base + f[:, None] * BDV + c[None, :])  # (BF, BV)
+        S = tl.load(h_base + f[:, None] * BDV + c[None, :]).to(ACC)  # (BF, BV), carried in ACC
         z = tl.load(z_base + f)  # (BF,)
         for n in range(N):
             pos = n * BT + t
@@ -139,7 +158,7 @@ if HAS_TRITON:
             g = tl.exp(lg * (e_n - e_prev).to(ACC))
             S = S * g + _dot(tl.trans(kt), vv, DT, ACC, MODE)
             z = z * g + tl.sum(kt, 0)
-            tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S)
+            tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
             tl.store(z_base + (n + 1) * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
 
     @triton.jit
@@ -196,7 +215,7 @@ if HAS_TRITON:
         c = iv * BV + tl.arange(0, BV)
         dh_base = dh_ptr + bh * (N + 1) * BF * BDV
         dz_base = dz_ptr + bh * (N + 1) * BF
-        dS = tl.load(dh_base + N * BF * BDV + f[:, None] * BDV + c[None, :])  # (BF, BV)
+        dS = tl.load(dh_base + N * BF * BDV + f[:, None] * BDV + c[None, :]).to(ACC)  # (BF, BV), carried in ACC
         dz = tl.load(dz_base + N * BF + f)
         for i in range(N):
             n = N - 1 - i
@@ -215,21 +234,53 @@ if HAS_TRITON:
             qs = qt * _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
             dS = dS * g + _dot(tl.trans(qs), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qt * dd[:, None], 0)
-            tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS)
+            tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS.to(dh_ptr.dtype.element_ty))
             tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
 
     @triton.jit
-    def _bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr,
-                          dq_ptr, dk_ptr, dv_ptr, H, Lq, Lk, F, Dv, N, q_offset,
-                          BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
-                          STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                          SCALED: tl.constexpr, DV_BF16: tl.constexpr = False):
-        """Grid (N, B·H): dφq, dφk, dv of chunk n (every value column in one program:
-        dφq and dφk sum over them). DV_BF16: dv_ptr is the int16 view of a bf16 dv. SCALED
-        as `_bwd_state_kernel`'s."""
+    def _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv, q_offset,
+                     BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, STRICT: tl.constexpr,
+                     DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
+        """What both gradient kernels read of chunk n: φk `[BT, BF]`, v and do `[BT, BDV]`, dd
+        and the rows' factor inv `[BT, 1]`, the decays `D [BT, BT]` within the chunk, and
+        `dA = (dy·[v, 1]) ⊙ D` (dy = inv·do, dd)."""
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        km = pos < Lk
+        cm = c[None, :] < Dv
+        k = tl.load(k_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=km[:, None] & (f[None, :] < F),
+                    other=0.0).to(ACC)
+        v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & cm, other=0.0)
+        do = tl.load(do_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=qm[:, None] & cm, other=0.0)
+        dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
+        inv = _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
+        d = t[:, None] - t[None, :]
+        if STRICT:
+            keep = d > 0
+        else:
+            keep = d >= 0
+        D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
+        dA = (inv * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
+        return k, v, do, dd, inv, D, dA
+
+    @triton.jit
+    def _bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
+                        H, Lq, Lk, F, Dv, N, q_offset,
+                        BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                        SCALED: tl.constexpr, DV_BF16: tl.constexpr = False):
+        """Grid (N, B·H): dφk and dv of chunk n, from its own queries and from the gradient of
+        the state leaving it (every value column in one program: dφk sums over them).
+        DV_BF16: dv_ptr is the int16 view of a bf16 dv. SCALED as `_bwd_state_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
+        k, v, do, dd, inv, D, dA = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
+                                                q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED)
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
@@ -240,40 +291,47 @@ if HAS_TRITON:
         fm = f[None, :] < F
         cm = c[None, :] < Dv
         q = tl.load(q_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=qm[:, None] & fm, other=0.0).to(ACC)
-        k = tl.load(k_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=km[:, None] & fm, other=0.0).to(ACC)
-        v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & cm, other=0.0)
-        do = tl.load(do_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=qm[:, None] & cm, other=0.0)
-        dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
-        inv = _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
-        hoff = (bh * (N + 1) + n) * BF * BDV + f[:, None] * BDV + c[None, :]
-        zoff = (bh * (N + 1) + n) * BF + f
-        S = tl.load(h_ptr + hoff)  # (BF, BDV): state entering chunk n
-        z = tl.load(z_ptr + zoff)
-        dS = tl.load(dh_ptr + hoff + BF * BDV)  # gradient of the state leaving chunk n
-        dz = tl.load(dz_ptr + zoff + BF)
-        e_prev = tl.minimum(n * BT, Lk)
+        off = (bh * (N + 1) + n + 1) * BF  # the state leaving chunk n
+        dS = tl.load(dh_ptr + off * BDV + f[:, None] * BDV + c[None, :])  # (BF, BDV)
+        dz = tl.load(dz_ptr + off + f)
         e_n = tl.minimum(n * BT + BT, Lk)
-        qdec = tl.exp(lg * (pos - e_prev + 1).to(ACC))
         kdec = tl.where(pos < e_n, tl.exp(lg * (e_n - 1 - pos).to(ACC)), 0.0)
-        d = t[:, None] - t[None, :]
-        if STRICT:
-            keep = d > 0
-        else:
-            keep = d >= 0
-        D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
         A = _dot(q, tl.trans(k), DT, ACC, MODE) * D
-        dA = (inv * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
-        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv * _dot(do, tl.trans(S), DT, ACC, MODE)
-                                                              + dd[:, None] * z[None, :])
         dk = _dot(tl.trans(dA), q, DT, ACC, MODE) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE)
                                                                         + dz[None, :])
         dv = _dot(tl.trans(A * inv), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
-        tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & fm)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         if DV_BF16:  # (a branch may not change a variable's type: one store per branch)
             tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], _bf16_bits(dv), mask=km[:, None] & cm)
         else:
             tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
+
+    @triton.jit
+    def _bwd_dq_kernel(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dq_ptr,
+                       H, Lq, Lk, F, Dv, N, q_offset,
+                       BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                       STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                       SCALED: tl.constexpr):
+        """Grid (N, B·H): dφq of chunk n, from its own keys and from the state entering it.
+        SCALED as `_bwd_state_kernel`'s."""
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        lg = tl.load(lg_ptr + bh % H).to(ACC)
+        k, v, do, dd, inv, D, dA = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
+                                                q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED)
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        off = (bh * (N + 1) + n) * BF  # the state entering chunk n
+        S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])  # (BF, BDV)
+        z = tl.load(z_ptr + off + f)
+        qdec = tl.exp(lg * (pos - tl.minimum(n * BT, Lk) + 1).to(ACC))
+        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv * _dot(do, tl.trans(S), DT, ACC, MODE)
+                                                              + dd[:, None] * z[None, :])
+        tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
 
 
 def _tuned(kernel, key, reset=None, restore=None):
@@ -289,7 +347,8 @@ def _tuned(kernel, key, reset=None, restore=None):
 
 if HAS_TRITON:
     _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT"])
-    _bwd_grads_kernel = _tuned(_bwd_grads_kernel, ["F", "Dv", "STRICT", "SCALED", "DV_BF16"])
+    _bwd_dkv_kernel = _tuned(_bwd_dkv_kernel, ["F", "Dv", "STRICT", "SCALED", "DV_BF16"])
+    _bwd_dq_kernel = _tuned(_bwd_dq_kernel, ["F", "Dv", "STRICT", "SCALED"])
 
 _TL_DTYPE = {}
 if HAS_TRITON:
@@ -331,7 +390,7 @@ class _ChunkedDecay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int,
-                divide=None):
+                divide=None, state_dtype=None):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -342,7 +401,8 @@ class _ChunkedDecay(torch.autograd.Function):
         # (B·H alone is 8 programs at B=1, H=8)
         BVS = min(BDV, 16)
         N = -(-max(Lk, q_offset + Lq) // BT)
-        h = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
+        # the chunk states between the kernels (each kernel carries its running state in acc)
+        h = torch.zeros(B * H, N + 1, BF, BDV, dtype=state_dtype or acc, device=dev)
         z = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
         if init is not None:
             h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
@@ -376,7 +436,7 @@ class _ChunkedDecay(torch.autograd.Function):
         dev, dt = phi_q.device, phi_q.dtype
         acc = acc_dtype(dt)
         dnum, inv, dden = _numerator_grads(dnum, dden, out, den, (B, H, Lq, Dv), dt, dev)
-        dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=acc, device=dev)
+        dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=h.dtype, device=dev)
         dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
         if dstate is not None:
             dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
@@ -384,16 +444,23 @@ class _ChunkedDecay(torch.autograd.Function):
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=out is not None)
         _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, inv, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
-        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
         # a bf16 v (features float32) gets dv written in bf16, rounded once in the kernel as
         # torch would round a float32 dv: no float32 dv at all
         dv_bf16 = v.dtype == torch.bfloat16 and dt != torch.bfloat16
         dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
-        _bwd_grads_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, h, z, dh, dz, dq, dk,
-                                      dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
-                                      BT=BT, BF=BF, BDV=BDV, STRICT=strict, DV_BF16=dv_bf16, **meta)
+        tiles = dict(BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
+        _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
+                                    dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
+                                    DV_BF16=dv_bf16, **tiles)
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
+        cross = None
+        if ctx.needs_input_grad[3]:  # (the states' part of dlg, below)
+            cross = _state_dots(h[:, 1:], dh[:, 1:]) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=torch.float64)
+        # the states' gradients are spent before dφq is made: the two are never held together
+        del dh, dz
+        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+        _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset, **tiles)
         dlg = None
         if ctx.needs_input_grad[3]:
             # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks
@@ -406,7 +473,6 @@ class _ChunkedDecay(torch.autograd.Function):
             pk = (torch.arange(Lk, device=dev) % BT).to(f64)
             dlg = ((phi_q.to(acc) * dq).sum(-1).to(f64) * pq).sum((0, 2))
             dlg = dlg - ((phi_k.to(acc) * dk).sum(-1).to(f64) * pk).sum((0, 2))
-            cross = (h[:, 1:] * dh[:, 1:]).sum((1, 2, 3), dtype=f64) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=f64)
             dlg = dlg + BT * cross.view(B, H).sum(0)
             if dstate is not None:
                 dlg = dlg + (Lk - 1 - N * BT) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
@@ -414,18 +480,55 @@ class _ChunkedDecay(torch.autograd.Function):
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
         return (dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
+
+
+#: the largest float64 temporary of `_state_dots` (its blocks of chunks)
+STATE_DOT_BLOCK_BYTES = 64 * 2**20
+
+
+def _state_dots(h: Tensor, dh: Tensor) -> Tensor:
+    """`[B·H]` float64 `Σ_{n, f, c} h·dh` of `[B·H, N, BF, BDV]` states in any dtype (bf16
+    included: each product in float64, not rounded to bf16), in blocks of chunks."""
+    BH, N = h.shape[0], h.shape[1]
+    step = max(1, STATE_DOT_BLOCK_BYTES // max(1, 2 * 8 * h[0, 0].numel() * BH))
+    out = torch.zeros(BH, dtype=torch.float64, device=h.device)
+    for s in range(0, N, step):  # from shapes alone: no host synchronization
+        a, b = h[:, s:s + step].to(torch.float64), dh[:, s:s + step].to(torch.float64)
+        out += (a * b).sum((1, 2, 3))
+    return out
+
+
+def quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, Tensor]:
+    """What the gradient of `out = quotient(num, den)` needs in place of `dnum`: `inv = 1/den`
+    (0 for an empty row), by which the kernels scale the products of dout row by row
+    (`dnum = dout·inv`), and `dden = -inv·Σ_c dout·out` (the output in place of num in
+    `-Σ dout·num/den²`), by one kernel that reads both in their dtype and sums in den's: no
+    float32 copy of either.
+
+    Args:
+        dout, out: `[B, H, Lq, Dv]`, contiguous, any dtype; den: `[B, H, Lq]` float32/64.
+
+    Returns:
+        `(inv, dden)`, `[B, H, Lq]` each in den's dtype."""
+    inv = safe_inverse(den).contiguous()
+    dd = torch.empty_like(inv)
+    R, Dv = inv.numel(), out.shape[-1]
+    BR = 64
+    _quotient_dd_kernel[(triton.cdiv(R, BR),)](dout, out.contiguous(), inv, dd, R, Dv, BR=BR, BC=min(_pow2(Dv), 128),
+                                               ACC=_TL_DTYPE[den.dtype])
+    return inv, dd
 
 
 def _numerator_grads(dnum, dden, out, den, shape, dt, dev) -> tuple[Tensor, Tensor, Tensor]:
     """`(dy, inv, dd)` for the backward kernels: dy the gradient they read for the numerator
     (the quotient's gradient as it comes when `out` was returned, which they scale by `inv`;
-    inv is then a placeholder), dd the denominator's (`quotient_grads`). The kernels round
+    inv is then a placeholder), dd the denominator's (`quotient_backward`). The kernels round
     dy to the input dtype only where it enters a tl.dot."""
     B, H, Lq, Dv = shape
     if out is not None:
         dout = torch.zeros_like(out) if dnum is None else dnum.contiguous()
-        inv, dd = quotient_grads(dout, out, den)
+        inv, dd = quotient_backward(dout, out, den)
         return dout, inv, dd
     dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
     dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
@@ -472,6 +575,7 @@ def kernelized_num_den_triton_chunked(
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
     divide: torch.dtype | None = None,
+    state_dtype: torch.dtype | None = None,
 ):
     """Causal `num`, `den` (and `log_scale`, all zeros) with weights `γ_h^(p_i - j)`, `j <= p_i`:
     the contract of `kernelized_num_den_chunked`, by Triton kernels (forward and backward).
@@ -492,6 +596,12 @@ def kernelized_num_den_triton_chunked(
             in place of num, from the sums in the accumulation dtype; den is then not
             differentiable. Backward reads the quotient's gradient as it comes (no float32
             copy of num kept, no float32 gradient of num made).
+        state_dtype: storage of the chunk states between the kernels (default the
+            accumulation dtype; bfloat16 halves them: 1.07 GiB at L = 1M, B·H = 8, F = 32,
+            Dv = 64 in float32). Each kernel carries its running state in the accumulation
+            dtype, so roundings do not compound from chunk to chunk. A call with an
+            `initial_state` or `return_state` keeps the accumulation dtype: the states it
+            passes on are not rounded.
 
     Returns:
         `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` in out_dtype (+ `state
@@ -505,8 +615,10 @@ def kernelized_num_den_triton_chunked(
         if initial_state.shape != (B, H, F, Dv + 1):
             raise FastRPEError(f"initial_state: expected shape {(B, H, F, Dv + 1)}, got {tuple(initial_state.shape)}")
         initial_state = initial_state.to(acc_dtype(q.dtype))
+    if initial_state is not None or return_state:
+        state_dtype = None
     num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False,
-                                          out_dtype or phi_q.dtype, dot_mode(precision), divide)
+                                          out_dtype or phi_q.dtype, dot_mode(precision), divide, state_dtype)
     out = (num, den, phi_q.new_zeros(H, Lq))
     return (*out, state) if return_state else out
 
@@ -521,19 +633,21 @@ def kernelized_num_den_triton_bidirectional(
     chunk_size: int = DEFAULT_CHUNK,
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
+    state_dtype: torch.dtype | None = None,
 ):
     """Non-causal `num_i = Σ_j γ_h^|i-j| (φq_i·φk_j) v_j` (and `den`, `log_scale` zeros) in
     linear time: the causal scan (`j <= i`) plus the strictly causal scan of the reversed
     sequences (`j > i`); exact, no term is counted twice. `Lq == Lk`, no q_offset.
 
-    Args and Returns as `kernelized_num_den_triton_chunked` (no states)."""
+    Args and Returns as `kernelized_num_den_triton_chunked` (no states in or out, so
+    `state_dtype` always applies)."""
     B, H, Lq, F = phi_q.shape
     Lk = v.shape[2]
     if Lq != Lk:
         raise FastRPEError(f"phi_q: the bidirectional decay kernel needs Lq == Lk, got Lq={Lq}, Lk={Lk}")
     q, k, vv, log_g = _prepare(phi_q, phi_k, v, gamma, key_padding_mask, chunk_size)
     od, mode = out_dtype or phi_q.dtype, dot_mode(precision)
-    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False, od, mode)
+    n1, d1, _ = _ChunkedDecay.apply(q, k, vv, log_g, None, 0, chunk_size, False, od, mode, None, state_dtype)
     rev = (q.flip(2).contiguous(), k.flip(2).contiguous(), vv.flip(2).contiguous())
-    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True, od, mode)
+    n2, d2, _ = _ChunkedDecay.apply(*rev, log_g, None, 0, chunk_size, True, od, mode, None, state_dtype)
     return n1 + n2.flip(2), d1 + d2.flip(2), phi_q.new_zeros(H, Lq)
