@@ -7,7 +7,7 @@ measured here at a small length, times 8·2^20, is the 1M-token peak (chunk stat
 included; allocator rounding and the CUDA context are not). The one cap that is not
 proportional, the sum-of-exponentials states' `soe.STATE_BUDGET` (1 GiB per group of terms),
 is scaled down here by the same factor, so that terms are grouped as they are at 1M; so is
-the block of positions that PRF's backward widens at a time (`PRF_BACKWARD_BLOCK_BYTES`).
+the block of positions that PRF's backward widens at a time (`PRF_BLOCK_BYTES`).
 
 Each row runs what `fastrpe bench --suite gpu` times, `fastrpe.attention(...)` then
 `out.float().sum().backward()`, with bf16 `q, k, v: [1, H, L, 64]` (their `.grad` already
@@ -69,9 +69,9 @@ def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32)
     backends_triton.INTERPRET_ON_CPU = True
     if backend.startswith("triton_"):
         _collect_after_each_launch()
-    budget, block = soe.STATE_BUDGET, kernels.PRF_BACKWARD_BLOCK_BYTES
+    budget, block = soe.STATE_BUDGET, kernels.PRF_BLOCK_BYTES
     soe.STATE_BUDGET = max(1, budget * H * L // TOKENS_1M)  # terms grouped as at 1M tokens
-    kernels.PRF_BACKWARD_BLOCK_BYTES = max(1, block * H * L // TOKENS_1M)
+    kernels.PRF_BLOCK_BYTES = max(1, block * H * L // TOKENS_1M)
     kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
     pos = make_position(family, H, L)
     g = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32)
         call()  # warm-up: the .grad tensors, and one-time allocations (plans, fits), are not counted
         peak, _ = allocator_peak_bytes(call)
     finally:
-        soe.STATE_BUDGET, kernels.PRF_BACKWARD_BLOCK_BYTES = budget, block
+        soe.STATE_BUDGET, kernels.PRF_BLOCK_BYTES = budget, block
     per_token = peak / (H * L)
     return {"backend": backend, "family": family, "L": L, "H": H, "D": D, "features": F,
             "peak_bytes": peak, "bytes_per_token": per_token, "gib_at_1m": per_token * TOKENS_1M / 2**30}

@@ -317,20 +317,23 @@ def test_prf_lean_backward_ties_split_as_amax():
     torch.testing.assert_close(g1, g2, rtol=1e-13, atol=1e-13)
 
 
-def test_prf_backward_in_blocks_of_positions(monkeypatch):
-    """The backward taken a few positions at a time (`PRF_BACKWARD_BLOCK_BYTES`, uneven last
-    block) gives the gradient of one block."""
+def test_prf_forward_and_backward_in_blocks_of_positions(monkeypatch):
+    """The features and their backward taken a few positions at a time (`PRF_BLOCK_BYTES`,
+    uneven last block) give those of one block."""
     kern = K.PRF(6, 5, normalize=True, num_heads=2)
     x = _x(2, 2, 11, 6).requires_grad_()
     w = torch.randn(2, 2, 11, 5, generator=torch.Generator().manual_seed(4))
     whole = {}
-    for block in (1 << 28, 2 * 2 * 2 * 6 * 4 * 3):  # all at once; 3 positions per block
-        monkeypatch.setattr(K, "PRF_BACKWARD_BLOCK_BYTES", block)
+    for block in (1 << 28, 2 * 2 * 6 * 4 * 3):  # all at once; 3 positions per block
+        monkeypatch.setattr(K, "PRF_BLOCK_BYTES", block)
+        assert (K._prf_block(x, 4) >= 11) == (block == 1 << 28)  # one block, or several
         for is_query in (True, False):
-            (g,) = torch.autograd.grad((kern(x, is_query=is_query) * w).sum(), x)
+            phi = kern(x, is_query=is_query)
+            (g,) = torch.autograd.grad((phi * w).sum(), x)
             if is_query in whole:
-                torch.testing.assert_close(g, whole[is_query], rtol=1e-6, atol=1e-7)
-            whole[is_query] = g
+                torch.testing.assert_close(phi, whole[is_query][0], rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(g, whole[is_query][1], rtol=1e-6, atol=1e-7)
+            whole[is_query] = (phi, g)
 
 
 def test_prf_key_shift_is_kept_only_while_w_is_unchanged():

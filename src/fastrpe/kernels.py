@@ -421,7 +421,21 @@ class _PRFFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, kern: "PRF", is_query: bool) -> Tensor:
-        phi = kern.features(kern._prepare(x), is_query)
+        # blocks of positions, as backward: every step is per position (a query's shift is its
+        # own maximum, a key's a constant), and the float32 temporaries of a whole bf16 map
+        # (normalized x, its square, projections: 4 of x's width) were the forward's peak
+        L = x.shape[-2]
+        step = _prf_block(x, 4 if x.dtype in (torch.float16, torch.bfloat16) else x.element_size())
+        if step >= L:
+            phi = kern.features(kern._prepare(x), is_query)
+        else:
+            phi = None
+            for i in range(0, L, step):
+                sl = (..., slice(i, i + step), slice(None))
+                part = kern.features(kern._prepare(x[sl]), is_query)
+                if phi is None:
+                    phi = part.new_empty(*x.shape[:-1], part.shape[-1])
+                phi[sl] = part
         ctx.kern, ctx.is_query = kern, is_query
         ctx.save_for_backward(x, phi)
         return phi
@@ -432,9 +446,9 @@ class _PRFFeatures(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: out of place, one block (second derivatives)
             return _prf_input_grad(ctx.kern, x, phi, dphi, ctx.is_query, inplace=False), None, None
         # blocks of positions (dim -2), so that the float32 temporaries (x̂, dx: about 3
-        # bytes of them per byte of bf16 x) stay near PRF_BACKWARD_BLOCK_BYTES at any length
+        # bytes of them per byte of bf16 x) stay near PRF_BLOCK_BYTES at any length
         L = x.shape[-2]
-        step = max(1, PRF_BACKWARD_BLOCK_BYTES * L // max(1, x.numel() * phi.element_size()))
+        step = _prf_block(x, phi.element_size())
         if step >= L:
             return _prf_input_grad(ctx.kern, x, phi, dphi, ctx.is_query, inplace=True), None, None
         dx = torch.empty_like(x)
@@ -444,9 +458,15 @@ class _PRFFeatures(torch.autograd.Function):
         return dx, None, None
 
 
-#: float32 bytes of x that one block of `_PRFFeatures`' backward widens at a time (256 MiB:
-#: at B·H = 8 and a million tokens, 8 blocks)
-PRF_BACKWARD_BLOCK_BYTES = 1 << 28
+#: float32 bytes of x that one block of `_PRFFeatures`' forward or backward widens at a time
+#: (256 MiB: at B·H = 8 and a million tokens, 8 blocks)
+PRF_BLOCK_BYTES = 1 << 28
+
+
+def _prf_block(x: Tensor, itemsize: int) -> int:
+    """Positions (dim -2) of x per block of `_PRFFeatures`: x widened to `itemsize` bytes fits
+    `PRF_BLOCK_BYTES` (from shapes alone: no host synchronization)."""
+    return max(1, PRF_BLOCK_BYTES * x.shape[-2] // max(1, x.numel() * itemsize))
 
 
 def _prf_input_grad(kern: PRF, x: Tensor, phi: Tensor, dphi: Tensor, is_query: bool, inplace: bool) -> Tensor:
