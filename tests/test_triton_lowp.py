@@ -100,10 +100,12 @@ def _num_den_ops():
     plan = soe_plan_for(fr.positions.KerpleLog(H).to(DEV), L)
     gamma = torch.tensor([0.9, 0.99], device=DEV)
     return {"triton_chunked": lambda a, b, v: kernelized_num_den_triton_chunked(a, b, v, gamma=gamma)[:2],
-            "triton_soe": lambda a, b, v: kernelized_num_den_triton_soe(a, b, v, plan)[:2]}
+            "triton_soe": lambda a, b, v: kernelized_num_den_triton_soe(a, b, v, plan)[:2],
+            # a term per launch: dv adds up in float32 over the launches, then is rounded once
+            "triton_soe-groups": lambda a, b, v: kernelized_num_den_triton_soe(a, b, v, plan, state_budget=1)[:2]}
 
 
-@pytest.mark.parametrize("name", ["triton_chunked", "triton_soe"])
+@pytest.mark.parametrize("name", ["triton_chunked", "triton_soe", "triton_soe-groups"])
 def test_bf16_values_are_read_as_they_are(name):
     """float32 features with bf16 values: the kernels widen v in registers, so num, den and the
     feature gradients equal those of `v.float()` exactly, dv is the float32 dv rounded once,

@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _dot, _row_inv
+    from .triton_chunked import _bf16_bits, _dot, _row_inv
 
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
@@ -266,9 +266,11 @@ if HAS_TRITON:
                             dv_ptr, H, Lq, Lk, F, Dv, N, K, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                             NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
-                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
+                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
+                            DV_BF16: tl.constexpr = False):
         """Grid (N, B·H): dφk and dv of key chunk n (near: query chunks n .. n+NB-1; far: the
-        gradient of S_k(n+1), which chunk n's keys enter). K, NEAR, ACCUM as `_soe_out_kernel`'s."""
+        gradient of S_k(n+1), which chunk n's keys enter). K, NEAR, ACCUM as `_soe_out_kernel`'s.
+        DV_BF16 (one launch, never with ACCUM): dv_ptr is the int16 view of a bf16 dv."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -309,13 +311,16 @@ if HAS_TRITON:
             dk += tl.load(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=dkm, other=0.0)
             dv += tl.load(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=dvm, other=0.0)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
-        tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=dvm)
+        if DV_BF16:  # (a branch may not change a variable's type: one store per branch)
+            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], _bf16_bits(dv), mask=dvm)
+        else:
+            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=dvm)
 
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
     _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY, restore=["num_ptr", "den_ptr"])
     _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
-    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED"], restore=["dk_ptr", "dv_ptr"])
+    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16"], restore=["dk_ptr", "dv_ptr"])
     _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "SCALED"])
 
 
@@ -396,7 +401,10 @@ class _SoE(torch.autograd.Function):
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
+        # one launch and a bf16 v (features float32): dv written in bf16 by the kernel, rounded
+        # once as torch would round a float32 dv; several add up in float32 first
+        dv_bf16 = v.dtype == torch.bfloat16 and dt != torch.bfloat16 and len(groups) == 1
+        dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
         dwq = []
         for i, (k0, k1) in enumerate(groups):
             Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
@@ -413,9 +421,10 @@ class _SoE(torch.autograd.Function):
             _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, inv, dden, wg, lg, dh, dz, H, Lq, F, Dv, N,
                                                           Kg, q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, **meta,
                                                           **scaled)
-            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk, dv,
-                                            H, Lq, Lk, F, Dv, N, Kg, q_offset, BT=T, BF=BF, BDV=BDV,
-                                            **flags, **meta, **scaled)
+            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
+                                            dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, Kg,
+                                            q_offset, BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, **flags, **meta,
+                                            **scaled)
             del dh, dz
         dcn = dwq_h = None
         if ctx.needs_input_grad[3]:
