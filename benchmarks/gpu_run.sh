@@ -49,14 +49,18 @@
 # - the fused kernel's near field spans several 64-token chunks (T5: 3) instead of one 128-token
 #   chunk, whose float32-feature backward could not fit the H100's shared memory (ptxas, sm_90);
 # - `triton_soe` runs its terms in groups of states that fit 1 GiB, and the composition around
-#   the kernels holds less (PRF keeps only x and phi, bf16 values read as they are):
-#   benchmarks/composition_memory.py estimates the 1M rows from the CPU at 10.1-10.8 GiB above
-#   the inputs (was 28-29), still over the criterion's 8 (docs/RESULTS.md says what is left);
-#   compare the 1M rows' peak_bytes with that estimate;
+#   the kernels holds less (PRF keeps only x and phi, bf16 values read as they are; 2026-11-25:
+#   the Triton backends divide num/den inside their autograd functions and their backward reads
+#   the bf16 output gradient, triton_chunked stores bf16 chunk states and runs dk/dv and dq as two
+#   kernels, PRF's forward goes in blocks of positions): benchmarks/composition_memory.py
+#   estimates the 1M rows from the CPU at 7.75 GiB (triton_chunked, ALiBi), 7.69 (triton_band, T5)
+#   and 9.6-9.9 (triton_soe) above the inputs (was 28-29, then 10.1-10.8); compare the 1M rows'
+#   peak_bytes with that estimate;
 # - ptxas reports register spills in the float32-feature (tf32x3, the bf16 default) gradient
-#   kernels (1.2-2.5 KB) and none with bf16 features (`FASTRPE_COMPILE_CHECK=1 python -m pytest
-#   -s tests/test_triton_compile.py`): weigh the `+bf16-features` rows' speed against
-#   their error before keeping LOWP_FEATURES = "float32";
+#   kernels and none with bf16 features (`FASTRPE_COMPILE_CHECK=1 python -m pytest -s
+#   tests/test_triton_compile.py`; benchmarks/results/ptxas-sm90.json): triton_chunked's went
+#   from 1.3 KB to 0.26 KB with the split, the fused kernel's are 1.2-2.6 KB; weigh the
+#   `+bf16-features` rows' speed against their error before keeping LOWP_FEATURES = "float32";
 # - the `flex` backend now uses a causal BlockMask on CUDA (the bench's Flex rows always did);
 # - a one-token decoding step launches 39-46 kernels instead of 64-104 (benchmarks/decode_ops.py,
 #   counted on CPU): the decode rows' eager times should drop; the 5x criterion is open.
