@@ -60,7 +60,9 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
     sc, geo_b, soe_b = dict(SCALED=True, **m), {**geo, "do_ptr": "bf16"}, {**soe, "do_ptr": "bf16"}
     tile = dict(BT=64, BF=32, BDV=64)
     cases = [(tc._fwd_state_kernel, geo, dict(BV=16, **tile, **m)),
-             (tc._fwd_out_kernel, geo, dict(BV=64, STRICT=False, **tile, **m)),
+             # as the composition runs it: the quotient written in bf16 (bits), den in float32
+             (tc._fwd_out_kernel, {**geo, "num_ptr": "i16", "den_ptr": acc},
+              dict(BV=64, STRICT=False, DIVIDE=True, THR=1e-31, OUT_BF16=True, **tile, **m)),
              (tc._bwd_state_kernel, geo_b, dict(BV=16, **tile, **sc)),
              (tc._bwd_dkv_kernel, geo_b, dict(STRICT=True, **tile, **sc)),
              (tc._bwd_dq_kernel, geo_b, dict(STRICT=True, **tile, **sc)),

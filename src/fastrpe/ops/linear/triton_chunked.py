@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from ..common import quotient, safe_inverse
+from ..common import safe_inverse, underflow_threshold
 
 try:  # triton is the optional extra `[triton]`
     import triton
@@ -164,8 +164,11 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (N, B·H, BDV/BV): the outputs of chunk n from the state entering it."""
+                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                        DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False):
+        """Grid (N, B·H, BDV/BV): the outputs of chunk n from the state entering it. DIVIDE:
+        num_ptr gets the quotient `num/den` (0 where `|den| < THR`, `underflow_threshold`, as
+        `safe_divide`); OUT_BF16: num_ptr is the int16 view of a bf16 output."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         iv = tl.program_id(2)
@@ -194,9 +197,15 @@ if HAS_TRITON:
         D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
         A = _dot(q, tl.trans(k), DT, ACC, MODE) * D
         o = _dot(qt, S, DT, ACC, MODE) + _dot(A, v, DT, ACC, MODE)
-        tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty),
-                 mask=qm[:, None] & (c[None, :] < Dv))
-        den = tl.sum(qt * z[None, :], 1) + tl.sum(A, 1)
+        den = tl.sum(qt * z[None, :], 1) + tl.sum(A, 1)  # (every value block forms it: it needs A only)
+        if DIVIDE:
+            empty = tl.abs(den) < THR
+            o = o * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))[:, None]
+        om = qm[:, None] & (c[None, :] < Dv)
+        if OUT_BF16:  # (a branch may not change a variable's type: one store per branch)
+            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], _bf16_bits(o), mask=om)
+        else:
+            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty), mask=om)
         # the first value block writes den
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
 
@@ -346,7 +355,7 @@ def _tuned(kernel, key, reset=None, restore=None):
 
 
 if HAS_TRITON:
-    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT"])
+    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT", "DIVIDE", "OUT_BF16"])
     _bwd_dkv_kernel = _tuned(_bwd_dkv_kernel, ["F", "Dv", "STRICT", "SCALED", "DV_BF16"])
     _bwd_dq_kernel = _tuned(_bwd_dq_kernel, ["F", "Dv", "STRICT", "SCALED"])
 
@@ -407,21 +416,24 @@ class _ChunkedDecay(torch.autograd.Function):
         if init is not None:
             h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
             z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
-        # a quotient is formed from sums in the accumulation dtype
-        sum_dtype = out_dtype if divide is None else acc
-        num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
-        den = torch.empty(B, H, Lq, dtype=sum_dtype, device=dev)
+        # with `divide` the output kernel writes the quotient in that dtype (from its sums in acc)
+        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
+        den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+        # bf16 is written as rounded bits: a store that converts truncates under the interpreter
+        out_bf16 = divide == torch.bfloat16
+        quot = dict(DIVIDE=True, THR=underflow_threshold(acc), OUT_BF16=out_bf16) if divide is not None else {}
         _fwd_state_kernel[(B * H, BDV // BVS)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
-        _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num, den, H, Lq, Lk, F, Dv, N, q_offset,
-                                               BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **meta)
+        _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
+                                               den, H, Lq, Lk, F, Dv, N, q_offset,
+                                               BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
         state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
         out = None
         if divide is not None:
-            # `num/den` in place of num: no float32 num is kept, and backward takes the
-            # quotient's gradient as it comes (`_row_inv`)
-            out = num = quotient(num, den, divide)
+            # num holds `num/den`: no float32 num is kept, and backward takes the quotient's
+            # gradient as it comes (`_row_inv`)
+            out = num
             ctx.mark_non_differentiable(den)
         ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init, out, den if divide is not None else None)
         ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode)
