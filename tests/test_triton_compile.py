@@ -69,7 +69,8 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
              (ts._soe_state_kernel, soe, dict(BV=64, **tile, **m))]
     for NB in (2, 3):  # the soe band (64 distances), T5's (113)
         first, later = dict(NB=NB, NEAR=True, ACCUM=False), dict(NB=NB, NEAR=False, ACCUM=True)
-        cases += [(ts._soe_out_kernel, soe, dict(BV=64, **first, **tile, **m)),
+        cases += [(ts._soe_out_kernel, {**soe, "num_ptr": "i16", "den_ptr": acc},  # one launch: the bf16 quotient
+                   dict(BV=64, DIVIDE=True, THR=1e-31, OUT_BF16=True, **first, **tile, **m)),
                   (ts._soe_out_kernel, soe, dict(BV=64, **later, **tile, **m)),
                   (ts._soe_bwd_state_kernel, soe_b, dict(BV=64, NB=NB, **tile, **sc)),
                   (ts._soe_bwd_dq_kernel, soe_b, dict(**first, **tile, **sc)),

@@ -105,13 +105,15 @@ def test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, c
         assert_close(a, b, msg=name)
 
 
-def test_soe_quotient_low_precision_against_float64():
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-launch", "a-term-per-launch"])
+def test_soe_quotient_low_precision_against_float64(budget):
     """A bf16 quotient from float32 features and bf16 values, as the backends ask for it,
-    against float64, within a small factor of the naive path dividing in float32."""
+    against float64, within a small factor of the naive path dividing in float32: written by
+    the kernel (one launch), or formed after the launches' float32 sums."""
     q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
     v = v.detach().bfloat16().requires_grad_()
     plan = _plan(2, 8, 4)
-    out, _, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=1,
+    out, _, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=budget,
                                                  divide=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
-from ..common import quotient
+from ..common import quotient, underflow_threshold
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
                              triton_unavailable_reason, value_dtype)
 
@@ -104,9 +104,12 @@ if HAS_TRITON:
                         H, Lq, Lk, F, Dv, N, K, q_offset,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                         NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
-                        DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                        DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                        DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False):
         """Grid (N, B·H, BDV/BV): outputs of query chunk n. K: the terms of this launch (a group,
-        `terms_per_group`); NEAR: also the near field (the first group); ACCUM: add to num/den."""
+        `terms_per_group`); NEAR: also the near field (the first group); ACCUM: add to num/den.
+        DIVIDE, THR, OUT_BF16 (one launch for every term, never with ACCUM): the quotient in
+        place of num, as `triton_chunked._fwd_out_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         iv = tl.program_id(2)
@@ -144,7 +147,13 @@ if HAS_TRITON:
         if ACCUM:  # a later group of terms: this program owns its tile, no race
             o += tl.load(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=om, other=0.0).to(ACC)
             den += tl.load(den_ptr + bh * Lq + qi, mask=dm, other=0.0).to(ACC)
-        tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty), mask=om)
+        if DIVIDE:  # every value block has the whole den (one launch)
+            empty = tl.abs(den) < THR
+            o = o * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))[:, None]
+        if OUT_BF16:  # (a branch may not change a variable's type: one store per branch)
+            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], _bf16_bits(o), mask=om)
+        else:
+            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty), mask=om)
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
@@ -318,7 +327,7 @@ if HAS_TRITON:
 
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
     _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
-    _soe_out_kernel = _tuned(_soe_out_kernel, _KEY, restore=["num_ptr", "den_ptr"])
+    _soe_out_kernel = _tuned(_soe_out_kernel, _KEY + ["DIVIDE", "OUT_BF16"], restore=["num_ptr", "den_ptr"])
     _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
     _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16"], restore=["dk_ptr", "dv_ptr"])
     _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "SCALED"])
@@ -353,23 +362,27 @@ class _SoE(torch.autograd.Function):
         BV = min(BDV, 64)
         N = -(-max(Lk, q_offset + Lq) // T)
         groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
-        # several groups add into num/den, or a quotient is formed from them: keep the sums in
-        # the accumulation dtype until the end
-        sum_dtype = out_dtype if len(groups) == 1 and divide is None else acc
+        # one launch with `divide`: the kernel writes the quotient in that dtype; several groups
+        # add into num/den, or a quotient is formed from them after: sums in acc until the end
+        fused = divide is not None and len(groups) == 1
+        sum_dtype = divide if fused else (out_dtype if len(groups) == 1 and divide is None else acc)
         num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
-        den = torch.empty(B, H, Lq, dtype=sum_dtype, device=dev)
+        den = torch.empty(B, H, Lq, dtype=acc if divide is not None else sum_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+        out_bf16 = fused and divide == torch.bfloat16  # rounded bits (`triton_chunked._ChunkedDecay`)
+        quot = dict(DIVIDE=True, THR=underflow_threshold(acc), OUT_BF16=out_bf16) if fused else {}
         for i, (k0, k1) in enumerate(groups):
             h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta)
-            _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z, num, den,
+            _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
+                                                   num.view(torch.int16) if out_bf16 else num, den,
                                                    H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
-                                                   BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **meta)
+                                                   BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **quot, **meta)
             del h, z
         # the states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
         out = None
         if divide is not None:  # `num/den` in place of num (`triton_chunked._ChunkedDecay`)
-            out = quotient(num, den, divide)
+            out = num if fused else quotient(num, den, divide)
             ctx.mark_non_differentiable(den)
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, out, den if divide is not None else None)
         ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups)
