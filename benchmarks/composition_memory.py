@@ -7,7 +7,7 @@ measured here at a small length, times 8·2^20, is the 1M-token peak (chunk stat
 included; allocator rounding and the CUDA context are not). The one cap that is not
 proportional, the sum-of-exponentials states' `soe.STATE_BUDGET` (1 GiB per group of terms),
 is scaled down here by the same factor, so that terms are grouped as they are at 1M; so is
-the block of positions that PRF's backward widens at a time (`PRF_BLOCK_BYTES`).
+the block of positions that PRF's forward and backward widen at a time (`PRF_BLOCK_BYTES`).
 
 Each row runs what `fastrpe bench --suite gpu` times, `fastrpe.attention(...)` then
 `out.float().sum().backward()`, with bf16 `q, k, v: [1, H, L, 64]` (their `.grad` already
