@@ -61,6 +61,11 @@
 #   tests/test_triton_compile.py`; benchmarks/results/ptxas-sm90.json): triton_chunked's went
 #   from 1.3 KB to 0.26 KB with the split, the fused kernel's are 1.2-2.6 KB; weigh the
 #   `+bf16-features` rows' speed against their error before keeping LOWP_FEATURES = "float32";
+# - (2026-11-25) the Triton backends' autograd functions return num/den themselves: the output
+#   kernels write the bf16 quotient (DIVIDE, OUT_BF16), the backward kernels read the bf16 output
+#   gradient and scale by 1/den after their products (SCALED), triton_chunked's gradient kernel is
+#   _bwd_dkv then _bwd_dq; `tests` checks them against float64 through BACKENDS at L = 4,096;
+#   the fastrpe rows at 64k should gain from the float32 num no longer written, scaled and cast;
 # - the `flex` backend now uses a causal BlockMask on CUDA (the bench's Flex rows always did);
 # - a one-token decoding step launches 39-46 kernels instead of 64-104 (benchmarks/decode_ops.py,
 #   counted on CPU): the decode rows' eager times should drop; the 5x criterion is open.

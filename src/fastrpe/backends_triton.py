@@ -153,7 +153,8 @@ class TritonChunkedBackend(Backend):
         T, C, F = 64, p.Dv + 1, p.F
         L = max(p.Lk, p.q_offset + p.Lq)
         passes = 1 if p.causal else 2
-        # the chunked model's flops and memory without its Python loop over chunks: 4 launches
+        # the chunked model's flops and memory without its Python loop over chunks: 2 kernels
+        # forward, 4 backward (states, dk/dv, dq, the denominator's row sums) per pass
         flops = passes * p.B * p.H * (2 * L * T * (F + C) + 6 * L * F * C) * (3 if p.requires_grad else 1)
         el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)  # the features' bytes
         sel = 2 if _state_dtype(p) is not None else 4  # the chunk states' bytes
