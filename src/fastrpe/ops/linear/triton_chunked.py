@@ -130,6 +130,23 @@ if HAS_TRITON:
         return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
 
     @triton.jit
+    def _divide_rows(o, den, THR: tl.constexpr):
+        """`o [R, C] / den [R]` row by row, 0 where `|den| < THR` (`underflow_threshold`): the
+        quotient as `safe_divide` forms it."""
+        empty = tl.abs(den) < THR
+        return o * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))[:, None]
+
+    @triton.jit
+    def _store_tile(ptr, x, mask, AS_BF16: tl.constexpr):
+        """`x` stored at `ptr` (a tile of pointers): AS_BF16, into the int16 view of a bf16
+        tensor, rounded to nearest (`_bf16_bits`); else converted to the pointer's dtype.
+        (A branch may not change a variable's type: one store per branch.)"""
+        if AS_BF16:
+            tl.store(ptr, _bf16_bits(x), mask=mask)
+        else:
+            tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, H, Lk, F, Dv, N,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
@@ -199,13 +216,8 @@ if HAS_TRITON:
         o = _dot(qt, S, DT, ACC, MODE) + _dot(A, v, DT, ACC, MODE)
         den = tl.sum(qt * z[None, :], 1) + tl.sum(A, 1)  # (every value block forms it: it needs A only)
         if DIVIDE:
-            empty = tl.abs(den) < THR
-            o = o * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))[:, None]
-        om = qm[:, None] & (c[None, :] < Dv)
-        if OUT_BF16:  # (a branch may not change a variable's type: one store per branch)
-            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], _bf16_bits(o), mask=om)
-        else:
-            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty), mask=om)
+            o = _divide_rows(o, den, THR)
+        _store_tile(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o, qm[:, None] & (c[None, :] < Dv), OUT_BF16)
         # the first value block writes den
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
 
@@ -310,10 +322,7 @@ if HAS_TRITON:
                                                                         + dz[None, :])
         dv = _dot(tl.trans(A * inv), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
-        if DV_BF16:  # (a branch may not change a variable's type: one store per branch)
-            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], _bf16_bits(dv), mask=km[:, None] & cm)
-        else:
-            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=km[:, None] & cm)
+        _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, km[:, None] & cm, DV_BF16)
 
     @triton.jit
     def _bwd_dq_kernel(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dq_ptr,
@@ -389,6 +398,23 @@ def value_dtype(v: Tensor, dt: torch.dtype) -> torch.dtype:
     return v.dtype if v.dtype in (torch.bfloat16, torch.float16) else dt
 
 
+def quotient_flags(divide: torch.dtype | None, acc: torch.dtype) -> tuple[bool, dict]:
+    """`(out_bf16, flags)` of an output kernel writing the quotient in `divide` (None: it
+    writes num): the DIVIDE/THR/OUT_BF16 constants, and whether the output tensor is passed
+    as its int16 view (bf16 is stored as rounded bits: a store that converts truncates under
+    the interpreter)."""
+    if divide is None:
+        return False, {}
+    out_bf16 = divide == torch.bfloat16
+    return out_bf16, dict(DIVIDE=True, THR=underflow_threshold(acc), OUT_BF16=out_bf16)
+
+
+def dv_in_bf16(v: Tensor, dt: torch.dtype) -> bool:
+    """Whether a gradient kernel writes dv in bf16 itself: a bf16 v with wider features gets
+    the float32 dv rounded once in the kernel, as torch would round it (no float32 dv at all)."""
+    return v.dtype == torch.bfloat16 and dt != torch.bfloat16
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation (and state) dtype: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -420,9 +446,7 @@ class _ChunkedDecay(torch.autograd.Function):
         num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
         den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        # bf16 is written as rounded bits: a store that converts truncates under the interpreter
-        out_bf16 = divide == torch.bfloat16
-        quot = dict(DIVIDE=True, THR=underflow_threshold(acc), OUT_BF16=out_bf16) if divide is not None else {}
+        out_bf16, quot = quotient_flags(divide, acc)
         _fwd_state_kernel[(B * H, BDV // BVS)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
@@ -457,9 +481,7 @@ class _ChunkedDecay(torch.autograd.Function):
         _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, inv, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        # a bf16 v (features float32) gets dv written in bf16, rounded once in the kernel as
-        # torch would round a float32 dv: no float32 dv at all
-        dv_bf16 = v.dtype == torch.bfloat16 and dt != torch.bfloat16
+        dv_bf16 = dv_in_bf16(v, dt)
         dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
         tiles = dict(BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
         _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,

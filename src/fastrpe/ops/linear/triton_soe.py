@@ -43,15 +43,15 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
-from ..common import quotient, underflow_threshold
+from ..common import quotient
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
-                             triton_unavailable_reason, value_dtype)
+                             dv_in_bf16, quotient_flags, triton_unavailable_reason, value_dtype)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _bf16_bits, _dot, _row_inv
+    from .triton_chunked import _divide_rows, _dot, _row_inv, _store_tile
 
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
@@ -148,12 +148,8 @@ if HAS_TRITON:
             o += tl.load(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=om, other=0.0).to(ACC)
             den += tl.load(den_ptr + bh * Lq + qi, mask=dm, other=0.0).to(ACC)
         if DIVIDE:  # every value block has the whole den (one launch)
-            empty = tl.abs(den) < THR
-            o = o * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))[:, None]
-        if OUT_BF16:  # (a branch may not change a variable's type: one store per branch)
-            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], _bf16_bits(o), mask=om)
-        else:
-            tl.store(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o.to(num_ptr.dtype.element_ty), mask=om)
+            o = _divide_rows(o, den, THR)
+        _store_tile(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], o, om, OUT_BF16)
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
@@ -320,10 +316,7 @@ if HAS_TRITON:
             dk += tl.load(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=dkm, other=0.0)
             dv += tl.load(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=dvm, other=0.0)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
-        if DV_BF16:  # (a branch may not change a variable's type: one store per branch)
-            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], _bf16_bits(dv), mask=dvm)
-        else:
-            tl.store(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, mask=dvm)
+        _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, dvm, DV_BF16)
 
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
     _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
@@ -369,8 +362,7 @@ class _SoE(torch.autograd.Function):
         num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
         den = torch.empty(B, H, Lq, dtype=acc if divide is not None else sum_dtype, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        out_bf16 = fused and divide == torch.bfloat16  # rounded bits (`triton_chunked._ChunkedDecay`)
-        quot = dict(DIVIDE=True, THR=underflow_threshold(acc), OUT_BF16=out_bf16) if fused else {}
+        out_bf16, quot = quotient_flags(divide if fused else None, acc)
         for i, (k0, k1) in enumerate(groups):
             h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta)
             _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
@@ -414,9 +406,8 @@ class _SoE(torch.autograd.Function):
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        # one launch and a bf16 v (features float32): dv written in bf16 by the kernel, rounded
-        # once as torch would round a float32 dv; several add up in float32 first
-        dv_bf16 = v.dtype == torch.bfloat16 and dt != torch.bfloat16 and len(groups) == 1
+        # one launch: dv written in bf16 by the kernel (`dv_in_bf16`); several add up in float32 first
+        dv_bf16 = dv_in_bf16(v, dt) and len(groups) == 1
         dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
         dwq = []
         for i, (k0, k1) in enumerate(groups):
