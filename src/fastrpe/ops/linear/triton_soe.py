@@ -229,9 +229,10 @@ if HAS_TRITON:
                     off = ((bh * K + kk) * N + n - NB + 1) * BF
                     S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
                     zs = tl.load(z_ptr + off + f)
-                    dq += w[:, None] * (inv[:, None] * _dot(don, tl.trans(S), DT, ACC, MODE) + ddn[:, None] * zs[None, :])
-                    X = _dot(qn, S, DT, ACC, MODE)
-                    dw = inv * tl.sum(X * don.to(ACC), 1) + tl.sum(qn * zs[None, :], 1) * ddn
+                    Y = _dot(don, tl.trans(S), DT, ACC, MODE)  # (BT, BF): do·Sᵀ
+                    dq += w[:, None] * (inv[:, None] * Y + ddn[:, None] * zs[None, :])
+                    # the weight's gradient q·S·doᵀ per row is Σ_f q ⊙ (do·Sᵀ): Y again, no [BT, BDV] q·S
+                    dw = inv * tl.sum(qn * Y, 1) + tl.sum(qn * zs[None, :], 1) * ddn
                     tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
             dqm = qm[:, None] & (f[None, :] < F)
             if ACCUM:
