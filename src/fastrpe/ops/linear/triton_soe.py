@@ -416,11 +416,14 @@ class _SoE(torch.autograd.Function):
             flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
             # the queries' side reads the states, the keys' side their gradients: one at a time
             h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta)
-            dwq.append(torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev))
-            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq[-1],
+            dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
+            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                             H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
                                             **flags, **meta, **scaled)
             del h, z
+            if ctx.needs_input_grad[4]:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
+                dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
+            del dwq_g
             dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
             dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
             _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, inv, dden, wg, lg, dh, dz, H, Lq, F, Dv, N,
@@ -438,7 +441,7 @@ class _SoE(torch.autograd.Function):
                                                  BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
             dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
         if ctx.needs_input_grad[4]:
-            dwq_h = torch.cat(dwq, 2).view(B, H, NS, K, T).sum((0, 2)).to(wq.dtype)
+            dwq_h = torch.cat(dwq, 1).to(wq.dtype)
         return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h, None, None, None, None, None, None, None, None, None
 
 
