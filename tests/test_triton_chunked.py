@@ -89,20 +89,21 @@ def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
 def test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
     """`divide=`: the kernels' backward reads the quotient's gradient and scales it by 1/den
-    itself; output, final state and every gradient (initial state's and γ's included) as
-    Eq. 10's `num/den` from the dense sums."""
+    itself, den's gradient comes from `_QuotientGrad`; output, den, final state and every
+    gradient (initial state's and γ's included, through den too) as Eq. 10's `num/den` and
+    `den` from the dense sums."""
     q, k, v, s0 = features_and_values(B, H, Lq, Lk, F, Dv, dtype=dtype, device=DEV, state=True)
     gamma = _gamma(H)
     out, den, _, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset, chunk_size=chunk,
                                                               initial_state=s0, return_state=True, divide=dtype)
-    assert out.dtype == dtype and not den.requires_grad
+    assert out.dtype == dtype
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().double().requires_grad_()
     rn, rd, rs = reference(q64, k64, v64, g64, s64, q_offset=q_offset)
-    ref = (quotient_reference(rn, rd), rs)
-    for name, a, b in zip(("out", "state"), (out, state), ref):
+    ref = (quotient_reference(rn, rd), rd, rs)
+    for name, a, b in zip(("out", "den", "state"), (out, den, state), ref):
         assert_close(a, b.detach(), dtype, msg=name)
-    got = weighted_grads((out, state), (q, k, v, gamma, s0))
+    got = weighted_grads((out, den, state), (q, k, v, gamma, s0))
     want = weighted_grads(ref, (q64, k64, v64, g64, s64))
     for name, a, b in zip(("dq", "dk", "dv", "dgamma", "dinitial_state"), got, want):
         assert_close(a, b, dtype, msg=name)

@@ -96,11 +96,13 @@ def test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, c
     plan = _plan(H, window, 4)
     out, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
                                                    state_budget=budget, divide=torch.float64)
-    assert not den.requires_grad
-    ref = quotient_reference(*reference(q, k, v, plan, q_offset))
+    rn, rd = reference(q, k, v, plan, q_offset)
+    ref = quotient_reference(rn, rd)
     assert_close(out, ref.detach())
+    assert_close(den, rd.detach(), msg="den")
+    # den's gradient too (`_QuotientGrad` adds the quotient's part to it)
     leaves = (q, k, v, plan.a, plan.corr)
-    got, want = weighted_grads((out,), leaves), weighted_grads((ref,), leaves)
+    got, want = weighted_grads((out, den), leaves), weighted_grads((ref, rd), leaves)
     for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
         assert_close(a, b, msg=name)
 
@@ -281,6 +283,26 @@ def test_backend_refuses_geometric_and_bidirectional(interpret_on_cpu):
         fr.attention(q, k, v, kernel="elu", position=ALiBi(2).double().to(DEV), causal=True, backend="triton_soe")
     with pytest.raises(FastRPEError, match="causal only"):
         fr.attention(q, k, v, kernel="elu", position=ALiBi(2).double().to(DEV), causal=False, backend="triton_soe")
+
+
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-launch", "a-term-per-launch"])
+def test_quotient_is_not_held_by_the_kernels_backward(budget):
+    """With `divide`, the kernels' autograd node saves den, not the quotient: the quotient is
+    held only by `_QuotientGrad`, which runs first and frees it (128 B per head and token at
+    the kernels' backward peak, bf16, Dv = 64); same for the geometric kernels."""
+    from fastrpe.ops.linear import triton_chunked as tc
+
+    q, k, v = features_and_values(1, 2, 40, 40, 12, 10, dtype=torch.float32, device=DEV)
+    v = v.detach().bfloat16().requires_grad_()
+    plan = _plan(2, 8, 4)
+    for out in (ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=budget,
+                                                 divide=torch.bfloat16)[0],
+                tc.kernelized_num_den_triton_chunked(q, k, v, gamma=torch.full((2,), 0.9, device=DEV), chunk_size=16,
+                                                     divide=torch.bfloat16)[0]):
+        assert type(out.grad_fn).__name__ == "_QuotientGradBackward"
+        kernels = out.grad_fn.next_functions[0][0]
+        held = [t.untyped_storage().data_ptr() for t in kernels.saved_tensors if t is not None]
+        assert held and out.untyped_storage().data_ptr() not in held
 
 
 def test_soe_keeps_no_states_for_backward():

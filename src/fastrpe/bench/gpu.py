@@ -172,11 +172,17 @@ def _qkv(p: Problem, device, dtype, layout: str = "bhld", k_width: int | None = 
 
 
 def _closure(fn, q, k, v, backward: bool):
+    """One timed call: `fn(q, k, v)`, and with `backward` its `.float().sum().backward()`.
+    The backward holds no reference to the output, as a model's layer does not (its next op
+    keeps what it needs): each method keeps its output only as long as its own autograd
+    does (SDPA, Flex and fla save it for their backward; fastrpe's Triton paths free it
+    before their kernels' backward, `triton_chunked._QuotientGrad`), so the peak compares
+    like for like."""
     def run():
-        out = fn(q, k, v)
         if backward:
-            out.float().sum().backward()
-        return out
+            fn(q, k, v).float().sum().backward()
+            return None
+        return fn(q, k, v)
 
     return run
 

@@ -453,31 +453,28 @@ class _ChunkedDecay(torch.autograd.Function):
                                                den, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
         state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
-        out = None
-        if divide is not None:
-            # num holds `num/den`: no float32 num is kept, and backward takes the quotient's
-            # gradient as it comes (`_row_inv`)
-            out = num
-            ctx.mark_non_differentiable(den)
-        ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init, out, den if divide is not None else None)
+        # with `divide` num holds `num/den`: no float32 num is kept; backward takes the quotient's
+        # gradient as it comes, scaled by 1/den in the kernels (`_row_inv`), and den's from
+        # `_QuotientGrad`, so only den is saved
+        ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init, den if divide is not None else None)
         ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode)
         return num, den, state
 
     @staticmethod
     def backward(ctx, dnum, dden, dstate):
-        phi_q, phi_k, v, log_g, h, z, state, init, out, den = ctx.saved_tensors
+        phi_q, phi_k, v, log_g, h, z, state, init, den = ctx.saved_tensors
         q_offset, BT, BF, BDV, BVS, N, strict, mode = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
         acc = acc_dtype(dt)
-        dnum, inv, dden = _numerator_grads(dnum, dden, out, den, (B, H, Lq, Dv), dt, dev)
+        dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
         dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=h.dtype, device=dev)
         dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
         if dstate is not None:
             dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
             dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=out is not None)
+        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=den is not None)
         _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, inv, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
@@ -554,17 +551,42 @@ def quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, T
     return inv, dd
 
 
-def _numerator_grads(dnum, dden, out, den, shape, dt, dev) -> tuple[Tensor, Tensor, Tensor]:
-    """`(dy, inv, dd)` for the backward kernels: dy the gradient they read for the numerator
-    (the quotient's gradient as it comes when `out` was returned, which they scale by `inv`;
-    inv is then a placeholder), dd the denominator's (`quotient_backward`). The kernels round
-    dy to the input dtype only where it enters a tl.dot."""
+class _QuotientGrad(torch.autograd.Function):
+    """The identity on a quotient `out = num/den` that an output kernel wrote; its backward
+    forms the denominator's gradient `-inv·Σ_c dout·out` (`quotient_backward`) and hands it to
+    den, with dout to out as it came. The kernels' own backward then needs den, not out: out is
+    freed once this node has run, before they do (128 B per head and token at their peak in
+    bf16 with Dv = 64; a layer's output is kept from forward to backward either way)."""
+
+    @staticmethod
+    def forward(ctx, out, den):
+        ctx.save_for_backward(out, den)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        out, den = ctx.saved_tensors
+        dout = dout.contiguous()
+        return dout, quotient_backward(dout, out, den)[1]
+
+
+def with_quotient_grad(out: Tensor, den: Tensor) -> Tensor:
+    """`out` (the quotient an autograd function returned with den) through `_QuotientGrad`,
+    which gives den its gradient from out's."""
+    return _QuotientGrad.apply(out, den) if torch.is_grad_enabled() and out.requires_grad else out
+
+
+def _numerator_grads(dnum, dden, den, shape, dt, dev) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dy, inv, dd)` for the backward kernels: dy the gradient they read for the numerator;
+    for a quotient (den given) dy is the quotient's gradient as it comes, which they scale by
+    `inv = 1/den`, and dd den's gradient (`_QuotientGrad` formed it from the quotient's);
+    otherwise inv is a placeholder. The kernels round dy to the input dtype only where it
+    enters a tl.dot."""
     B, H, Lq, Dv = shape
-    if out is not None:
-        dout = torch.zeros_like(out) if dnum is None else dnum.contiguous()
-        inv, dd = quotient_backward(dout, out, den)
-        return dout, inv, dd
     dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
+    if den is not None:
+        inv = safe_inverse(den).contiguous()
+        return dnum, inv, torch.zeros_like(inv) if dden is None else dden.to(inv.dtype).contiguous()
     dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
     return dnum, dden, dden
 
@@ -627,9 +649,10 @@ def kernelized_num_den_triton_chunked(
         precision: how float32 features are multiplied on the GPU (`PRECISIONS`): "ieee"
             exactly, "tf32x3" on the tensor cores at about float32's accuracy.
         divide: a dtype: return `num/den` in it (rows without weight 0, as `safe_divide`)
-            in place of num, from the sums in the accumulation dtype; den is then not
-            differentiable. Backward reads the quotient's gradient as it comes (no float32
-            copy of num kept, no float32 gradient of num made).
+            in place of num, from the sums in the accumulation dtype. Backward reads the
+            quotient's gradient as it comes (no float32 copy of num kept, no float32 gradient
+            of num made; the quotient itself is freed before the kernels run,
+            `_QuotientGrad`).
         state_dtype: storage of the chunk states between the kernels (default the
             accumulation dtype; bfloat16 halves them: 1.07 GiB at L = 1M, B·H = 8, F = 32,
             Dv = 64 in float32). Each kernel carries its running state in the accumulation
@@ -653,6 +676,8 @@ def kernelized_num_den_triton_chunked(
         state_dtype = None
     num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False,
                                           out_dtype or phi_q.dtype, dot_mode(precision), divide, state_dtype)
+    if divide is not None:
+        num = with_quotient_grad(num, den)
     out = (num, den, phi_q.new_zeros(H, Lq))
     return (*out, state) if return_state else out
 

@@ -45,7 +45,7 @@ from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
-                             dv_in_bf16, quotient_flags, triton_unavailable_reason, value_dtype)
+                             dv_in_bf16, quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
     import triton
@@ -373,13 +373,11 @@ class _SoE(torch.autograd.Function):
             del h, z
         # the states are not kept for backward (K times the geometric path's: 8.6 GB at
         # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
-        out = None
-        if divide is not None:  # `num/den` in place of num (`triton_chunked._ChunkedDecay`)
-            out = num if fused else quotient(num, den, divide)
-            ctx.mark_non_differentiable(den)
-        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, out, den if divide is not None else None)
+        if divide is not None:  # `num/den` in place of num, den saved alone (`triton_chunked._ChunkedDecay`)
+            num = num if fused else quotient(num, den, divide)
+        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None)
         ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups)
-        return (num.to(out_dtype), den.to(out_dtype)) if divide is None else (out, den)
+        return (num.to(out_dtype), den.to(out_dtype)) if divide is None else (num, den)
 
     @staticmethod
     def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta):
@@ -394,16 +392,16 @@ class _SoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dnum, dden):
-        phi_q, phi_k, v, cn, wq, lgk, out, den = ctx.saved_tensors
+        phi_q, phi_k, v, cn, wq, lgk, den = ctx.saved_tensors
         q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
         dev, dt = phi_q.device, phi_q.dtype
         acc = acc_dtype(dt)
-        dnum, inv, dden = _numerator_grads(dnum, dden, out, den, (B, H, Lq, Dv), dt, dev)
+        dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        scaled = dict(SCALED=out is not None)
+        scaled = dict(SCALED=den is not None)
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
@@ -528,4 +526,6 @@ def kernelized_num_den_triton_soe(
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
                           cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, NB, out_dtype or dt,
                           dot_mode(precision), sdt, group, divide)
+    if divide is not None:
+        num = with_quotient_grad(num, den)
     return num, den, plan.log_scale(Lq, den.dtype)
