@@ -53,13 +53,16 @@
 #   the Triton backends divide num/den inside their autograd functions and their backward reads
 #   the bf16 output gradient, triton_chunked stores bf16 chunk states and runs dk/dv and dq as two
 #   kernels, PRF's forward goes in blocks of positions): benchmarks/composition_memory.py
-#   estimates the 1M rows from the CPU at 7.75 GiB (triton_chunked, ALiBi), 7.69 (triton_band, T5)
-#   and 9.6-9.9 (triton_soe) above the inputs (was 28-29, then 10.1-10.8); compare the 1M rows'
-#   peak_bytes with that estimate;
+#   estimates the 1M rows from the CPU at 6.72 GiB (triton_chunked, ALiBi), 6.64 (triton_band, T5)
+#   and 8.1 (triton_soe) above the inputs (was 28-29, then 10.1-10.8, then 7.7 / 7.7 / 9.6-9.9;
+#   2026-11-25, second session: the quotient is freed before the kernels' backward,
+#   `_QuotientGrad`, and the bench's call no longer holds its output through backward);
+#   compare the 1M rows' peak_bytes with that estimate;
 # - ptxas reports register spills in the float32-feature (tf32x3, the bf16 default) gradient
 #   kernels and none with bf16 features (`FASTRPE_COMPILE_CHECK=1 python -m pytest -s
 #   tests/test_triton_compile.py`; benchmarks/results/ptxas-sm90.json): triton_chunked's went
-#   from 1.3 KB to 0.26 KB with the split, the fused kernel's are 1.2-2.6 KB; weigh the
+#   from 1.3 KB to 0.26 KB with the split, the fused kernel's are 0.8-2.6 KB (_soe_bwd_dq lost
+#   one product per term and chunk: the far weights' gradient from do·Sᵀ); weigh the
 #   `+bf16-features` rows' speed against their error before keeping LOWP_FEATURES = "float32";
 # - (2026-11-25) the Triton backends' autograd functions return num/den themselves: the output
 #   kernels write the bf16 quotient (DIVIDE, OUT_BF16), the backward kernels read the bf16 output
