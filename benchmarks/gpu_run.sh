@@ -35,6 +35,12 @@
 #   run(command="bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=600)
 # and locally: fastrpe bench --suite gpu --check <files_at>/gpu.json
 #
+# A developer's session has 30 minutes of device time, counted from the machine's start (a minute
+# or two) to its return, idle time included, and a machine goes back after 30 s idle: three full
+# calls fit, four do not. Order: `tests` with TESTS_BUDGET=240 first (it catches a broken kernel
+# before the bench spends time on it), then `short`, then `long`; `auto` in a later session. Copy
+# gpu.json into .gpu_runs/ at once between calls, or the next call starts a fresh machine.
+#
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the
 #   messages the next fix needs (a 250 s cap cut it at 95 % without any);
