@@ -29,16 +29,16 @@
 # 3.6). The `flash-linear-attention` package (models, needs transformers) is not needed.
 #
 # Device calls (the tool `run`; `carry` names what travels besides the tracked tree):
+#   run(command="TESTS_BUDGET=240 bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=300)
 #   run(command="bash benchmarks/gpu_run.sh short", carry=[".whl"], timeout_s=600)
 #   then here: mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
 #   run(command="bash benchmarks/gpu_run.sh long", carry=[".whl", ".gpu_runs"], timeout_s=600)
-#   run(command="bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=600)
 # and locally: fastrpe bench --suite gpu --check <files_at>/gpu.json
 #
 # A developer's session has 30 minutes of device time, counted from the machine's start (a minute
 # or two) to its return, idle time included, and a machine goes back after 30 s idle: three full
-# calls fit, four do not. Order: `tests` with TESTS_BUDGET=240 first (it catches a broken kernel
-# before the bench spends time on it), then `short`, then `long`; `auto` in a later session. Copy
+# calls fit, four do not. Order as above: `tests` first with a 240 s budget (it catches a broken
+# kernel before the bench spends time on it), then `short`, then `long`; `auto` in a later session. Copy
 # gpu.json into .gpu_runs/ at once between calls, or the next call starts a fresh machine.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
