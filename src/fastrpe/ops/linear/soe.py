@@ -5,9 +5,10 @@ sum of exponentials: an exact band `|r| < W` plus `Σ_k a_k·γ_k^|r|` beyond.
 `c(r) = Σ_k a_k γ_k^|r| + [|r| < W]·(c(r) - Σ_k a_k γ_k^|r|)`:
 each exponential is one pass of the chunked (linear-time) geometric form, and the band
 correction is exact and dense over W offsets. Only the far field `|r| >= W` is
-approximated; `soe_fit_error` reports how well. The rates `γ_k` sit on a fixed log-spaced
-grid of time scales and the weights `a_k` solve a least-squares fit in relative error,
-so they are differentiable functions of the positional parameters (refitted every call).
+approximated; `soe_fit_error` reports how well. The rates `γ_k` sit on a log-spaced grid of
+time scales up to the term's reach (`live_distance`) and the weights `a_k` solve a
+least-squares fit weighted as the rows' misplaced weight counts errors (`fit_soe`), so they
+are differentiable functions of the positional parameters (refitted every call).
 
 Notation: B batch, H heads, L length, F features, C = Dv + 1, K terms, W band width.
 """
@@ -64,42 +65,81 @@ def near_chunks(window: int, chunk: int) -> tuple[int, int]:
 FIT_FLOOR_NATS = 20.0
 
 
-def soe_rates(window: int, max_len: int, num_terms: int, dtype=torch.float64, device=None) -> Tensor:
+def soe_rates(window: int, max_len: int, num_terms: int, dtype=torch.float64, device=None,
+              scale: Tensor | None = None) -> Tensor:
     """`[K]` rates: γ = 1 (a constant tail) and K-1 time scales `τ` (`γ = e^(-1/τ)`)
-    log-spaced from `window/16` to `4·max_len`: a faster rate is below e^-16 over the whole
-    far field `d >= window`, so it could only fit noise."""
-    lo, hi = math.log(max(1.0, window / 16)), math.log(4.0 * max(max_len, window))
-    tau = torch.exp(torch.linspace(lo, hi, num_terms - 1, dtype=dtype, device=device))
+    log-spaced from `window/16` to `4·scale` (`scale`: default `max_len`; a 0-dim tensor,
+    `live_distance`, where the term dies out sooner): a faster rate is below e^-16 over the
+    whole far field `d >= window`, so it could only fit noise, and a slower one than the
+    term's own reach only spreads the grid thin (KERPLE power with p = 0.5 dies out by
+    d ≈ 1,600: its grid up to 4·65,536 needed 32 terms, up to 4·1,600 it needs 12)."""
+    lo = math.log(max(1.0, window / 16))
+    if scale is None:
+        scale = torch.tensor(float(max(max_len, window)), dtype=dtype, device=device)
+    hi = torch.log(4.0 * scale.to(dtype=dtype, device=device))
+    frac = torch.linspace(0.0, 1.0, num_terms - 1, dtype=dtype, device=device)
+    tau = torch.exp(lo + (hi - lo) * frac)
     return torch.cat([torch.exp(-1.0 / tau), torch.ones(1, dtype=dtype, device=device)])
 
 
-def fit_soe(log_c_far: Tensor, r_far: Tensor, gamma: Tensor) -> Tensor:
-    """Weights `a: [H, K]` with `Σ_k a_k γ_k^r ≈ exp(log_c_far)` in relative error.
+def live_distance(b: Tensor, window: int) -> Tensor:
+    """0-dim: about one past the largest distance at which any head's coefficient is within
+    `FIT_FLOOR_NATS` of its peak (`b: [H, N]`, `b(-d)` with max 0), between `4·window` and N.
+    A soft count (`Σ_d σ(envelope(d) + FLOOR)`, the envelope the largest b at or beyond d), so
+    the rates move continuously with the term's parameters: a hard threshold let them jump,
+    and a float32 copy of a term got a fit 1e-5 away from its float64 original's. Computed on
+    the device (no host synchronization)."""
+    N = b.shape[-1]
+    env = b.amax(0).flip(0).cummax(0).values.flip(0)  # (N,) non-increasing
+    alive = torch.sigmoid(env + FIT_FLOOR_NATS).sum()
+    return alive.clamp(min=min(4.0 * window, N), max=float(max(N, window)))
+
+
+def fit_soe(b: Tensor, r_far: Tensor, gamma: Tensor) -> Tensor:
+    """Weights `a: [H, K]` with `Σ_k a_k γ_k^r ≈ c(r) = exp(b[:, r])` at the far distances
+    `r_far: [n]` (all >= W), by weighted least squares.
+
+    The weight of an error at distance d is `d / Σ_{e<=d} c(e)`: what it adds to the
+    misplaced fraction of the first row that sees it (`soe_weight_error`, the test a fit must
+    pass), times d, as each log-spaced sample stands for about d distances. (Relative error,
+    `1/c(d)` down to e^-20, spent the terms on the tail where c is tiny and weighs nothing:
+    KERPLE power r1 = 2, p = 0.25..1 was refused at 64k with any of 16, 24 or 32 terms, 1.5e-4 at
+    best; now 2.4e-6 with 16.)
 
     Args:
-        log_c_far: `[H, N]` log-coefficients at distances `r_far: [N]` (all >= W).
+        b: `[H, N]` log-coefficients `b(-d)`, `d = 0..N-1`, with max 0 (differentiable).
+        r_far: `[n]` distances to fit.
         gamma: `[K]` rates.
     """
-    A = gamma[None, None, :] ** r_far[None, :, None].to(gamma.dtype)  # (1, N, K)
-    # relative error (divide rows by c(r)), down to a floor below which errors cannot matter
-    w = torch.exp(-log_c_far.to(gamma.dtype).clamp_min(-FIT_FLOOR_NATS))
-    A = A * w[..., None]  # (H, N, K)
-    ones = torch.ones(*w.shape, 1, dtype=gamma.dtype, device=gamma.device)
-    # unit columns first: the relative weights reach e^20, so slow rates' columns are ~1e7
-    # times the fast ones', and a ridge scaled to their mean flattened the fast terms
+    c = torch.exp(b.to(gamma.dtype))  # (H, N)
+    w = r_far.to(gamma.dtype) / c.detach().cumsum(-1)[:, r_far]  # (H, n): the weights choose, not fitted
+    A = gamma[None, None, :] ** r_far[None, :, None].to(gamma.dtype)  # (1, n, K)
+    A = A * w[..., None]  # (H, n, K)
+    y = (c[:, r_far] * w)[..., None]  # (H, n, 1)
+    # unit columns first: the weights span many orders of magnitude, so slow rates' columns
+    # are far larger than fast ones', and a ridge scaled to their mean flattened the fast terms
     # (KERPLE-log r1=2, r2=0.5 misplaced 3e-4 of a row's weight; 8e-7 with unit columns)
     # (a column far below the others keeps its scale: a unit column would take a huge weight
     # that cancels, catastrophically, against the exact band correction)
     s = A.norm(dim=-2, keepdim=True)  # (H, 1, K)
     s = torch.maximum(s, 1e-6 * s.amax(-1, keepdim=True)).clamp_min(torch.finfo(gamma.dtype).tiny)
     A = A / s
-    # ridge-regularized normal equations: well-posed for nearly collinear exponentials, differentiable
+    # ridge-regularized normal equations: well-posed for nearly collinear exponentials, differentiable.
+    # Besides the small ridge on the unit columns, one on the weights themselves (`RIDGE_A·Σ a_k²`,
+    # `a = x/s`): without it, 12 terms fitted KERPLE log with Σ|a| = 190, a fast term cancelling
+    # against the exact band correction, which float32 kernels then sum with 1e-5 errors; with it
+    # Σ|a| stays under 11 over KERPLE's parameter range and the fits' weight errors barely move
     eye = torch.eye(gamma.numel(), dtype=gamma.dtype, device=gamma.device)
+    ridge = 1e-12 * eye + RIDGE_A * torch.diag_embed(s[..., 0, :] ** -2)
     # solve_ex without its error check: `linalg.solve` reads the LU info back to the host (a GPU
     # stream sync per call); the ridge keeps the system nonsingular
-    x = torch.linalg.solve_ex(A.transpose(-1, -2) @ A + 1e-12 * eye, A.transpose(-1, -2) @ ones,
+    x = torch.linalg.solve_ex(A.transpose(-1, -2) @ A + ridge, A.transpose(-1, -2) @ y,
                               check_errors=False)[0][..., 0]
     return x / s[..., 0, :]  # (H, K)
+
+
+#: the ridge on the fitted weights themselves (`fit_soe`), against weights that cancel
+RIDGE_A = 1e-10
 
 
 def _far_samples(window: int, max_len: int, n: int = 256) -> Tensor:
@@ -122,13 +162,10 @@ def soe_fit_error(log_coeff_causal: Tensor, window: int = DEFAULT_WINDOW, num_te
     if L <= window:
         return 0.0
     lc = log_coeff_causal.detach().double()
-    lc = lc - lc.amax(-1, keepdim=True)
-    gamma = soe_rates(window, L, num_terms)
-    rs = _far_samples(window, L)
-    a = fit_soe(lc[:, rs], rs, gamma)
+    plan = soe_plan(lc, window, num_terms)
     d = torch.arange(window, L, dtype=torch.float64)
-    approx = (a[:, None, :] * gamma[None, None, :] ** d[None, :, None]).sum(-1)
-    exact = torch.exp(lc[:, window:])
+    approx = (plan.a[:, None, :] * plan.gamma[None, None, :] ** d[None, :, None]).sum(-1)
+    exact = torch.exp(lc[:, window:] - plan.shift[:, None])
     return float((approx - exact).abs().max())
 
 
@@ -180,11 +217,11 @@ def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_T
     shift = b.detach().amax(-1).to(torch.float64)  # (H,)
     b = (b - shift[:, None]).to(torch.float64)
     W = min(window, N)
-    gamma = soe_rates(W, N, num_terms, device=dev)  # (K,) float64
+    gamma = soe_rates(W, N, num_terms, device=dev, scale=live_distance(b.detach(), W))  # (K,) float64
     if N > W:
         # non_blocking: a pageable host->GPU copy is staged at once; a blocking one syncs the stream
         rs = _far_samples(W, N).to(dev, non_blocking=True)
-        a = fit_soe(b[:, rs], rs, gamma)  # (H, K)
+        a = fit_soe(b, rs, gamma)  # (H, K)
     else:
         a = torch.zeros(H, num_terms, dtype=torch.float64, device=dev)
     dW = torch.arange(W, device=dev, dtype=torch.float64)
@@ -226,10 +263,10 @@ def soe_fit_length(length: int) -> int:
 
 
 #: the numbers of exponentials tried, fewest first: a fit takes the first whose weight error
-#: is within SOE_MAX_WEIGHT_ERROR. 16 serve KERPLE log to 256k; KERPLE power with exponents
-#: down to 0.5 (|r|^0.5 decays slowly) misplaces 1.6e-3 at 64k with 16, 1.3e-4 with 24, 6.9e-5
-#: with 32 (the error is not monotone in K: the ridge-regularized fit, so each is tried)
-TERM_CHOICES = (DEFAULT_TERMS, 24, 32)
+#: is within SOE_MAX_WEIGHT_ERROR (each is tried: the ridge-regularized fit's error need not
+#: fall with K). The GPU bench's KERPLE power (r1 = 0.5, p = 0.5..1.5) takes 12 at 64k (9.0e-5),
+#: its KERPLE log 16 (2.0e-5) (benchmarks/soe_accuracy.py)
+TERM_CHOICES = (12, DEFAULT_TERMS, 24, 32)
 
 #: position -> {(fit length, device, parameter state): (terms, weight error)}: the verdict reads
 #: the error on the host (a GPU stream sync), so a frozen term pays it on its first call only
