@@ -75,6 +75,10 @@
 #   gradient and scale by 1/den after their products (SCALED), triton_chunked's gradient kernel is
 #   _bwd_dkv then _bwd_dq; `tests` checks them against float64 through BACKENDS at L = 4,096;
 #   the fastrpe rows at 64k should gain from the float32 num no longer written, scaled and cast;
+# - (2026-11-25, second session) the sum-of-exponentials fit follows the term's reach and weighs
+#   errors as the backend's check counts them: the bench's KERPLE power takes 12 exponentials at
+#   64k instead of 32 (KERPLE log keeps 16), so its triton_soe rows should be about 2x faster
+#   than the 32-term fit would have been; `_soe_bwd_dq` does one product fewer per term and chunk;
 # - the `flex` backend now uses a causal BlockMask on CUDA (the bench's Flex rows always did);
 # - a one-token decoding step launches 39-46 kernels instead of 64-104 (benchmarks/decode_ops.py,
 #   counted on CPU): the decode rows' eager times should drop; the 5x criterion is open.

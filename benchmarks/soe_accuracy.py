@@ -1,7 +1,8 @@
 """How good is the sum-of-exponentials (`soe`) approximation? Fit error and its effect on
 the attention output, per decaying positional family and length.
 
-For each case (one head, one parameter setting) and each length L:
+For each case (one head, one parameter setting) and each length L, with the number of
+exponentials the backend takes (`soe_terms`: the fewest of `TERM_CHOICES` within its check):
 * fit error: the largest absolute error of the fitted far field `Σ_k a_k γ_k^d` over every
   distance `W <= d < L`, in units of the largest coefficient (`soe_fit_error`, on the
   fit length the backend really uses: max(L, SOE_FIT_LENGTH));
@@ -11,8 +12,11 @@ For each case (one head, one parameter setting) and each length L:
 * gradient error (L <= --grad-max-length): `‖Δg‖ / ‖g‖` for q, k, v and the positional
   parameters, for a random cotangent.
 
-Usage: python benchmarks/soe_accuracy.py [--lengths 1024,4096,16384] [--out benchmarks/results]
-Writes soe_accuracy.json and prints a markdown table (docs/RESULTS.md quotes it).
+Also, per several-head term and length (`TERM_LENGTHS`), the exponentials the backend takes
+and that fit's weight error (`terms_table`; `--terms-only` prints it alone).
+
+Usage: python benchmarks/soe_accuracy.py [--lengths 1024,4096,16384] [--out benchmarks/results] [--terms-only]
+Writes soe_accuracy.json and prints markdown tables (docs/RESULTS.md quotes them).
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ import torch
 
 import fastrpe as fr
 from fastrpe import positions as P
-from fastrpe.ops.linear.soe import (DEFAULT_TERMS, DEFAULT_WINDOW, SOE_FIT_LENGTH, SOE_MAX_WEIGHT_ERROR,
-                                   causal_log_coefficients, soe_fit_error, soe_fit_length, soe_weight_error)
+from fastrpe.ops.linear.soe import (DEFAULT_WINDOW, SOE_FIT_LENGTH, SOE_MAX_WEIGHT_ERROR, TERM_CHOICES,
+                                   causal_log_coefficients, soe_fit_error, soe_fit_length, soe_plan, soe_terms,
+                                   soe_weight_error)
 
 
 def _table(values) -> P.LearnedTable:
@@ -60,13 +65,48 @@ def cases() -> dict:
     return {k: v.double() for k, v in out.items()}
 
 
-def _soe_unchecked(q, k, v, kern, pos, fit_len):
+def term_cases() -> dict:
+    """name -> a several-head term whose heads decay at different speeds (float64): what one
+    fit must serve at once (the rates are shared by the heads)."""
+    t = torch.tensor
+    return {k: v.double() for k, v in {
+        "GPU bench KERPLE power (8 heads, r1 = 0.5, p = 0.5..1.5)": P.KerplePower(8, p=torch.linspace(0.5, 1.5, 8)),
+        "GPU bench KERPLE log (8 heads, init)": P.KerpleLog(8),
+        "KERPLE power r1 = 0.1, p = 0.25, 0.5, 0.75, 1": P.KerplePower(4, r1=0.1, p=t([0.25, 0.5, 0.75, 1.0])),
+        "KERPLE power r1 = 2, p = 0.25, 0.5, 0.75, 1": P.KerplePower(4, r1=2.0, p=t([0.25, 0.5, 0.75, 1.0])),
+        "KERPLE log r1 = 4, r2 = 0.1, 0.5, 1, 4": P.KerpleLog(4, r1=4.0, r2=t([0.1, 0.5, 1.0, 4.0])),
+    }.items()}
+
+
+#: lengths of the terms table (no attention is run: the fit and its check only)
+TERM_LENGTHS = (4096, 65536)
+
+
+def terms_table() -> tuple[list[dict], str]:
+    """`soe_terms` (the exponentials the backend takes, and that fit's weight error) per term
+    and length, with a markdown table."""
+    rows = []
+    for name, pos in term_cases().items():
+        for L in TERM_LENGTHS:
+            K, err = soe_terms(pos, L)
+            rows.append({"case": name, "L": L, "terms": K, "weight_error": err,
+                         "backend_accepts": err <= SOE_MAX_WEIGHT_ERROR})
+    head = ["term"] + [f"terms (weight error) @ {L:,}" for L in TERM_LENGTHS]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in term_cases():
+        rs = {r["L"]: r for r in rows if r["case"] == name}
+        out.append("| " + " | ".join([name] + [f"{rs[L]['terms']} ({rs[L]['weight_error']:.1e})"
+                                                + ("" if rs[L]["backend_accepts"] else ", refused")
+                                                for L in TERM_LENGTHS]) + " |")
+    return rows, "\n".join(out)
+
+
+def _soe_unchecked(q, k, v, kern, plan):
     """The `soe` op without the backend's fit check: causal kernelized attention."""
     from fastrpe.ops.common import safe_divide
-    from fastrpe.ops.linear.soe import kernelized_num_den_soe, soe_plan
+    from fastrpe.ops.linear.soe import kernelized_num_den_soe
 
     phi_q, phi_k = kern(q, is_query=True), kern(k, is_query=False)
-    plan = soe_plan(causal_log_coefficients(pos, fit_len))
     num, den, _ = kernelized_num_den_soe(phi_q, phi_k, v, plan=plan)
     return safe_divide(num, den)
 
@@ -77,14 +117,16 @@ def measure(name: str, pos, L: int, grad: bool, D: int, F: int) -> dict:
     kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F).double()
     fit_len = soe_fit_length(L)
     b = causal_log_coefficients(pos, fit_len)
-    fit, weight = soe_fit_error(b), float(soe_weight_error(b).max())
+    K = soe_terms(pos, L)[0]  # what the backend takes (the most of TERM_CHOICES where none passes)
+    plan = soe_plan(b.detach(), num_terms=K)
+    fit, weight = soe_fit_error(b, num_terms=K), float(soe_weight_error(b, plan).max())
     t0 = time.perf_counter()
     with torch.set_grad_enabled(grad):
         ref = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="dense")
         # the op itself: the backend refuses terms it fits badly (the point of this table)
-        out = _soe_unchecked(q, k, v, kern, pos, fit_len)
+        out = _soe_unchecked(q, k, v, kern, soe_plan(b, num_terms=K))  # differentiable in the term
     diff = out - ref
-    row = {"case": name, "L": L, "fit_error": fit, "weight_error": weight,
+    row = {"case": name, "L": L, "terms": K, "fit_error": fit, "weight_error": weight,
            "backend_accepts": weight <= SOE_MAX_WEIGHT_ERROR,
            "output_max_row_rel": float((diff.norm(dim=-1) / ref.norm(dim=-1)).max()),
            "output_rel": float(diff.norm() / ref.norm())}
@@ -101,14 +143,15 @@ def measure(name: str, pos, L: int, grad: bool, D: int, F: int) -> dict:
 
 
 def markdown(rows: list[dict], lengths: list[int]) -> str:
-    head = ["case", "fit error", "weight error", "soe accepts"] + [f"output, worst row @ {L}" for L in lengths] + ["grad (worst of q, k, v, params)"]
+    head = (["case", "terms @ " + ", ".join(f"{L:,}" for L in lengths), "fit error", "weight error", "soe accepts"]
+            + [f"output, worst row @ {L}" for L in lengths] + ["grad (worst of q, k, v, params)"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in dict.fromkeys(r["case"] for r in rows):
         rs = {r["L"]: r for r in rows if r["case"] == name}
         fit = max(r["fit_error"] for r in rs.values())
         grads = [max(r["grad_rel"].values()) for r in rs.values() if "grad_rel" in r]
         weight = max(r["weight_error"] for r in rs.values())
-        cells = [name, f"{fit:.1e}", f"{weight:.1e}", "yes" if all(r["backend_accepts"] for r in rs.values()) else "no"] + [f"{rs[L]['output_max_row_rel']:.1e}" if L in rs else "—" for L in lengths]
+        cells = [name, ", ".join(str(rs[L]["terms"]) if L in rs else "—" for L in lengths), f"{fit:.1e}", f"{weight:.1e}", "yes" if all(r["backend_accepts"] for r in rs.values()) else "no"] + [f"{rs[L]['output_max_row_rel']:.1e}" if L in rs else "—" for L in lengths]
         cells.append(f"{max(grads):.1e}" if grads else "—")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -121,26 +164,34 @@ def main(argv=None) -> None:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--features", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--terms-only", action="store_true",
+                    help="print the terms table alone (seconds; no attention run, nothing written): run it "
+                         "with PYTHONPATH=<an older checkout>/src to see an older fit's choices")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if args.terms_only:
+        print(terms_table()[1])
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     for name, pos in cases().items():
         for L in lengths:
             r = measure(name, pos, L, L <= args.grad_max_length, args.dim, args.features)
             rows.append(r)
-            print(f"{name:36s} L={L:6d} fit {r['fit_error']:.1e}  weight {r['weight_error']:.1e}  worst row {r['output_max_row_rel']:.1e}  "
+            print(f"{name:36s} L={L:6d} K={r['terms']:2d} fit {r['fit_error']:.1e}  weight {r['weight_error']:.1e}  worst row {r['output_max_row_rel']:.1e}  "
                   f"tensor {r['output_rel']:.1e}" + (f"  grad {max(r['grad_rel'].values()):.1e}" if "grad_rel" in r else ""),
                   flush=True)
     table = markdown(rows, lengths)
     print(table)
+    term_rows, term_table = terms_table()
+    print(term_table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/soe_accuracy.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-            "window": DEFAULT_WINDOW, "terms": DEFAULT_TERMS, "fit_length_min": SOE_FIT_LENGTH,
+            "window": DEFAULT_WINDOW, "terms": f"soe_terms: the fewest of {TERM_CHOICES} within {SOE_MAX_WEIGHT_ERROR:g}", "fit_length_min": SOE_FIT_LENGTH,
             "dim": args.dim, "features": args.features, "kernel": "nprf", "dtype": "float64", "rows": rows,
-            "markdown": table}
+            "markdown": table, "term_rows": term_rows, "term_markdown": term_table}
     (out / "soe_accuracy.json").write_text(json.dumps(meta, indent=1))
     print(f"wrote {out / 'soe_accuracy.json'}")
 

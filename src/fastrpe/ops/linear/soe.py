@@ -264,8 +264,8 @@ def soe_fit_length(length: int) -> int:
 
 #: the numbers of exponentials tried, fewest first: a fit takes the first whose weight error
 #: is within SOE_MAX_WEIGHT_ERROR (each is tried: the ridge-regularized fit's error need not
-#: fall with K). The GPU bench's KERPLE power (r1 = 0.5, p = 0.5..1.5) takes 12 at 64k (9.0e-5),
-#: its KERPLE log 16 (2.0e-5) (benchmarks/soe_accuracy.py)
+#: fall with K). The GPU bench's KERPLE power (r1 = 0.5, p = 0.5..1.5) takes 12 at 64k (9.1e-5),
+#: its KERPLE log 16 (2.1e-5) (`python benchmarks/soe_accuracy.py --terms-only`)
 TERM_CHOICES = (12, DEFAULT_TERMS, 24, 32)
 
 #: position -> {(fit length, device, parameter state): (terms, weight error)}: the verdict reads
