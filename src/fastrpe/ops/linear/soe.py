@@ -71,8 +71,9 @@ def soe_rates(window: int, max_len: int, num_terms: int, dtype=torch.float64, de
     log-spaced from `window/16` to `4·scale` (`scale`: default `max_len`; a 0-dim tensor,
     `live_distance`, where the term dies out sooner): a faster rate is below e^-16 over the
     whole far field `d >= window`, so it could only fit noise, and a slower one than the
-    term's own reach only spreads the grid thin (KERPLE power with p = 0.5 dies out by
-    d ≈ 1,600: its grid up to 4·65,536 needed 32 terms, up to 4·1,600 it needs 12)."""
+    term's own reach only spreads the grid thin (the GPU bench's KERPLE power, whose p = 0.5
+    head dies out by d ≈ 1,600, needs 24 terms at 64k with the grid up to 4·65,536 and 12
+    with it up to its reach, both with `fit_soe`'s weights)."""
     lo = math.log(max(1.0, window / 16))
     if scale is None:
         scale = torch.tensor(float(max(max_len, window)), dtype=dtype, device=device)
@@ -86,9 +87,9 @@ def live_distance(b: Tensor, window: int) -> Tensor:
     """0-dim: about one past the largest distance at which any head's coefficient is within
     `FIT_FLOOR_NATS` of its peak (`b: [H, N]`, `b(-d)` with max 0), between `4·window` and N.
     A soft count (`Σ_d σ(envelope(d) + FLOOR)`, the envelope the largest b at or beyond d), so
-    the rates move continuously with the term's parameters: a hard threshold let them jump,
-    and a float32 copy of a term got a fit 1e-5 away from its float64 original's. Computed on
-    the device (no host synchronization)."""
+    the rates move continuously with the term's parameters (a hard threshold would make them,
+    and the fit, jump whenever a parameter moved a coefficient across it). Computed on the
+    device (no host synchronization)."""
     N = b.shape[-1]
     env = b.amax(0).flip(0).cummax(0).values.flip(0)  # (N,) non-increasing
     alive = torch.sigmoid(env + FIT_FLOOR_NATS).sum()
