@@ -207,5 +207,8 @@ def test_band_and_soe_ops_never_sync_with_the_host(monkeypatch):
         (num.sum() + den.sum() + ls.sum()).backward()
     num, den, _, st = kernelized_num_den_soe(pq, pk, v, plan=plan, return_state=True)
     (num.sum() + den.sum() + st.sum()).backward()
+    # the fit itself (refitted every call): its rates' reach and weights stay on the device
+    refit = soe_plan(b, window=16, num_terms=8)
+    (refit.a.sum() + refit.corr.sum()).backward()
     monkeypatch.undo()
     assert tab.grad is not None and b.grad is not None
