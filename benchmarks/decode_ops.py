@@ -9,13 +9,20 @@ with a `TorchDispatchMode` (the ops that reach the backend, after autograd and t
 decompositions): `ops` is all of them, `launches` those that are not views (nor `NO_KERNEL`;
 on a GPU, roughly one kernel each). `us_per_step` is the median wall time of `--repeats` steps on CPU.
 
+The row "fused Triton step" is the ALiBi layer with `attention.FUSED_STEP = "always"`: its one
+Triton launch (`triton_recurrent.prf_linear_token_triton`: features, state, quotient) is not an
+aten op, so `launches` adds `triton_launches`. Without CUDA the kernel runs under Triton's
+interpreter: counted, not timed (`us_per_step` null).
+
     python benchmarks/decode_ops.py --out benchmarks/results/decode_ops.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -24,6 +31,9 @@ from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if not torch.cuda.is_available():  # the fused step's kernel runs under the interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 #: ops that are not views by their schema but launch nothing either
@@ -91,6 +101,7 @@ def cases(cfg, device, dtype, seed: int = 0):
 
     rows = [
         ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of),
+        (FUSED_ROW, lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of),
         ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of),
         ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of),
         ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), kv_cache),
@@ -100,22 +111,70 @@ def cases(cfg, device, dtype, seed: int = 0):
         yield name, mha, state(mha), x
 
 
+FUSED_ROW = "state-linear (alibi, nprf), fused Triton step"
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches (`kernel[grid](...)`) are counted in `n`; with `skip` they
+    only count (the interpreter's own aten ops would be counted as the step's)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n, self.skip = kernel, 0, False
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return None if self.skip else launch(*args, **kwargs)
+        return counted
+
+
+@contextlib.contextmanager
+def fused_step():
+    """`FUSED_STEP = "always"` with the fused step's kernel counted; None where triton cannot run."""
+    from fastrpe.nn import attention
+    from fastrpe.ops.linear import triton_recurrent
+    from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if triton_unavailable_reason(device) is not None:
+        yield None
+        return
+    kernel, mode = triton_recurrent._prf_step_kernel, attention.FUSED_STEP
+    counted = triton_recurrent._prf_step_kernel = _CountedKernel(kernel)
+    attention.FUSED_STEP = "always"
+    try:
+        yield counted
+    finally:
+        triton_recurrent._prf_step_kernel, attention.FUSED_STEP = kernel, mode
+
+
 def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
     out = []
     for name, mha, st, x in cases(cfg, device, dtype):
         step = lambda: mha.step(x, st)  # noqa: E731
-        with torch.no_grad():
+        with torch.no_grad(), (fused_step() if name == FUSED_ROW else contextlib.nullcontext(False)) as kern:
+            if kern is None:
+                continue  # no triton here
             for _ in range(warmup):
                 step()
+            if kern:
+                kern.skip, n0 = True, kern.n
             c = count_ops(step)
+            row = {"method": name, "dtype": str(dtype).replace("torch.", ""), "state": type(st).__name__,
+                   "ops": c.total, "launches": c.launches}
+            if kern:
+                kern.skip = False
+                row.update(triton_launches=kern.n - n0, launches=c.launches + kern.n - n0)
             times = []
-            for _ in range(repeats):
+            interpreted = kern and os.environ.get("TRITON_INTERPRET") == "1"
+            for _ in range(0 if interpreted else repeats):
                 t0 = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t0)
-        out.append({"method": name, "dtype": str(dtype).replace("torch.", ""), "state": type(st).__name__,
-                    "ops": c.total, "launches": c.launches,
-                    "us_per_step": statistics.median(times) * 1e6, "op_counts": c.by_name()})
+        row.update(us_per_step=statistics.median(times) * 1e6 if times else None, op_counts=c.by_name())
+        out.append(row)
     return out
 
 
@@ -154,10 +213,10 @@ def main() -> None:
     dtypes = a.dtypes.split(",")
     cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device="cpu")
     rows = [r for dt in dtypes for r in measure(cfg, torch.device("cpu"), getattr(torch, dt), a.repeats, a.warmup)]
-    print(f"{'method':32s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s}")
+    print(f"{'method':46s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s}")
     for r in rows:
-        print(f"{r['method']:32s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} "
-              f"{r['us_per_step']:9.1f}")
+        us = "interp." if r["us_per_step"] is None else f"{r['us_per_step']:9.1f}"
+        print(f"{r['method']:46s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} {us:>9s}")
         if a.ops:
             for f, n in r["op_counts"].items():
                 print(f"    {n:4d}  {f}")

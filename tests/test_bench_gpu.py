@@ -84,9 +84,31 @@ def test_smoke_decode_and_sync_sections(smoke):
     lin = next(r for r in res["decode"] if r["method"].startswith("state-linear"))
     kv = next(r for r in res["decode"] if r["method"].startswith("kv-cache (alibi, nprf"))
     assert lin["seconds"] > 0 and lin["state_bytes"] > 0
+    # on CPU (FUSED_STEP "cuda") neither ALiBi row takes the fused Triton step
+    torch_ops = next(r for r in res["decode"] if r["method"].endswith("PyTorch ops"))
+    assert lin["fused_step"] is False and torch_ops["fused_step"] is False and torch_ops["seconds"] > 0
     # the KV cache holds k and v of the whole context: 2·B·H·ctx·D floats
     assert kv["state_bytes"] == 2 * 1 * 2 * 48 * 16 * 4
     assert res["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+
+
+def test_decode_rows_time_the_fused_step_and_the_pytorch_ops(monkeypatch):
+    """Where the fused Triton step runs (here forced, under the interpreter), the ALiBi row
+    takes it and its "PyTorch ops" twin does not; the setting is restored after."""
+    pytest.importorskip("triton")
+    from fastrpe.nn import attention as attention_mod
+    from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason
+
+    if triton_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter is off")
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), decode_context=48)
+    rows = gpu.decode_rows(cfg, torch.device("cpu"), torch.float32, log=lambda *a: None)
+    by = {r["method"]: r for r in rows}
+    assert by["state-linear (alibi, nprf)"]["fused_step"] is True
+    assert by["state-linear (alibi, nprf), PyTorch ops"]["fused_step"] is False
+    assert all(r.get("seconds") for r in rows), [r.get("skipped") for r in rows]
+    assert attention_mod.FUSED_STEP == "always"
 
 
 def test_check_prints_one_line_per_criterion(smoke, capsys):

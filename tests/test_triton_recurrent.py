@@ -4,6 +4,8 @@ then token-by-token steps, gives the full sequence's outputs from the dense refe
 test_triton_chunked.py.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -48,3 +50,240 @@ def test_step_refuses_more_than_one_token():
         linear_step_triton(x, x, x, torch.zeros(1, 1, 4, 5, device=DEV))
     with pytest.raises(FastRPEError, match="state"):
         linear_step_triton(x[:, :, :1], x[:, :, :1], x[:, :, :1], torch.zeros(1, 1, 4, 4, device=DEV))
+
+
+# ---- the step with PRF's features fused (`prf_linear_token_triton`) ----------------------------
+
+from fastrpe.kernels import PRF  # noqa: E402
+from fastrpe.ops.linear import recurrent  # noqa: E402
+from fastrpe.ops.linear.triton_recurrent import prf_linear_token_triton  # noqa: E402
+
+
+def _prf_step_reference(kern, q, k, vv, S, gamma):
+    """PyTorch's step: the map's own features, `recurrent.linear_token`, `divide_packed`."""
+    pq, pk = kern(q[:, :, None], is_query=True), kern(k[:, :, None], is_query=False)  # (B, H, 1, F)
+    y, S = recurrent.linear_token(pq, pk, vv[:, :, None].float(), S, None if gamma is None else gamma[:, None, None])
+    return recurrent.divide_packed(y)[:, :, 0], S
+
+
+def _prf_args(kern, H):
+    shift = kern.key_log_shift().float().reshape(-1).expand(H).contiguous()
+    return dict(w=kern.w.float().contiguous(), key_shift=shift, input_scale=kern.input_scale,
+                normalize=kern.normalize, two_sided=kern.two_sided)
+
+
+@pytest.mark.parametrize("normalize,two_sided,per_head,decay", [
+    (True, False, False, True), (False, False, False, False), (True, True, True, True), (False, True, False, True),
+], ids=["nprf-decay", "prf-no-decay", "nprf-two-sided-per-head", "prf-two-sided"])
+def test_prf_step_matches_features_then_step(normalize, two_sided, per_head, decay):
+    B, H, D, M, Dv = 2, 3, 10, 12, 70  # non-powers of two; C = 71 spans a 128-wide tile
+    g = torch.Generator().manual_seed(1)
+    kern = PRF(D, M, normalize=normalize, two_sided=two_sided, num_heads=H if per_head else None, seed=3).to(DEV)
+    F = kern.num_features(D)
+    # q, k, [v, 1] as strided views of one fused row, as the layer's decode step makes them
+    row = torch.randn(B, 2 * H * D + H * (Dv + 1), generator=g).to(DEV)
+    q, k = row[:, :H * D].view(B, H, D), row[:, H * D:2 * H * D].view(B, H, D)
+    vv = row[:, 2 * H * D:].view(B, H, Dv + 1)
+    vv[..., -1] = 1.0
+    if not normalize:
+        q *= 20  # exponents near -600: without the query's own shift every feature underflows
+    S = torch.rand(B, H, F, Dv + 1, generator=g).to(DEV) * 0.1
+    gamma = torch.tensor([0.5, 0.9, 1.0], device=DEV) if decay else None
+    S0 = S.clone()
+    o, S1 = prf_linear_token_triton(q, k, vv, S, gamma=gamma, **_prf_args(kern, H))
+    ro, rS = _prf_step_reference(kern, q, k, vv, S, gamma)
+    torch.testing.assert_close(S1, rS, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(o, ro, rtol=2e-5, atol=1e-6)
+    assert torch.equal(S, S0)  # the input state is not written
+
+
+def test_prf_step_bf16_inputs_and_output():
+    B, H, D, M = 1, 2, 16, 8
+    g = torch.Generator().manual_seed(2)
+    kern = PRF(D, M, normalize=True).to(DEV)
+    q, k = (torch.randn(B, H, D, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    vv = torch.cat([torch.randn(B, H, D, generator=g), torch.ones(B, H, 1)], -1).to(DEV, torch.bfloat16)
+    S = torch.rand(B, H, M, D + 1, generator=g).to(DEV)
+    gamma = torch.tensor([0.7, 0.95], device=DEV)
+    o, S1 = prf_linear_token_triton(q, k, vv, S, gamma=gamma, out_dtype=torch.bfloat16, **_prf_args(kern, H))
+    ro, rS = _prf_step_reference(kern, q, k, vv, S, gamma)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(S1, rS, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(o, ro.to(torch.bfloat16))
+
+
+def test_prf_step_empty_row_gives_zero():
+    """A key whose features underflow after an empty state: den = 0, the output 0, not NaN."""
+    B, H, D, M = 1, 1, 8, 4
+    kern = PRF(D, M).to(DEV)
+    x = torch.ones(B, H, D, device=DEV)
+    vv = torch.cat([x, torch.ones(B, H, 1, device=DEV)], -1)
+    args = _prf_args(kern, H)
+    args["key_shift"] = torch.full((H,), 1e4, device=DEV)  # exp(e - 1e4) = 0
+    o, S1 = prf_linear_token_triton(x, x, vv, torch.zeros(B, H, M, D + 1, device=DEV), **args)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(S1, torch.zeros_like(S1))
+
+
+def test_prf_step_refuses_wrong_shapes():
+    kern = PRF(8, 4).to(DEV)
+    x = torch.ones(1, 2, 8, device=DEV)
+    vv = torch.ones(1, 2, 9, device=DEV)
+    with pytest.raises(FastRPEError, match="S: expected"):
+        prf_linear_token_triton(x, x, vv, torch.zeros(1, 2, 8, 9, device=DEV), **_prf_args(kern, 2))
+    with pytest.raises(FastRPEError, match="w: expected"):
+        prf_linear_token_triton(x, x, vv, torch.zeros(1, 2, 4, 9, device=DEV),
+                                **{**_prf_args(kern, 2), "w": torch.zeros(4, 7, device=DEV)})
+
+
+# ---- the layer's decode step through it (`MultiheadAttention._prf_step`) ---------------------
+
+import copy  # noqa: E402
+
+import fastrpe as fr  # noqa: E402
+from fastrpe.testing import assert_lowp_close  # noqa: E402
+from fastrpe.nn import attention as attention_mod  # noqa: E402
+from fastrpe.ops.linear import triton_recurrent  # noqa: E402
+
+
+def _prf_layer(kernel, position, dtype=torch.float32):
+    torch.manual_seed(0)
+    return fr.nn.MultiheadAttention(15, 3, kernel=kernel, position=position, causal=True).to(DEV, dtype)
+
+
+def _count_fused(monkeypatch):
+    calls = []
+    real = triton_recurrent.prf_linear_token_triton
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(triton_recurrent, "prf_linear_token_triton", counted)
+    return calls
+
+
+def _steps(mha, x, prompt):
+    with torch.no_grad():
+        out, st = mha.step(x[:, :prompt])
+        outs = [out]
+        for t in range(prompt, x.shape[1]):
+            out, st = mha.step(x[:, t:t + 1], st)
+            outs.append(out)
+    return torch.cat(outs, 1), st
+
+
+@pytest.mark.parametrize("kernel,position", [
+    ("nprf", "alibi"),
+    (PRF(5, 6, two_sided=True, num_heads=3, seed=2), None),
+    (PRF(5, 7, normalize=True, projection="orthogonal"), "alibi"),
+], ids=["nprf-alibi", "prf-two-sided-per-head-no-term", "nprf-orthogonal-alibi"])
+def test_layer_steps_through_the_fused_kernel_equal_the_full_forward(monkeypatch, kernel, position):
+    from fastrpe import positions as P
+
+    calls = _count_fused(monkeypatch)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    mha = _prf_layer(kernel, P.ALiBi(3) if position == "alibi" else None)
+    x = torch.randn(2, 20, 15, generator=torch.Generator().manual_seed(4)).to(DEV)
+    with torch.no_grad():
+        full = mha(x)
+    dec, st = _steps(mha, x, 4)
+    assert len(calls) == 16 and isinstance(st, fr.nn.LinearState) and st.length == 20
+    assert_close(dec, full, torch.float32)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    ref, ref_st = _steps(mha, x, 4)
+    assert len(calls) == 16  # "never": the PyTorch ops
+    torch.testing.assert_close(dec, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(st.S, ref_st.S, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_fused_step_in_bf16_and_after_parameter_updates(monkeypatch):
+    from fastrpe import positions as P
+
+    calls = _count_fused(monkeypatch)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    mha = _prf_layer("nprf", P.ALiBi(3), torch.bfloat16)
+    x = torch.randn(1, 9, 15, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        _, st = mha.step(x[:, :8])
+        before, _ = mha.step(x[:, 8:], st)
+        mha.position.slopes.mul_(3.0)  # the memoized decay and features follow in-place updates
+        mha.kernel.redraw()
+        after, st2 = mha.step(x[:, 8:], st)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    with torch.no_grad():
+        ref, ref_st = mha.step(x[:, 8:], st)
+    wide = copy.deepcopy(mha).float()  # the same step computed in float32 throughout
+    with torch.no_grad():
+        ref32, _ = wide.step(x[:, 8:].float(), st)
+    assert len(calls) == 2 and after.dtype == torch.bfloat16
+    assert (after.float() - before.float()).abs().max() > 1e-2
+    assert_lowp_close(after, ref, ref32)  # no further from float32 than the PyTorch step, 4x
+    torch.testing.assert_close(st2.S, ref_st.S, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch):
+    from fastrpe import positions as P
+
+    calls = _count_fused(monkeypatch)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "cuda")
+    x = torch.randn(1, 6, 15).to(DEV)
+    layers = [_prf_layer("elu", P.ALiBi(3)), _prf_layer("nprf", P.ALiBi(3), torch.float64)]
+    if DEV.type == "cpu":
+        layers.append(_prf_layer("nprf", P.ALiBi(3)))  # "cuda" leaves the CPU to PyTorch
+    for mha in layers:
+        _steps(mha, x.to(next(mha.parameters()).dtype), 4)
+    assert calls == []
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "fast")
+    with pytest.raises(FastRPEError, match="FUSED_STEP"):
+        _steps(layers[0], x, 4)
+
+
+def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch):
+    """As test_decoding's host-read ban, through the fused step (the interpreter's own reads,
+    which a GPU launch does not make, and the input check's are exempt)."""
+    import sys
+
+    from fastrpe import positions as P
+
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    calls = _count_fused(monkeypatch)
+    mha = _prf_layer("nprf", P.ALiBi(3))
+    x = torch.randn(1, 8, 15).to(DEV)
+    syncs = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero")
+    originals = {n: getattr(torch.Tensor, n) for n in syncs}
+
+    def forbid(name):
+        def read(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.endswith("_validate.py") or f"{os.sep}triton{os.sep}" in caller:
+                return originals[name](*args, **kwargs)
+            raise AssertionError(f"host read in a decode step: Tensor.{name}")
+        return read
+
+    with torch.no_grad():
+        _, st = mha.step(x[:, :7])
+        mha.step(x[:, 7:], st)  # warm: the memos are built once
+        with monkeypatch.context() as m:
+            for name in syncs:
+                m.setattr(torch.Tensor, name, forbid(name))
+            out, st2 = mha.step(x[:, 7:], st)
+    assert len(calls) == 2 and st2.length == 8 and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch):
+    """The bench's decode layer (H = 8, D = 64, 32 NPRF features, bf16, ALiBi) on the GPU: the
+    fused step's outputs and states against the PyTorch ops' for 64 tokens after a prompt."""
+    from fastrpe import positions as P
+
+    mha = fr.nn.MultiheadAttention(512, 8, kernel=fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
+                                   position=P.ALiBi(8), causal=True).to("cuda", torch.bfloat16).eval()
+    x = torch.randn(1, 320, 512, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    calls = _count_fused(monkeypatch)
+    fast, fast_st = _steps(mha, x, 256)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    ref, ref_st = _steps(mha, x, 256)
+    wide = copy.deepcopy(mha).float()
+    ref32, _ = _steps(wide, x.float(), 256)
+    assert len(calls) == 64
+    assert_lowp_close(fast[:, 256:], ref[:, 256:], ref32[:, 256:])
+    torch.testing.assert_close(fast_st.S, ref_st.S, rtol=1e-4, atol=1e-5)

@@ -483,7 +483,8 @@ def applies(p: Problem, name: str) -> bool:
 def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
     """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
     constant-size states (`LinearState` for ALiBi, `BandState` for T5, `SoEState` for
-    KERPLE-log; each row records which state `step` kept) against KV
+    KERPLE-log; each row records which state `step` kept; ALiBi's twice, with its fused
+    Triton step where it runs, `fused_step`, and with the PyTorch ops) against KV
     caches of that length (the same layer exact, and softmax + ALiBi), and the bare SDPA
     op on a KV cache (no projections, no positional term: the cheapest KV step there is).
 
@@ -492,7 +493,8 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     is filled with seeded keys and values of the full context length."""
     import fastrpe as fr
     from fastrpe.bench.runner import _time
-    from fastrpe.nn.attention import KVCache
+    from fastrpe.nn import attention as attention_mod
+    from fastrpe.nn.attention import KVCache, LinearState
 
     H, D, ctx = cfg.H, cfg.D, cfg.decode_context
     E = H * D
@@ -521,6 +523,8 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
 
     cases = [
         ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of, "constant"),
+        ("state-linear (alibi, nprf), PyTorch ops", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of,
+         "constant"),
         ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of,
          "constant"),
         ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of, "constant"),
@@ -531,6 +535,9 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     ]
     for name, make, state, kind in cases:
         row = {"method": name, "kind": kind, "context": ctx}
+        # "PyTorch ops": the same layer without its fused Triton step (`attention.FUSED_STEP`)
+        fused = attention_mod.FUSED_STEP
+        attention_mod.FUSED_STEP = "never" if name.endswith("PyTorch ops") else fused
         try:
             mha = make()
             st = state(mha)
@@ -538,6 +545,8 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
             row["state"] = type(st).__name__
             if kind == "constant" and isinstance(st, KVCache):
                 raise RuntimeError(f"step kept a KV cache, not a constant-size state: {mha.decoder(ctx)}")
+            if isinstance(st, LinearState):
+                row["fused_step"] = mha._prf_step_fusable(x, st)  # one Triton launch between the matmuls
             with torch.no_grad():
                 sec, peak = _time(lambda: mha.step(x, st), device, cfg.repeats, cfg.warmup, cpu_peak=not cfg.smoke)
             row.update(seconds=sec, peak_bytes=peak)
@@ -546,6 +555,8 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
             from .runner import _first_line
 
             row["skipped"] = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else _first_line(e)
+        finally:
+            attention_mod.FUSED_STEP = fused
         rows.append(row)
         log(_decode_line(row))
         mha = st = None

@@ -36,6 +36,13 @@ def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
 #: reading the weights takes longer than those launches
 STEP_FUSE_MAX_BYTES = 16 << 20
 
+#: when a one-token decode step with PRF features and a geometric state runs as one Triton
+#: kernel (`ops.linear.triton_recurrent.prf_linear_token_triton`: features, state, quotient):
+#: "cuda" (default: on CUDA devices with triton), "always" (wherever the kernels run, the
+#: interpreter included: the tests), "never" (the PyTorch ops, 39 launches a step). The
+#: bench's decode section times both (`bench/gpu.py`, `decode_rows`).
+FUSED_STEP = "cuda"
+
 #: layer -> {name: (fingerprint, source tensors, value)}: what a one-token decode step would
 #: rebuild from the parameters on every call (`MultiheadAttention._memoized`)
 _STEP_MEMOS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -301,6 +308,8 @@ class MultiheadAttention(nn.Module):
         if fused is not None:
             wt, bias = fused
             qkv = torch.addmm(bias, x.view(B, E), wt)  # (B, 2E + H(D+1))
+            if kind == "linear" and self._prf_step_fusable(x, state):
+                return self._prf_step(x, qkv, state)
         with torch.autocast(x.device.type, enabled=False):
             # with one token, [B, (h d)] is [B, h, 1, d] in memory: the head split is a view
             if fused is not None:
@@ -340,6 +349,46 @@ class MultiheadAttention(nn.Module):
                 y, new = recurrent.soe_token(phi_q, phi_k, vv, replace(state, plan=plan), *coeffs)
             o = recurrent.divide_packed(y).to(x.dtype)  # (B, H, 1, D)
         return self.out_proj(self.dropout(o.reshape(B, 1, E))), new
+
+    def _prf_step_fusable(self, x: Tensor, state) -> bool:
+        """Whether `_prf_step` runs this step (`FUSED_STEP`): PRF features exactly (a subclass
+        may change them), float32 features and state, the kernels available on x's device."""
+        from ..kernels import PRF
+        from ..ops.linear.triton_chunked import triton_unavailable_reason
+
+        if FUSED_STEP not in ("cuda", "always", "never"):
+            raise FastRPEError(f"fastrpe.nn.attention.FUSED_STEP: 'cuda', 'always' or 'never', got {FUSED_STEP!r}")
+        if FUSED_STEP == "never" or (FUSED_STEP == "cuda" and x.device.type != "cuda"):
+            return False
+        return (type(self.kernel) is PRF and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and state.S.dtype == torch.float32 and state.S.is_contiguous()
+                and triton_unavailable_reason(x.device) is None)
+
+    def _prf_step(self, x: Tensor, qkv: Tensor, state: LinearState):
+        """One token after a geometric state in one Triton launch between the q/k/v matmul
+        and the output projection (`prf_linear_token_triton`: PRF's features, the state's
+        update and `num/den`); the same result as the ops of `_step_token`."""
+        from ..ops.linear.triton_recurrent import prf_linear_token_triton
+
+        B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
+        kern, term = self.kernel, self.position
+
+        def prf_constants():
+            shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H)
+            return kern.w.to(torch.float32).contiguous(), shift.contiguous()
+
+        def decay():
+            g = None if term is None else term.geometric_decay()
+            return None if g is None else g.to(device=x.device, dtype=torch.float32).reshape(H).contiguous()
+
+        w, shift = self._memoized("prf", [kern.w], (H, x.device), prf_constants)
+        gamma = self._memoized("gamma32", self._tensors(term) if term is not None else [], (H, x.device), decay)
+        q, k = qkv[:, :E].view(B, H, D), qkv[:, E:2 * E].view(B, H, D)
+        vv = qkv[:, 2 * E:].view(B, H, D + 1)  # [v, 1]
+        o, S = prf_linear_token_triton(q, k, vv, state.S, w=w, key_shift=shift, input_scale=kern.input_scale,
+                                       normalize=kern.normalize, two_sided=kern.two_sided, gamma=gamma,
+                                       out_dtype=x.dtype)
+        return self.out_proj(self.dropout(o.view(B, 1, E))), LinearState(S, state.length + 1)
 
     @staticmethod
     def _tensors(module: nn.Module) -> list:
