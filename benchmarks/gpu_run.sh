@@ -82,6 +82,13 @@
 # - the `flex` backend now uses a causal BlockMask on CUDA (the bench's Flex rows always did);
 # - a one-token decoding step launches 39-46 kernels instead of 64-104 (benchmarks/decode_ops.py,
 #   counted on CPU): the decode rows' eager times should drop; the 5x criterion is open.
+# - (2026-11-25, third session) on CUDA the ALiBi/NPRF decode step is the q/k/v matmul, one
+#   Triton kernel (PRF features, state update, num/den: `prf_linear_token_triton`) and the
+#   output projection: 5 launches instead of 39 (decode_ops.py). The decode section times the
+#   same layer with the PyTorch ops too ("..., PyTorch ops", `FUSED_STEP = "never"`); each ALiBi
+#   row says which ran (`fused_step`). If the fused row is not the faster one, set
+#   `attention.FUSED_STEP` to "never" by default. The GPU test
+#   `test_fused_step_at_the_bench_shape_on_cuda` compares the two at the bench's shape.
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;

@@ -287,3 +287,26 @@ def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch):
     assert len(calls) == 64
     assert_lowp_close(fast[:, 256:], ref[:, 256:], ref32[:, 256:])
     torch.testing.assert_close(fast_st.S, ref_st.S, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_step_dispatches_few_ops():
+    """`benchmarks/decode_ops.py`'s count of the bench's decode layer through the fused step:
+    the two matmuls, two allocations, views and the one Triton launch (PyTorch ops: 39 launches)."""
+    import importlib.util
+    from pathlib import Path
+
+    from fastrpe import positions as P
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_ops.py"
+    spec = importlib.util.spec_from_file_location("decode_ops", path)
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    mha = fr.nn.MultiheadAttention(512, 8, kernel=fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
+                                   position=P.ALiBi(8), causal=True).to(DEV, torch.bfloat16).eval()
+    x = torch.randn(1, 9, 512).to(DEV, torch.bfloat16)
+    with torch.no_grad(), ops.fused_step() as kern:
+        _, st = mha.step(x[:, :8])
+        mha.step(x[:, 8:], st)  # warm: the memos
+        kern.skip = True  # count, do not interpret
+        c = ops.count_ops(lambda: mha.step(x[:, 8:], st))
+    assert kern.n == 2 and c.launches <= 4 + 2, c.by_name()  # 4 aten launches measured, + 2
