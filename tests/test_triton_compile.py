@@ -31,7 +31,7 @@ PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN
 
 def compile_for_h100(kernel, ptr_types, consts):
     fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
-    sig = {n: "constexpr" if n in consts else "*" + ptr_types[n] if n.endswith("_ptr") else "i32"
+    sig = {n: "constexpr" if n in consts else "*" + ptr_types[n] if n.endswith("_ptr") else ptr_types.get(n, "i32")
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     # one stage: the autotuner's smallest shared-memory config (it also tries 2 and 3)
@@ -78,6 +78,11 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
                   (ts._soe_bwd_dcn_kernel, soe_b, dict(NB=NB, **tile, **sc))]
     if dt == "fp32":
         cases.append((tr._step_kernel, {**geo, "h_ptr": acc}, dict(BF=32, BC=64)))
+        # the layer's fused decode step: bf16 q/k/[v, 1] rows of the fused matmul, the quotient in bf16
+        cases.append((tr._prf_step_kernel, {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "w_ptr": acc,
+                                            "shift_ptr": acc, "g_ptr": acc, "s_ptr": acc, "out_s_ptr": acc,
+                                            "o_ptr": "bf16", "scale": acc, "inv_sqrt_f": acc, "tiny": acc},
+                      dict(BD=64, BF=32, BC=128, NORMALIZE=True, HAS_G=True)))
         cases.append((tc._quotient_dd_kernel, {"do_ptr": "bf16", "o_ptr": "bf16", "inv_ptr": acc, "dd_ptr": acc},
                       dict(BR=64, BC=64, ACC=A)))
         # float32 features, bf16 values: dv written as bf16 bits
@@ -92,7 +97,7 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (6 + 2 * 6) + 4
+N_COMPILED = 2 * (6 + 2 * 6) + 5
 
 
 @pytest.mark.slow
