@@ -89,6 +89,13 @@
 #   row says which ran (`fused_step`). If the fused row is not the faster one, set
 #   `attention.FUSED_STEP` to "never" by default. The GPU test
 #   `test_fused_step_at_the_bench_shape_on_cuda` compares the two at the bench's shape.
+# - (2026-11-25, third session) on CUDA, PRF/NPRF features are one Triton launch forward and
+#   one backward (`ops/triton_prf.py`, `kernels.TRITON_FEATURES = "cuda"`) instead of about 11
+#   and 15 elementwise PyTorch ops per map, each reading or writing a float32 [B, H, L, D]
+#   (128 MiB at 64k x 8 heads). Every fastrpe row is charged its feature maps (fla's are not),
+#   so the fastrpe rows at 64k and beyond should drop by milliseconds. GPU tests:
+#   tests/test_triton_prf.py::test_bench_shape_on_cuda. To compare with the PyTorch maps, set
+#   `fastrpe.kernels.TRITON_FEATURES = "never"` in a run of its own.
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;

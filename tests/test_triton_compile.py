@@ -25,6 +25,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr
+from fastrpe.ops import triton_prf as tp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN, "ptxas")) if os.path.exists(p)), None)
@@ -83,6 +84,12 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
                                             "shift_ptr": acc, "g_ptr": acc, "s_ptr": acc, "out_s_ptr": acc,
                                             "o_ptr": "bf16", "scale": acc, "inv_sqrt_f": acc, "tiny": acc},
                       dict(BD=64, BF=32, BC=128, NORMALIZE=True, HAS_G=True)))
+        # NPRF's map of bf16 q (a query: its own maximum, found again in backward)
+        prf = {"x_ptr": "bf16", "w_ptr": acc, "shift_ptr": acc, "phi_ptr": acc, "dphi_ptr": acc, "dx_ptr": "bf16",
+               "scale": acc, "inv_sqrt_f": acc}
+        for kernel in (tp._prf_fwd_kernel, tp._prf_bwd_kernel):
+            cases.append((kernel, prf, dict(BR=64, BD=64, BM=32, NORMALIZE=True, QUERY=True, TWO_SIDED=False,
+                                             MODE=0)))
         cases.append((tc._quotient_dd_kernel, {"do_ptr": "bf16", "o_ptr": "bf16", "inv_ptr": acc, "dd_ptr": acc},
                       dict(BR=64, BC=64, ACC=A)))
         # float32 features, bf16 values: dv written as bf16 bits
@@ -97,7 +104,7 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (6 + 2 * 6) + 5
+N_COMPILED = 2 * (6 + 2 * 6) + 7
 
 
 @pytest.mark.slow

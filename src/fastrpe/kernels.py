@@ -24,11 +24,20 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ._validate import FastRPEError
+
 __all__ = ["Kernel", "Softmax", "FeatureMap", "EluPlusOne", "ReLU", "Exp", "DPFP", "PRF", "TRF",
            "NAMES", "DEFAULT_NUM_FEATURES", "get_kernel"]
 
 #: number of random features `get_kernel` gives a random map when none is asked for
 DEFAULT_NUM_FEATURES = 64
+
+#: where `PRF` computes its features by Triton (`ops/triton_prf.py`: one launch forward and
+#: one backward instead of about 11 and 15 elementwise ones): "cuda" (default: CUDA tensors,
+#: triton installed), "always" (wherever the kernels run, the interpreter included: the
+#: tests), "never" (the PyTorch ops). float64 inputs, a trainable `w` and `torch.compile`
+#: always take the PyTorch ops.
+TRITON_FEATURES = "cuda"
 
 
 class Kernel:
@@ -393,12 +402,31 @@ class PRF(_RandomFeatures):
         return torch.exp(e) / math.sqrt(self._out_features())
 
     def forward(self, x: Tensor, is_query: bool = True) -> Tensor:
-        """As `FeatureMap.forward`; when x needs a gradient, by `_PRFFeatures`, which keeps
-        only x and φ for backward instead of every intermediate (see there)."""
+        """As `FeatureMap.forward`: by Triton where `TRITON_FEATURES` says (one launch each
+        way); else, when x needs a gradient, by `_PRFFeatures`, which keeps only x and φ for
+        backward instead of every intermediate (see there)."""
+        if self._triton_features(x):
+            from .ops import triton_prf
+
+            return triton_prf.prf_features_triton(x, self, is_query)
         if (torch.is_grad_enabled() and x.requires_grad and not self.w.requires_grad
                 and not torch.compiler.is_compiling()):  # a compiled graph plans its own memory
             return _PRFFeatures.apply(x, self, is_query)
         return super().forward(x, is_query)
+
+    def _triton_features(self, x: Tensor) -> bool:
+        if TRITON_FEATURES not in ("cuda", "always", "never"):
+            raise FastRPEError(f"fastrpe.kernels.TRITON_FEATURES: 'cuda', 'always' or 'never', "
+                               f"got {TRITON_FEATURES!r}")
+        if TRITON_FEATURES == "never" or (TRITON_FEATURES == "cuda" and x.device.type != "cuda"):
+            return False
+        if (x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or self.w.requires_grad
+                or torch.compiler.is_compiling() or x.shape[-1] != self.head_dim
+                or (self.num_heads is not None and x.shape[1] != self.num_heads)):
+            return False
+        from .ops.linear.triton_chunked import triton_unavailable_reason
+
+        return triton_unavailable_reason(x.device) is None
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", two_sided={self.two_sided}"

@@ -1,0 +1,196 @@
+"""PRF/NPRF feature maps in one Triton launch each way: the fast sibling of
+`kernels.PRF.features` (forward) and `kernels._prf_input_grad` (backward), which stay the
+reference and the fallback.
+
+    x̂ = x / max(‖x‖, 1e-12)   (normalize; else x̂ = x)      xs = s·x̂
+    e₀ = [w·xs, −w·xs] − ‖xs‖²/2   (two-sided; else w·xs − ‖xs‖²/2)
+    φ  = exp(e₀ − c)/√F,   c = max_f e₀ (a query) or the map's key shift (a key)
+
+Why: PyTorch runs q's and k's maps, forward and backward, as 70 launches, most of them
+elementwise over float32 `[B, H, L, D]` tensors. For the GPU bench's maps (NPRF, bf16,
+B·H = 8, D = 64, 32 features) at 65,536 tokens they move 11.0 GiB: at least 3.5 ms at an
+H100's peak bandwidth, more than fla's whole geometric-decay step (3.3 ms, issue 12's table).
+These kernels move 0.75 GiB in 4 launches, at least 0.24 ms
+(`benchmarks/prf_traffic.py`, counted on CPU; `benchmarks/results/prf_traffic.json`).
+
+Backward: `de = dφ·φ`; a query's subtracted maximum sends `−Σde` to its maximal entries,
+split evenly among ties (the entries are found again from e₀ computed as the forward did);
+`dxs = dwx·w − xs·Σde₀`, `dwx = de₊ − de₋` (two-sided); through `xs = s·x̂` and the
+normalization `dx = (dx̂ − x̂(x̂·dx̂))/‖x‖` (`dx̂/1e-12` below the clamp: no radial part).
+
+Notation: B batch, H heads, L positions, D head width, M projections, F features (M, or 2M
+two-sided), BR rows per program, BD/BM tile widths.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._validate import FastRPEError
+from .linear.triton_chunked import HAS_TRITON, _pow2, dot_mode, triton_unavailable_reason
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .linear.triton_chunked import _dot
+
+    @triton.jit
+    def _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale,
+                  BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
+                  MODE: tl.constexpr):
+        """One tile of rows: `(rows, ok, x̂ [BR, BD], ‖x‖ clamped [BR], w [BM, BD], e₀₊ [BR, BM],
+        ‖xs‖²/2 [BR])`, in float32."""
+        b, h = bh // H, bh % H
+        r = r0 + tl.arange(0, BR)
+        d, m = tl.arange(0, BD), tl.arange(0, BM)
+        ok = r < L
+        x = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                    other=0.0).to(tl.float32)
+        nrm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)
+        if NORMALIZE:
+            x = x / nrm[:, None]
+        w = tl.load(w_ptr + h * swh + m[:, None] * D + d[None, :], mask=(m < M)[:, None] & (d < D)[None, :],
+                    other=0.0).to(tl.float32)
+        xs = x * scale
+        wx = _dot(xs, tl.trans(w), tl.float32, tl.float32, MODE)  # (BR, BM)
+        half = tl.sum(xs * xs, 1) / 2
+        return r, ok, x, nrm, w, wx, half
+
+    @triton.jit
+    def _prf_fwd_kernel(x_ptr, w_ptr, shift_ptr, phi_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, scale, inv_sqrt_f,
+                        BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
+                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
+        """Grid (L/BR, B·H): φ of BR positions of one head, `[B, H, L, F]` float32."""
+        bh = tl.program_id(1).to(tl.int64)
+        r, ok, x, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, tl.program_id(0) * BR, H, L, D, M, sxb, sxh, sxl,
+                                               swh, scale, BR, BD, BM, NORMALIZE, MODE)
+        m = tl.arange(0, BM)
+        live = (m < M)[None, :]
+        e1 = wx - half[:, None]
+        e2 = -wx - half[:, None]
+        if QUERY:  # its own largest exponent, over both halves
+            c = tl.max(tl.where(live, e1, float("-inf")), 1)
+            if TWO_SIDED:
+                c = tl.maximum(c, tl.max(tl.where(live, e2, float("-inf")), 1))
+            c = c[:, None]
+        else:
+            c = tl.load(shift_ptr + bh % H)
+        out = phi_ptr + (bh * L + r)[:, None] * F + m[None, :]
+        keep = ok[:, None] & live
+        tl.store(out, tl.exp(e1 - c) * inv_sqrt_f, mask=keep)
+        if TWO_SIDED:
+            tl.store(out + M, tl.exp(e2 - c) * inv_sqrt_f, mask=keep)
+
+    @triton.jit
+    def _prf_bwd_kernel(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, scale,
+                        BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
+                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
+        """Grid (L/BR, B·H): dx of BR positions of one head (`[B, H, L, D]` contiguous, x's dtype)."""
+        bh = tl.program_id(1).to(tl.int64)
+        r, ok, xh, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, tl.program_id(0) * BR, H, L, D, M, sxb, sxh,
+                                                sxl, swh, scale, BR, BD, BM, NORMALIZE, MODE)
+        m, d = tl.arange(0, BM), tl.arange(0, BD)
+        live = (m < M)[None, :]
+        keep = ok[:, None] & live
+        at = (bh * L + r)[:, None] * F + m[None, :]
+        de1 = tl.load(dphi_ptr + at, mask=keep, other=0.0) * tl.load(phi_ptr + at, mask=keep, other=0.0)
+        de2 = tl.zeros_like(de1)
+        if TWO_SIDED:
+            de2 = tl.load(dphi_ptr + at + M, mask=keep, other=0.0) * tl.load(phi_ptr + at + M, mask=keep, other=0.0)
+        if QUERY:  # the maximum's share, at the entries the forward's maximum found
+            e1 = tl.where(live, wx - half[:, None], float("-inf"))
+            e2 = tl.where(live, -wx - half[:, None], float("-inf"))
+            c = tl.max(e1, 1)
+            if TWO_SIDED:
+                c = tl.maximum(c, tl.max(e2, 1))
+            top1 = (e1 == c[:, None]).to(tl.float32)
+            top2 = tl.zeros_like(top1)
+            if TWO_SIDED:
+                top2 = (e2 == c[:, None]).to(tl.float32)
+            share = (tl.sum(de1, 1) + tl.sum(de2, 1)) / (tl.sum(top1, 1) + tl.sum(top2, 1))
+            de1 = de1 - top1 * share[:, None]
+            de2 = de2 - top2 * share[:, None]
+        sde = tl.sum(de1, 1) + tl.sum(de2, 1)
+        dwx = de1 - de2  # de2 = 0 one-sided
+        dx = _dot(dwx, w, tl.float32, tl.float32, MODE) * scale - (scale * scale) * xh * sde[:, None]  # (BR, BD)
+        if NORMALIZE:  # the radial part goes, unless ‖x‖ was clamped
+            radial = tl.where(nrm > 1e-12, tl.sum(xh * dx, 1), 0.0)
+            dx = (dx - xh * radial[:, None]) / nrm[:, None]
+        tl.store(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (d < D)[None, :])
+
+
+#: positions per program (a power of two >= 16, `tl.dot`'s least)
+BLOCK_ROWS = 64
+
+
+def _launch_args(x: Tensor, w: Tensor, H: int):
+    B, _, L, D = x.shape
+    M = w.shape[-2]
+    BR = BLOCK_ROWS if L > 16 else 16
+    return (triton.cdiv(L, BR), B * H), (H, L, D, M), (x.stride(0), x.stride(1), x.stride(2),
+                                                         M * D if w.dim() == 3 else 0), \
+        dict(BR=BR, BD=_pow2(D), BM=_pow2(M), MODE=dot_mode("ieee"))
+
+
+class _PRFTriton(torch.autograd.Function):
+    """`φ` by `_prf_fwd_kernel`, saving x and φ (as `kernels._PRFFeatures`); dx by
+    `_prf_bwd_kernel`, or by the differentiable PyTorch backward under create_graph."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kern, is_query: bool, w: Tensor, shift: Tensor) -> Tensor:
+        B, H, L, D = x.shape
+        F = kern.num_features(D)
+        phi = torch.empty(B, H, L, F, dtype=torch.float32, device=x.device)
+        grid, dims, strides, tiles = _launch_args(x, w, H)
+        _prf_fwd_kernel[grid](x, w, shift, phi, *dims, F, *strides, float(kern.input_scale), F ** -0.5,
+                              NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided, **tiles)
+        ctx.kern, ctx.is_query = kern, is_query
+        ctx.save_for_backward(x, phi, w)
+        return phi
+
+    @staticmethod
+    def backward(ctx, dphi: Tensor):
+        x, phi, w = ctx.saved_tensors
+        kern = ctx.kern
+        if torch.is_grad_enabled():  # create_graph: the PyTorch backward is made of differentiable ops
+            from ..kernels import _prf_input_grad
+
+            return _prf_input_grad(kern, x, phi, dphi, ctx.is_query, inplace=False), None, None, None, None
+        B, H, L, D = x.shape
+        dx = torch.empty(B, H, L, D, dtype=x.dtype, device=x.device)
+        grid, dims, strides, tiles = _launch_args(x, w, H)
+        _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx, *dims, phi.shape[-1], *strides,
+                              float(kern.input_scale), NORMALIZE=kern.normalize, QUERY=bool(ctx.is_query),
+                              TWO_SIDED=kern.two_sided, **tiles)
+        return dx, None, None, None, None
+
+
+def prf_features_triton(x: Tensor, kern, is_query: bool) -> Tensor:
+    """`kern.features(kern._prepare(x), is_query)` for a `kernels.PRF` map, in one Triton
+    launch (and one in backward), differentiable in x.
+
+    Args:
+        x: `[B, H, L, D]`, float32, bfloat16 or float16, unit stride in D (the head split's
+            views are read as they are). kern: the `PRF` map (its `w`, shift and flags).
+        is_query: a query subtracts its own largest exponent, a key the map's `key_log_shift`.
+
+    Returns:
+        `[B, H, L, F]` float32 (the maps' compute dtype for these inputs).
+    """
+    why = triton_unavailable_reason(x.device)
+    if why is not None:
+        raise FastRPEError(f"x: the triton kernels cannot run on {x.device}: {why}")
+    if x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise FastRPEError(f"x: expected [B, H, L, D] in float32, bfloat16 or float16, got {x.dtype} "
+                           f"{list(x.shape)}")
+    if x.shape[-1] != kern.head_dim:
+        raise FastRPEError(f"x: {type(kern).__name__} was built for head_dim={kern.head_dim}, got {x.shape[-1]}")
+    H = x.shape[1]
+    if kern.num_heads is not None and kern.num_heads != H:
+        raise FastRPEError(f"x: the map draws per head for num_heads={kern.num_heads}, got {H} heads")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = kern.w.to(torch.float32).contiguous()  # (M, D) or (H, M, D)
+    shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H).contiguous()
+    return _PRFTriton.apply(x, kern, bool(is_query), w, shift)
