@@ -34,3 +34,18 @@ def ran(monkeypatch):
             return _run(q, k, v, p, kpm)
         monkeypatch.setattr(b, "run", run)
     return names
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """`count_calls(module, name)`: a list that grows by one at each call of `module.name`
+    (the function still runs; undone after the test)."""
+    def install(module, name: str) -> list:
+        calls, real = [], getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+        return calls
+    return install

@@ -109,19 +109,8 @@ def test_refusals():
 
 # ---- PRF.forward takes it (`kernels.TRITON_FEATURES`) -----------------------------------------
 
-def _count(monkeypatch):
-    calls = []
-    real = triton_prf.prf_features_triton
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(triton_prf, "prf_features_triton", counted)
-    return calls
-
-
-def test_prf_forward_takes_the_kernel_where_asked(monkeypatch):
-    calls = _count(monkeypatch)
+def test_prf_forward_takes_the_kernel_where_asked(monkeypatch, count_calls):
+    calls = count_calls(triton_prf, "prf_features_triton")
     kern = kernels.get_kernel("nprf", head_dim=8, num_features=4).to(DEV)
     x = torch.randn(1, 2, 5, 8, device=DEV, requires_grad=True)
     monkeypatch.setattr(kernels, "TRITON_FEATURES", "always")

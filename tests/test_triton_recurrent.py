@@ -150,17 +150,6 @@ def _prf_layer(kernel, position, dtype=torch.float32):
     return fr.nn.MultiheadAttention(15, 3, kernel=kernel, position=position, causal=True).to(DEV, dtype)
 
 
-def _count_fused(monkeypatch):
-    calls = []
-    real = triton_recurrent.prf_linear_token_triton
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(triton_recurrent, "prf_linear_token_triton", counted)
-    return calls
-
-
 def _steps(mha, x, prompt):
     with torch.no_grad():
         out, st = mha.step(x[:, :prompt])
@@ -176,10 +165,10 @@ def _steps(mha, x, prompt):
     (PRF(5, 6, two_sided=True, num_heads=3, seed=2), None),
     (PRF(5, 7, normalize=True, projection="orthogonal"), "alibi"),
 ], ids=["nprf-alibi", "prf-two-sided-per-head-no-term", "nprf-orthogonal-alibi"])
-def test_layer_steps_through_the_fused_kernel_equal_the_full_forward(monkeypatch, kernel, position):
+def test_layer_steps_through_the_fused_kernel_equal_the_full_forward(monkeypatch, kernel, position, count_calls):
     from fastrpe import positions as P
 
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
     mha = _prf_layer(kernel, P.ALiBi(3) if position == "alibi" else None)
     x = torch.randn(2, 20, 15, generator=torch.Generator().manual_seed(4)).to(DEV)
@@ -195,10 +184,10 @@ def test_layer_steps_through_the_fused_kernel_equal_the_full_forward(monkeypatch
     torch.testing.assert_close(st.S, ref_st.S, rtol=1e-5, atol=1e-6)
 
 
-def test_layer_fused_step_in_bf16_and_after_parameter_updates(monkeypatch):
+def test_layer_fused_step_in_bf16_and_after_parameter_updates(monkeypatch, count_calls):
     from fastrpe import positions as P
 
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
     mha = _prf_layer("nprf", P.ALiBi(3), torch.bfloat16)
     x = torch.randn(1, 9, 15, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
@@ -220,10 +209,10 @@ def test_layer_fused_step_in_bf16_and_after_parameter_updates(monkeypatch):
     torch.testing.assert_close(st2.S, ref_st.S, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch):
+def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch, count_calls):
     from fastrpe import positions as P
 
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "cuda")
     x = torch.randn(1, 6, 15).to(DEV)
     layers = [_prf_layer("elu", P.ALiBi(3)), _prf_layer("nprf", P.ALiBi(3), torch.float64)]
@@ -237,7 +226,7 @@ def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch):
         _steps(layers[0], x, 4)
 
 
-def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch):
+def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch, count_calls):
     """As test_decoding's host-read ban, through the fused step (the interpreter's own reads,
     which a GPU launch does not make, and the input check's are exempt)."""
     import sys
@@ -245,7 +234,7 @@ def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch):
     from fastrpe import positions as P
 
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
     mha = _prf_layer("nprf", P.ALiBi(3))
     x = torch.randn(1, 8, 15).to(DEV)
     syncs = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero")
@@ -270,7 +259,7 @@ def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch):
+def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch, count_calls):
     """The bench's decode layer (H = 8, D = 64, 32 NPRF features, bf16, ALiBi) on the GPU: the
     fused step's outputs and states against the PyTorch ops' for 64 tokens after a prompt."""
     from fastrpe import positions as P
@@ -278,7 +267,7 @@ def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch):
     mha = fr.nn.MultiheadAttention(512, 8, kernel=fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
                                    position=P.ALiBi(8), causal=True).to("cuda", torch.bfloat16).eval()
     x = torch.randn(1, 320, 512, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
     fast, fast_st = _steps(mha, x, 256)
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
     ref, ref_st = _steps(mha, x, 256)
