@@ -82,14 +82,13 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
         # the layer's fused decode step: bf16 q/k/[v, 1] rows of the fused matmul, the quotient in bf16
         cases.append((tr._prf_step_kernel, {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "w_ptr": acc,
                                             "shift_ptr": acc, "g_ptr": acc, "s_ptr": acc, "out_s_ptr": acc,
-                                            "o_ptr": "bf16", "scale": acc, "inv_sqrt_f": acc, "tiny": acc},
-                      dict(BD=64, BF=32, BC=128, NORMALIZE=True, HAS_G=True)))
+                                            "o_ptr": "i16", "scale": acc, "inv_sqrt_f": acc, "tiny": acc},
+                      dict(BD=64, BF=32, BC=128, NORMALIZE=True, HAS_G=True, O_BF16=True)))
         # NPRF's map of bf16 q (a query: its own maximum, found again in backward)
-        prf = {"x_ptr": "bf16", "w_ptr": acc, "shift_ptr": acc, "phi_ptr": acc, "dphi_ptr": acc, "dx_ptr": "bf16",
+        prf = {"x_ptr": "bf16", "w_ptr": acc, "shift_ptr": acc, "phi_ptr": acc, "dphi_ptr": acc, "dx_ptr": "i16",
                "scale": acc, "inv_sqrt_f": acc}
-        for kernel in (tp._prf_fwd_kernel, tp._prf_bwd_kernel):
-            cases.append((kernel, prf, dict(BR=64, BD=64, BM=32, NORMALIZE=True, QUERY=True, TWO_SIDED=False,
-                                             MODE=0)))
+        tiles = dict(BR=64, BD=64, BM=32, NORMALIZE=True, QUERY=True, TWO_SIDED=False, MODE=0)
+        cases += [(tp._prf_fwd_kernel, prf, tiles), (tp._prf_bwd_kernel, prf, dict(DX_BF16=True, **tiles))]
         cases.append((tc._quotient_dd_kernel, {"do_ptr": "bf16", "o_ptr": "bf16", "inv_ptr": acc, "dd_ptr": acc},
                       dict(BR=64, BC=64, ACC=A)))
         # float32 features, bf16 values: dv written as bf16 bits

@@ -55,17 +55,23 @@ def test_features_and_grad_match_the_float64_map(variant, is_query, L):
     torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_inputs_give_float32_features_and_bf16_grads():
+def test_bf16_inputs_give_float32_features_and_bf16_grads(monkeypatch):
     kern = PRF(16, 8, normalize=True).to(DEV)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 2, 40, 16, generator=g).to(DEV, torch.bfloat16).requires_grad_(True)
-    dphi = torch.randn(1, 2, 40, 8, generator=g).to(DEV)
+    x = torch.randn(1, 2, 70, 16, generator=g).to(DEV, torch.bfloat16).requires_grad_(True)
+    dphi = torch.randn(1, 2, 70, 8, generator=g).to(DEV)
     phi = prf_features_triton(x, kern, True)
     phi.backward(dphi)
     ref, ref_dx = _reference(kern, x, True, dphi)
     assert phi.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     torch.testing.assert_close(phi.double(), ref, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-2, atol=1e-3)  # dx rounded to bf16
+    # dx rounded to bf16 to nearest, as the GPU rounds: no further from float64 than the
+    # PyTorch map's bf16 dx (a truncating store, the interpreter's, is 3x further)
+    x2 = x.detach().clone().requires_grad_(True)
+    monkeypatch.setattr(kernels, "TRITON_FEATURES", "never")
+    kern(x2, is_query=True).backward(dphi)
+    err, err_torch = ((g.double() - ref_dx).abs().max().item() for g in (x.grad, x2.grad))
+    assert err <= 1.01 * err_torch, (err, err_torch)
 
 
 def test_ties_at_a_querys_maximum_and_a_zero_input():

@@ -98,18 +98,19 @@ def test_prf_step_matches_features_then_step(normalize, two_sided, per_head, dec
 
 
 def test_prf_step_bf16_inputs_and_output():
-    B, H, D, M = 1, 2, 16, 8
+    B, H, D, M = 3, 8, 16, 8
     g = torch.Generator().manual_seed(2)
     kern = PRF(D, M, normalize=True).to(DEV)
     q, k = (torch.randn(B, H, D, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
     vv = torch.cat([torch.randn(B, H, D, generator=g), torch.ones(B, H, 1)], -1).to(DEV, torch.bfloat16)
     S = torch.rand(B, H, M, D + 1, generator=g).to(DEV)
-    gamma = torch.tensor([0.7, 0.95], device=DEV)
+    gamma = torch.linspace(0.7, 0.95, H, device=DEV)
     o, S1 = prf_linear_token_triton(q, k, vv, S, gamma=gamma, out_dtype=torch.bfloat16, **_prf_args(kern, H))
     ro, rS = _prf_step_reference(kern, q, k, vv, S, gamma)
     assert o.dtype == torch.bfloat16
     torch.testing.assert_close(S1, rS, rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(o, ro.to(torch.bfloat16))
+    # rounded to nearest, as the GPU rounds: no further from float32 than torch's own rounding
+    assert (o.float() - ro).abs().max() <= 1.01 * (ro.to(torch.bfloat16).float() - ro).abs().max()
 
 
 def test_prf_step_empty_row_gives_zero():

@@ -33,7 +33,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .linear.triton_chunked import _dot
+    from .linear.triton_chunked import _dot, _store_tile
 
     @triton.jit
     def _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale,
@@ -85,8 +85,9 @@ if HAS_TRITON:
     @triton.jit
     def _prf_bwd_kernel(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, scale,
                         BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
-                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
-        """Grid (L/BR, B·H): dx of BR positions of one head (`[B, H, L, D]` contiguous, x's dtype)."""
+                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr):
+        """Grid (L/BR, B·H): dx of BR positions of one head (`[B, H, L, D]` contiguous, x's dtype;
+        DX_BF16: dx_ptr is the int16 view of a bf16 dx, rounded to nearest as the GPU rounds)."""
         bh = tl.program_id(1).to(tl.int64)
         r, ok, xh, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, tl.program_id(0) * BR, H, L, D, M, sxb, sxh,
                                                 sxl, swh, scale, BR, BD, BM, NORMALIZE, MODE)
@@ -117,8 +118,7 @@ if HAS_TRITON:
         if NORMALIZE:  # the radial part goes, unless ‖x‖ was clamped
             radial = tl.where(nrm > 1e-12, tl.sum(xh * dx, 1), 0.0)
             dx = (dx - xh * radial[:, None]) / nrm[:, None]
-        tl.store(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=ok[:, None] & (d < D)[None, :])
+        _store_tile(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx, ok[:, None] & (d < D)[None, :], DX_BF16)
 
 
 #: positions per program (a power of two >= 16, `tl.dot`'s least)
@@ -161,9 +161,10 @@ class _PRFTriton(torch.autograd.Function):
         B, H, L, D = x.shape
         dx = torch.empty(B, H, L, D, dtype=x.dtype, device=x.device)
         grid, dims, strides, tiles = _launch_args(x, w, H)
-        _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx, *dims, phi.shape[-1], *strides,
-                              float(kern.input_scale), NORMALIZE=kern.normalize, QUERY=bool(ctx.is_query),
-                              TWO_SIDED=kern.two_sided, **tiles)
+        bf16 = dx.dtype == torch.bfloat16
+        _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
+                              *dims, phi.shape[-1], *strides, float(kern.input_scale), NORMALIZE=kern.normalize,
+                              QUERY=bool(ctx.is_query), TWO_SIDED=kern.two_sided, DX_BF16=bf16, **tiles)
         return dx, None, None, None, None
 
 

@@ -28,6 +28,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_chunked import _store_tile
+
     @triton.jit
     def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, s_ptr, out_s_ptr, y_ptr, H, F, Dv,
                      BF: tl.constexpr, BC: tl.constexpr):
@@ -64,8 +66,9 @@ if HAS_TRITON:
     def _prf_step_kernel(q_ptr, k_ptr, vv_ptr, w_ptr, shift_ptr, g_ptr, s_ptr, out_s_ptr, o_ptr,
                          H, D, M, F, Dv, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h, scale, inv_sqrt_f, tiny,
                          BD: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr,
-                         NORMALIZE: tl.constexpr, HAS_G: tl.constexpr):
-        """Grid (B·H,): one head's features, new state and `num/den` (0 where |den| < tiny)."""
+                         NORMALIZE: tl.constexpr, HAS_G: tl.constexpr, O_BF16: tl.constexpr):
+        """Grid (B·H,): one head's features, new state and `num/den` (0 where |den| < tiny;
+        O_BF16: o_ptr is the int16 view of a bf16 o, rounded to nearest as the GPU rounds)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         d, f, c = tl.arange(0, BD), tl.arange(0, BF), tl.arange(0, BC)
@@ -92,7 +95,7 @@ if HAS_TRITON:
         den = tl.sum(tl.where(c == Dv, y, 0.0), 0)
         empty = tl.abs(den) < tiny
         o = tl.where(empty, 0.0, y / tl.where(empty, 1.0, den))
-        tl.store(o_ptr + bh * Dv + c, o.to(o_ptr.dtype.element_ty), mask=c < Dv)
+        _store_tile(o_ptr + bh * Dv + c, o, c < Dv, O_BF16)
 
 
 def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *, gamma: Tensor | None = None):
@@ -158,10 +161,12 @@ def prf_linear_token_triton(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, *, w: T
         raise FastRPEError("q, k, vv: unit stride in the last dim; S, w: contiguous")
     new = torch.empty_like(S)
     o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
-    _prf_step_kernel[(B * H,)](q, k, vv, w, key_shift, S if gamma is None else gamma, S, new, o,
+    bf16 = o.dtype == torch.bfloat16
+    _prf_step_kernel[(B * H,)](q, k, vv, w, key_shift, S if gamma is None else gamma, S, new,
+                               o.view(torch.int16) if bf16 else o,
                                H, D, M, F, C - 1, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                vv.stride(0), vv.stride(1), M * D if w.dim() == 3 else 0, float(input_scale),
                                F ** -0.5, underflow_threshold(torch.float32),
                                BD=_pow2(D), BF=_pow2(F), BC=_pow2(C), NORMALIZE=bool(normalize),
-                               HAS_G=gamma is not None)
+                               HAS_G=gamma is not None, O_BF16=bf16)
     return o, new
