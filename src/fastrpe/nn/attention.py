@@ -381,7 +381,7 @@ class MultiheadAttention(nn.Module):
             g = None if term is None else term.geometric_decay()
             return None if g is None else g.to(device=x.device, dtype=torch.float32).reshape(H).contiguous()
 
-        w, shift = self._memoized("prf", [kern.w], (H, x.device), prf_constants)
+        w, shift = self._memoized("prf", [kern.w], (H, x.device, kern.normalize, kern.input_scale), prf_constants)
         gamma = self._memoized("gamma32", self._tensors(term) if term is not None else [], (H, x.device), decay)
         q, k = qkv[:, :E].view(B, H, D), qkv[:, E:2 * E].view(B, H, D)
         vv = qkv[:, 2 * E:].view(B, H, D + 1)  # [v, 1]
