@@ -280,3 +280,33 @@ def test_fit_weights_do_not_cancel_and_follow_the_term_smoothly():
             coef = [(p.a[:, None, :] * p.gamma ** d[:, None]).sum(-1) + Fn.pad(p.corr, (0, 4096 - p.window))
                     for p in (p64, p32)]
             assert (coef[0] - coef[1]).abs().max() < 1e-7, (type(pos).__name__, K)
+
+
+def test_a_frozen_terms_fit_is_kept_and_a_trainable_ones_is_not(count_calls):
+    """`soe_plan_for`: a term that takes no gradient is fitted once per parameter state (the fit
+    is ~80 launches a GPU call would pay each time); an in-place edit refits; a term in training
+    is fitted in the graph on every call, so that its gradients flow."""
+    import fastrpe.ops.linear.soe as soe_mod
+
+    fits = count_calls(soe_mod, "soe_plan")
+    pos = P.KerpleLog(2)
+    pos.requires_grad_(False)
+    q, k, v = (torch.randn(1, 2, 50, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    outs = [fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe") for _ in range(3)]
+    n = len(fits)  # the verdict's fits (soe_terms) and one plan
+    assert soe_mod.soe_plan_for(pos, 50) is soe_mod.soe_plan_for(pos, 50) and len(fits) == n
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with torch.no_grad():
+        pos.raw_r1.add_(0.3)
+    edited = soe_mod.soe_plan_for(pos, 50)
+    fresh = soe_mod.soe_plan(soe_mod.causal_log_coefficients(pos, soe_mod.soe_fit_length(50)),
+                             num_terms=edited.num_terms)
+    assert len(fits) > n + 1 and torch.equal(edited.a, fresh.a) and torch.equal(edited.corr, fresh.corr)
+    pos.requires_grad_(True)
+    first, second = soe_mod.soe_plan_for(pos, 50), soe_mod.soe_plan_for(pos, 50)
+    assert first is not second and first.a.requires_grad
+    out = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe")
+    out.sum().backward()
+    assert pos.raw_r1.grad is not None and pos.raw_r1.grad.abs().sum() > 0
+    with torch.no_grad():  # no gradient asked: kept again
+        assert soe_mod.soe_plan_for(pos, 50) is soe_mod.soe_plan_for(pos, 50)

@@ -381,15 +381,14 @@ class SoEBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=K * (10 + 2 * L // T)), mem)
 
     def run(self, q, k, v, p, kpm):
-        from .ops.linear.soe import causal_log_coefficients, soe_assert_fit, soe_fit_length, soe_plan, soe_terms
+        from .ops.linear.soe import causal_log_coefficients, soe_assert_fit, soe_fit_length, soe_plan_for
 
         # fitted from the term itself (soe_fit_length: the same fit for every length up to 4,096)
         L = max(p.Lk, p.q_offset + p.Lq)
         with torch.autocast(q.device.type, enabled=False):
-            b = causal_log_coefficients(p.position, soe_fit_length(L))
-            plan = soe_plan(b, num_terms=soe_terms(p.position, L)[0])  # = soe_plan_for(p.position, L)
-            if torch.compiler.is_compiling():
-                soe_assert_fit(b, plan)  # the refusal `_fit_reasons` skipped under compile
+            plan = soe_plan_for(p.position, L)
+            if torch.compiler.is_compiling():  # the refusal `_fit_reasons` skipped under compile
+                soe_assert_fit(causal_log_coefficients(p.position, soe_fit_length(L)), plan)
         return _kernelized(q, k, v, p, kpm, kops.num_den_soe, plan)
 
 

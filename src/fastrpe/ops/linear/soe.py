@@ -308,10 +308,35 @@ def soe_terms(position, length: int) -> tuple[int, float]:
     return memo[key]
 
 
+#: position -> {(fit length, device, parameter state, terms): SoEPlan}: the fit of a term that
+#: takes no gradient, kept while its parameters are unchanged (`soe_plan_for`)
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def soe_plan_for(position, length: int) -> SoEPlan:
-    """The fit the `soe` backends use for `position` with rows up to `length` (`soe_terms`)."""
-    b = causal_log_coefficients(position, soe_fit_length(length))
-    return soe_plan(b, num_terms=soe_terms(position, length)[0])
+    """The fit the `soe` backends use for `position` with rows up to `length` (`soe_terms`).
+
+    A term that takes no gradient here (its parameters are frozen, or autograd is off) is
+    fitted once per parameter state and the plan is kept. The fit is about 80 small launches
+    (the term's coefficients, the rates, the solve), which a GPU call would pay every time: at
+    4,096 tokens that overhead alone is comparable to the whole attention. A term in training
+    is fitted on every call, inside the graph, so its gradients flow."""
+    fit_length = soe_fit_length(length)
+    K = soe_terms(position, length)[0]
+    tensors = list(position.parameters()) + list(position.buffers())
+    frozen = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if not frozen or torch.compiler.is_compiling():
+        return soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
+    key = (*_state_key(position, fit_length), K)
+    memo = _PLANS.get(position)
+    if memo is None:
+        memo = _PLANS.setdefault(position, {})
+    if key not in memo:
+        if len(memo) > 16:  # parameters edited in place between calls: every edit is a new state
+            memo.clear()
+        with torch.no_grad():
+            memo[key] = soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
+    return memo[key]
 
 
 def soe_extend(plan: SoEPlan, position, length: int) -> tuple[SoEPlan | None, str | None]:
