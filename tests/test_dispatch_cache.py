@@ -80,3 +80,38 @@ def test_cached_choice_equals_a_fresh_one():
         p, _ = fr.api._problem(q, k, v, "nelu", pos, causal, None, None, None)
         assert dispatch.select_backend(p, "auto").name == fresh
         assert dispatch.select_backend(p, "auto").name == fresh  # from the cache
+
+
+def test_a_frozen_terms_coefficient_table_is_kept_per_shape_and_parameter_state(count_calls, monkeypatch):
+    """`backends._coefficients`: a term that takes no gradient is evaluated once per shape and
+    parameter state (T5's bucketing is ~35 small launches a GPU call would pay every time); an
+    in-place edit is seen; a term in training is evaluated in the graph every call."""
+    import fastrpe.backends as B
+    from fastrpe import positions as P
+
+    pos = P.T5Bias(2, bidirectional=False, num_buckets=8, max_distance=24)
+    evals = count_calls(pos, "log_coefficients")
+    pos.requires_grad_(False)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def run(**kw):
+        return fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="band", **kw)
+
+    first = run()
+    assert torch.equal(run(), first) and len(evals) == 1
+    with torch.no_grad():
+        pos.embedding.add_(torch.randn(pos.embedding.shape, generator=torch.Generator().manual_seed(9)))  # a step
+    edited = run()
+    assert len(evals) == 2 and not torch.equal(edited, first)
+    pos.requires_grad_(False)
+    fr.attention(q[:, :, :30], k, v, kernel="elu", position=pos, causal=True, backend="band")
+    assert len(evals) == 3  # another shape, another table
+    pos.requires_grad_(True)
+    run().sum().backward()
+    run()
+    assert len(evals) == 5 and pos.embedding.grad.abs().sum() > 0
+    monkeypatch.setattr(B, "TABLE_MEMO_BYTES", 0)  # over the size limit: not kept
+    B._TABLES.clear()
+    pos.requires_grad_(False)
+    run(), run()
+    assert len(evals) == 7

@@ -10,6 +10,7 @@ Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,39 @@ class _Terms:
         return _Terms(shaw, rpb)
 
 
+#: position -> {(Lq, Lk, q_offset, dtype, parameter state): table}: the log-coefficient tables
+#: of terms that take no gradient (`_coefficients`), the last `TABLE_MEMO_ENTRIES` of at most
+#: `TABLE_MEMO_BYTES` each
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+TABLE_MEMO_ENTRIES = 4
+TABLE_MEMO_BYTES = 64 << 20
+
+
 def _coefficients(p: Problem, dtype):
-    """`[H, Lq+Lk-1]` log-coefficients of the call's 1D position, or None."""
-    if p.position is None:
+    """`[H, Lq+Lk-1]` log-coefficients of the call's 1D position, or None.
+
+    A term that takes no gradient here (frozen, or autograd off) keeps its table per shape and
+    parameter state: T5's bucketing alone is about 35 small launches, which a GPU call would
+    pay every time. A term in training is evaluated in the graph on every call."""
+    pos = p.position
+    if pos is None:
         return None
-    return p.position.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
+    tensors = list(pos.parameters()) + list(pos.buffers())
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or torch.compiler.is_compiling():
+        return pos.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
+    key = (p.Lq, p.Lk, p.q_offset, dtype, tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    memo = _TABLES.get(pos)
+    if memo is None:
+        memo = _TABLES.setdefault(pos, {})
+    table = memo.get(key)
+    if table is None:
+        with torch.no_grad():
+            table = pos.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
+        if table.numel() * table.element_size() <= TABLE_MEMO_BYTES:
+            while len(memo) >= TABLE_MEMO_ENTRIES:
+                memo.pop(next(iter(memo)))  # the oldest
+            memo[key] = table
+    return table
 
 
 def _grid_coefficients(p: Problem) -> kops.GridCoefficients:
