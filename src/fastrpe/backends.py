@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._memo import parameter_state, takes_grad
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 from .kernels import FeatureMap
 from .ops import kernelized as kops
@@ -65,10 +66,9 @@ def _coefficients(p: Problem, dtype):
     pos = p.position
     if pos is None:
         return None
-    tensors = list(pos.parameters()) + list(pos.buffers())
-    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or torch.compiler.is_compiling():
+    if takes_grad(pos) or torch.compiler.is_compiling():
         return pos.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
-    key = (p.Lq, p.Lk, p.q_offset, dtype, tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    key = (p.Lq, p.Lk, p.q_offset, dtype, parameter_state(pos))
     memo = _TABLES.get(pos)
     if memo is None:
         memo = _TABLES.setdefault(pos, {})

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor
 
+from ..._memo import parameter_state, takes_grad
 from .state import SoEState
 
 DEFAULT_WINDOW = 64
@@ -275,9 +276,7 @@ _VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _state_key(position, fit_length: int):
-    tensors = list(position.parameters()) + list(position.buffers())
-    dev = tensors[0].device if tensors else torch.device("cpu")
-    return (fit_length, dev, tuple((t.data_ptr(), t._version, t.dtype) for t in tensors))
+    return (fit_length, parameter_state(position))
 
 
 def soe_terms(position, length: int) -> tuple[int, float]:
@@ -323,9 +322,7 @@ def soe_plan_for(position, length: int) -> SoEPlan:
     is fitted on every call, inside the graph, so its gradients flow."""
     fit_length = soe_fit_length(length)
     K = soe_terms(position, length)[0]
-    tensors = list(position.parameters()) + list(position.buffers())
-    frozen = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    if not frozen or torch.compiler.is_compiling():
+    if takes_grad(position) or torch.compiler.is_compiling():
         return soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
     key = (*_state_key(position, fit_length), K)
     memo = _PLANS.get(position)
