@@ -307,7 +307,7 @@ def soe_terms(position, length: int) -> tuple[int, float]:
     return memo[key]
 
 
-#: position -> {(fit length, device, parameter state, terms): SoEPlan}: the fit of a term that
+#: position -> {(fit length, parameter state, terms): SoEPlan}: the fit of a term that
 #: takes no gradient, kept while its parameters are unchanged (`soe_plan_for`)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -316,7 +316,7 @@ def soe_plan_for(position, length: int) -> SoEPlan:
     """The fit the `soe` backends use for `position` with rows up to `length` (`soe_terms`).
 
     A term that takes no gradient here (its parameters are frozen, or autograd is off) is
-    fitted once per parameter state and the plan is kept. The fit is about 80 small launches
+    fitted once per parameter state and the plan is kept. The fit is about 70 small launches
     (the term's coefficients, the rates, the solve), which a GPU call would pay every time: at
     4,096 tokens that overhead alone is comparable to the whole attention. A term in training
     is fitted on every call, inside the graph, so its gradients flow."""
