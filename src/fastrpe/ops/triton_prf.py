@@ -58,7 +58,8 @@ if HAS_TRITON:
         return r, ok, x, nrm, w, wx, half
 
     @triton.jit
-    def _prf_fwd_kernel(x_ptr, w_ptr, shift_ptr, phi_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, scale, inv_sqrt_f,
+    def _prf_fwd_kernel(x_ptr, w_ptr, shift_ptr, phi_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
+                        inv_sqrt_f,
                         BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
                         QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
         """Grid (L/BR, B·H): φ of BR positions of one head, `[B, H, L, F]` float32."""
@@ -75,7 +76,7 @@ if HAS_TRITON:
                 c = tl.maximum(c, tl.max(tl.where(live, e2, float("-inf")), 1))
             c = c[:, None]
         else:
-            c = tl.load(shift_ptr + bh % H)
+            c = tl.load(shift_ptr + (bh % H) * s_shift)  # one shift per head, or one for all (stride 0)
         out = phi_ptr + (bh * L + r)[:, None] * F + m[None, :]
         keep = ok[:, None] & live
         tl.store(out, tl.exp(e1 - c) * inv_sqrt_f, mask=keep)
@@ -144,8 +145,9 @@ class _PRFTriton(torch.autograd.Function):
         F = kern.num_features(D)
         phi = torch.empty(B, H, L, F, dtype=torch.float32, device=x.device)
         grid, dims, strides, tiles = _launch_args(x, w, H)
-        _prf_fwd_kernel[grid](x, w, shift, phi, *dims, F, *strides, float(kern.input_scale), F ** -0.5,
-                              NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided, **tiles)
+        _prf_fwd_kernel[grid](x, w, shift, phi, *dims, F, *strides, int(shift.numel() > 1), float(kern.input_scale),
+                              F ** -0.5, NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided,
+                              **tiles)
         ctx.kern, ctx.is_query = kern, is_query
         ctx.save_for_backward(x, phi, w)
         return phi
@@ -193,5 +195,5 @@ def prf_features_triton(x: Tensor, kern, is_query: bool) -> Tensor:
         raise FastRPEError(f"x: the map draws per head for num_heads={kern.num_heads}, got {H} heads")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = kern.w.to(torch.float32).contiguous()  # (M, D) or (H, M, D)
-    shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H).contiguous()
+    shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1)  # (1,) or (H,)
     return _PRFTriton.apply(x, kern, bool(is_query), w, shift)
