@@ -97,7 +97,7 @@
 #   tests/test_triton_prf.py::test_bench_shape_on_cuda. To compare with the PyTorch maps, set
 #   `fastrpe.kernels.TRITON_FEATURES = "never"` in a run of its own.
 # - (same session) a frozen term's SoE fit and log-coefficient table are kept per parameter
-#   state: a Triton-backend call, forward+backward, launches 78 / 84 / 100 kernels (triton_chunked
+#   state: a Triton-backend call, forward+backward, launches 76 / 82 / 98 kernels (triton_chunked
 #   ALiBi / triton_soe KERPLE-log / triton_band T5) instead of 138 / 215 / 178
 #   (benchmarks/call_launches.py): the L = 4,096 rows, where launches dominate, should drop most.
 #
