@@ -1,6 +1,7 @@
 """What the memos of values derived from a module's parameters key on (a frozen positional
 term's SoE fit, `ops.linear.soe.soe_plan_for`; its log-coefficient table,
-`backends._coefficients`). Neither reads a tensor: no host synchronization."""
+`backends._coefficients`; the SoE fit's verdict, `soe_terms`), and the store that keeps them.
+None of it reads a tensor: no host synchronization."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +19,20 @@ def takes_grad(module: nn.Module) -> bool:
     """Whether a call now would need gradients for any of the module's parameters (autograd
     on and one of them requires grad): what derives from it must then be built in the graph."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in module.parameters())
+
+
+def kept(store, owner, key, build, *, entries: int, keep=None):
+    """`build()` for `owner` under `key`, kept in `store[owner]` (`store`: a
+    `weakref.WeakKeyDictionary` of one dict per owner; the oldest entry goes beyond `entries`;
+    `keep(value)` False: returned, not kept)."""
+    memo = store.get(owner)
+    if memo is None:
+        memo = store.setdefault(owner, {})
+    if key in memo:
+        return memo[key]
+    value = build()
+    if keep is None or keep(value):
+        while len(memo) >= entries:
+            memo.pop(next(iter(memo)))  # dicts keep insertion order: the oldest
+        memo[key] = value
+    return value

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._memo import parameter_state, takes_grad
+from ._memo import kept, parameter_state, takes_grad
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 from .kernels import FeatureMap
 from .ops import kernelized as kops
@@ -68,19 +68,13 @@ def _coefficients(p: Problem, dtype):
         return None
     if takes_grad(pos) or torch.compiler.is_compiling():
         return pos.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
-    key = (p.Lq, p.Lk, p.q_offset, dtype, parameter_state(pos))
-    memo = _TABLES.get(pos)
-    if memo is None:
-        memo = _TABLES.setdefault(pos, {})
-    table = memo.get(key)
-    if table is None:
-        with torch.no_grad():
-            table = pos.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
-        if table.numel() * table.element_size() <= TABLE_MEMO_BYTES:
-            while len(memo) >= TABLE_MEMO_ENTRIES:
-                memo.pop(next(iter(memo)))  # the oldest
-            memo[key] = table
-    return table
+
+    @torch.no_grad()
+    def table():
+        return pos.log_coefficients(p.Lq, p.Lk, p.q_offset).to(dtype)
+
+    return kept(_TABLES, pos, (p.Lq, p.Lk, p.q_offset, dtype, parameter_state(pos)), table,
+                entries=TABLE_MEMO_ENTRIES, keep=lambda t: t.numel() * t.element_size() <= TABLE_MEMO_BYTES)
 
 
 def _grid_coefficients(p: Problem) -> kops.GridCoefficients:

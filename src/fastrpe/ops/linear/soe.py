@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor
 
-from ..._memo import parameter_state, takes_grad
+from ..._memo import kept, parameter_state, takes_grad
 from .state import SoEState
 
 DEFAULT_WINDOW = 64
@@ -291,20 +291,18 @@ def soe_terms(position, length: int) -> tuple[int, float]:
             if k[0] == fit_length:
                 return v
         return DEFAULT_TERMS, float("nan")
-    key = _state_key(position, fit_length)
-    if memo is None:
-        memo = _VERDICTS.setdefault(position, {})
-    if key not in memo:
-        if len(memo) > 16:  # parameters in training: every step is a new state
-            memo.clear()
-        with torch.no_grad():
-            b = causal_log_coefficients(position, fit_length).detach()
-            for K in TERM_CHOICES:
-                err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
-                if err <= SOE_MAX_WEIGHT_ERROR:
-                    break
-        memo[key] = (K, err)
-    return memo[key]
+
+    @torch.no_grad()
+    def verdict():
+        b = causal_log_coefficients(position, fit_length).detach()
+        for K in TERM_CHOICES:
+            err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
+            if err <= SOE_MAX_WEIGHT_ERROR:
+                break
+        return K, err
+
+    # parameters in training: every step is a new state, the oldest go
+    return kept(_VERDICTS, position, _state_key(position, fit_length), verdict, entries=16)
 
 
 #: position -> {(fit length, parameter state, terms): SoEPlan}: the fit of a term that
@@ -324,16 +322,13 @@ def soe_plan_for(position, length: int) -> SoEPlan:
     K = soe_terms(position, length)[0]
     if takes_grad(position) or torch.compiler.is_compiling():
         return soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
-    key = (*_state_key(position, fit_length), K)
-    memo = _PLANS.get(position)
-    if memo is None:
-        memo = _PLANS.setdefault(position, {})
-    if key not in memo:
-        if len(memo) > 16:  # parameters edited in place between calls: every edit is a new state
-            memo.clear()
-        with torch.no_grad():
-            memo[key] = soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
-    return memo[key]
+
+    @torch.no_grad()
+    def fit():
+        return soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
+
+    # parameters edited in place between calls: every edit is a new state, the oldest go
+    return kept(_PLANS, position, (*_state_key(position, fit_length), K), fit, entries=16)
 
 
 def soe_extend(plan: SoEPlan, position, length: int) -> tuple[SoEPlan | None, str | None]:
