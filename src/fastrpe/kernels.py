@@ -24,8 +24,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._validate import FastRPEError
-
 __all__ = ["Kernel", "Softmax", "FeatureMap", "EluPlusOne", "ReLU", "Exp", "DPFP", "PRF", "TRF",
            "NAMES", "DEFAULT_NUM_FEATURES", "get_kernel"]
 
@@ -415,18 +413,12 @@ class PRF(_RandomFeatures):
         return super().forward(x, is_query)
 
     def _triton_features(self, x: Tensor) -> bool:
-        if TRITON_FEATURES not in ("cuda", "always", "never"):
-            raise FastRPEError(f"fastrpe.kernels.TRITON_FEATURES: 'cuda', 'always' or 'never', "
-                               f"got {TRITON_FEATURES!r}")
-        if TRITON_FEATURES == "never" or (TRITON_FEATURES == "cuda" and x.device.type != "cuda"):
-            return False
-        if (x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or self.w.requires_grad
-                or torch.compiler.is_compiling() or x.shape[-1] != self.head_dim
-                or (self.num_heads is not None and x.shape[1] != self.num_heads)):
-            return False
-        from .ops.linear.triton_chunked import triton_unavailable_reason
+        from .ops.linear.triton_chunked import triton_route
 
-        return triton_unavailable_reason(x.device) is None
+        return (triton_route(TRITON_FEATURES, "fastrpe.kernels.TRITON_FEATURES", x.device)
+                and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and not self.w.requires_grad and not torch.compiler.is_compiling() and x.shape[-1] == self.head_dim
+                and (self.num_heads is None or x.shape[1] == self.num_heads))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", two_sided={self.two_sided}"

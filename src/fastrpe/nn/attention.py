@@ -323,12 +323,7 @@ class MultiheadAttention(nn.Module):
             vv = vv.to(dt) if fused is not None else recurrent._vv(v, dt)  # (B, H, 1, C)
             state, term = _state_in(state, dt), self.position
             if kind == "linear":
-                def decay():
-                    g = term.geometric_decay()
-                    return None if g is None else g.to(device=x.device, dtype=dt)[:, None, None]  # (H, 1, 1)
-
-                gamma = None if term is None else self._memoized("gamma", self._tensors(term), (dt, x.device), decay)
-                y, S = recurrent.linear_token(phi_q, phi_k, vv, state.S, gamma)
+                y, S = recurrent.linear_token(phi_q, phi_k, vv, state.S, self._step_decay(x.device, dt))
                 new = LinearState(S, state.length + 1)
             elif kind == "band":
                 from ..ops.linear.soe import causal_log_coefficients
@@ -354,15 +349,11 @@ class MultiheadAttention(nn.Module):
         """Whether `_prf_step` runs this step (`FUSED_STEP`): PRF features exactly (a subclass
         may change them), float32 features and state, the kernels available on x's device."""
         from ..kernels import PRF
-        from ..ops.linear.triton_chunked import triton_unavailable_reason
+        from ..ops.linear.triton_chunked import triton_route
 
-        if FUSED_STEP not in ("cuda", "always", "never"):
-            raise FastRPEError(f"fastrpe.nn.attention.FUSED_STEP: 'cuda', 'always' or 'never', got {FUSED_STEP!r}")
-        if FUSED_STEP == "never" or (FUSED_STEP == "cuda" and x.device.type != "cuda"):
-            return False
-        return (type(self.kernel) is PRF and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and state.S.dtype == torch.float32 and state.S.is_contiguous()
-                and triton_unavailable_reason(x.device) is None)
+        return (triton_route(FUSED_STEP, "fastrpe.nn.attention.FUSED_STEP", x.device)
+                and type(self.kernel) is PRF and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and state.S.dtype == torch.float32 and state.S.is_contiguous())
 
     def _prf_step(self, x: Tensor, qkv: Tensor, state: LinearState):
         """One token after a geometric state in one Triton launch between the q/k/v matmul
@@ -371,24 +362,34 @@ class MultiheadAttention(nn.Module):
         from ..ops.linear.triton_recurrent import prf_linear_token_triton
 
         B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
-        kern, term = self.kernel, self.position
+        kern = self.kernel
 
         def prf_constants():
             shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H)
             return kern.w.to(torch.float32).contiguous(), shift.contiguous()
 
-        def decay():
-            g = None if term is None else term.geometric_decay()
-            return None if g is None else g.to(device=x.device, dtype=torch.float32).reshape(H).contiguous()
-
         w, shift = self._memoized("prf", [kern.w], (H, x.device, kern.normalize, kern.input_scale), prf_constants)
-        gamma = self._memoized("gamma32", self._tensors(term) if term is not None else [], (H, x.device), decay)
+        gamma = self._step_decay(x.device, torch.float32)
+        gamma = None if gamma is None else gamma.view(H)
         q, k = qkv[:, :E].view(B, H, D), qkv[:, E:2 * E].view(B, H, D)
         vv = qkv[:, 2 * E:].view(B, H, D + 1)  # [v, 1]
         o, S = prf_linear_token_triton(q, k, vv, state.S, w=w, key_shift=shift, input_scale=kern.input_scale,
                                        normalize=kern.normalize, two_sided=kern.two_sided, gamma=gamma,
                                        out_dtype=x.dtype)
         return self.out_proj(self.dropout(o.view(B, 1, E))), LinearState(S, state.length + 1)
+
+    def _step_decay(self, device: torch.device, dt: torch.dtype) -> Tensor | None:
+        """The geometric state's per-head decay `[H, 1, 1]` in `dt` (None without a term or a
+        decay), built once per parameter state (`_memoized`)."""
+        term = self.position
+        if term is None:
+            return None
+
+        def decay():
+            g = term.geometric_decay()
+            return None if g is None else g.to(device=device, dtype=dt)[:, None, None]
+
+        return self._memoized("gamma", self._tensors(term), (dt, device), decay)
 
     @staticmethod
     def _tensors(module: nn.Module) -> list:

@@ -79,6 +79,22 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return "needs CUDA and triton (or TRITON_INTERPRET=1, set before the kernels are imported, for CPU tests)"
 
 
+#: the settings of the switches that route an op to its Triton kernel by default
+#: (`kernels.TRITON_FEATURES`, `nn.attention.FUSED_STEP`)
+TRITON_ROUTES = ("cuda", "always", "never")
+
+
+def triton_route(setting: str, name: str, device: torch.device) -> bool:
+    """Whether a switch set to `setting` (`TRITON_ROUTES`; `name` is the switch, for the error)
+    sends a call on `device` to its kernel: "cuda" on CUDA devices, "always" wherever the
+    kernels run (the interpreter included: the tests), "never" not at all."""
+    if setting not in TRITON_ROUTES:
+        raise FastRPEError(f"{name}: 'cuda', 'always' or 'never', got {setting!r}")
+    if setting == "never" or (setting == "cuda" and device.type != "cuda"):
+        return False
+    return triton_unavailable_reason(device) is None
+
+
 if HAS_TRITON:
 
     @triton.jit
