@@ -141,6 +141,31 @@ def test_soe_term_groups_in_low_precision_sum_in_float32():
         assert ((a.double() - b.double()).abs() <= 2 ** -7 * b.double().abs()).all()
 
 
+def test_term_groups_carry_bf16_dv_as_a_pair():
+    """A bf16 v's gradient over several launches is carried between them as bf16 pairs
+    (`hi + lo`, about 16 bits) instead of a float32 sum and its bf16 copy: the result is the
+    float32 sum rounded once (that of a float32 v holding the same values) in all but the
+    rare entries the pair's 16 bits round the other way, and there by one bf16 step."""
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float32, device=DEV)
+    plan = _plan(2, 8, 4)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    dout = torch.randn(1, 2, 63, 10, generator=g, device=DEV).bfloat16()
+    dvs = []
+    for vdt in (torch.bfloat16, torch.float32):
+        vv = v.detach().bfloat16().to(vdt).requires_grad_()
+        out, _, _ = ts.kernelized_num_den_triton_soe(q.detach(), k.detach(), vv, plan, chunk_size=16, state_budget=1,
+                                                     divide=torch.bfloat16)
+        out.backward(dout)
+        dvs.append(vv.grad)
+    pair, sum32 = dvs
+    assert pair.dtype == torch.bfloat16 and sum32.dtype == torch.float32
+    once = sum32.bfloat16()
+    ulp = 2.0 ** (torch.frexp(once.float())[1] - 8).double()  # one bf16 step at each entry
+    diff = (pair.double() - once.double()).abs()
+    assert (diff <= ulp).all()
+    assert (diff == 0).double().mean() >= 0.98
+
+
 def test_near_chunks_cover_the_band():
     """The far field starts past the band: `W <= (NB-1)·T + 1`, with NB as small as that
     allows and at most MAX_NEAR (a wider band raises T)."""

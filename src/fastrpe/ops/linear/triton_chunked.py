@@ -146,6 +146,11 @@ if HAS_TRITON:
         return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
 
     @triton.jit
+    def _bf16_value(bits):
+        """The float32 value of bf16 numbers held as int16 bits (`_bf16_bits`'s inverse)."""
+        return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _divide_rows(o, den, THR: tl.constexpr):
         """`o [R, C] / den [R]` row by row, 0 where `|den| < THR` (`underflow_threshold`): the
         quotient as `safe_divide` forms it."""

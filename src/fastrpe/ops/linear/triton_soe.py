@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _divide_rows, _dot, _row_inv, _store_tile
+    from .triton_chunked import _bf16_bits, _bf16_value, _divide_rows, _dot, _row_inv, _store_tile
 
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
@@ -269,14 +269,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr,
-                            dv_ptr, H, Lq, Lk, F, Dv, N, K, q_offset,
+                            dv_ptr, dvlo_ptr, H, Lq, Lk, F, Dv, N, K, q_offset,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                             NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                             DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
-                            DV_BF16: tl.constexpr = False):
+                            DV_BF16: tl.constexpr = False, LAST: tl.constexpr = True):
         """Grid (N, B·H): dφk and dv of key chunk n (near: query chunks n .. n+NB-1; far: the
         gradient of S_k(n+1), which chunk n's keys enter). K, NEAR, ACCUM as `_soe_out_kernel`'s.
-        DV_BF16 (one launch, never with ACCUM): dv_ptr is the int16 view of a bf16 dv."""
+        DV_BF16: dv_ptr is the int16 view of a bf16 dv. Between the launches of several groups
+        (all but the LAST), dvlo_ptr (the same) holds the part of the float32 sum that bf16 dv
+        lost, `sum - dv`: the pair carries about 16 bits where float32 carries 24, in 4 bytes
+        per value where a float32 sum and its bf16 copy took 6."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -313,17 +316,29 @@ if HAS_TRITON:
             dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, MODE) + dzs[None, :])
             dv += _dot(kn * kdec[:, None], dS, DT, ACC, MODE)
         dkm, dvm = km[:, None] & (f[None, :] < F), km[:, None] & (c[None, :] < Dv)
+        dvo = bh * Lk * Dv + pos[:, None] * Dv + c[None, :]
         if ACCUM:
             dk += tl.load(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=dkm, other=0.0)
-            dv += tl.load(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=dvm, other=0.0)
+            if DV_BF16:
+                dv += _bf16_value(tl.load(dv_ptr + dvo, mask=dvm, other=0))
+                dv += _bf16_value(tl.load(dvlo_ptr + dvo, mask=dvm, other=0))
+            else:
+                dv += tl.load(dv_ptr + dvo, mask=dvm, other=0.0)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
-        _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, dvm, DV_BF16)
+        if DV_BF16:
+            hi = _bf16_bits(dv)
+            tl.store(dv_ptr + dvo, hi, mask=dvm)
+            if not LAST:
+                tl.store(dvlo_ptr + dvo, _bf16_bits(dv - _bf16_value(hi)), mask=dvm)
+        else:
+            tl.store(dv_ptr + dvo, dv.to(dv_ptr.dtype.element_ty), mask=dvm)
 
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
     _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY + ["DIVIDE", "OUT_BF16"], restore=["num_ptr", "den_ptr"])
     _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
-    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16"], restore=["dk_ptr", "dv_ptr"])
+    _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16", "LAST"],
+                                 restore=["dk_ptr", "dv_ptr", "dvlo_ptr"])
     _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "SCALED"])
 
 
@@ -405,9 +420,10 @@ class _SoE(torch.autograd.Function):
         NS = min(N, 128)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        # one launch: dv written in bf16 by the kernel (`dv_in_bf16`); several add up in float32 first
-        dv_bf16 = dv_in_bf16(v, dt) and len(groups) == 1
+        # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
+        dv_bf16 = dv_in_bf16(v, dt)
         dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
+        dvlo = torch.empty_like(dv) if dv_bf16 and len(groups) > 1 else dv
         dwq = []
         for i, (k0, k1) in enumerate(groups):
             Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
@@ -428,10 +444,12 @@ class _SoE(torch.autograd.Function):
                                                           Kg, q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, **meta,
                                                           **scaled)
             _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
-                                            dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, Kg,
-                                            q_offset, BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, **flags, **meta,
-                                            **scaled)
+                                            *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
+                                              else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset,
+                                            BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
+                                            **flags, **meta, **scaled)
             del dh, dz
+        del dvlo
         dcn = dwq_h = None
         if ctx.needs_input_grad[3]:
             p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
