@@ -60,9 +60,10 @@
 #   the bf16 output gradient, triton_chunked stores bf16 chunk states and runs dk/dv and dq as two
 #   kernels, PRF's forward goes in blocks of positions): benchmarks/composition_memory.py
 #   estimates the 1M rows from the CPU at 6.72 GiB (triton_chunked, ALiBi), 6.64 (triton_band, T5)
-#   and 8.1 (triton_soe) above the inputs (was 28-29, then 10.1-10.8, then 7.7 / 7.7 / 9.6-9.9;
+#   and 7.66 (triton_soe) above the inputs (was 28-29, then 10.1-10.8, then 7.7 / 7.7 / 9.6-9.9;
 #   2026-11-25, second session: the quotient is freed before the kernels' backward,
-#   `_QuotientGrad`, and the bench's call no longer holds its output through backward);
+#   `_QuotientGrad`, and the bench's call no longer holds its output through backward: 8.1 for
+#   triton_soe; fourth session: its dv summed over term groups as bf16 pairs);
 #   compare the 1M rows' peak_bytes with that estimate;
 # - ptxas reports register spills in the float32-feature (tf32x3, the bf16 default) gradient
 #   kernels and none with bf16 features (`FASTRPE_COMPILE_CHECK=1 python -m pytest -s
