@@ -7,6 +7,8 @@ bidirectional (Lq = Lk), by the kernels of `ops/linear/triton_chunked.py`.
 the exact band) by the fused kernel of `ops/linear/triton_soe.py`.
 `triton_band`: causal finite-support terms (T5 buckets, clipped tables), EXACT, by the same
 fused kernel with one undecayed term (`ops/linear/triton_band.py`).
+`triton_tiled`: any 1D Toeplitz term (a learned table over all offsets), causal or not, EXACT,
+quadratic time and linear memory in flash-style tiles (`ops/linear/triton_tiled.py`).
 
 The kernel module is imported only when a call runs: `triton.jit` decides when it decorates
 whether a kernel is compiled for the GPU or interpreted on the CPU (`TRITON_INTERPRET=1`).
@@ -325,12 +327,78 @@ class TritonBandBackend(Backend):
         return _run_fused(q, k, v, p, kpm, coeffs)
 
 
+def num_den_triton_tiled(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
+                         dot_dtype=None, precision="ieee", divide=None):
+    """The `NumDen` inner-product algorithm by the tiled kernels of `ops/linear/triton_tiled.py`;
+    coeffs: `[H, Lq+Lk-1]` log-coefficients or None. `divide` as `NumDen`'s."""
+    from .ops.linear.triton_tiled import kernelized_num_den_triton_tiled
+
+    if key_log_scale is not None:
+        raise ValueError("triton_tiled: keys stabilized per key (a running maximum) need the dense algorithm")
+    out_dtype = phi_q.dtype
+    if dot_dtype is not None and dot_dtype != phi_q.dtype:
+        phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
+    return kernelized_num_den_triton_tiled(phi_q, phi_k, v, coeffs, causal=causal, q_offset=q_offset,
+                                           key_padding_mask=key_padding_mask, out_dtype=out_dtype,
+                                           precision=precision, divide=divide)
+
+
+class TritonTiledBackend(Backend):
+    """Kernelized attention with any 1D Toeplitz term (a learned table over all offsets
+    included), EXACT, quadratic time and linear memory: flash-attention-style tiles, Triton
+    kernels forward and backward (`ops/linear/triton_tiled.py`). Where no linear-time form
+    exists it is what runs at the lengths where the FFT's constant is too large."""
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        from .dispatch import BACKENDS
+
+        # what `fft` refuses (a softmax-only term, a 2D grid, causal SIKF), then what the kernels add
+        r = list(BACKENDS["fft"].not_supported_reasons(p))
+        why = _triton_reason(p)
+        if why:
+            r.append(why)
+        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            r.append(f"dtype {p.dtype} is not supported")
+        return r
+
+    def cost(self, p: Problem) -> Cost:
+        pairs = p.B * p.H * p.Lq * p.Lk * (0.5 if p.causal else 1.0)
+        # per pair: φq·φk (2F), the value product (2C) and exp(b - m); backward recomputes both
+        # products twice (dq, then dk/dv) and adds two more
+        flops = pairs * (2 * p.F + 2 * (p.Dv + 1) + 10) * (3.5 if p.requires_grad else 1)
+        el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)
+        tiles = max(1, p.Lq // 64) if p.requires_grad else 1  # each key tile is read once per query tile
+        mem = p.B * p.H * (p.Lq + p.Lk) * (p.F + p.Dv + 2) * el * (2 if p.requires_grad else 1)
+        seconds = machine_time(p.device, flops, mem * min(tiles, 8), calls=4 if p.requires_grad else 1)
+        if p.device.type != "cuda":
+            seconds *= 1e4  # the interpreter: never `auto`'s choice
+        return Cost(seconds, mem)
+
+    def run(self, q, k, v, p, kpm):
+        from . import backends
+
+        dot_dtype, precision = lowp_dots(p)
+
+        def num_den(phi_q, phi_k, vv, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
+                    divide=None):
+            return num_den_triton_tiled(phi_q, phi_k, vv, coeffs, causal=causal, q_offset=q_offset,
+                                        key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
+                                        dot_dtype=dot_dtype, precision=precision, divide=divide)
+
+        num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
+        num_den.divides = True
+        return _compose(q, k, v, p, kpm, num_den, backends._coefficients(p, backends._math_dtype(p)))
+
+
 def register() -> None:
     register_backend(TritonChunkedBackend(
         "triton_chunked", description="kernelized, geometric decay, linear time, Triton kernels (CUDA)"))
     register_backend(TritonSoEBackend(
         "triton_soe", exact=False,
         description="causal kernelized, any decaying term, one fused Triton pass (approximate, CUDA)"))
+    register_backend(TritonTiledBackend(
+        "triton_tiled", description="kernelized, any 1D Toeplitz term (learned over all offsets), exact, quadratic "
+                                    "time in flash-style tiles, linear memory (CUDA)"))
     register_backend(TritonBandBackend(
         "triton_band", description="causal kernelized, finite-support term (T5, clipped table): exact band + "
                                    "constant tail in one fused Triton pass (CUDA)"))

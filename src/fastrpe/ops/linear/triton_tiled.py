@@ -1,0 +1,292 @@
+"""Kernelized attention with any Toeplitz term, exactly, in tiles: the quadratic sibling of the
+FFT path for an arbitrary table over all offsets (a learned bias, anything with no linear-time
+form), written as flash attention is, with nothing `[Lq, Lk]` materialized. The dense
+reference is `naive.py` (`kernelized_num_den_naive`), whose contract this op keeps:
+
+    num_i = Σ_j exp(b(r_ij) - m_i) (φq_i·φk_j) v_j,   den_i = Σ_j exp(b(r_ij) - m_i) (φq_i·φk_j)
+
+with `r_ij = j - (q_offset + i)`, `b` the `[H, Lq+Lk-1]` log-coefficients (Luo et al. 2021,
+Eq. 10 with `c = exp(b)`), causal keeping `r <= 0`, and `m_i` the row's own largest `b` over
+the keys it sees (its `log_scale`: no row underflows because of another's scale).
+
+Each program holds a tile of BM queries and walks the key tiles, as flash attention does with
+its scores: `m_i` is the running maximum of `b` over the tiles seen so far, and the sums are
+rescaled by `exp(m_old - m_new)` when it grows (here the maximum is of the position term
+alone, so it is the same for every batch row). Per pair it costs `φq·φk` (F products) and
+`exp(b - m)`, against FlexAttention's `q·k` (D products) and its softmax `exp`; the table is
+read through the tile of offsets `j - i + Lq - 1`, which is the same few KB for every tile.
+
+Backward, as flash attention's: `_tiled_bwd_dq` (a program per query tile) and
+`_tiled_bwd_dkv` (a program per key tile) recompute `A = φq·φkᵀ` and `w = exp(b - m)` from
+the saved `m`; with `G_ij = inv_i (do_i·v_j) + dd_i` (do the quotient's or num's gradient,
+`_numerator_grads`), `dφq = (G∘w) φk`, `dφk = (G∘w)ᵀ φq`, `dv = (A∘w∘inv)ᵀ do`, and the table's
+gradient `db(r) = Σ_{r_ij = r} A_ij w_ij G_ij` by atomic adds (only when b takes one).
+
+Memory: O(L) (the inputs, den and m); time: O(Lq·Lk·(F + Dv)), half of it when causal.
+
+Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, R = Lq + Lk - 1
+offsets; BM/BN query/key tile rows, BF/BDV power-of-two tile widths (>= 16 for `tl.dot`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..._validate import FastRPEError
+from .triton_chunked import (_TL_DTYPE, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode, dv_in_bf16,
+                             quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .triton_chunked import _divide_rows, _dot, _row_inv, _store_tile
+
+    #: the running maximum's start: below any log-coefficient that matters, and finite, so
+    #: `exp(m_old - m_new)` is never `exp(-inf + inf)`
+    _NEG = tl.constexpr(-1e30)
+
+    @triton.jit
+    def _log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL: tl.constexpr):
+        """`[len(i), len(j)]` log-coefficients `b(j - q_offset - i)` of head hh, `-inf` outside
+        the call (and, CAUSAL, for keys after the query)."""
+        ok = iok[:, None] & jok[None, :]
+        if CAUSAL:
+            ok = ok & (j[None, :] <= q_offset + i[:, None])
+        return tl.load(lc_ptr + hh * R + (j[None, :] - i[:, None] + Lq - 1), mask=ok, other=float("-inf"))
+
+    @triton.jit
+    def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
+                          BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                          CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                          DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False):
+        """Grid (cdiv(Lq, BM), B·H): num (or, DIVIDE, the quotient; OUT_BF16: into the int16 view
+        of a bf16 output), den and the rows' log-scale m of one query tile."""
+        im = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        hh = bh % H
+        i = im * BM + tl.arange(0, BM)
+        iok = i < Lq
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        fm, cm = f[None, :] < F, c[None, :] < Dv
+        q = tl.load(q_ptr + bh * Lq * F + i[:, None] * F + f[None, :], mask=iok[:, None] & fm, other=0.0).to(ACC)
+        acc = tl.zeros([BM, BDV], dtype=ACC)
+        den = tl.zeros([BM], dtype=ACC)
+        m = tl.full([BM], _NEG, dtype=ACC)
+        hi = Lk
+        if CAUSAL:
+            hi = tl.minimum(Lk, q_offset + im * BM + BM)
+        for j0 in range(0, hi, BN):
+            j = j0 + tl.arange(0, BN)
+            jok = j < Lk
+            k = tl.load(k_ptr + bh * Lk * F + j[:, None] * F + f[None, :], mask=jok[:, None] & fm, other=0.0).to(ACC)
+            v = tl.load(v_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], mask=jok[:, None] & cm, other=0.0)
+            b = _log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC)
+            m_new = tl.maximum(m, tl.max(b, 1))
+            alpha = tl.exp(m - m_new)
+            P = _dot(q, tl.trans(k), DT, ACC, MODE) * tl.exp(b - m_new[:, None])
+            acc = acc * alpha[:, None] + _dot(P, v, DT, ACC, MODE)
+            den = den * alpha + tl.sum(P, 1)
+            m = m_new
+        if DIVIDE:
+            acc = _divide_rows(acc, den, THR)
+        _store_tile(num_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], acc, iok[:, None] & cm, OUT_BF16)
+        tl.store(den_ptr + bh * Lq + i, den.to(den_ptr.dtype.element_ty), mask=iok)
+        tl.store(m_ptr + bh * Lq + i, tl.where(m == _NEG, 0.0, m), mask=iok)  # a row that sees nothing: 0
+
+    @triton.jit
+    def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dq_ptr,
+                             H, Lq, Lk, F, Dv, R, q_offset,
+                             BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                             CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                             SCALED: tl.constexpr):
+        """Grid (cdiv(Lq, BM), B·H): dφq of one query tile. SCALED: do is the quotient's
+        gradient, its rows scaled by inv (`_row_inv`)."""
+        im = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        hh = bh % H
+        i = im * BM + tl.arange(0, BM)
+        iok = i < Lq
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        fm, cm = f[None, :] < F, c[None, :] < Dv
+        do = tl.load(do_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], mask=iok[:, None] & cm, other=0.0)
+        inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
+        dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
+        m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
+        dq = tl.zeros([BM, BF], dtype=ACC)
+        hi = Lk
+        if CAUSAL:
+            hi = tl.minimum(Lk, q_offset + im * BM + BM)
+        for j0 in range(0, hi, BN):
+            j = j0 + tl.arange(0, BN)
+            jok = j < Lk
+            k = tl.load(k_ptr + bh * Lk * F + j[:, None] * F + f[None, :], mask=jok[:, None] & fm, other=0.0).to(ACC)
+            v = tl.load(v_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], mask=jok[:, None] & cm, other=0.0)
+            w = tl.exp(_log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC) - m[:, None])
+            G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
+            dq += _dot(G * w, k, DT, ACC, MODE)
+        tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & fm)
+
+    @triton.jit
+    def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dk_ptr, dv_ptr, db_ptr,
+                              H, Lq, Lk, F, Dv, R, q_offset,
+                              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                              CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                              SCALED: tl.constexpr, DV_BF16: tl.constexpr = False, DB: tl.constexpr = False):
+        """Grid (cdiv(Lk, BN), B·H): dφk and dv of one key tile (DV_BF16: dv_ptr is the int16
+        view of a bf16 dv); DB: the table's gradient added to db_ptr `[H, R]` (atomics in ACC)."""
+        jn = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        hh = bh % H
+        j = jn * BN + tl.arange(0, BN)
+        jok = j < Lk
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        fm, cm = f[None, :] < F, c[None, :] < Dv
+        k = tl.load(k_ptr + bh * Lk * F + j[:, None] * F + f[None, :], mask=jok[:, None] & fm, other=0.0).to(ACC)
+        v = tl.load(v_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], mask=jok[:, None] & cm, other=0.0)
+        dk = tl.zeros([BN, BF], dtype=ACC)
+        dv = tl.zeros([BN, BDV], dtype=ACC)
+        lo = 0
+        if CAUSAL:  # the first query tile with a query at or after the tile's first key
+            lo = tl.maximum(jn * BN - q_offset, 0) // BM * BM
+        for i0 in range(lo, Lq, BM):
+            i = i0 + tl.arange(0, BM)
+            iok = i < Lq
+            q = tl.load(q_ptr + bh * Lq * F + i[:, None] * F + f[None, :], mask=iok[:, None] & fm, other=0.0).to(ACC)
+            do = tl.load(do_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], mask=iok[:, None] & cm, other=0.0)
+            inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
+            dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
+            m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
+            w = tl.exp(_log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC) - m[:, None])
+            A = _dot(q, tl.trans(k), DT, ACC, MODE)
+            dA = (inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * w
+            dk += _dot(tl.trans(dA), q, DT, ACC, MODE)
+            dv += _dot(tl.trans(A * w * inv[:, None]), do, DT, ACC, MODE)
+            if DB:
+                ok = iok[:, None] & jok[None, :]
+                tl.atomic_add(db_ptr + hh * R + (j[None, :] - i[:, None] + Lq - 1), A * dA, mask=ok)
+        tl.store(dk_ptr + bh * Lk * F + j[:, None] * F + f[None, :], dk, mask=jok[:, None] & fm)
+        _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
+
+    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "CAUSAL", "DIVIDE", "OUT_BF16"])
+    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "CAUSAL", "SCALED"])
+    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "CAUSAL", "SCALED", "DV_BF16", "DB"],
+                                   reset=["db_ptr"])
+
+#: query and key tile rows
+TILE = 64
+
+
+class _Tiled(torch.autograd.Function):
+    """`(num or the quotient, den, m)` of `kernelized_num_den_triton_tiled`."""
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, lc, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
+        B, H, Lq, F = phi_q.shape
+        Lk, Dv = v.shape[2], v.shape[3]
+        dev, dt = phi_q.device, phi_q.dtype
+        acc = acc_dtype(dt)
+        BF, BDV, R = _pow2(F), _pow2(Dv), Lq + Lk - 1
+        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
+        den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
+        m = torch.empty(B, H, Lq, dtype=acc, device=dev)
+        out_bf16, quot = quotient_flags(divide, acc)
+        meta = dict(BM=TILE, BN=TILE, BF=BF, BDV=BDV, CAUSAL=causal, DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+        _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc,
+                                                          num.view(torch.int16) if out_bf16 else num, den, m,
+                                                          H, Lq, Lk, F, Dv, R, q_offset, **quot, **meta)
+        ctx.save_for_backward(phi_q, phi_k, v, lc, m, den if divide is not None else None)
+        ctx.cfg = (q_offset, meta)
+        ctx.mark_non_differentiable(m)
+        return num, den, m
+
+    @staticmethod
+    def backward(ctx, dnum, dden, dm):
+        phi_q, phi_k, v, lc, m, den = ctx.saved_tensors
+        q_offset, meta = ctx.cfg
+        B, H, Lq, F = phi_q.shape
+        Lk, Dv = v.shape[2], v.shape[3]
+        dev, dt, R = phi_q.device, phi_q.dtype, lc.shape[1]
+        acc = acc_dtype(dt)
+        dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
+        meta = dict(meta, SCALED=den is not None)
+        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+        _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, dnum, inv, dd, m, dq,
+                                                             H, Lq, Lk, F, Dv, R, q_offset, **meta)
+        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+        dv_bf16 = dv_in_bf16(v, dt)
+        dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
+        wants_db = ctx.needs_input_grad[3]
+        # (without it, a placeholder that is never touched: the autotuner zeroes db_ptr's tensor)
+        db = torch.zeros(H, R, dtype=acc, device=dev) if wants_db else torch.zeros(1, dtype=acc, device=dev)
+        _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, dnum, inv, dd, m, dk,
+                                                              dv.view(torch.int16) if dv_bf16 else dv, db,
+                                                              H, Lq, Lk, F, Dv, R, q_offset, DV_BF16=dv_bf16,
+                                                              DB=wants_db, **meta)
+        return (dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if wants_db else None,
+                None, None, None, None, None)
+
+
+def kernelized_num_den_triton_tiled(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    log_coeff: Tensor | None = None,
+    *,
+    causal: bool = False,
+    q_offset: int = 0,
+    key_padding_mask: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    precision: str = "ieee",
+    divide: torch.dtype | None = None,
+):
+    """`kernelized_num_den_naive`'s results (no `key_log_scale`) by the tiled Triton kernels,
+    forward and backward, without materializing any `[Lq, Lk]` tensor.
+
+    Args:
+        phi_q: `[B, H, Lq, F]`; phi_k: `[B, H, Lk, F]`; v: `[B, H, Lk, Dv]` (read as it
+            comes if bf16/fp16, else in phi_q's dtype).
+        log_coeff: `[H, Lq+Lk-1]` `b(r)` for `r = -(Lq-1+q_offset) .. Lk-1-q_offset` (`-inf`
+            allowed; differentiable), or None for no term.
+        causal, q_offset, key_padding_mask: as the naive op's.
+        out_dtype: dtype of num and den (default phi_q's).
+        precision: how float32 features are multiplied on the GPU (`triton_chunked.PRECISIONS`).
+        divide: a dtype: the quotient `num/den` in it in place of num (rows without weight 0, as
+            `safe_divide`), den in the accumulation dtype; backward reads the quotient's
+            gradient as it comes (`_QuotientGrad`).
+
+    Returns:
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`: the true sums are
+        `num·exp(log_scale)`, log_scale each row's largest `b` over the keys it sees.
+    """
+    if not HAS_TRITON:
+        raise FastRPEError("the triton kernels need triton: pip install 'fastrpe[triton]'")
+    why = triton_unavailable_reason(phi_q.device)
+    if why is not None:
+        raise FastRPEError(f"phi_q: the triton kernels cannot run on {phi_q.device}: {why}")
+    B, H, Lq, F = phi_q.shape
+    Lk = phi_k.shape[2]
+    dt = phi_q.dtype
+    if dt not in _TL_DTYPE:
+        raise FastRPEError(f"phi_q: dtype {dt} is not supported (float16, bfloat16, float32, float64)")
+    if Lk < 1:
+        raise FastRPEError("phi_k: needs at least one key")
+    acc = acc_dtype(dt)
+    if log_coeff is None:
+        lc = torch.zeros(H, Lq + Lk - 1, dtype=acc, device=phi_q.device)
+    else:
+        if log_coeff.shape != (H, Lq + Lk - 1):
+            raise FastRPEError(f"log_coeff: expected shape {(H, Lq + Lk - 1)}, got {tuple(log_coeff.shape)}")
+        lc = log_coeff.to(acc).contiguous()
+    if key_padding_mask is not None:
+        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    q, k = phi_q.contiguous(), phi_k.to(dt).contiguous()
+    vv = v.to(value_dtype(v, dt)).contiguous()
+    num, den, m = _Tiled.apply(q, k, vv, lc, int(q_offset), bool(causal), out_dtype or dt, dot_mode(precision),
+                               divide)
+    if divide is not None:
+        num = with_quotient_grad(num, den)
+    return num, den, m[0].detach()

@@ -1,0 +1,243 @@
+"""Any Toeplitz term, exactly, in flash-style tiles (`ops/linear/triton_tiled.py`, backend
+`triton_tiled`), against a dense reference written here from Luo et al. 2021 Eq. 10:
+`num_i = Σ_j exp(b(r_ij) - m_i)·(φq_i·φk_j)·v_j`, `den_i` the same without `v_j`,
+`r_ij = j - (q_offset + i)`, causal keeping `r <= 0`, `m_i` the row's largest visible `b`.
+
+On CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1).
+"""
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+import fastrpe as fr  # noqa: E402
+from fastrpe import positions as P  # noqa: E402
+from fastrpe._validate import FastRPEError  # noqa: E402
+from fastrpe.ops.linear import triton_tiled as tt  # noqa: E402
+from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
+from fastrpe.testing import (assert_close, assert_lowp_close, features_and_values, quotient_reference,  # noqa: E402
+                             weighted_grads)
+
+DEV = torch.device("cuda" if _CUDA else "cpu")
+pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
+                                reason=str(triton_unavailable_reason(DEV)))
+
+
+def reference(q, k, v, lc, *, causal, q_offset=0, kpm=None):
+    """Dense sums from the definition, each row scaled by its own largest visible `b`."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    i = torch.arange(Lq, device=q.device)[:, None]
+    j = torch.arange(Lk, device=q.device)[None, :]
+    b = lc[:, j - i + Lq - 1]  # (H, Lq, Lk): offset r = j - q_offset - i sits at index r + Lq - 1 + q_offset
+    if causal:
+        b = b.masked_fill(j > q_offset + i, float("-inf"))
+    m = b.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    a = torch.einsum("bhif,bhjf->bhij", q, k) * torch.exp(b - m)
+    if kpm is not None:
+        a = a.masked_fill(kpm[:, None, None, :], 0.0)
+    return a @ v.to(a.dtype), a.sum(-1), m[..., 0]
+
+
+def _table(H, R, seed=0, spread=3.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (spread * torch.randn(H, R, generator=g, dtype=torch.float64)).to(DEV, dtype).requires_grad_()
+
+
+CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, causal
+    (1, 1, 1, 1, 4, 3, 0, True),  # one token
+    (1, 2, 1, 70, 12, 10, 69, True),  # one query after 69 keys (a decoding step)
+    (2, 3, 63, 63, 12, 10, 0, True),  # odd lengths inside one tile
+    (1, 2, 130, 130, 20, 33, 0, True),  # three tiles, widths that are no power of two
+    (2, 2, 70, 90, 12, 10, 20, True),  # Lq != Lk with a q_offset
+    (2, 2, 70, 90, 12, 10, 0, False),  # not causal, Lq != Lk
+    (1, 2, 129, 65, 8, 16, 5, False),  # more queries than keys
+]
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,causal", CASES)
+def test_tiled_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, causal):
+    """float64: num, den, log_scale and the gradients of φq, φk, v and the table."""
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, device=DEV)
+    lc = _table(H, Lq + Lk - 1)
+    got = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=causal, q_offset=q_offset)
+    want = reference(q, k, v, lc, causal=causal, q_offset=q_offset)
+    for name, a, b in zip(("num", "den", "log_scale"), got, want):
+        assert_close(a, b, msg=name)
+    leaves = (q, k, v, lc)
+    grads = zip(("dq", "dk", "dv", "dtable"), weighted_grads(got[:2], leaves), weighted_grads(want[:2], leaves))
+    for name, a, b in grads:
+        assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_quotient_and_padding_match_reference(causal):
+    """`divide=`: the quotient in place of num, a padded batch row, and a table with `-inf`
+    entries (coefficient 0), gradients through the quotient included."""
+    B, H, Lq, Lk, F, Dv = 2, 2, 70, 70, 12, 10
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, device=DEV)
+    lc = _table(H, Lq + Lk - 1, seed=3)
+    with torch.no_grad():
+        lc[:, ::7] = float("-inf")
+    kpm = torch.zeros(B, Lk, dtype=torch.bool, device=DEV)
+    kpm[1, -9:] = True
+    out, den, _ = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=causal, key_padding_mask=kpm,
+                                                     divide=torch.float64)
+    rn, rd, _ = reference(q, k, v, lc, causal=causal, kpm=kpm)
+    ref = quotient_reference(rn, rd)
+    assert_close(out, ref)
+    assert_close(den, rd)
+    leaves = (q, k, v, lc)
+    grads = zip(("dq", "dk", "dv", "dtable"), weighted_grads([out], leaves), weighted_grads([ref], leaves))
+    for name, a, b in grads:
+        assert_close(a, b, msg=name)
+
+
+def test_a_row_that_sees_nothing_is_zero():
+    """Every coefficient a query sees is `-inf` (or it is before every key): num, den 0, its
+    log-scale 0, and no NaN anywhere, gradients included."""
+    q, k, v = features_and_values(1, 1, 5, 5, 4, 3, device=DEV)
+    lc = torch.full((1, 9), float("-inf"), dtype=torch.float64, device=DEV, requires_grad=True)
+    num, den, ls = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=True)
+    assert torch.equal(num, torch.zeros_like(num)) and torch.equal(den, torch.zeros_like(den))
+    assert torch.equal(ls, torch.zeros_like(ls))
+    for g in weighted_grads([num, den], (q, k, v, lc)):
+        assert torch.isfinite(g).all()
+
+
+def test_causal_never_reads_the_future():
+    """Changing keys, values and table entries after a query (r > 0) changes nothing of
+    its outputs or of its gradients to the past."""
+    q, k, v = features_and_values(1, 2, 90, 90, 12, 10, device=DEV, requires_grad=False)
+    lc = _table(2, 179).detach()
+    out = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=True)[0]
+    k2, v2, lc2 = k.clone(), v.clone(), lc.detach().clone()
+    k2[:, :, 50:] += 1.0
+    v2[:, :, 50:] -= 2.0
+    lc2[:, 90:] += 5.0  # r > 0
+    out2 = tt.kernelized_num_den_triton_tiled(q, k2, v2, lc2, causal=True)[0]
+    assert torch.equal(out[:, :, :50], out2[:, :, :50])
+    assert not torch.equal(out[:, :, 50:], out2[:, :, 50:])
+
+
+def test_low_precision_against_float64():
+    """bf16 values and float32 features, the quotient in bf16 as the backends ask for it:
+    within a small factor of the naive path's own error against float64."""
+    q, k, v = features_and_values(1, 2, 130, 130, 12, 10, dtype=torch.float32, device=DEV)
+    v = v.detach().bfloat16().requires_grad_()
+    lc = _table(2, 259, dtype=torch.float32)
+    out, _, _ = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=True, divide=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    q64, k64, v64, lc64 = (t.detach().double().requires_grad_() for t in (q, k, v, lc))
+    r64 = quotient_reference(*reference(q64, k64, v64, lc64, causal=True)[:2])
+    ql, kl, vl, lcl = (t.detach().clone().requires_grad_() for t in (q, k, v, lc))
+    rl = quotient_reference(*reference(ql, kl, vl.float(), lcl, causal=True)[:2]).bfloat16()
+    assert_lowp_close(out, rl, r64.detach(), msg="out")
+    got, lowp, want = (weighted_grads((o,), leaves) for o, leaves in
+                       ((out, (q, k, v, lc)), (rl, (ql, kl, vl, lcl)), (r64, (q64, k64, v64, lc64))))
+    for name, a, n, r in zip(("dq", "dk", "dv", "dtable"), got, lowp, want):
+        assert_lowp_close(a, n, r, msg=name)
+
+
+def test_bad_inputs_say_why():
+    q, k, v = features_and_values(1, 2, 8, 8, 4, 3, device=DEV)
+    with pytest.raises(FastRPEError, match="log_coeff: expected shape"):
+        tt.kernelized_num_den_triton_tiled(q, k, v, _table(2, 14), causal=True)
+    with pytest.raises(FastRPEError, match="needs at least one key"):
+        tt.kernelized_num_den_triton_tiled(q, k[:, :, :0], v[:, :, :0], None, causal=False)
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+@pytest.fixture
+def interpret_on_cpu(monkeypatch):
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", not _CUDA)
+
+
+def _position(family, H, L):
+    g = torch.Generator().manual_seed(2)
+    if family == "learned_full":  # a table over every offset, both directions: nothing to clip
+        pos = P.LearnedTable(H, max_distance=L - 1, causal=False)
+    elif family == "learned":
+        pos = P.LearnedTable(H, max_distance=L - 1, causal=True)
+    elif family == "t5":
+        pos = P.T5Bias(H, num_buckets=8, max_distance=20, bidirectional=False)
+    else:
+        pos = P.KerpleLog(H)
+    pos = pos.double().to(DEV)
+    with torch.no_grad():
+        for prm in pos.parameters():
+            if family != "kerple_log":
+                prm.copy_(torch.randn(prm.shape, generator=g, dtype=torch.float64))
+    return pos
+
+
+@pytest.mark.parametrize("family,causal", [("learned_full", False), ("learned", True), ("t5", True),
+                                           ("kerple_log", True)])
+def test_backend_equals_dense(interpret_on_cpu, family, causal):
+    """`triton_tiled` through the public API, exact: output and gradients of q, k, v and the
+    term's parameters equal the dense backend's (float64), with a padded batch row."""
+    torch.manual_seed(0)
+    B, H, L = 2, 2, 70
+    q, k, v = (torch.randn(B, H, L, 16, dtype=torch.float64, device=DEV, requires_grad=True) for _ in range(3))
+    kpm = torch.zeros(B, L, dtype=torch.bool, device=DEV)
+    kpm[0, :4] = True
+    pos = _position(family, H, L)
+    res = []
+    for backend in ("triton_tiled", "dense"):
+        out = fr.attention(q, k, v, kernel="elu", position=pos, causal=causal, backend=backend,
+                           key_padding_mask=kpm)
+        res.append((out, weighted_grads([out], (q, k, v, *pos.parameters()))))
+    (o1, g1), (o2, g2) = res
+    assert_close(o1, o2)
+    for a, b in zip(g1, g2):
+        assert_close(a, b)
+
+
+def test_backend_refusals_say_why(interpret_on_cpu):
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, device=DEV) for _ in range(3))
+    pos = _position("learned_full", 2, 8)
+    with pytest.raises(FastRPEError, match="only kernelized attention"):
+        fr.attention(q, k, v, kernel="softmax", position=pos, causal=False, backend="triton_tiled")
+    with pytest.raises(FastRPEError, match="running maximum"):
+        fr.attention(q, k, v, kernel="exp", position=pos, causal=True, backend="triton_tiled")
+
+
+def test_backend_is_exact_and_refused_on_cpu_without_the_interpreter():
+    """`auto` may choose it (exact); on the CPU it refuses unless the tests ask for the interpreter."""
+    from fastrpe.dispatch import BACKENDS, Problem
+    from fastrpe.kernels import get_kernel
+
+    b = BACKENDS["triton_tiled"]
+    assert b.exact
+    p = Problem(1, 2, 64, 64, 16, 16, torch.float32, torch.device("cpu"), get_kernel("elu", head_dim=16),
+                _position("learned_full", 2, 64), (), False, 0, False, False)
+    if not _CUDA:
+        assert any("CUDA" in r for r in b.not_supported_reasons(p))
+
+
+@pytest.mark.gpu
+def test_tiled_gpu_realistic_size_bf16():
+    """L = 4096, H = 8, F = 32, Dv = 64, a table over every offset, causal and not, bf16 values
+    and float32 features by tf32x3 on the GPU, against the float64 reference."""
+    if not _CUDA:
+        pytest.skip("needs CUDA")
+    for causal in (True, False):
+        q, k, v = features_and_values(1, 8, 4096, 4096, 32, 64, dtype=torch.float32, device=DEV)
+        v = v.detach().bfloat16().requires_grad_()
+        lc = _table(8, 8191, dtype=torch.float32)
+        out, _, _ = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=causal, divide=torch.bfloat16,
+                                                       precision="tf32x3")
+        q64, k64, v64, lc64 = (t.detach().double().requires_grad_() for t in (q, k, v, lc))
+        r64 = quotient_reference(*reference(q64, k64, v64, lc64, causal=causal)[:2])
+        ql, kl, vl, lcl = (t.detach().clone().requires_grad_() for t in (q, k, v, lc))
+        rl = quotient_reference(*reference(ql, kl, vl.float(), lcl, causal=causal)[:2]).bfloat16()
+        assert_lowp_close(out, rl, r64.detach(), msg="out")
+        got, lowp, want = (weighted_grads((o,), leaves) for o, leaves in
+                           ((out, (q, k, v)), (rl, (ql, kl, vl)), (r64, (q64, k64, v64))))
+        for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
+            assert_lowp_close(a, n, r, msg=name)
