@@ -70,8 +70,8 @@ CRITERIA_ROWS = {
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-auto"),
-    "learned": ("flex", "fastrpe-fft", "fastrpe-auto"),
-    "learned_full": ("flex", "fastrpe-fft", "fastrpe-auto"),
+    "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
+    "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
 }
 
 
@@ -381,6 +381,9 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
 
         if p.position == "none":
             return "runs the positional families"
+        if backend == "triton_tiled" and p.L > cfg.flex_max_length:
+            # quadratic, as Flex: at 1M a forward+backward would take tens of seconds
+            return f"not run beyond L={cfg.flex_max_length} (quadratic time, as Flex; --flex-max-length)"
         pos = make_position(p.position, p.H, p.L).to(device)
         kern = _kernel(p, device)
         q, k, v = _qkv(p, device, dtype)
@@ -453,7 +456,8 @@ def registry(cfg: GpuConfig) -> dict:
     }
     for name in ("auto", *BACKENDS):
         reg[f"fastrpe-{name}"] = fastrpe_setup(name, cfg)
-    for name in ("triton_chunked", "triton_soe", "triton_band"):  # the default keeps bf16 problems' features float32
+    # the default keeps bf16 problems' features float32
+    for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
     return reg
@@ -1123,7 +1127,7 @@ def add_arguments(p) -> None:
     g.add_argument("--call-cap-s", type=float, default=None, help="hard cap on one call (default 180)")
     g.add_argument("--accuracy-length", type=int, default=None, help="L of the accuracy rows (default 65536)")
     g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
-    g.add_argument("--flex-max-length", type=int, default=None, help="no Flex rows beyond this L (default 262144)")
+    g.add_argument("--flex-max-length", type=int, default=None, help="no Flex or triton_tiled rows beyond this L (default 262144)")
 
 
 def _ints(s: str, what: str) -> tuple:
