@@ -1127,7 +1127,8 @@ def add_arguments(p) -> None:
     g.add_argument("--call-cap-s", type=float, default=None, help="hard cap on one call (default 180)")
     g.add_argument("--accuracy-length", type=int, default=None, help="L of the accuracy rows (default 65536)")
     g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
-    g.add_argument("--flex-max-length", type=int, default=None, help="no Flex or triton_tiled rows beyond this L (default 262144)")
+    g.add_argument("--flex-max-length", type=int, default=None,
+                   help="no Flex or triton_tiled rows beyond this L (default 262144)")
 
 
 def _ints(s: str, what: str) -> tuple:
