@@ -101,15 +101,17 @@ def _num_den_ops():
     gamma = torch.tensor([0.9, 0.99], device=DEV)
     return {"triton_chunked": lambda a, b, v: kernelized_num_den_triton_chunked(a, b, v, gamma=gamma)[:2],
             "triton_soe": lambda a, b, v: kernelized_num_den_triton_soe(a, b, v, plan)[:2],
-            # a term per launch: dv adds up in float32 over the launches, then is rounded once
+            # a term per launch: dv adds up over the launches as a pair of bf16 numbers (about 16
+            # bits), then is rounded once
             "triton_soe-groups": lambda a, b, v: kernelized_num_den_triton_soe(a, b, v, plan, state_budget=1)[:2]}
 
 
 @pytest.mark.parametrize("name", ["triton_chunked", "triton_soe", "triton_soe-groups"])
 def test_bf16_values_are_read_as_they_are(name):
     """float32 features with bf16 values: the kernels widen v in registers, so num, den and the
-    feature gradients equal those of `v.float()` exactly, dv is the float32 dv rounded once,
-    and no float32 copy of v is kept for backward."""
+    feature gradients equal those of `v.float()` exactly, dv is the float32 dv rounded once (over
+    several launches, but for the rare entry the carried pair rounds the other way by one
+    step), and no float32 copy of v is kept for backward."""
     op = _num_den_ops()[name]
     g = torch.Generator().manual_seed(0)
     pq, pk = (torch.rand(B, H, 100, F, generator=g).to(DEV).requires_grad_() for _ in range(2))
@@ -126,4 +128,11 @@ def test_bf16_values_are_read_as_they_are(name):
     a, b = res[torch.bfloat16], res[torch.float32]
     for x, y in zip(a[:4], b[:4]):
         assert torch.equal(x, y)
-    assert a[4].dtype == torch.bfloat16 and torch.equal(a[4], b[4].to(torch.bfloat16))
+    once = b[4].to(torch.bfloat16)
+    assert a[4].dtype == torch.bfloat16
+    if name != "triton_soe-groups":
+        assert torch.equal(a[4], once)
+    else:  # the pair's 16 bits round the other way now and then, by one bf16 step
+        step = 2.0 ** (torch.frexp(once.float())[1] - 8).double()
+        diff = (a[4].double() - once.double()).abs()
+        assert (diff <= step).all() and (diff == 0).double().mean() >= 0.98

@@ -101,9 +101,14 @@ if HAS_TRITON:
     def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """`a @ b` with operands rounded to DT and products summed in ACC. MODE (`dot_mode`):
         1 the interpreter; 2 float32 operands by three tf32 tensor-core products; 0 the rest
-        (bf16/fp16 tensor cores, float32/float64 exactly)."""
+        (bf16/fp16 tensor cores, float32/float64 exactly). Two operands that are both bf16
+        (or both fp16) already, such as a bf16 output gradient against bf16 values, take one
+        tensor-core pass whatever DT: their products are exact in float32, so the three tf32
+        passes (or CUDA-core float32) would give the same sums at several times the cost."""
         if MODE == 1:
             return tl.dot(a.to(DT).to(ACC), b.to(DT).to(ACC), out_dtype=ACC)
+        elif ACC == tl.float32 and a.dtype == b.dtype and (a.dtype == tl.bfloat16 or a.dtype == tl.float16):
+            return tl.dot(a, b, out_dtype=ACC)
         elif DT == tl.float32 and MODE == 2:
             return tl.dot(a.to(DT), b.to(DT), input_precision="tf32x3", out_dtype=ACC)
         elif DT == tl.float32 or DT == tl.float64:
