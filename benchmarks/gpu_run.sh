@@ -101,6 +101,19 @@
 #   state: a Triton-backend call, forward+backward, launches 76 / 82 / 98 kernels (triton_chunked
 #   ALiBi / triton_soe KERPLE-log / triton_band T5) instead of 138 / 215 / 178
 #   (benchmarks/call_launches.py): the L = 4,096 rows, where launches dominate, should drop most.
+# - (2026-11-25, fourth session) `triton_tiled`: any 1D table exactly in flash-style tiles
+#   (quadratic time, linear memory). The learned-table criteria at 4k and 64k read it first, with
+#   its `+bf16-features` twin; it is not run beyond --flex-max-length. From the CPU
+#   (benchmarks/table_paths.py), the FFT path moves 18 GiB at 4k and 167 GiB at 16k, causal: it
+#   cannot meet those criteria. The tiled kernels' flops at peak are 0.23 / 3.6 ms at 4k / 16k,
+#   and 58 ms at 64k with float32 features (13 with bf16), against Flex + ALiBi's 51.8. Check
+#   both twins at 64k; the GPU tests cover it through BACKENDS
+#   (tests/test_triton_tiled.py::test_tiled_gpu_realistic_size_bf16 too).
+# - (same session) `_dot` multiplies two operands that are both bf16 already (the output
+#   gradient against bf16 values or bf16 chunk states) in one bf16 tensor-core pass instead of
+#   three tf32: exact either way, and the backward kernels spill less (ptxas-sm90.json). The
+#   GPU tests' float64 comparisons at L = 4,096 check it;
+#   `triton_soe` carries dv over term groups as bf16 pairs (1M estimate 7.66 GiB).
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
