@@ -24,7 +24,7 @@ import inspect, os, re, subprocess, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr
+from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr, triton_tiled as tt
 from fastrpe.ops import triton_prf as tp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -104,13 +104,22 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
         # a middle group of KERPLE's terms at 1M, bf16 v: dv carried as a pair of bf16 bits
         cases.append((ts._soe_bwd_dkv_kernel, {**soe_b, "v_ptr": "bf16", "dv_ptr": "i16", "dvlo_ptr": "i16"},
                       dict(NB=2, NEAR=False, ACCUM=True, DV_BF16=True, LAST=False, **tile, **sc)))
+        # a table over all offsets in tiles (triton_tiled), as the composition runs it: float32
+        # features, bf16 v and output gradient, the bf16 quotient written as bits
+        tl_io = {**io, **sums, "q_ptr": acc, "k_ptr": acc, "v_ptr": "bf16", "lc_ptr": acc, "m_ptr": acc, "db_ptr": acc,
+                 "do_ptr": "bf16"}
+        tiles2 = dict(BM=64, BN=64, BF=32, BDV=64, CAUSAL=True, **m)
+        cases += [(tt._tiled_fwd_kernel, {**tl_io, "num_ptr": "i16", "den_ptr": acc},
+                   dict(DIVIDE=True, THR=1e-31, OUT_BF16=True, **tiles2)),
+                  (tt._tiled_bwd_dq_kernel, tl_io, dict(SCALED=True, **tiles2)),
+                  (tt._tiled_bwd_dkv_kernel, {**tl_io, "dv_ptr": "i16"}, dict(SCALED=True, DV_BF16=True, **tiles2))]
     for kernel, types, consts in cases:
         k = compile_for_h100(kernel, types, consts)
         assert k.metadata.shared <= 227 * 1024, (dt, k.metadata.name, consts.get("NB"), k.metadata.shared)
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (6 + 2 * 6) + 8
+N_COMPILED = 2 * (6 + 2 * 6) + 11
 
 
 @pytest.mark.slow
