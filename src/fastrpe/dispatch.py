@@ -187,10 +187,11 @@ class Explanation:
             _policy_line(self),
         ]
         m = self.measurement
+        w = max((len(c.backend) for c in self.candidates), default=10)  # one column for every name
         for c in sorted(self.candidates, key=lambda c: (bool(c.reasons), c.cost.seconds if c.cost else 0)):
             tag = "exact" if c.exact else "APPROXIMATE"
             if c.reasons:
-                lines.append(f"  {c.backend:10s} refused: " + "; ".join(c.reasons))
+                lines.append(f"  {c.backend:{w}s} refused: " + "; ".join(c.reasons))
             else:
                 mark = "*" if c.backend == self.chosen else " "
                 meas = ""
@@ -198,7 +199,7 @@ class Explanation:
                     meas = f", measured {_fmt_time(c.measured)}"
                 elif m is not None:
                     meas = f", not measured: {m.not_measured.get(c.backend, 'not eligible when measured')}"
-                lines.append(f"{mark} {c.backend:10s} {c.cost}{meas}  ({tag})")
+                lines.append(f"{mark} {c.backend:{w}s} {c.cost}{meas}  ({tag})")
         return "\n".join(lines)
 
 
