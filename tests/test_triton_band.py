@@ -170,6 +170,41 @@ def test_band_kernel_never_sees_the_future():
     assert not torch.equal(num[:, :, 30:], num2[:, :, 30:])
 
 
+def test_a_table_without_gradient_keeps_its_plan():
+    """A frozen term's table (kept per parameter state by the backend) gets one plan, whose
+    kernel tables triton_soe keeps too; an in-place edit makes a new one; a table in the graph
+    gets a new plan on every call and its gradient."""
+    q, k, v = features_and_values(1, 2, 40, 40, 8, 6, device=DEV)
+    lc = _log_coeff(_table(2, 20), 40, 40, 0).detach()
+
+    def plan_of(table):
+        seen = []
+        real = tb.kernelized_num_den_triton_soe
+
+        def spy(*a, **kw):
+            seen.append(a[3])
+            return real(*a, **kw)
+
+        tb.kernelized_num_den_triton_soe = spy
+        try:
+            out = tb.kernelized_num_den_triton_band(q, k, v, table, window=20)
+        finally:
+            tb.kernelized_num_den_triton_soe = real
+        return seen[0], out
+
+    (p1, o1), (p2, o2) = plan_of(lc), plan_of(lc)
+    assert p1 is p2 and torch.equal(o1[0], o2[0])
+    with torch.no_grad():
+        lc[:, 35:40] += 1.0  # b(-d), d = 0..4
+    p3, o3 = plan_of(lc)
+    assert p3 is not p1 and not torch.equal(o3[0], o1[0])
+    live = lc.clone().requires_grad_()
+    (p4, o4), (p5, _) = plan_of(live), plan_of(live)
+    assert p4 is not p5
+    (g,) = torch.autograd.grad(o4[0].sum(), live)
+    assert g.abs().sum() > 0
+
+
 # ----------------------------------------------------------------------------- the backend
 
 

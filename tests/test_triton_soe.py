@@ -166,6 +166,25 @@ def test_term_groups_carry_bf16_dv_as_a_pair():
     assert (diff == 0).double().mean() >= 0.98
 
 
+def test_kernel_tables_are_kept_for_a_plan_without_gradient():
+    """A frozen plan's kernel tables are built once (a GPU call would pay a dozen launches each
+    time); an in-place edit of the plan builds them again, with the fresh values; a plan in the
+    graph gets new ones on every call, so gradients reach it."""
+    plan = _plan(2, 8, 4)
+    frozen = SoEPlan(plan.gamma, plan.a.detach().clone(), plan.corr.detach().clone(), plan.window, plan.fit_length)
+    first = ts.kernel_tables(frozen, 16, 2, torch.float32)
+    assert all(a is b for a, b in zip(first, ts.kernel_tables(frozen, 16, 2, torch.float32)))
+    with torch.no_grad():
+        frozen.a.mul_(2.0)
+    edited = ts.kernel_tables(frozen, 16, 2, torch.float32)
+    assert edited[1] is not first[1] and torch.allclose(edited[1], 2.0 * first[1])
+    live = [ts.kernel_tables(plan, 16, 2, torch.float32) for _ in range(2)]
+    assert live[0][1] is not live[1][1] and live[0][1].requires_grad
+    with torch.no_grad():  # autograd off: nothing can flow, so they are kept
+        kept = [ts.kernel_tables(plan, 16, 2, torch.float32) for _ in range(2)]
+    assert kept[0][1] is kept[1][1]
+
+
 def test_near_chunks_cover_the_band():
     """The far field starts past the band: `W <= (NB-1)·T + 1`, with NB as small as that
     allows and at most MAX_NEAR (a wider band raises T)."""

@@ -4,6 +4,8 @@ term's SoE fit, `ops.linear.soe.soe_plan_for`; its log-coefficient table,
 None of it reads a tensor: no host synchronization."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -21,10 +23,32 @@ def takes_grad(module: nn.Module) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in module.parameters())
 
 
+class ByIdentity:
+    """A store for `kept` whose owners are told apart by identity, for owners whose `==` is not
+    identity (a tensor compares elementwise, a dataclass by fields, so neither can key a
+    `weakref.WeakKeyDictionary`); an owner's entries go when it is collected."""
+
+    def __init__(self):
+        self._by_id: dict[int, dict] = {}
+
+    def get(self, owner):
+        return self._by_id.get(id(owner))
+
+    def setdefault(self, owner, value: dict) -> dict:
+        i = id(owner)
+        if i not in self._by_id:
+            self._by_id[i] = value
+            weakref.finalize(owner, self._by_id.pop, i, None)
+        return self._by_id[i]
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
 def kept(store, owner, key, build, *, entries: int, keep=None):
     """`build()` for `owner` under `key`, kept in `store[owner]` (`store`: a
-    `weakref.WeakKeyDictionary` of one dict per owner; the oldest entry goes beyond `entries`;
-    `keep(value)` False: returned, not kept)."""
+    `weakref.WeakKeyDictionary` of one dict per owner, or a `ByIdentity`; the oldest entry goes
+    beyond `entries`; `keep(value)` False: returned, not kept)."""
     memo = store.get(owner)
     if memo is None:
         memo = store.setdefault(owner, {})

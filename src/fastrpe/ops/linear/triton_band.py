@@ -18,12 +18,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..._memo import ByIdentity, kept
 from .soe import SoEPlan
 from .triton_chunked import DEFAULT_CHUNK
 from .triton_soe import kernelized_num_den_triton_soe
 
 #: `SoEPlan.fit_length` of an exact plan: every distance is represented, none was fitted
 EXACT = 1 << 62
+
+#: the plans of tables that take no gradient, per table: a frozen term's table is kept
+#: (`backends._coefficients`), and so, here, is its plan, whose kernel tables `triton_soe` keeps
+_PLANS = ByIdentity()
 
 
 def band_plan(b: Tensor) -> SoEPlan:
@@ -85,11 +90,18 @@ def kernelized_num_den_triton_band(
     if W < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     Lq = phi_q.shape[2]
-    # b(-d), d = 0..W: offset -d sits at index Lq-1+q_offset-d; distances past the vector
-    # (longer than any pair of this call) take its last entry, which no pair reads
-    d = torch.arange(W + 1, device=log_coeff.device)
-    b = log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)]
-    return kernelized_num_den_triton_soe(phi_q, phi_k, v, band_plan(b), q_offset=q_offset,
+
+    def plan():
+        # b(-d), d = 0..W: offset -d sits at index Lq-1+q_offset-d; distances past the vector
+        # (longer than any pair of this call) take its last entry, which no pair reads
+        d = torch.arange(W + 1, device=log_coeff.device)
+        return band_plan(log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)])
+
+    if (torch.is_grad_enabled() and log_coeff.requires_grad) or torch.compiler.is_compiling():
+        p = plan()
+    else:
+        p = kept(_PLANS, log_coeff, (Lq, q_offset, W, log_coeff.data_ptr(), log_coeff._version), plan, entries=4)
+    return kernelized_num_den_triton_soe(phi_q, phi_k, v, p, q_offset=q_offset,
                                          key_padding_mask=key_padding_mask, chunk_size=chunk_size,
                                          out_dtype=out_dtype, precision=precision, state_dtype=state_dtype,
                                          divide=divide)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..._memo import ByIdentity, kept
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
@@ -461,6 +462,29 @@ class _SoE(torch.autograd.Function):
         return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h, None, None, None, None, None, None, None, None, None
 
 
+#: the kernel tables of plans that take no gradient, per plan: a frozen term's plan is
+#: kept (`soe.soe_plan_for`), and so, here, are the tables made from it (a dozen launches a call)
+_KERNEL_TABLES = ByIdentity()
+
+
+def kernel_tables(plan: SoEPlan, T: int, NB: int, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`(cn, wq, log γ)` as the kernels read them, contiguous in `acc` (`soe_tables`).
+
+    A plan in the graph (`a` or `corr` requires grad, autograd on) gets them built on every
+    call, so that gradients reach its parameters; any other plan's are built once per plan
+    and the versions of its tensors (an in-place edit builds them again)."""
+    def build():
+        cn, wq = soe_tables(plan, T, NB)
+        lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
+        return cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk
+
+    tensors = (plan.gamma, plan.a, plan.corr)
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or torch.compiler.is_compiling():
+        return build()
+    key = (T, NB, acc, *((t.data_ptr(), t._version) for t in tensors))
+    return kept(_KERNEL_TABLES, plan, key, build, entries=4)
+
+
 def soe_tables(plan: SoEPlan, T: int, NB: int = 2) -> tuple[Tensor, Tensor]:
     """The plan as the kernels read it (float64, differentiable in `plan.a`, `plan.corr`):
     `cn: [H, NB·T]` the coefficient at distance `d = 0..NB·T-1` (exact below W, fitted beyond)
@@ -534,15 +558,14 @@ def kernelized_num_den_triton_soe(
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
     acc = acc_dtype(dt)
-    cn, wq = soe_tables(plan, T, NB)
-    lgk = torch.log(plan.gamma.detach().to(torch.float64)).to(acc).contiguous()
+    cn, wq, lgk = kernel_tables(plan, T, NB, acc)
     N = -(-max(v.shape[2], q_offset + Lq) // T)
     # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
     # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
     sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
     group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
-                          cn.to(acc).contiguous(), wq.to(acc).contiguous(), lgk, int(q_offset), T, NB, out_dtype or dt,
+                          cn, wq, lgk, int(q_offset), T, NB, out_dtype or dt,
                           dot_mode(precision), sdt, group, divide)
     if divide is not None:
         num = with_quotient_grad(num, den)
