@@ -3,7 +3,9 @@ GPU would issue them: the aten operations dispatched outside the kernels (a
 `TorchDispatchMode`; views and ops that launch nothing are left out, as in decode_ops.py) and
 the Triton kernel launches. Counted on CPU, with the kernels under Triton's interpreter and the
 backends' GPU choices forced (`backends_triton.INTERPRET_ON_CPU`, the bf16 policy of CUDA). The
-ops the interpreter itself dispatches inside a kernel are not counted.
+ops the interpreter itself dispatches inside a kernel are not counted. The forward counts
+include the input check's non-finite test (18 launches: `isfinite`, `all`, `stack`, `item`),
+which runs on CPU tensors only: a CUDA call has 18 fewer.
 
 At short lengths a call's GPU time is mostly launches: at 4,096 tokens, compiled Flex with ALiBi
 takes 1.36 ms on the H100 (issue 12's table), and each eager launch costs several µs of GPU time
@@ -28,7 +30,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-CASES = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"))
+CASES = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"),
+         ("triton_tiled", "learned"))
 
 
 def _decode_ops():
