@@ -113,7 +113,9 @@
 #   gradient against bf16 values or bf16 chunk states) in one bf16 tensor-core pass instead of
 #   three tf32: exact either way, and the backward kernels spill less (ptxas-sm90.json). The
 #   GPU tests' float64 comparisons at L = 4,096 check it;
-#   `triton_soe` carries dv over term groups as bf16 pairs (1M estimate 7.66 GiB).
+#   `triton_soe` carries dv over term groups as bf16 pairs (1M estimate 7.66 GiB); a frozen
+#   term's kernel tables are kept, so a call launches 76 / 67 / 67 / 59 kernels (triton_chunked /
+#   soe / band / tiled; call_launches.py, 18 of them the CPU-only input check).
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
