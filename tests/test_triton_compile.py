@@ -113,13 +113,21 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
                    dict(DIVIDE=True, THR=1e-31, OUT_BF16=True, **tiles2)),
                   (tt._tiled_bwd_dq_kernel, tl_io, dict(SCALED=True, **tiles2)),
                   (tt._tiled_bwd_dkv_kernel, {**tl_io, "dv_ptr": "i16"}, dict(SCALED=True, DV_BF16=True, **tiles2))]
+        # the fused decode step of a full band (T5) and of a sum of exponentials (KERPLE-log), as
+        # `_prf_step_kernel`'s: bf16 q/k/[v, 1] rows, float32 states and windows, the quotient in bf16
+        win = {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "o_ptr": "i16",
+               **dict.fromkeys(["w_ptr", "shift_ptr", "s_ptr", "keys_ptr", "vals_ptr", "bw_ptr", "tail_ptr", "g_ptr",
+                                "a_ptr", "cw_ptr", "out_s_ptr", "out_keys_ptr", "out_vals_ptr", "scale", "inv_sqrt_f",
+                                "tiny"], acc)}
+        cases += [(kernel, win, dict(BD=64, BF=32, BC=128, BJ=16, NORMALIZE=True, DROP=1, O_BF16=True))
+                  for kernel in (tr._prf_band_step_kernel, tr._prf_soe_step_kernel)]
     for kernel, types, consts in cases:
         k = compile_for_h100(kernel, types, consts)
         assert k.metadata.shared <= 227 * 1024, (dt, k.metadata.name, consts.get("NB"), k.metadata.shared)
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (6 + 2 * 6) + 11
+N_COMPILED = 2 * (6 + 2 * 6) + 13
 
 
 @pytest.mark.slow

@@ -136,6 +136,163 @@ def test_prf_step_refuses_wrong_shapes():
                                 **{**_prf_args(kern, 2), "w": torch.zeros(4, 7, device=DEV)})
 
 
+# ---- the band and sum-of-exponentials steps (`prf_band_token_triton`, `prf_soe_token_triton`) ----
+
+from dataclasses import replace  # noqa: E402
+
+from fastrpe.ops.linear.soe import causal_log_coefficients, soe_plan  # noqa: E402
+from fastrpe.ops.linear.state import BandState, SoEState  # noqa: E402
+from fastrpe.ops.linear.triton_recurrent import prf_band_token_triton, prf_soe_token_triton  # noqa: E402
+from fastrpe.testing import assert_lowp_close  # noqa: E402
+
+
+def _kerple_log(H):
+    """KERPLE-log with different parameters per head (its default starts every head alike)."""
+    from fastrpe import positions as P
+
+    pos = P.KerpleLog(H)
+    with torch.no_grad():
+        pos.raw_r1.add_(torch.linspace(-0.5, 0.5, H))
+        pos.raw_r2.add_(torch.linspace(0.5, -0.5, H))
+    return pos
+
+
+def _token_rows(B, H, D, Dv, g, dtype):
+    """q, k `[B, H, D]` and `[v, 1]` `[B, H, Dv+1]` of one token, strided views of one fused row
+    in `dtype`, as the layer's decode step makes them."""
+    row = torch.randn(B, 2 * H * D + H * (Dv + 1), generator=g)
+    row[:, 2 * H * D:].view(B, H, Dv + 1)[..., -1] = 1.0
+    row = row.to(DEV, dtype)
+    return row[:, :H * D].view(B, H, D), row[:, H * D:2 * H * D].view(B, H, D), row[:, 2 * H * D:].view(B, H, Dv + 1)
+
+
+def _features(kern, q, k, dtype=torch.float32):
+    """PRF's own features of one token (`[B, H, 1, F]`), computed in `dtype`."""
+    return kern(q[:, :, None].to(dtype), is_query=True), kern(k[:, :, None].to(dtype), is_query=False)
+
+
+def _assert_window_state(st, ref, length):
+    assert type(st) is type(ref) and st.length == ref.length == length
+    for f in ("S", "keys", "values"):
+        a, b = getattr(st, f), getattr(ref, f)
+        assert a.shape == b.shape and a.dtype == torch.float32, f
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=f)
+
+
+def _judge(fast, naive, ref64, dtype):
+    """The fused outputs against the PyTorch ops' (same dtype) and both against float64."""
+    if dtype == torch.float32:
+        assert_close(fast, naive, torch.float32)
+        assert_lowp_close(fast, naive, ref64)
+    else:  # bf16 o, rounded to nearest as the GPU rounds: no further than torch's own rounding
+        assert fast.dtype == dtype
+        assert (fast.float() - naive).abs().max() <= 1.01 * (naive.to(dtype).float() - naive).abs().max()
+        assert_lowp_close(fast, naive.to(dtype), ref64)
+
+
+PRF_CASES = [(True, False, False, torch.float32), (False, True, True, torch.float32),
+             (True, True, False, torch.bfloat16)]
+PRF_IDS = ["nprf-fp32", "prf-two-sided-per-head-fp32", "nprf-two-sided-bf16"]
+
+
+@pytest.mark.parametrize("normalize,two_sided,per_head,dtype", PRF_CASES, ids=PRF_IDS)
+def test_band_step_matches_band_token_and_the_dense_reference(normalize, two_sided, per_head, dtype):
+    """From an empty band, W = 5 steps that fill it and 8 past it (the oldest key joining the
+    tail sum): each output and state against `recurrent.band_token`'s, and the outputs against
+    `recurrent_naive` in float64 with weights `exp(b(-min(d, W)))`. F and Dv + 1 = 11 are not
+    powers of two."""
+    B, H, D, M, Dv, W, L = 2, 3, 10, 6, 10, 5, 13
+    g = torch.Generator().manual_seed(7)
+    kern = PRF(D, M, normalize=normalize, two_sided=two_sided, num_heads=H if per_head else None, seed=3).to(DEV)
+    F = kern.num_features(D)
+    b = torch.randn(H, W + 1, generator=g, dtype=torch.float64).to(DEV)  # b(-d), d = 0..W
+    st = ref = BandState(torch.zeros(B, H, F, Dv + 1, device=DEV), torch.zeros(B, H, 0, F, device=DEV),
+                         torch.zeros(B, H, 0, Dv, device=DEV), W, 0)
+    toks, outs, refs = [], [], []
+    for t in range(L):
+        q, k, vv = _token_rows(B, H, D, Dv, g, dtype)
+        w, tail, _ = recurrent.band_token_weights(b.float(), st.keys.shape[2] + 1, W)
+        prev, S0, K0 = st, st.S.clone(), st.keys.clone()
+        o, st = prf_band_token_triton(q, k, vv, st, w, tail, out_dtype=dtype, **_prf_args(kern, H))
+        y, ref = recurrent.band_token(*_features(kern, q, k), vv[:, :, None].float(), ref, w, tail)
+        _assert_window_state(st, ref, t + 1)
+        assert st.keys.shape[2] == min(t + 1, W)
+        assert torch.equal(prev.S, S0) and torch.equal(prev.keys, K0)  # the input state is not written
+        toks.append((q, k, vv))
+        outs.append(o)
+        refs.append(recurrent.divide_packed(y)[:, :, 0])
+    q, k, vv = (torch.stack(x, 2) for x in zip(*toks))  # (B, H, L, D | C)
+    pq, pk = kern(q.double(), is_query=True), kern(k.double(), is_query=False)
+    num, den = recurrent.recurrent_naive(pq, pk, vv[..., :Dv].double(),
+                                         torch.exp(b[:, torch.arange(L, device=DEV).clamp_max(W)]))
+    _judge(torch.stack(outs, 2), torch.stack(refs, 2), num / den[..., None], dtype)
+
+
+@pytest.mark.parametrize("normalize,two_sided,per_head,dtype", PRF_CASES, ids=PRF_IDS)
+def test_soe_step_matches_soe_token_and_the_dense_reference(normalize, two_sided, per_head, dtype):
+    """From an empty state, W - 1 = 6 steps that fill the band and 6 past it, K = 5 terms of a
+    KERPLE-log fit: each output and state against `recurrent.soe_token`'s, and the outputs
+    against `recurrent_naive` in float64 with the plan's weights `Σ_k a_k γ_k^d + corr(d)`
+    (`corr` for d < W only)."""
+    B, H, D, M, Dv, W, K, L = 2, 3, 10, 6, 10, 7, 5, 12
+    g = torch.Generator().manual_seed(8)
+    kern = PRF(D, M, normalize=normalize, two_sided=two_sided, num_heads=H if per_head else None, seed=4).to(DEV)
+    F = kern.num_features(D)
+    with torch.no_grad():
+        plan = soe_plan(causal_log_coefficients(_kerple_log(H).to(DEV), 200), W, K)
+    st = ref = SoEState(torch.zeros(B, H, K, F, Dv + 1, device=DEV), torch.zeros(B, H, 0, F, device=DEV),
+                        torch.zeros(B, H, 0, Dv + 1, device=DEV), plan, 0)
+    toks, outs, refs = [], [], []
+    for t in range(L):
+        q, k, vv = _token_rows(B, H, D, Dv, g, dtype)
+        gamma, a, cw = recurrent.soe_token_coefficients(plan, st.keys.shape[2] + 1, torch.float32)
+        prev, S0, K0 = st, st.S.clone(), st.keys.clone()
+        o, st = prf_soe_token_triton(q, k, vv, st, gamma.view(K), a.view(H, K), cw, out_dtype=dtype,
+                                     **_prf_args(kern, H))
+        y, ref = recurrent.soe_token(*_features(kern, q, k), vv[:, :, None].float(), ref, gamma, a, cw)
+        _assert_window_state(st, ref, t + 1)
+        assert st.keys.shape[2] == min(t + 1, W - 1) and st.plan is plan
+        assert torch.equal(prev.S, S0) and torch.equal(prev.keys, K0)
+        toks.append((q, k, vv))
+        outs.append(o)
+        refs.append(recurrent.divide_packed(y)[:, :, 0])
+    q, k, vv = (torch.stack(x, 2) for x in zip(*toks))
+    pq, pk = kern(q.double(), is_query=True), kern(k.double(), is_query=False)
+    d = torch.arange(L, device=DEV, dtype=torch.float64)
+    coeff = (plan.a[:, None, :] * plan.gamma ** d[:, None]).sum(-1)  # (H, L)
+    coeff[:, :W] += plan.corr
+    num, den = recurrent.recurrent_naive(pq, pk, vv[..., :Dv].double(), coeff)
+    _judge(torch.stack(outs, 2), torch.stack(refs, 2), num / den[..., None], dtype)
+
+
+def test_band_and_soe_steps_refuse_constants_of_another_step():
+    from fastrpe import positions as P
+
+    B, H, D, M, Dv, W = 1, 2, 8, 4, 5, 3
+    kern = PRF(D, M).to(DEV)
+    q, k, vv = _token_rows(B, H, D, Dv, torch.Generator().manual_seed(0), torch.float32)
+    full = BandState(torch.zeros(B, H, M, Dv + 1, device=DEV), torch.zeros(B, H, W, M, device=DEV),
+                     torch.zeros(B, H, W, Dv, device=DEV), W, 9)
+    b = torch.zeros(H, W + 1, device=DEV)
+    w, tail, _ = recurrent.band_token_weights(b, W + 1, W)
+    with pytest.raises(FastRPEError, match="weights, tail"):  # a full band reads its tail sum
+        prf_band_token_triton(q, k, vv, full, w, None, **_prf_args(kern, H))
+    with pytest.raises(FastRPEError, match="weights, tail"):  # weights for another n
+        prf_band_token_triton(q, k, vv, full, w[:, 1:].contiguous(), tail, **_prf_args(kern, H))
+    with pytest.raises(FastRPEError, match="state: expected"):
+        prf_band_token_triton(q, k, vv, replace(full, values=full.values[..., 1:]), w, tail, **_prf_args(kern, H))
+    plan = soe_plan(causal_log_coefficients(P.KerpleLog(H).to(DEV), 50).detach(), 4, 3)
+    st = SoEState(torch.zeros(B, H, 3, M, Dv + 1, device=DEV), torch.zeros(B, H, 3, M, device=DEV),
+                  torch.zeros(B, H, 3, Dv + 1, device=DEV), plan, 9)
+    gamma, a, cw = recurrent.soe_token_coefficients(plan, 4, torch.float32)
+    with pytest.raises(FastRPEError, match="gamma, a, cw"):  # cw of 3 keys, not this step's 4
+        prf_soe_token_triton(q, k, vv, st, gamma.view(-1), a.view(H, -1), cw[:, :3].contiguous(),
+                             **_prf_args(kern, H))
+    over = replace(st, keys=torch.zeros(B, H, 4, M, device=DEV), values=torch.zeros(B, H, 4, Dv + 1, device=DEV))
+    with pytest.raises(FastRPEError, match="gamma, a, cw"):  # 4 buffered keys: more than W - 1
+        prf_soe_token_triton(q, k, vv, over, gamma.view(-1), a.view(H, -1), cw, **_prf_args(kern, H))
+
+
 # ---- the layer's decode step through it (`MultiheadAttention._prf_step`) ---------------------
 
 import copy  # noqa: E402

@@ -1,19 +1,28 @@
-"""One decoding step of causal kernelized attention with a geometric decay, fused into one
-Triton kernel (the fast sibling of `recurrent.linear_step` for one token):
+"""One decoding step of causal kernelized attention after a constant-size state, fused into
+one Triton kernel (the fast siblings of `recurrent`'s one-token ops). The geometric state:
 
     S <- γ_h·S + φ(k) ⊗ [v, 1]        (state `[B, H, F, Dv+1]`, float32)
     y  = φ(q)·S,  num = y[:Dv],  den = y[Dv]
 
-Two kernels. `linear_step_triton` takes the features. `prf_linear_token_triton` also computes
-them: PRF/NPRF's map (`kernels.PRF.features`) and the quotient `num/den`. A decoding step of
-`nn.MultiheadAttention` with PRF features and a geometric state is then three launches: the
-fused q/k/v matmul, this kernel and the output projection. The PyTorch step is 39 launches
-(`benchmarks/decode_ops.py`). The step is launch-bound at a constant-size state. Eager on an
-H100 (2026-11-23, docs/RESULTS.md), 64 launches took 1.9 ms for about 0.1 ms of work.
-Inference only (no autograd).
+`linear_step_triton` takes the features. The `prf_*_token_triton` ops also compute them,
+PRF/NPRF's map (`kernels.PRF.features`), and the quotient `num/den`, one per state kind:
+`prf_linear_token_triton` (the geometric state, `recurrent.linear_token`),
+`prf_band_token_triton` (a finite-support term, `recurrent.band_token`: the last W keys
+and a tail sum) and `prf_soe_token_triton` (a sum of exponentials, `recurrent.soe_token`:
+K geometric states and the last W - 1 keys). A decoding step of `nn.MultiheadAttention`
+with PRF features is then three launches: the fused q/k/v matmul, one of these kernels and
+the output projection. The PyTorch step is 39 to 46 launches (`benchmarks/decode_ops.py`).
+The step is launch-bound at a constant-size state. Eager on an H100 (2026-11-23,
+docs/RESULTS.md), 64 launches took 1.9 ms for about 0.1 ms of work. Inference only (no
+autograd).
+
+The band and SoE steps write the new window (the old one shifted by a row, the new key
+last: oldest first, as the PyTorch ops keep it) to new tensors: a state stays what it was
+after a step, and a copy of W rows of F + Dv floats per head is small beside a launch.
 
 Notation: B batch, H heads, D head width, M projections, F features (M, or 2M two-sided),
-Dv value width, C = Dv + 1, BD/BF/BC tile widths.
+Dv value width, C = Dv + 1, NB keys buffered in the window, W its width, K terms,
+BD/BF/BC/BJ tile widths.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from ..common import underflow_threshold
+from .state import BandState, SoEState
 from .triton_chunked import HAS_TRITON, _pow2, triton_unavailable_reason
 
 if HAS_TRITON:
@@ -63,17 +73,11 @@ if HAS_TRITON:
         return tl.sum(w * xs[None, :], 1) - tl.sum(xs * xs, 0) / 2
 
     @triton.jit
-    def _prf_step_kernel(q_ptr, k_ptr, vv_ptr, w_ptr, shift_ptr, g_ptr, s_ptr, out_s_ptr, o_ptr,
-                         H, D, M, F, Dv, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h, scale, inv_sqrt_f, tiny,
-                         BD: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr,
-                         NORMALIZE: tl.constexpr, HAS_G: tl.constexpr, O_BF16: tl.constexpr):
-        """Grid (B·H,): one head's features, new state and `num/den` (0 where |den| < tiny;
-        O_BF16: o_ptr is the int16 view of a bf16 o, rounded to nearest as the GPU rounds)."""
-        bh = tl.program_id(0).to(tl.int64)
-        b, h = bh // H, bh % H
-        d, f, c = tl.arange(0, BD), tl.arange(0, BF), tl.arange(0, BC)
-        C = Dv + 1
-        dm, fm, cm = d < D, f < F, c < C
+    def _prf_qk(q_ptr, k_ptr, w_ptr, shift_ptr, b, h, D, M, F, sq_b, sq_h, sk_b, sk_h, sw_h, scale, inv_sqrt_f,
+                BD: tl.constexpr, BF: tl.constexpr, NORMALIZE: tl.constexpr):
+        """`(φq [BF], φk [BF])` of head h of row b, as `kernels.PRF.features` (0 past F)."""
+        d, f = tl.arange(0, BD), tl.arange(0, BF)
+        dm, fm = d < D, f < F
         # feature f projects on row f mod M, negated in the second half (two-sided: F = 2M)
         sign = tl.where(f < M, 1.0, -1.0)
         w = tl.load(w_ptr + h * sw_h + (f % M)[:, None] * D + d[None, :], mask=fm[:, None] & dm[None, :],
@@ -83,6 +87,29 @@ if HAS_TRITON:
         eq = tl.where(fm, _prf_exponents(q, w, scale, NORMALIZE), float("-inf"))
         pq = tl.exp(eq - tl.max(eq, 0)) * inv_sqrt_f  # a query subtracts its own maximum
         pk = tl.where(fm, tl.exp(_prf_exponents(k, w, scale, NORMALIZE) - tl.load(shift_ptr + h)) * inv_sqrt_f, 0.0)
+        return pq, pk
+
+    @triton.jit
+    def _store_quotient(o_ptr, y, c, Dv, tiny, O_BF16: tl.constexpr):
+        """`o[c] = y[c] / y[Dv]` for c < Dv, 0 where |den| < tiny (`divide_packed`)."""
+        den = tl.sum(tl.where(c == Dv, y, 0.0), 0)
+        empty = tl.abs(den) < tiny
+        _store_tile(o_ptr + c, tl.where(empty, 0.0, y / tl.where(empty, 1.0, den)), c < Dv, O_BF16)
+
+    @triton.jit
+    def _prf_step_kernel(q_ptr, k_ptr, vv_ptr, w_ptr, shift_ptr, g_ptr, s_ptr, out_s_ptr, o_ptr,
+                         H, D, M, F, Dv, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h, scale, inv_sqrt_f, tiny,
+                         BD: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr,
+                         NORMALIZE: tl.constexpr, HAS_G: tl.constexpr, O_BF16: tl.constexpr):
+        """Grid (B·H,): one head's features, new state and `num/den` (0 where |den| < tiny;
+        O_BF16: o_ptr is the int16 view of a bf16 o, rounded to nearest as the GPU rounds)."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        f, c = tl.arange(0, BF), tl.arange(0, BC)
+        C = Dv + 1
+        fm, cm = f < F, c < C
+        pq, pk = _prf_qk(q_ptr, k_ptr, w_ptr, shift_ptr, b, h, D, M, F, sq_b, sq_h, sk_b, sk_h, sw_h, scale,
+                         inv_sqrt_f, BD, BF, NORMALIZE)
         vv = tl.load(vv_ptr + b * sv_b + h * sv_h + c, mask=cm, other=0.0).to(tl.float32)
         off = bh * F * C + f[:, None] * C + c[None, :]
         m = fm[:, None] & cm[None, :]
@@ -91,11 +118,110 @@ if HAS_TRITON:
             S = tl.load(g_ptr + h).to(tl.float32) * S
         S = S + pk[:, None] * vv[None, :]
         tl.store(out_s_ptr + off, S, mask=m)
-        y = tl.sum(pq[:, None] * S, 0)  # (BC,): [num, den]
-        den = tl.sum(tl.where(c == Dv, y, 0.0), 0)
-        empty = tl.abs(den) < tiny
-        o = tl.where(empty, 0.0, y / tl.where(empty, 1.0, den))
-        _store_tile(o_ptr + bh * Dv + c, o, c < Dv, O_BF16)
+        _store_quotient(o_ptr + bh * Dv, tl.sum(pq[:, None] * S, 0), c, Dv, tiny, O_BF16)
+
+    @triton.jit
+    def _band_window(pq, keys_ptr, vals_ptr, cw_ptr, out_keys_ptr, out_vals_ptr, b, h, bh, NB, F, C,
+                     skb_b, skb_h, skb_j, skb_f, svb_b, svb_h, svb_j, svb_c, DROP: tl.constexpr,
+                     ONE_IMPLIED: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr, BJ: tl.constexpr):
+        """`Σ_j cw_j (φq·k_j) [v_j, 1]` over the NB buffered keys (`[BC]`); key j and its value
+        are copied to row j - DROP of the new window (`[B, H, NB + 1 - DROP, F | VW]`,
+        contiguous), the DROP oldest to none. ONE_IMPLIED: the values are VW = C - 1 wide
+        (BandState's), else C (the 1 stored, SoEState's)."""
+        f, c = tl.arange(0, BF), tl.arange(0, BC)
+        fm = f < F
+        if ONE_IMPLIED:
+            VW = C - 1
+        else:
+            VW = C
+        keep = NB + 1 - DROP
+        y = tl.zeros([BC], dtype=tl.float32)
+        for j0 in range(0, NB, BJ):
+            j = j0 + tl.arange(0, BJ)
+            jm = j < NB
+            kt = tl.load(keys_ptr + b * skb_b + h * skb_h + j[:, None] * skb_j + f[None, :] * skb_f,
+                         mask=jm[:, None] & fm[None, :], other=0.0).to(tl.float32)  # (BJ, BF)
+            vt = tl.load(vals_ptr + b * svb_b + h * svb_h + j[:, None] * svb_j + c[None, :] * svb_c,
+                         mask=jm[:, None] & (c < VW)[None, :], other=0.0).to(tl.float32)  # (BJ, BC)
+            out = (j >= DROP) & jm  # written back as read: an implied 1 is not stored
+            row = bh * keep + (j - DROP)
+            tl.store(out_keys_ptr + row[:, None] * F + f[None, :], kt, mask=out[:, None] & fm[None, :])
+            tl.store(out_vals_ptr + row[:, None] * VW + c[None, :], vt, mask=out[:, None] & (c < VW)[None, :])
+            if ONE_IMPLIED:
+                vt = tl.where((c == VW)[None, :], 1.0, vt)  # the denominator's column
+            s = tl.sum(kt * pq[None, :], 1) * tl.load(cw_ptr + h * (NB + 1) + j, mask=jm, other=0.0)  # (BJ,)
+            y += tl.sum(s[:, None] * vt, 0)
+        return y
+
+    @triton.jit
+    def _prf_band_step_kernel(q_ptr, k_ptr, vv_ptr, w_ptr, shift_ptr, s_ptr, keys_ptr, vals_ptr, bw_ptr, tail_ptr,
+                              out_s_ptr, out_keys_ptr, out_vals_ptr, o_ptr,
+                              H, D, M, F, Dv, NB, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h,
+                              skb_b, skb_h, skb_j, skb_f, svb_b, svb_h, svb_j, svb_c, scale, inv_sqrt_f, tiny,
+                              BD: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr, BJ: tl.constexpr,
+                              NORMALIZE: tl.constexpr, DROP: tl.constexpr, O_BF16: tl.constexpr):
+        """Grid (B·H,): `recurrent.band_token` with PRF's features and the quotient, one head.
+        bw: `[H, NB + 1]` the band's weights; DROP (the band is full, NB = W): the tail sum S is
+        read with weight `tail[h]`, then the oldest key joins it (out_s) and leaves the window."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        f, c = tl.arange(0, BF), tl.arange(0, BC)
+        C = Dv + 1
+        fm, cm = f < F, c < C
+        pq, pk = _prf_qk(q_ptr, k_ptr, w_ptr, shift_ptr, b, h, D, M, F, sq_b, sq_h, sk_b, sk_h, sw_h, scale,
+                         inv_sqrt_f, BD, BF, NORMALIZE)
+        vv = tl.load(vv_ptr + b * sv_b + h * sv_h + c, mask=cm, other=0.0).to(tl.float32)
+        y = _band_window(pq, keys_ptr, vals_ptr, bw_ptr, out_keys_ptr, out_vals_ptr, b, h, bh, NB, F, C,
+                         skb_b, skb_h, skb_j, skb_f, svb_b, svb_h, svb_j, svb_c, DROP, True, BF, BC, BJ)
+        # the new key, at distance 0
+        y += tl.load(bw_ptr + h * (NB + 1) + NB) * tl.sum(pq * pk, 0) * vv
+        row = bh * (NB + 1 - DROP) + NB - DROP
+        tl.store(out_keys_ptr + row * F + f, pk, mask=fm)
+        tl.store(out_vals_ptr + row * Dv + c, vv, mask=c < Dv)
+        if DROP:
+            off = bh * F * C + f[:, None] * C + c[None, :]
+            m = fm[:, None] & cm[None, :]
+            S = tl.load(s_ptr + off, mask=m, other=0.0)
+            y += tl.load(tail_ptr + h) * tl.sum(pq[:, None] * S, 0)
+            # the oldest key, now W + 1 tokens back, joins the tail sum
+            k0 = tl.load(keys_ptr + b * skb_b + h * skb_h + f * skb_f, mask=fm, other=0.0)
+            v0 = tl.load(vals_ptr + b * svb_b + h * svb_h + c * svb_c, mask=c < Dv, other=0.0)
+            tl.store(out_s_ptr + off, S + k0[:, None] * tl.where(c == Dv, 1.0, v0)[None, :], mask=m)
+        _store_quotient(o_ptr + bh * Dv, y, c, Dv, tiny, O_BF16)
+
+    @triton.jit
+    def _prf_soe_step_kernel(q_ptr, k_ptr, vv_ptr, w_ptr, shift_ptr, s_ptr, keys_ptr, vals_ptr, g_ptr, a_ptr, cw_ptr,
+                             out_s_ptr, out_keys_ptr, out_vals_ptr, o_ptr,
+                             H, D, M, F, Dv, K, NB, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h,
+                             skb_b, skb_h, skb_j, skb_f, svb_b, svb_h, svb_j, svb_c, scale, inv_sqrt_f, tiny,
+                             BD: tl.constexpr, BF: tl.constexpr, BC: tl.constexpr, BJ: tl.constexpr,
+                             NORMALIZE: tl.constexpr, DROP: tl.constexpr, O_BF16: tl.constexpr):
+        """Grid (B·H,): `recurrent.soe_token` with PRF's features and the quotient, one head:
+        the K states `S_k <- γ_k·S_k + φk ⊗ vv`, `y = Σ_k a_k φq·S_k` + the band `cw` over
+        the NB buffered keys and the new one; DROP (the window holds W - 1): the oldest leaves."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        f, c = tl.arange(0, BF), tl.arange(0, BC)
+        C = Dv + 1
+        fm, cm = f < F, c < C
+        pq, pk = _prf_qk(q_ptr, k_ptr, w_ptr, shift_ptr, b, h, D, M, F, sq_b, sq_h, sk_b, sk_h, sw_h, scale,
+                         inv_sqrt_f, BD, BF, NORMALIZE)
+        vv = tl.load(vv_ptr + b * sv_b + h * sv_h + c, mask=cm, other=0.0).to(tl.float32)
+        kv = pk[:, None] * vv[None, :]
+        m = fm[:, None] & cm[None, :]
+        y = tl.zeros([BC], dtype=tl.float32)
+        for kk in range(K):
+            off = (bh * K + kk) * F * C + f[:, None] * C + c[None, :]
+            S = tl.load(g_ptr + kk) * tl.load(s_ptr + off, mask=m, other=0.0) + kv
+            tl.store(out_s_ptr + off, S, mask=m)
+            y += tl.load(a_ptr + h * K + kk) * tl.sum(pq[:, None] * S, 0)
+        y += _band_window(pq, keys_ptr, vals_ptr, cw_ptr, out_keys_ptr, out_vals_ptr, b, h, bh, NB, F, C,
+                          skb_b, skb_h, skb_j, skb_f, svb_b, svb_h, svb_j, svb_c, DROP, False, BF, BC, BJ)
+        y += tl.load(cw_ptr + h * (NB + 1) + NB) * tl.sum(pq * pk, 0) * vv  # the new key, at distance 0
+        row = bh * (NB + 1 - DROP) + NB - DROP
+        tl.store(out_keys_ptr + row * F + f, pk, mask=fm)
+        tl.store(out_vals_ptr + row * C + c, vv, mask=cm)
+        _store_quotient(o_ptr + bh * Dv, y, c, Dv, tiny, O_BF16)
 
 
 def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *, gamma: Tensor | None = None):
@@ -129,6 +255,27 @@ def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *
     return y[:, :, None, :Dv], y[:, :, None, Dv], new
 
 
+def _check_prf_token(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, w: Tensor, two_sided: bool):
+    """`(B, H, D, M, F, C)` of a fused step's arguments, checked as `prf_linear_token_triton`'s."""
+    why = triton_unavailable_reason(q.device)
+    if why is not None:
+        raise FastRPEError(f"q: the triton kernels cannot run on {q.device}: {why}")
+    B, H, D = q.shape
+    M = w.shape[-2]
+    F, C = (2 * M if two_sided else M), vv.shape[2]
+    if w.shape[-1] != D or w.dim() not in (2, 3) or (w.dim() == 3 and w.shape[0] != H):
+        raise FastRPEError(f"w: expected [M, {D}] or [{H}, M, {D}], got {tuple(w.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, vv)) or not (S.is_contiguous() and w.is_contiguous()):
+        raise FastRPEError("q, k, vv: unit stride in the last dim; S, w: contiguous")
+    return B, H, D, M, F, C
+
+
+def _row_strides(q: Tensor, k: Tensor, vv: Tensor, w: Tensor) -> tuple:
+    """`(sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h)` of a fused step (sw_h 0: one w for every head)."""
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+            w.shape[-2] * w.shape[-1] if w.dim() == 3 else 0)
+
+
 def prf_linear_token_triton(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, *, w: Tensor, key_shift: Tensor,
                             input_scale: float, normalize: bool, two_sided: bool, gamma: Tensor | None = None,
                             out_dtype: torch.dtype | None = None):
@@ -147,26 +294,121 @@ def prf_linear_token_triton(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, *, w: T
     Returns:
         `(o [B, H, Dv], S [B, H, F, C])`, `o` 0 for a row with no weight (as `divide_packed`).
     """
-    why = triton_unavailable_reason(q.device)
-    if why is not None:
-        raise FastRPEError(f"q: the triton kernels cannot run on {q.device}: {why}")
-    B, H, D = q.shape
-    M = w.shape[-2]
-    F, C = (2 * M if two_sided else M), vv.shape[2]
-    if w.shape[-1] != D or w.dim() not in (2, 3) or (w.dim() == 3 and w.shape[0] != H):
-        raise FastRPEError(f"w: expected [M, {D}] or [{H}, M, {D}], got {tuple(w.shape)}")
+    B, H, D, M, F, C = _check_prf_token(q, k, vv, S, w, two_sided)
     if S.shape != (B, H, F, C) or S.dtype != torch.float32:
         raise FastRPEError(f"S: expected float32 {(B, H, F, C)}, got {S.dtype} {tuple(S.shape)}")
-    if any(t.stride(-1) != 1 for t in (q, k, vv)) or not (S.is_contiguous() and w.is_contiguous()):
-        raise FastRPEError("q, k, vv: unit stride in the last dim; S, w: contiguous")
     new = torch.empty_like(S)
     o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
     bf16 = o.dtype == torch.bfloat16
     _prf_step_kernel[(B * H,)](q, k, vv, w, key_shift, S if gamma is None else gamma, S, new,
-                               o.view(torch.int16) if bf16 else o,
-                               H, D, M, F, C - 1, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                               vv.stride(0), vv.stride(1), M * D if w.dim() == 3 else 0, float(input_scale),
-                               F ** -0.5, underflow_threshold(torch.float32),
+                               o.view(torch.int16) if bf16 else o, H, D, M, F, C - 1, *_row_strides(q, k, vv, w),
+                               float(input_scale), F ** -0.5, underflow_threshold(torch.float32),
                                BD=_pow2(D), BF=_pow2(F), BC=_pow2(C), NORMALIZE=bool(normalize),
                                HAS_G=gamma is not None, O_BF16=bf16)
     return o, new
+
+
+#: keys per iteration over a band's window: a [16, C] tile of values at a time
+_BJ = 16
+
+#: warps of the band and SoE steps: at Triton's default 4, ptxas (sm_90, D = 64, F = 32,
+#: C = 65 in 128-wide tiles) spills 284 B of the SoE step's 255 registers; at 8 it uses 234
+#: and the band step 115-128, none spilled (tests/test_triton_compile.py compiles them so)
+_WARPS = 8
+
+
+def prf_band_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: BandState, weights: Tensor,
+                          tail: Tensor | None, *, w: Tensor, key_shift: Tensor, input_scale: float, normalize: bool,
+                          two_sided: bool, out_dtype: torch.dtype | None = None):
+    """One token after the finite-support `state`, PRF features included, by one Triton launch:
+    `recurrent.band_token` on `φq = PRF(q)`, `φk = PRF(k)` (as `prf_linear_token_triton`'s),
+    then `o = num/den` (as `divide_packed`). The new window is written to new tensors, oldest
+    first, so the state means what `band_token`'s means; its tail sum is `state.S` itself
+    (not copied) until the band is full.
+
+    Args:
+        q, k: `[B, H, D]`; vv: `[B, H, Dv+1]` (`[v, 1]`), as `prf_linear_token_triton`'s.
+        state: float32 `BandState`, `S` contiguous, `nb <= W` buffered keys (`window` W).
+        weights, tail: `band_token_weights(b, nb + 1, W)`'s `w [H, nb+1]` and `tail [H, 1]`
+            (None unless nb = W), float32.
+        w, key_shift, input_scale, normalize, two_sided, out_dtype: as `prf_linear_token_triton`'s.
+
+    Returns:
+        `(o [B, H, Dv], BandState)`, `o` 0 for a row with no weight.
+    """
+    B, H, D, M, F, C = _check_prf_token(q, k, vv, state.S, w, two_sided)
+    S, keys, values, W = state.S, state.keys, state.values, state.window
+    nb = keys.shape[2]
+    if S.shape != (B, H, F, C) or keys.shape != (B, H, nb, F) or values.shape != (B, H, nb, C - 1):
+        raise FastRPEError(f"state: expected S {(B, H, F, C)}, keys {(B, H, nb, F)}, values {(B, H, nb, C - 1)}; "
+                           f"got {tuple(S.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    if any(t.dtype != torch.float32 for t in (S, keys, values, weights)):
+        raise FastRPEError("state, weights: float32")
+    full = nb == W
+    if nb > W or (tail is None) == full or weights.shape != (H, nb + 1) or not weights.is_contiguous() \
+            or (tail is not None and (tail.numel() != H or not tail.is_contiguous() or tail.dtype != torch.float32)):
+        raise FastRPEError(f"weights, tail: band_token_weights(b, {nb + 1}, {W}) for {nb} buffered keys of a "
+                           f"{W}-wide band, got {tuple(weights.shape)} and tail "
+                           f"{None if tail is None else tuple(tail.shape)}")
+    keep = nb + 1 - int(full)
+    new_keys = torch.empty(B, H, keep, F, dtype=torch.float32, device=q.device)
+    new_values = torch.empty(B, H, keep, C - 1, dtype=torch.float32, device=q.device)
+    new_S = torch.empty_like(S) if full else S  # until the band is full, no key reaches the tail sum
+    o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
+    bf16 = o.dtype == torch.bfloat16
+    _prf_band_step_kernel[(B * H,)](q, k, vv, w, key_shift, S, keys, values, weights,
+                                    weights if tail is None else tail, new_S, new_keys, new_values,
+                                    o.view(torch.int16) if bf16 else o, H, D, M, F, C - 1, nb,
+                                    *_row_strides(q, k, vv, w), *keys.stride(), *values.stride(),
+                                    float(input_scale), F ** -0.5,
+                                    underflow_threshold(torch.float32), BD=_pow2(D), BF=_pow2(F), BC=_pow2(C),
+                                    BJ=_BJ, NORMALIZE=bool(normalize), DROP=int(full), O_BF16=bf16,
+                                    num_warps=_WARPS)
+    return o, BandState(new_S, new_keys, new_values, W, state.length + 1)
+
+
+def prf_soe_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: SoEState, gamma: Tensor, a: Tensor,
+                         cw: Tensor, *, w: Tensor, key_shift: Tensor, input_scale: float, normalize: bool,
+                         two_sided: bool, out_dtype: torch.dtype | None = None):
+    """One token after the sum-of-exponentials `state`, PRF features included, by one Triton
+    launch: `recurrent.soe_token` on `φq = PRF(q)`, `φk = PRF(k)` (as
+    `prf_linear_token_triton`'s), then `o = num/den` (as `divide_packed`). The new states and
+    window (oldest first) are new tensors.
+
+    Args:
+        q, k: `[B, H, D]`; vv: `[B, H, Dv+1]` (`[v, 1]`), as `prf_linear_token_triton`'s.
+        state: float32 `SoEState`, `S` contiguous, `nb <= W - 1` buffered keys (`plan.window` W).
+        gamma, a, cw: `soe_token_coefficients(plan, nb + 1, torch.float32)` (any shapes holding
+            `[K]`, `[H, K]` and `[H, nb+1]`).
+        w, key_shift, input_scale, normalize, two_sided, out_dtype: as `prf_linear_token_triton`'s.
+
+    Returns:
+        `(o [B, H, Dv], SoEState)`, `o` 0 for a row with no weight.
+    """
+    B, H, D, M, F, C = _check_prf_token(q, k, vv, state.S, w, two_sided)
+    S, keys, values, W = state.S, state.keys, state.values, state.plan.window
+    nb, K = keys.shape[2], gamma.numel()
+    if S.shape != (B, H, K, F, C) or keys.shape != (B, H, nb, F) or values.shape != (B, H, nb, C):
+        raise FastRPEError(f"state: expected S {(B, H, K, F, C)}, keys {(B, H, nb, F)}, values {(B, H, nb, C)}; "
+                           f"got {tuple(S.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    if any(t.dtype != torch.float32 for t in (S, keys, values, gamma, a, cw)):
+        raise FastRPEError("state, gamma, a, cw: float32")
+    if nb > W - 1 or a.numel() != H * K or cw.shape != (H, nb + 1) \
+            or not all(t.is_contiguous() for t in (gamma, a, cw)):
+        raise FastRPEError(f"gamma, a, cw: soe_token_coefficients(plan, {nb + 1}, float32) for {nb} buffered keys "
+                           f"of a {W}-wide band, got {tuple(gamma.shape)}, {tuple(a.shape)}, {tuple(cw.shape)}")
+    drop = int(nb == W - 1)
+    keep = nb + 1 - drop
+    new_keys = torch.empty(B, H, keep, F, dtype=torch.float32, device=q.device)
+    new_values = torch.empty(B, H, keep, C, dtype=torch.float32, device=q.device)
+    new_S = torch.empty_like(S)
+    o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
+    bf16 = o.dtype == torch.bfloat16
+    _prf_soe_step_kernel[(B * H,)](q, k, vv, w, key_shift, S, keys, values, gamma, a, cw, new_S, new_keys,
+                                   new_values, o.view(torch.int16) if bf16 else o, H, D, M, F, C - 1, K, nb,
+                                   *_row_strides(q, k, vv, w), *keys.stride(), *values.stride(),
+                                   float(input_scale), F ** -0.5,
+                                   underflow_threshold(torch.float32), BD=_pow2(D), BF=_pow2(F), BC=_pow2(C),
+                                   BJ=_BJ, NORMALIZE=bool(normalize), DROP=drop, O_BF16=bf16,
+                                   num_warps=_WARPS)
+    return o, SoEState(new_S, new_keys, new_values, state.plan, state.length + 1)
