@@ -9,10 +9,11 @@ with a `TorchDispatchMode` (the ops that reach the backend, after autograd and t
 decompositions): `ops` is all of them, `launches` those that are not views (nor `NO_KERNEL`;
 on a GPU, roughly one kernel each). `us_per_step` is the median wall time of `--repeats` steps on CPU.
 
-The row "fused Triton step" is the ALiBi layer with `attention.FUSED_STEP = "always"`: its one
-Triton launch (`triton_recurrent.prf_linear_token_triton`: features, state, quotient) is not an
-aten op, so `launches` adds `triton_launches`. Without CUDA the kernel runs under Triton's
-interpreter: counted, not timed (`us_per_step` null).
+The rows "..., fused Triton step" are the same layers with `attention.FUSED_STEP = "always"`:
+their one Triton launch (`triton_recurrent.prf_linear_token_triton`, `prf_soe_token_triton`,
+`prf_band_token_triton`: features, state, quotient) is not an aten op, so `launches` adds
+`triton_launches`. Without CUDA the kernels run under Triton's interpreter: counted, not timed
+(`us_per_step` null).
 
     python benchmarks/decode_ops.py --out benchmarks/results/decode_ops.json
 """
@@ -99,40 +100,52 @@ def cases(cfg, device, dtype, seed: int = 0):
         kk = torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype)
         return KVCache(kk, torch.randn(cfg.B, H, ctx, D, generator=g).to(device=device, dtype=dtype))
 
-    rows = [
-        ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of),
-        (FUSED_ROW, lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of),
-        ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of),
-        ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of),
-        ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), kv_cache),
-    ]
+    rows = []
+    for name, make in (
+            ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto")),
+            ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe")),
+            ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"))):
+        rows += [(name, make, state_of), (name + FUSED, make, state_of)]  # PyTorch ops, then the fused step
+    rows.append(("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), kv_cache))
     for name, make, state in rows:
         mha = make()
         yield name, mha, state(mha), x
 
 
-FUSED_ROW = "state-linear (alibi, nprf), fused Triton step"
+#: the suffix of the rows that take the fused Triton step
+FUSED = ", fused Triton step"
+
+#: the fused steps' kernels (`ops/linear/triton_recurrent.py`)
+FUSED_KERNELS = ("_prf_step_kernel", "_prf_band_step_kernel", "_prf_soe_step_kernel")
+
+
+class _Launches:
+    """Launches of the kernels wrapped by `fused_step`, counted in `n`; with `skip` they only
+    count (the interpreter's own aten ops would be counted as the step's)."""
+
+    def __init__(self):
+        self.n, self.skip = 0, False
 
 
 class _CountedKernel:
-    """A Triton kernel whose launches (`kernel[grid](...)`) are counted in `n`; with `skip` they
-    only count (the interpreter's own aten ops would be counted as the step's)."""
+    """A Triton kernel whose launches (`kernel[grid](...)`) are counted in `launches`."""
 
-    def __init__(self, kernel):
-        self.kernel, self.n, self.skip = kernel, 0, False
+    def __init__(self, kernel, launches: _Launches):
+        self.kernel, self.launches = kernel, launches
 
     def __getitem__(self, grid):
-        launch = self.kernel[grid]
+        launch, n = self.kernel[grid], self.launches
 
         def counted(*args, **kwargs):
-            self.n += 1
-            return None if self.skip else launch(*args, **kwargs)
+            n.n += 1
+            return None if n.skip else launch(*args, **kwargs)
         return counted
 
 
 @contextlib.contextmanager
 def fused_step():
-    """`FUSED_STEP = "always"` with the fused step's kernel counted; None where triton cannot run."""
+    """`FUSED_STEP = "always"` with the fused steps' kernels counted (one `_Launches`); None
+    where triton cannot run."""
     from fastrpe.nn import attention
     from fastrpe.ops.linear import triton_recurrent
     from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason
@@ -141,20 +154,24 @@ def fused_step():
     if triton_unavailable_reason(device) is not None:
         yield None
         return
-    kernel, mode = triton_recurrent._prf_step_kernel, attention.FUSED_STEP
-    counted = triton_recurrent._prf_step_kernel = _CountedKernel(kernel)
+    kernels, mode = {k: getattr(triton_recurrent, k) for k in FUSED_KERNELS}, attention.FUSED_STEP
+    launches = _Launches()
+    for k, kernel in kernels.items():
+        setattr(triton_recurrent, k, _CountedKernel(kernel, launches))
     attention.FUSED_STEP = "always"
     try:
-        yield counted
+        yield launches
     finally:
-        triton_recurrent._prf_step_kernel, attention.FUSED_STEP = kernel, mode
+        for k, kernel in kernels.items():
+            setattr(triton_recurrent, k, kernel)
+        attention.FUSED_STEP = mode
 
 
 def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
     out = []
     for name, mha, st, x in cases(cfg, device, dtype):
         step = lambda: mha.step(x, st)  # noqa: E731
-        with torch.no_grad(), (fused_step() if name == FUSED_ROW else contextlib.nullcontext(False)) as kern:
+        with torch.no_grad(), (fused_step() if name.endswith(FUSED) else contextlib.nullcontext(False)) as kern:
             if kern is None:
                 continue  # no triton here
             for _ in range(warmup):
@@ -213,10 +230,10 @@ def main() -> None:
     dtypes = a.dtypes.split(",")
     cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device="cpu")
     rows = [r for dt in dtypes for r in measure(cfg, torch.device("cpu"), getattr(torch, dt), a.repeats, a.warmup)]
-    print(f"{'method':46s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s}")
+    print(f"{'method':52s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s}")
     for r in rows:
         us = "interp." if r["us_per_step"] is None else f"{r['us_per_step']:9.1f}"
-        print(f"{r['method']:46s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} {us:>9s}")
+        print(f"{r['method']:52s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} {us:>9s}")
         if a.ops:
             for f, n in r["op_counts"].items():
                 print(f"    {n:4d}  {f}")

@@ -298,7 +298,6 @@ def test_band_and_soe_steps_refuse_constants_of_another_step():
 import copy  # noqa: E402
 
 import fastrpe as fr  # noqa: E402
-from fastrpe.testing import assert_lowp_close  # noqa: E402
 from fastrpe.nn import attention as attention_mod  # noqa: E402
 from fastrpe.ops.linear import triton_recurrent  # noqa: E402
 
@@ -308,14 +307,38 @@ def _prf_layer(kernel, position, dtype=torch.float32):
     return fr.nn.MultiheadAttention(15, 3, kernel=kernel, position=position, causal=True).to(DEV, dtype)
 
 
-def _steps(mha, x, prompt):
+def _steps(mha, x, prompt, states=None):
+    """Outputs of a prompt then single tokens, and the last state (each one appended to `states`)."""
     with torch.no_grad():
         out, st = mha.step(x[:, :prompt])
         outs = [out]
         for t in range(prompt, x.shape[1]):
             out, st = mha.step(x[:, t:t + 1], st)
             outs.append(out)
+            if states is not None:
+                states.append(st)
     return torch.cat(outs, 1), st
+
+
+#: each constant-size state's fused op, by the family of the layers below
+FUSED_OPS = {"alibi": "prf_linear_token_triton", "t5": "prf_band_token_triton", "kerple_log": "prf_soe_token_triton"}
+
+
+def _family_layer(family, E=15, H=3, kernel="nprf", dtype=torch.float32, W=8):
+    """A decode layer of each constant-size state: ALiBi (geometric), T5 (a band of width W:
+    8, or 113 at its defaults) and KERPLE-log (backend "soe": K terms, a 64-wide band)."""
+    from fastrpe import positions as P
+
+    torch.manual_seed(0)
+    if family == "t5":
+        pos = P.T5Bias(H, bidirectional=False, **({} if W == 113 else dict(num_buckets=6, max_distance=12)))
+        with torch.no_grad():
+            pos.embedding.normal_(0, 0.5)
+        assert pos.finite_support() == W
+    else:
+        pos = P.ALiBi(H) if family == "alibi" else _kerple_log(H)
+    return fr.nn.MultiheadAttention(E, H, kernel=kernel, position=pos, causal=True,
+                                    backend="soe" if family == "kerple_log" else "auto").to(DEV, dtype)
 
 
 @pytest.mark.parametrize("kernel,position", [
@@ -384,17 +407,16 @@ def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch, count_call
         _steps(layers[0], x, 4)
 
 
-def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch, count_calls):
+@pytest.mark.parametrize("family", list(FUSED_OPS))
+def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch, count_calls, family):
     """As test_decoding's host-read ban, through the fused step (the interpreter's own reads,
-    which a GPU launch does not make, and the input check's are exempt)."""
+    which a GPU launch does not make, and the input check's are exempt); T5's band is full."""
     import sys
 
-    from fastrpe import positions as P
-
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
-    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
-    mha = _prf_layer("nprf", P.ALiBi(3))
-    x = torch.randn(1, 8, 15).to(DEV)
+    calls = count_calls(triton_recurrent, FUSED_OPS[family])
+    mha = _family_layer(family)
+    x = torch.randn(1, 10, 15).to(DEV)
     syncs = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero")
     originals = {n: getattr(torch.Tensor, n) for n in syncs}
 
@@ -407,13 +429,13 @@ def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch, count_calls):
         return read
 
     with torch.no_grad():
-        _, st = mha.step(x[:, :7])
-        mha.step(x[:, 7:], st)  # warm: the memos are built once
+        _, st = mha.step(x[:, :9])
+        mha.step(x[:, 9:], st)  # warm: the memos are built once
         with monkeypatch.context() as m:
             for name in syncs:
                 m.setattr(torch.Tensor, name, forbid(name))
-            out, st2 = mha.step(x[:, 7:], st)
-    assert len(calls) == 2 and st2.length == 8 and torch.isfinite(out).all()
+            out, st2 = mha.step(x[:, 9:], st)
+    assert len(calls) == 2 and st2.length == 10 and torch.isfinite(out).all()
 
 
 @pytest.mark.gpu
@@ -436,24 +458,89 @@ def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch, count_calls):
     torch.testing.assert_close(fast_st.S, ref_st.S, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_step_dispatches_few_ops():
-    """`benchmarks/decode_ops.py`'s count of the bench's decode layer through the fused step:
-    the two matmuls, two allocations, views and the one Triton launch (PyTorch ops: 39 launches)."""
+@pytest.mark.parametrize("family,aten", [("alibi", 4), ("t5", 6), ("kerple_log", 6)])
+def test_fused_step_dispatches_few_ops(family, aten):
+    """`benchmarks/decode_ops.py`'s count of the bench's decode layers through the fused step:
+    the two matmuls, the allocations (o and the new state: two, or four with a band's window),
+    views and the one Triton launch (PyTorch ops: 39, 46 and 45 launches)."""
     import importlib.util
     from pathlib import Path
-
-    from fastrpe import positions as P
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_ops.py"
     spec = importlib.util.spec_from_file_location("decode_ops", path)
     ops = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ops)
-    mha = fr.nn.MultiheadAttention(512, 8, kernel=fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
-                                   position=P.ALiBi(8), causal=True).to(DEV, torch.bfloat16).eval()
+    mha = _family_layer(family, 512, 8, fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
+                        torch.bfloat16, W=113).eval()
     x = torch.randn(1, 9, 512).to(DEV, torch.bfloat16)
     with torch.no_grad(), ops.fused_step() as kern:
         _, st = mha.step(x[:, :8])
         mha.step(x[:, 8:], st)  # warm: the memos
         kern.skip = True  # count, do not interpret
         c = ops.count_ops(lambda: mha.step(x[:, 8:], st))
-    assert kern.n == 2 and c.launches <= 4 + 2, c.by_name()  # 4 aten launches measured, + 2
+    assert kern.n == 2 and c.launches <= aten + 2, c.by_name()  # aten launches measured, + 2
+
+
+@pytest.mark.parametrize("family,prompt,L", [("t5", 2, 16), ("kerple_log", 58, 68)],
+                         ids=["t5-band-W8", "kerple_log-soe-W64"])
+def test_layer_band_and_soe_steps_through_the_fused_kernel(monkeypatch, count_calls, family, prompt, L):
+    """The layer's steps with FUSED_STEP "always" against "never", token by token from a prompt
+    that leaves the band filling to past it: the same outputs and every state alike, and the
+    full forward's outputs."""
+    calls = count_calls(triton_recurrent, FUSED_OPS[family])
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    mha = _family_layer(family)
+    x = torch.randn(2, L, 15, generator=torch.Generator().manual_seed(9)).to(DEV)
+    with torch.no_grad():
+        full = mha(x)
+    fast_states, ref_states = [], []
+    fast, _ = _steps(mha, x, prompt, fast_states)
+    assert len(calls) == L - prompt  # every token after the prompt
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    ref, _ = _steps(mha, x, prompt, ref_states)
+    assert len(calls) == L - prompt  # "never": the PyTorch ops
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    assert_close(fast, full, torch.float32)
+    window = 8 if family == "t5" else 63
+    assert [s.keys.shape[2] for s in fast_states] == [min(t + 1, window) for t in range(prompt, L)]
+    for st, rst in zip(fast_states, ref_states):
+        for f in ("S", "keys", "values"):
+            torch.testing.assert_close(getattr(st, f), getattr(rst, f), rtol=1e-5, atol=1e-6, msg=f)
+
+
+@pytest.mark.parametrize("family", ["t5", "kerple_log"])
+def test_layer_band_and_soe_fused_steps_in_bf16(monkeypatch, count_calls, family):
+    """A bf16 layer: the fused step's bf16 outputs no further from a float32 copy's than the
+    PyTorch ops' (4x), its float32 states alike; the band and the SoE window are full."""
+    calls = count_calls(triton_recurrent, FUSED_OPS[family])
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    mha = _family_layer(family, dtype=torch.bfloat16)
+    x = torch.randn(1, 70, 15, generator=torch.Generator().manual_seed(10)).to(DEV, torch.bfloat16)
+    fast, fast_st = _steps(mha, x, 64)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    ref, ref_st = _steps(mha, x, 64)
+    ref32, _ = _steps(copy.deepcopy(mha).float(), x.float(), 64)
+    assert len(calls) == 6 and fast.dtype == torch.bfloat16
+    assert_lowp_close(fast[:, 64:], ref[:, 64:], ref32[:, 64:])
+    for f in ("S", "keys", "values"):
+        torch.testing.assert_close(getattr(fast_st, f), getattr(ref_st, f), rtol=1e-5, atol=1e-6, msg=f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["t5", "kerple_log"])
+def test_band_and_soe_fused_steps_at_the_bench_shape_on_cuda(monkeypatch, count_calls, family):
+    """The bench's decode layers (H = 8, D = 64, 32 NPRF features, bf16; T5's 113-wide band,
+    KERPLE-log's SoE) on the GPU: 120 tokens after a 40-token prompt, the band filling and
+    then full, the fused step against the PyTorch ops."""
+    mha = _family_layer(family, 512, 8, fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
+                        torch.bfloat16, W=113).eval()
+    x = torch.randn(1, 160, 512, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    calls = count_calls(triton_recurrent, FUSED_OPS[family])
+    fast, fast_st = _steps(mha, x, 40)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    ref, ref_st = _steps(mha, x, 40)
+    ref32, _ = _steps(copy.deepcopy(mha).float(), x.float(), 40)
+    assert len(calls) == 120 and fast_st.keys.shape[2] == (113 if family == "t5" else 63)
+    assert_lowp_close(fast[:, 40:], ref[:, 40:], ref32[:, 40:])
+    for f in ("S", "keys", "values"):
+        torch.testing.assert_close(getattr(fast_st, f), getattr(ref_st, f), rtol=1e-4, atol=1e-5, msg=f)

@@ -36,11 +36,12 @@ def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
 #: reading the weights takes longer than those launches
 STEP_FUSE_MAX_BYTES = 16 << 20
 
-#: when a one-token decode step with PRF features and a geometric state runs as one Triton
-#: kernel (`ops.linear.triton_recurrent.prf_linear_token_triton`: features, state, quotient):
-#: "cuda" (default: on CUDA devices with triton), "always" (wherever the kernels run, the
-#: interpreter included: the tests), "never" (the PyTorch ops, 39 launches a step). The
-#: bench's decode section times both (`bench/gpu.py`, `decode_rows`).
+#: when a one-token decode step with PRF features and a constant-size state runs as one Triton
+#: kernel (`ops.linear.triton_recurrent`: `prf_linear_token_triton` for a geometric state,
+#: `prf_band_token_triton` for a band, `prf_soe_token_triton` for a sum of exponentials:
+#: features, state, quotient): "cuda" (default: on CUDA devices with triton), "always"
+#: (wherever the kernels run, the interpreter included: the tests), "never" (the PyTorch ops,
+#: 39 to 46 launches a step). The bench's decode section times both (`bench/gpu.py`, `decode_rows`).
 FUSED_STEP = "cuda"
 
 #: layer -> {name: (fingerprint, source tensors, value)}: what a one-token decode step would
@@ -299,17 +300,16 @@ class MultiheadAttention(nn.Module):
         projections are one matmul that also emits the 1 of `[v, 1]` (`_fused_qkv`), cast
         once to the features' dtype; the per-head constants (decays, band weights, the fit's
         coefficients) are built once per parameter state (`_memoized`); the ops are
-        `recurrent`'s `*_token` bodies."""
+        `recurrent`'s `*_token` bodies, or one Triton kernel for PRF features (`_prf_step`)."""
         from ..ops.linear import recurrent
-        from ..ops.linear.soe import soe_extend
 
         B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
         fused = self._fused_qkv()
         if fused is not None:
             wt, bias = fused
             qkv = torch.addmm(bias, x.view(B, E), wt)  # (B, 2E + H(D+1))
-            if kind == "linear" and self._prf_step_fusable(x, state):
-                return self._prf_step(x, qkv, state)
+            if self._prf_step_fusable(x, state):
+                return self._prf_step(x, qkv, state, kind)
         with torch.autocast(x.device.type, enabled=False):
             # with one token, [B, (h d)] is [B, h, 1, d] in memory: the head split is a view
             if fused is not None:
@@ -321,45 +321,68 @@ class MultiheadAttention(nn.Module):
             phi_q, phi_k = self.kernel(q, is_query=True), self.kernel(k, is_query=False)  # (B, H, 1, F)
             dt = phi_q.dtype
             vv = vv.to(dt) if fused is not None else recurrent._vv(v, dt)  # (B, H, 1, C)
-            state, term = _state_in(state, dt), self.position
+            state = _state_in(state, dt)
             if kind == "linear":
                 y, S = recurrent.linear_token(phi_q, phi_k, vv, state.S, self._step_decay(x.device, dt))
                 new = LinearState(S, state.length + 1)
             elif kind == "band":
-                from ..ops.linear.soe import causal_log_coefficients
-
-                W, n = term.finite_support(), state.keys.shape[2] + 1
-                b = self._memoized("band_b", self._tensors(term), (W, dt),
-                                   lambda: causal_log_coefficients(term, W + 1).to(dt))  # (H, W+1)
-                w, tail, _ = self._memoized("band_w", [b], n, lambda: recurrent.band_token_weights(b, n, W))
-                y, new = recurrent.band_token(phi_q, phi_k, vv, replace(state, window=W), w, tail)
+                state, (w, tail) = self._band_constants(state, dt)
+                y, new = recurrent.band_token(phi_q, phi_k, vv, state, w, tail)
             else:
-                plan, why = soe_extend(state.plan, term, state.length + 1)
-                if why:
-                    raise FastRPEError(f"step: backend={self.backend!r} cannot decode past {state.plan.fit_length} "
-                                       f"tokens: {why} (pass max_length= to the first step to fit for longer)")
-                n = state.keys.shape[2] + 1
-                coeffs = self._memoized("soe", [plan.gamma, plan.a, plan.corr], (n, dt),
-                                        lambda: recurrent.soe_token_coefficients(plan, n, dt))
-                y, new = recurrent.soe_token(phi_q, phi_k, vv, replace(state, plan=plan), *coeffs)
+                state, coeffs = self._soe_constants(state, dt)
+                y, new = recurrent.soe_token(phi_q, phi_k, vv, state, *coeffs)
             o = recurrent.divide_packed(y).to(x.dtype)  # (B, H, 1, D)
         return self.out_proj(self.dropout(o.reshape(B, 1, E))), new
 
+    def _band_constants(self, state: BandState, dt: torch.dtype):
+        """`(state with the term's window, (w [H, n], tail [H, 1] or None))`: the weights of a
+        one-token band step over `n = state.keys.shape[2] + 1` keys in `dt`
+        (`recurrent.band_token_weights`), built once per parameter state and n (`_memoized`)."""
+        from ..ops.linear import recurrent
+        from ..ops.linear.soe import causal_log_coefficients
+
+        term = self.position
+        W, n = term.finite_support(), state.keys.shape[2] + 1
+        b = self._memoized("band_b", self._tensors(term), (W, dt),
+                           lambda: causal_log_coefficients(term, W + 1).to(dt))  # (H, W+1)
+        w, tail, _ = self._memoized("band_w", [b], n, lambda: recurrent.band_token_weights(b, n, W))
+        return replace(state, window=W), (w, tail)
+
+    def _soe_constants(self, state: SoEState, dt: torch.dtype):
+        """`(state with its plan checked one token further, (gamma [K, 1, 1], a [H, K, 1],
+        cw [H, n]))`: `recurrent.soe_token_coefficients` over `n = state.keys.shape[2] + 1`
+        keys in `dt`, built once per plan and n (`_memoized`)."""
+        from ..ops.linear import recurrent
+        from ..ops.linear.soe import soe_extend
+
+        plan, why = soe_extend(state.plan, self.position, state.length + 1)
+        if why:
+            raise FastRPEError(f"step: backend={self.backend!r} cannot decode past {state.plan.fit_length} "
+                               f"tokens: {why} (pass max_length= to the first step to fit for longer)")
+        n = state.keys.shape[2] + 1
+        coeffs = self._memoized("soe", [plan.gamma, plan.a, plan.corr], (n, dt),
+                                lambda: recurrent.soe_token_coefficients(plan, n, dt))
+        return replace(state, plan=plan), coeffs
+
     def _prf_step_fusable(self, x: Tensor, state) -> bool:
         """Whether `_prf_step` runs this step (`FUSED_STEP`): PRF features exactly (a subclass
-        may change them), float32 features and state, the kernels available on x's device."""
+        may change them), float32 features and state (a contiguous `S`), the kernels available
+        on x's device."""
         from ..kernels import PRF
         from ..ops.linear.triton_chunked import triton_route
 
         return (triton_route(FUSED_STEP, "fastrpe.nn.attention.FUSED_STEP", x.device)
                 and type(self.kernel) is PRF and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and state.S.dtype == torch.float32 and state.S.is_contiguous())
+                and all(getattr(state, f).dtype == torch.float32 for f in ("S", "keys", "values")
+                        if hasattr(state, f))
+                and state.S.is_contiguous())
 
-    def _prf_step(self, x: Tensor, qkv: Tensor, state: LinearState):
-        """One token after a geometric state in one Triton launch between the q/k/v matmul
-        and the output projection (`prf_linear_token_triton`: PRF's features, the state's
-        update and `num/den`); the same result as the ops of `_step_token`."""
-        from ..ops.linear.triton_recurrent import prf_linear_token_triton
+    def _prf_step(self, x: Tensor, qkv: Tensor, state, kind: str):
+        """One token after a constant-size state of `kind` in one Triton launch between the
+        q/k/v matmul and the output projection (`ops.linear.triton_recurrent`'s
+        `prf_*_token_triton`: PRF's features, the state's update and `num/den`); the same
+        result as the ops of `_step_token`, with the same memoized constants in float32."""
+        from ..ops.linear import triton_recurrent
 
         B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
         kern = self.kernel
@@ -369,14 +392,23 @@ class MultiheadAttention(nn.Module):
             return kern.w.to(torch.float32).contiguous(), shift.contiguous()
 
         w, shift = self._memoized("prf", [kern.w], (H, x.device, kern.normalize, kern.input_scale), prf_constants)
-        gamma = self._step_decay(x.device, torch.float32)
-        gamma = None if gamma is None else gamma.view(H)
+        prf = dict(w=w, key_shift=shift, input_scale=kern.input_scale, normalize=kern.normalize,
+                   two_sided=kern.two_sided, out_dtype=x.dtype)
         q, k = qkv[:, :E].view(B, H, D), qkv[:, E:2 * E].view(B, H, D)
         vv = qkv[:, 2 * E:].view(B, H, D + 1)  # [v, 1]
-        o, S = prf_linear_token_triton(q, k, vv, state.S, w=w, key_shift=shift, input_scale=kern.input_scale,
-                                       normalize=kern.normalize, two_sided=kern.two_sided, gamma=gamma,
-                                       out_dtype=x.dtype)
-        return self.out_proj(self.dropout(o.view(B, 1, E))), LinearState(S, state.length + 1)
+        if kind == "linear":
+            gamma = self._step_decay(x.device, torch.float32)
+            gamma = None if gamma is None else gamma.view(H)
+            o, S = triton_recurrent.prf_linear_token_triton(q, k, vv, state.S, gamma=gamma, **prf)
+            new = LinearState(S, state.length + 1)
+        elif kind == "band":
+            state, (bw, tail) = self._band_constants(state, torch.float32)
+            o, new = triton_recurrent.prf_band_token_triton(q, k, vv, state, bw, tail, **prf)
+        else:
+            state, (gamma, a, cw) = self._soe_constants(state, torch.float32)
+            o, new = triton_recurrent.prf_soe_token_triton(q, k, vv, state, gamma.view(-1), a.view(H, -1), cw,
+                                                           **prf)
+        return self.out_proj(self.dropout(o.view(B, 1, E))), new
 
     def _step_decay(self, device: torch.device, dt: torch.dtype) -> Tensor | None:
         """The geometric state's per-head decay `[H, 1, 1]` in `dt` (None without a term or a
