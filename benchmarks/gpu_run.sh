@@ -116,6 +116,11 @@
 #   `triton_soe` carries dv over term groups as bf16 pairs (1M estimate 7.66 GiB); a frozen
 #   term's kernel tables are kept, so a call launches 76 / 67 / 67 / 59 kernels (triton_chunked /
 #   soe / band / tiled; call_launches.py, 18 of them the CPU-only input check).
+# - (same session) the T5 band and KERPLE-log SoE decode steps are one Triton launch each too
+#   (`prf_band_token_triton`, `prf_soe_token_triton`: 7 launches a step instead of 46 / 45,
+#   decode_ops.py). The decode section times each constant-size row twice, fused and "PyTorch
+#   ops"; compare the pairs (eager and graphed) as for ALiBi. GPU tests:
+#   tests/test_triton_recurrent.py -k on_cuda.
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;

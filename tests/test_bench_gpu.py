@@ -93,8 +93,9 @@ def test_smoke_decode_and_sync_sections(smoke):
 
 
 def test_decode_rows_time_the_fused_step_and_the_pytorch_ops(monkeypatch):
-    """Where the fused Triton step runs (here forced, under the interpreter), the ALiBi row
-    takes it and its "PyTorch ops" twin does not; the setting is restored after."""
+    """Where the fused Triton step runs (here forced, under the interpreter), each
+    constant-size row (ALiBi, T5, KERPLE-log) takes it and its "PyTorch ops" twin does not;
+    the setting is restored after."""
     pytest.importorskip("triton")
     from fastrpe.nn import attention as attention_mod
     from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason
@@ -105,8 +106,9 @@ def test_decode_rows_time_the_fused_step_and_the_pytorch_ops(monkeypatch):
     cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), decode_context=48)
     rows = gpu.decode_rows(cfg, torch.device("cpu"), torch.float32, log=lambda *a: None)
     by = {r["method"]: r for r in rows}
-    assert by["state-linear (alibi, nprf)"]["fused_step"] is True
-    assert by["state-linear (alibi, nprf), PyTorch ops"]["fused_step"] is False
+    for name in ("state-linear (alibi, nprf)", "state-band (t5, nprf)", "state-soe (kerple_log, nprf)"):
+        assert by[name]["fused_step"] is True, name
+        assert by[f"{name}, PyTorch ops"]["fused_step"] is False, name
     assert all(r.get("seconds") for r in rows), [r.get("skipped") for r in rows]
     assert attention_mod.FUSED_STEP == "always"
 

@@ -488,7 +488,7 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
     constant-size states (`LinearState` for ALiBi, `BandState` for T5, `SoEState` for
     KERPLE-log; each row records which state `step` kept and whether its fused Triton step
-    ran, `fused_step`; ALiBi's and T5's twice, the second with the PyTorch ops) against KV
+    ran, `fused_step`; each twice, the second with the PyTorch ops) against KV
     caches of that length (the same layer exact, and softmax + ALiBi), and the bare SDPA
     op on a KV cache (no projections, no positional term: the cheapest KV step there is).
 
@@ -531,6 +531,8 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
          "constant"),
         ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of,
          "constant"),
+        ("state-soe (kerple_log, nprf), PyTorch ops", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"),
+         state_of, "constant"),
         ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of, "constant"),
         ("state-band (t5, nprf), PyTorch ops", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of,
          "constant"),
