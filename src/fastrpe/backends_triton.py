@@ -104,6 +104,15 @@ def _triton_reason(p: Problem) -> str | None:
     return "needs CUDA and triton"
 
 
+def _kernel_reasons(p: Problem) -> list[str]:
+    """What every Triton backend adds to its own refusals: triton on the call's device, the dtype."""
+    why = _triton_reason(p)
+    r = [why] if why else []
+    if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        r.append(f"dtype {p.dtype} is not supported")
+    return r
+
+
 def num_den_triton_chunked(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
                            dot_dtype=None, precision="ieee", divide=None, state_dtype=None):
     """The `NumDen` inner-product algorithm by the Triton kernels; coeffs: `[H]` decays γ or
@@ -139,16 +148,12 @@ class TritonChunkedBackend(Backend):
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         r = _shared_reasons(p)
-        why = _triton_reason(p)
-        if why:
-            r.append(why)
+        r += _kernel_reasons(p)
         if p.position is not None and p.position.geometric_decay() is None:
             r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
         if not p.causal and (p.Lq != p.Lk or p.q_offset):
             r.append(f"the bidirectional decay needs Lq == Lk and q_offset = 0, got Lq={p.Lq}, Lk={p.Lk}, "
                      f"q_offset={p.q_offset}")
-        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            r.append(f"dtype {p.dtype} is not supported")
         return r
 
     def cost(self, p: Problem) -> Cost:
@@ -265,11 +270,7 @@ class TritonSoEBackend(Backend):
         soe = BACKENDS.get("soe")
         r = list(soe.not_supported_reasons(p)) if soe is not None else ["needs the soe backend's fit"]
         r = [x.replace("chunked runs it exactly", "chunked/triton_chunked run it exactly") for x in r]
-        why = _triton_reason(p)
-        if why:
-            r.append(why)
-        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            r.append(f"dtype {p.dtype} is not supported")
+        r += _kernel_reasons(p)
         return r
 
     def cost(self, p: Problem) -> Cost:
@@ -304,16 +305,12 @@ class TritonBandBackend(Backend):
         # takes soe's; then what this kernel adds
         r = [x.replace("chunked runs none", "triton_chunked runs none")
              for x in BACKENDS["band"].not_supported_reasons(p)]
-        why = _triton_reason(p)
-        if why:
-            r.append(why)
+        r += _kernel_reasons(p)
         if not p.causal:
             r.append("causal only (band runs the bidirectional form)")
         W = p.position.finite_support() if p.position is not None else None
         if W is not None and W > MAX_BAND_WINDOW:
             r.append(f"its support of {W} distances is over the kernel's {MAX_BAND_WINDOW} (band runs it)")
-        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            r.append(f"dtype {p.dtype} is not supported")
         return r
 
     def cost(self, p: Problem) -> Cost:
@@ -354,11 +351,7 @@ class TritonTiledBackend(Backend):
 
         # what `fft` refuses (a softmax-only term, a 2D grid, causal SIKF), then what the kernels add
         r = list(BACKENDS["fft"].not_supported_reasons(p))
-        why = _triton_reason(p)
-        if why:
-            r.append(why)
-        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            r.append(f"dtype {p.dtype} is not supported")
+        r += _kernel_reasons(p)
         return r
 
     def cost(self, p: Problem) -> Cost:

@@ -117,6 +117,12 @@ if HAS_TRITON:
             return tl.dot(a.to(DT), b.to(DT), out_dtype=ACC)
 
     @triton.jit
+    def _load_rows(ptr, rows, ok, cols, ncols, width):
+        """`[len(rows), len(cols)]` tile of a row-major `[*, width]` block (zeros outside)."""
+        return tl.load(ptr + rows[:, None] * width + cols[None, :], mask=ok[:, None] & (cols[None, :] < ncols),
+                       other=0.0)
+
+    @triton.jit
     def _row_inv(inv_base, rows, ok, ACC: tl.constexpr, SCALED: tl.constexpr):
         """`[len(rows)]` factor of each row of do in the numerator's gradient: SCALED (do is
         the gradient of the quotient `num/den`) its `inv = 1/den`, else 1. The kernels apply

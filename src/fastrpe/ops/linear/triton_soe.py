@@ -52,7 +52,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _bf16_bits, _bf16_value, _divide_rows, _dot, _row_inv, _store_tile
+    from .triton_chunked import _bf16_bits, _bf16_value, _divide_rows, _dot, _load_rows, _row_inv, _store_tile
 
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
@@ -84,12 +84,6 @@ if HAS_TRITON:
             kt = k * kdec[:, None]
             S = S * g + _dot(tl.trans(kt), v, DT, ACC, MODE)
             z = z * g + tl.sum(kt, 0)
-
-    @triton.jit
-    def _load_rows(ptr, rows, ok, cols, ncols, width):
-        """`[len(rows), len(cols)]` tile of a row-major `[*, width]` block (zeros outside)."""
-        return tl.load(ptr + rows[:, None] * width + cols[None, :], mask=ok[:, None] & (cols[None, :] < ncols),
-                       other=0.0)
 
     @triton.jit
     def _near_table(cn_ptr, hh, d0, j: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr):

@@ -40,7 +40,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _divide_rows, _dot, _row_inv, _store_tile
+    from .triton_chunked import _divide_rows, _dot, _load_rows, _row_inv, _store_tile
 
     #: the running maximum's start: below any log-coefficient that matters, and finite, so
     #: `exp(m_old - m_new)` is never `exp(-inf + inf)`
@@ -69,8 +69,8 @@ if HAS_TRITON:
         iok = i < Lq
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
-        fm, cm = f[None, :] < F, c[None, :] < Dv
-        q = tl.load(q_ptr + bh * Lq * F + i[:, None] * F + f[None, :], mask=iok[:, None] & fm, other=0.0).to(ACC)
+        cm = c[None, :] < Dv
+        q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
         acc = tl.zeros([BM, BDV], dtype=ACC)
         den = tl.zeros([BM], dtype=ACC)
         m = tl.full([BM], _NEG, dtype=ACC)
@@ -80,8 +80,8 @@ if HAS_TRITON:
         for j0 in range(0, hi, BN):
             j = j0 + tl.arange(0, BN)
             jok = j < Lk
-            k = tl.load(k_ptr + bh * Lk * F + j[:, None] * F + f[None, :], mask=jok[:, None] & fm, other=0.0).to(ACC)
-            v = tl.load(v_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], mask=jok[:, None] & cm, other=0.0)
+            k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
+            v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
             b = _log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC)
             m_new = tl.maximum(m, tl.max(b, 1))
             alpha = tl.exp(m - m_new)
@@ -110,8 +110,7 @@ if HAS_TRITON:
         iok = i < Lq
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
-        fm, cm = f[None, :] < F, c[None, :] < Dv
-        do = tl.load(do_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], mask=iok[:, None] & cm, other=0.0)
+        do = _load_rows(do_ptr + bh * Lq * Dv, i, iok, c, Dv, Dv)
         inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
         dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
         m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
@@ -122,12 +121,12 @@ if HAS_TRITON:
         for j0 in range(0, hi, BN):
             j = j0 + tl.arange(0, BN)
             jok = j < Lk
-            k = tl.load(k_ptr + bh * Lk * F + j[:, None] * F + f[None, :], mask=jok[:, None] & fm, other=0.0).to(ACC)
-            v = tl.load(v_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], mask=jok[:, None] & cm, other=0.0)
+            k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
+            v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
             w = tl.exp(_log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC) - m[:, None])
             G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
             dq += _dot(G * w, k, DT, ACC, MODE)
-        tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & fm)
+        tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & (f[None, :] < F))
 
     @triton.jit
     def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dk_ptr, dv_ptr, db_ptr,
@@ -145,8 +144,8 @@ if HAS_TRITON:
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
         fm, cm = f[None, :] < F, c[None, :] < Dv
-        k = tl.load(k_ptr + bh * Lk * F + j[:, None] * F + f[None, :], mask=jok[:, None] & fm, other=0.0).to(ACC)
-        v = tl.load(v_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], mask=jok[:, None] & cm, other=0.0)
+        k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
+        v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
         dk = tl.zeros([BN, BF], dtype=ACC)
         dv = tl.zeros([BN, BDV], dtype=ACC)
         lo = 0
@@ -155,8 +154,8 @@ if HAS_TRITON:
         for i0 in range(lo, Lq, BM):
             i = i0 + tl.arange(0, BM)
             iok = i < Lq
-            q = tl.load(q_ptr + bh * Lq * F + i[:, None] * F + f[None, :], mask=iok[:, None] & fm, other=0.0).to(ACC)
-            do = tl.load(do_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], mask=iok[:, None] & cm, other=0.0)
+            q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
+            do = _load_rows(do_ptr + bh * Lq * Dv, i, iok, c, Dv, Dv)
             inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
             dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
             m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
