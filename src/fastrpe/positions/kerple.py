@@ -177,11 +177,15 @@ class KerplePower(Position):
     def geometric_decay(self) -> Tensor | None:
         if self.learn_p:
             return None
-        # whether p = 1 picks an algorithm, so it is read on the host: on every eager call (the
-        # buffer may be written in place), from the last eager read (or construction, or
-        # load_state_dict) under torch.compile, where a host read would break the graph
+        # whether p = 1 picks an algorithm, so it is read on the host, but only when the buffer
+        # is new or was written in place since the last read (its storage and version say so
+        # without reading it): reading it on every call synchronized a CUDA stream every call.
+        # Under torch.compile the last eager read (or construction, or load_state_dict) holds,
+        # as a host read would break the graph.
         if not torch.compiler.is_compiling():
-            self._p_is_one = bool((self.fixed_p == 1).all())
+            key = (self.fixed_p.data_ptr(), self.fixed_p._version, self.fixed_p.device)
+            if key != getattr(self, "_p_read", None):
+                self._p_is_one, self._p_read = bool((self.fixed_p == 1).all()), key
         return torch.exp(-self.r1) if self._p_is_one else None
 
     def extra_repr(self) -> str:
