@@ -1,5 +1,6 @@
 """No host read in the hot path of any kernelized backend (issue 12): on a GPU, `.item()`,
-`bool()`, `float()`, `int()` or `.tolist()` of a tensor drains the stream. On CPU, each is made
+`bool()`, `float()`, `int()`, `.tolist()` or an index of a tensor drains the stream, and so do
+`nonzero` and `masked_select` (their output's size is data). On CPU, each is made
 to raise while `fastrpe.attention` runs forward and backward (after a warm-up call, which may
 fill memos), for every backend that is not softmax-only and every family of the GPU bench,
 plus KERPLE power with a fixed exponent. The input check's non-finite test reads on CPU
@@ -15,7 +16,7 @@ from fastrpe.bench.gpu import FAMILIES, SOFTMAX_ONLY_BACKENDS, family_causal, ma
 from fastrpe.dispatch import BACKENDS
 from fastrpe.ops.linear.fft import static_schedule
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "masked_select")
 H, L, D = 2, 80, 16
 
 
