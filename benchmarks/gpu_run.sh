@@ -114,7 +114,7 @@
 #   three tf32: exact either way, and the backward kernels spill less (ptxas-sm90.json). The
 #   GPU tests' float64 comparisons at L = 4,096 check it;
 #   `triton_soe` carries dv over term groups as bf16 pairs (1M estimate 7.66 GiB); a frozen
-#   term's kernel tables are kept, so a call launches 76 / 67 / 67 / 59 kernels (triton_chunked /
+#   term's kernel tables are kept, so a call launches 65 / 67 / 67 / 59 kernels (triton_chunked /
 #   soe / band / tiled; call_launches.py, 18 of them the CPU-only input check).
 # - (same session) the T5 band and KERPLE-log SoE decode steps are one Triton launch each too
 #   (`prf_band_token_triton`, `prf_soe_token_triton`: 7 launches a step instead of 46 / 45,

@@ -115,3 +115,28 @@ def test_a_frozen_terms_coefficient_table_is_kept_per_shape_and_parameter_state(
     pos.requires_grad_(False)
     run(), run()
     assert len(evals) == 7
+
+
+def test_a_frozen_terms_decays_are_kept_per_parameter_state(count_calls):
+    """`backends._decay`: a geometric term that takes no gradient makes its decays once per
+    parameter state (three launches a call, in the backend's reasons and in its run); an
+    in-place edit is seen; a term in training makes them in the graph on every call."""
+    from fastrpe import positions as P
+
+    pos = P.GeometricDecay(2, learnable=True)
+    evals = count_calls(pos, "geometric_decay")
+    pos.requires_grad_(False)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def run():
+        return fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="chunked")
+
+    first = run()
+    n = len(evals)
+    assert torch.equal(run(), first) and len(evals) == n
+    with torch.no_grad():
+        pos.raw_rate.add_(0.5)  # an optimizer step
+    assert not torch.equal(run(), first) and len(evals) == n + 1
+    pos.requires_grad_(True)
+    run().sum().backward()
+    assert len(evals) > n + 1 and pos.raw_rate.grad.abs().sum() > 0

@@ -77,6 +77,19 @@ def _coefficients(p: Problem, dtype):
                 entries=TABLE_MEMO_ENTRIES, keep=lambda t: t.numel() * t.element_size() <= TABLE_MEMO_BYTES)
 
 
+def _decay(p: Problem):
+    """`[H]` decays γ of the call's geometric term (`Position.geometric_decay`), or None. A term
+    that takes no gradient keeps them per parameter state, as `_coefficients` keeps its table
+    (three launches a call otherwise); a term in training makes them in the graph."""
+    pos = p.position
+    if pos is None:
+        return None
+    if takes_grad(pos) or torch.compiler.is_compiling():
+        return pos.geometric_decay()
+    return kept(_TABLES, pos, ("decay", parameter_state(pos)), torch.no_grad()(pos.geometric_decay),
+                entries=TABLE_MEMO_ENTRIES)
+
+
 def _grid_coefficients(p: Problem) -> kops.GridCoefficients:
     pos = p.position
     return kops.GridCoefficients(pos.table(), pos.grid, pos.cls_coefficients())
@@ -276,7 +289,7 @@ class ChunkedBackend(Backend):
         r = _kernel_kind_reasons(p, want_softmax=False)
         if not p.causal:
             r.append("causal only")
-        if p.position is not None and p.position.geometric_decay() is None:
+        if p.position is not None and _decay(p) is None:
             r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
         return r + _grid_reasons(p) + _running_max_reasons(p)
 
@@ -290,7 +303,7 @@ class ChunkedBackend(Backend):
         return Cost(machine_time(p.device, flops, 2 * mem, calls=10 + 2 * L // T), mem)
 
     def run(self, q, k, v, p, kpm):
-        gamma = p.position.geometric_decay() if p.position is not None else None
+        gamma = _decay(p)
         return _kernelized(q, k, v, p, kpm, kops.num_den_chunked, gamma)
 
 
@@ -372,7 +385,7 @@ class SoEBackend(Backend):
             r.append("needs a positional term (use chunked without one)")
         elif p.position.softmax_only or _is_grid(p):
             r.append(f"{type(p.position).__name__} has no 1D kernelized form")
-        elif p.position.geometric_decay() is not None:
+        elif _decay(p) is not None:
             r.append(f"{type(p.position).__name__} is a geometric decay: chunked runs it exactly")
         else:
             r += self._fit_reasons(p)

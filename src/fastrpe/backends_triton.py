@@ -147,9 +147,11 @@ class TritonChunkedBackend(Backend):
     forward and backward; bf16 inputs run bf16 tensor-core products with fp32 sums."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
+        from . import backends
+
         r = _shared_reasons(p)
         r += _kernel_reasons(p)
-        if p.position is not None and p.position.geometric_decay() is None:
+        if p.position is not None and backends._decay(p) is None:
             r.append(f"{type(p.position).__name__} is not a geometric decay γ^|r| (needs an exact linear-time form)")
         if not p.causal and (p.Lq != p.Lk or p.q_offset):
             r.append(f"the bidirectional decay needs Lq == Lk and q_offset = 0, got Lq={p.Lq}, Lk={p.Lk}, "
@@ -172,7 +174,9 @@ class TritonChunkedBackend(Backend):
         return Cost(seconds, mem)
 
     def run(self, q, k, v, p, kpm):
-        gamma = p.position.geometric_decay() if p.position is not None else None
+        from . import backends
+
+        gamma = backends._decay(p)
         dot_dtype, precision = lowp_dots(p)
         state_dtype = _state_dtype(p)
 

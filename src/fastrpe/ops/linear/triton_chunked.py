@@ -453,11 +453,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _ChunkedDecay(torch.autograd.Function):
-    """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence."""
+    """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence (state
+    None unless `want_state`: a call that does not return it does not gather it)."""
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int,
-                divide=None, state_dtype=None):
+                divide=None, state_dtype=None, want_state: bool = False):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -484,7 +485,7 @@ class _ChunkedDecay(torch.autograd.Function):
         _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
                                                den, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
-        state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1)
+        state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1) if want_state else None
         # with `divide` num holds `num/den`: no float32 num is kept; backward takes the quotient's
         # gradient as it comes, scaled by 1/den in the kernels (`_row_inv`), and den's from
         # `_QuotientGrad`, so only den is saved
@@ -516,7 +517,9 @@ class _ChunkedDecay(torch.autograd.Function):
         _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
                                     dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
                                     DV_BF16=dv_bf16, **tiles)
-        dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
+        dinit = None
+        if init is not None:
+            dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
         cross = None
         if ctx.needs_input_grad[3]:  # (the states' part of dlg, below)
             cross = _state_dots(h[:, 1:], dh[:, 1:]) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=torch.float64)
@@ -537,13 +540,13 @@ class _ChunkedDecay(torch.autograd.Function):
             dlg = ((phi_q.to(acc) * dq).sum(-1).to(f64) * pq).sum((0, 2))
             dlg = dlg - ((phi_k.to(acc) * dk).sum(-1).to(f64) * pk).sum((0, 2))
             dlg = dlg + BT * cross.view(B, H).sum(0)
-            if dstate is not None:
+            if dstate is not None and state is not None:
                 dlg = dlg + (Lk - 1 - N * BT) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
             if init is not None:
                 dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
             dlg = dlg.to(log_g.dtype)
         return (dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 #: the largest float64 temporary of `_state_dots` (its blocks of chunks)
@@ -707,7 +710,8 @@ def kernelized_num_den_triton_chunked(
     if initial_state is not None or return_state:
         state_dtype = None
     num, den, state = _ChunkedDecay.apply(q, k, vv, log_g, initial_state, int(q_offset), chunk_size, False,
-                                          out_dtype or phi_q.dtype, dot_mode(precision), divide, state_dtype)
+                                          out_dtype or phi_q.dtype, dot_mode(precision), divide, state_dtype,
+                                          return_state)
     if divide is not None:
         num = with_quotient_grad(num, den)
     out = (num, den, phi_q.new_zeros(H, Lq))
