@@ -41,9 +41,6 @@ class ByIdentity:
             weakref.finalize(owner, self._by_id.pop, i, None)
         return self._by_id[i]
 
-    def __len__(self) -> int:
-        return len(self._by_id)
-
 
 def kept(store, owner, key, build, *, entries: int, keep=None):
     """`build()` for `owner` under `key`, kept in `store[owner]` (`store`: a

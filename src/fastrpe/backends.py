@@ -55,6 +55,9 @@ class _Terms:
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 TABLE_MEMO_ENTRIES = 4
 TABLE_MEMO_BYTES = 64 << 20
+#: the decays of geometric terms that take no gradient (`_decay`), apart from the tables so that
+#: neither evicts the other
+_DECAYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _coefficients(p: Problem, dtype):
@@ -86,8 +89,7 @@ def _decay(p: Problem):
         return None
     if takes_grad(pos) or torch.compiler.is_compiling():
         return pos.geometric_decay()
-    return kept(_TABLES, pos, ("decay", parameter_state(pos)), torch.no_grad()(pos.geometric_decay),
-                entries=TABLE_MEMO_ENTRIES)
+    return kept(_DECAYS, pos, parameter_state(pos), torch.no_grad()(pos.geometric_decay), entries=2)
 
 
 def _grid_coefficients(p: Problem) -> kops.GridCoefficients:
