@@ -106,13 +106,15 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
                       dict(NB=2, NEAR=False, ACCUM=True, DV_BF16=True, LAST=False, **tile, **sc)))
         # a table over all offsets in tiles (triton_tiled), as the composition runs it: float32
         # features, bf16 v and output gradient, the bf16 quotient written as bits
-        tl_io = {**io, **sums, "q_ptr": acc, "k_ptr": acc, "v_ptr": "bf16", "lc_ptr": acc, "m_ptr": acc, "db_ptr": acc,
-                 "do_ptr": "bf16"}
+        tl_io = {**io, **sums, "q_ptr": acc, "k_ptr": acc, "v_ptr": "bf16", "lc_ptr": acc, "ks_ptr": acc, "m_ptr": acc,
+                 "db_ptr": acc, "do_ptr": "bf16"}
         tiles2 = dict(BM=64, BN=64, BF=32, BDV=64, CAUSAL=True, **m)
         cases += [(tt._tiled_fwd_kernel, {**tl_io, "num_ptr": "i16", "den_ptr": acc},
                    dict(DIVIDE=True, THR=1e-31, OUT_BF16=True, **tiles2)),
                   (tt._tiled_bwd_dq_kernel, tl_io, dict(SCALED=True, **tiles2)),
-                  (tt._tiled_bwd_dkv_kernel, {**tl_io, "dv_ptr": "i16"}, dict(SCALED=True, DV_BF16=True, **tiles2))]
+                  (tt._tiled_bwd_dkv_kernel, {**tl_io, "dv_ptr": "i16"}, dict(SCALED=True, DV_BF16=True, **tiles2)),
+                  # causal SIKF: keys stabilized one by one (their log-scale read per key tile)
+                  (tt._tiled_fwd_kernel, tl_io, dict(KEY_SCALE=True, **tiles2))]
         # the fused decode step of a full band (T5) and of a sum of exponentials (KERPLE-log), as
         # `_prf_step_kernel`'s: bf16 q/k/[v, 1] rows, float32 states and windows, the quotient in bf16
         win = {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "o_ptr": "i16",
@@ -127,7 +129,7 @@ for dt, mode in (("bf16", 0), ("fp32", 2)):  # bf16 features; float32 features b
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (6 + 2 * 6) + 13
+N_COMPILED = 2 * (6 + 2 * 6) + 14
 
 
 @pytest.mark.slow

@@ -24,14 +24,19 @@ pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
                                 reason=str(triton_unavailable_reason(DEV)))
 
 
-def reference(q, k, v, lc, *, causal, q_offset=0, kpm=None):
-    """Dense sums from the definition, each row scaled by its own largest visible `b`."""
+def reference(q, k, v, lc, *, causal, q_offset=0, kpm=None, kls=None):
+    """Dense sums from the definition, each row scaled by its own largest visible `b` (with
+    `kls: [B, H, Lk]`, keys whose true features are `k·exp(kls)`: `b + kls_j`, padding left out)."""
     Lq, Lk = q.shape[2], k.shape[2]
     i = torch.arange(Lq, device=q.device)[:, None]
     j = torch.arange(Lk, device=q.device)[None, :]
     b = lc[:, j - i + Lq - 1]  # (H, Lq, Lk): offset r = j - q_offset - i sits at index r + Lq - 1 + q_offset
     if causal:
         b = b.masked_fill(j > q_offset + i, float("-inf"))
+    if kls is not None:
+        b = b + kls[:, :, None, :]  # (B, H, Lq, Lk)
+        if kpm is not None:
+            b = b.masked_fill(kpm[:, None, None, :], float("-inf"))
     m = b.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     a = torch.einsum("bhif,bhjf->bhij", q, k) * torch.exp(b - m)
@@ -140,6 +145,30 @@ def test_low_precision_against_float64():
         assert_lowp_close(a, n, r, msg=name)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_log_scale_matches_reference(causal):
+    """Keys stabilized one by one (causal SIKF's running maximum): each row's log-scale is its
+    largest `b + s_j`, per batch row, padding left out; sums and gradients as the reference's."""
+    B, H, Lq, Lk, F, Dv = 2, 2, 70, 90, 12, 10
+    q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, device=DEV)
+    lc = _table(H, Lq + Lk - 1, seed=4, spread=1.0)
+    g = torch.Generator().manual_seed(5)
+    kls = (4.0 * torch.randn(B, H, Lk, generator=g, dtype=torch.float64)).cummax(-1).values.to(DEV)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool, device=DEV)
+    kpm[1, -7:] = True
+    kls[1, :, -7:] = 50.0  # a padding key's scale must not enter a row's maximum
+    got = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=causal, q_offset=20, key_padding_mask=kpm,
+                                             key_log_scale=kls)
+    want = reference(q, k, v, lc, causal=causal, q_offset=20, kpm=kpm, kls=kls)
+    assert got[2].shape == (B, H, Lq)
+    for name, a, b in zip(("num", "den", "log_scale"), got, want):
+        assert_close(a, b, msg=name)
+    leaves = (q, k, v, lc)
+    grads = zip(("dq", "dk", "dv", "dtable"), weighted_grads(got[:2], leaves), weighted_grads(want[:2], leaves))
+    for name, a, b in grads:
+        assert_close(a, b, msg=name)
+
+
 def test_bad_inputs_say_why():
     q, k, v = features_and_values(1, 2, 8, 8, 4, 3, device=DEV)
     with pytest.raises(FastRPEError, match="log_coeff: expected shape"):
@@ -176,11 +205,13 @@ def _position(family, H, L):
     return pos
 
 
-@pytest.mark.parametrize("family,causal", [("learned_full", False), ("learned", True), ("t5", True),
-                                           ("kerple_log", True)])
-def test_backend_equals_dense(interpret_on_cpu, family, causal):
+@pytest.mark.parametrize("family,causal,kernel", [("learned_full", False, "elu"), ("learned", True, "elu"),
+                                                  ("t5", True, "elu"), ("kerple_log", True, "elu"),
+                                                  ("learned", True, "exp"), ("learned_full", False, "exp")])
+def test_backend_equals_dense(interpret_on_cpu, family, causal, kernel):
     """`triton_tiled` through the public API, exact: output and gradients of q, k, v and the
-    term's parameters equal the dense backend's (float64), with a padded batch row."""
+    term's parameters equal the dense backend's (float64), with a padded batch row; SIKF
+    (`exp`) too, whose causal keys carry a running maximum."""
     torch.manual_seed(0)
     B, H, L = 2, 2, 70
     q, k, v = (torch.randn(B, H, L, 16, dtype=torch.float64, device=DEV, requires_grad=True) for _ in range(3))
@@ -189,7 +220,7 @@ def test_backend_equals_dense(interpret_on_cpu, family, causal):
     pos = _position(family, H, L)
     res = []
     for backend in ("triton_tiled", "dense"):
-        out = fr.attention(q, k, v, kernel="elu", position=pos, causal=causal, backend=backend,
+        out = fr.attention(q, k, v, kernel=kernel, position=pos, causal=causal, backend=backend,
                            key_padding_mask=kpm)
         res.append((out, weighted_grads([out], (q, k, v, *pos.parameters()))))
     (o1, g1), (o2, g2) = res
@@ -203,8 +234,9 @@ def test_backend_refusals_say_why(interpret_on_cpu):
     pos = _position("learned_full", 2, 8)
     with pytest.raises(FastRPEError, match="only kernelized attention"):
         fr.attention(q, k, v, kernel="softmax", position=pos, causal=False, backend="triton_tiled")
-    with pytest.raises(FastRPEError, match="running maximum"):
-        fr.attention(q, k, v, kernel="exp", position=pos, causal=True, backend="triton_tiled")
+    grid = P.Table2D(2, grid=(2, 4))
+    with pytest.raises(FastRPEError, match="2D FFT"):
+        fr.attention(q, k, v, kernel="elu", position=grid, causal=False, backend="triton_tiled")
 
 
 def test_backend_is_exact_and_refused_on_cpu_without_the_interpreter():

@@ -143,7 +143,8 @@ def _running_max_reasons(p: Problem) -> list[str]:
     rescales rows by a running maximum."""
     if p.causal and isinstance(p.kernel, FeatureMap) and p.kernel.per_key_shift_when_causal:
         return [f"causal {p.kernel.name!r} needs a running maximum over keys (online-softmax rescaling), "
-                "which only 'dense' implements; use the normalized form (e.g. 'nexp') for linear time"]
+                "which 'dense' and 'triton_tiled' (CUDA) implement; use the normalized form (e.g. 'nexp') for "
+                "linear time"]
     return []
 
 

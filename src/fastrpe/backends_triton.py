@@ -8,7 +8,8 @@ the exact band) by the fused kernel of `ops/linear/triton_soe.py`.
 `triton_band`: causal finite-support terms (T5 buckets, clipped tables), EXACT, by the same
 fused kernel with one undecayed term (`ops/linear/triton_band.py`).
 `triton_tiled`: any 1D Toeplitz term (a learned table over all offsets), causal or not, EXACT,
-quadratic time and linear memory in flash-style tiles (`ops/linear/triton_tiled.py`).
+quadratic time and linear memory in flash-style tiles (`ops/linear/triton_tiled.py`); causal
+SIKF (`exp`) too, whose running maximum over keys only `dense` kept before.
 
 The kernel module is imported only when a call runs: `triton.jit` decides when it decorates
 whether a kernel is compiled for the GPU or interpreted on the CPU (`TRITON_INTERPRET=1`).
@@ -331,17 +332,16 @@ class TritonBandBackend(Backend):
 def num_den_triton_tiled(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_padding_mask, key_log_scale=None,
                          dot_dtype=None, precision="ieee", divide=None):
     """The `NumDen` inner-product algorithm by the tiled kernels of `ops/linear/triton_tiled.py`;
-    coeffs: `[H, Lq+Lk-1]` log-coefficients or None. `divide` as `NumDen`'s."""
+    coeffs: `[H, Lq+Lk-1]` log-coefficients or None. `key_log_scale` (causal SIKF's running
+    maximum) and `divide` as `NumDen`'s."""
     from .ops.linear.triton_tiled import kernelized_num_den_triton_tiled
 
-    if key_log_scale is not None:
-        raise ValueError("triton_tiled: keys stabilized per key (a running maximum) need the dense algorithm")
     out_dtype = phi_q.dtype
     if dot_dtype is not None and dot_dtype != phi_q.dtype:
         phi_q, phi_k, v = phi_q.to(dot_dtype), phi_k.to(dot_dtype), v.to(dot_dtype)
     return kernelized_num_den_triton_tiled(phi_q, phi_k, v, coeffs, causal=causal, q_offset=q_offset,
-                                           key_padding_mask=key_padding_mask, out_dtype=out_dtype,
-                                           precision=precision, divide=divide)
+                                           key_padding_mask=key_padding_mask, key_log_scale=key_log_scale,
+                                           out_dtype=out_dtype, precision=precision, divide=divide)
 
 
 class TritonTiledBackend(Backend):
@@ -351,12 +351,15 @@ class TritonTiledBackend(Backend):
     exists it is what runs at the lengths where the FFT's constant is too large."""
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        from .dispatch import BACKENDS
+        from . import backends
 
-        # what `fft` refuses (a softmax-only term, a 2D grid, causal SIKF), then what the kernels add
-        r = list(BACKENDS["fft"].not_supported_reasons(p))
-        r += _kernel_reasons(p)
-        return r
+        # what `fft` refuses but causal SIKF, whose running maximum over keys the tiles keep
+        r = backends._kernel_kind_reasons(p, want_softmax=False)
+        if p.position is not None and p.position.softmax_only:
+            r.append(p.position.kernelized_refusal or f"{type(p.position).__name__} is softmax only")
+        if backends._is_grid(p):
+            r.append("a 2D grid term needs the 2D FFT (backend 'grid_fft')")
+        return r + backends._grid_reasons(p) + _kernel_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
         pairs = p.B * p.H * p.Lq * p.Lk * (0.5 if p.causal else 1.0)

@@ -15,6 +15,9 @@ rescaled by `exp(m_old - m_new)` when it grows (here the maximum is of the posit
 alone, so it is the same for every batch row). Per pair it costs `φq·φk` (F products) and
 `exp(b - m)`, against FlexAttention's `q·k` (D products) and its softmax `exp`; the table is
 read through the tile of offsets `j - i + Lq - 1`, which is the same few KB for every tile.
+Keys stabilized one by one (causal SIKF's running maximum, `key_log_scale`) add their log-scale
+to `b`: the running maximum then does what flash attention's does with its scores, so causal
+`exp` features run here in linear memory, where only `dense` (quadratic) ran them before.
 
 Backward, as flash attention's: `_tiled_bwd_dq` (a program per query tile) and
 `_tiled_bwd_dkv` (a program per key tile) recompute `A = φq·φkᵀ` and `w = exp(b - m)` from
@@ -47,19 +50,25 @@ if HAS_TRITON:
     _NEG = tl.constexpr(-1e30)
 
     @triton.jit
-    def _log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL: tl.constexpr):
-        """`[len(i), len(j)]` log-coefficients `b(j - q_offset - i)` of head hh, `-inf` outside
-        the call (and, CAUSAL, for keys after the query)."""
+    def _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL: tl.constexpr,
+                     KEY_SCALE: tl.constexpr, ACC: tl.constexpr):
+        """`[len(i), len(j)]` log-weights `b(j - q_offset - i)` of head hh (KEY_SCALE: plus each
+        key's log-scale `s[bh, j]`), `-inf` outside the call (and, CAUSAL, for keys after the
+        query)."""
         ok = iok[:, None] & jok[None, :]
         if CAUSAL:
             ok = ok & (j[None, :] <= q_offset + i[:, None])
-        return tl.load(lc_ptr + hh * R + (j[None, :] - i[:, None] + Lq - 1), mask=ok, other=float("-inf"))
+        b = tl.load(lc_ptr + hh * R + (j[None, :] - i[:, None] + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
+        if KEY_SCALE:
+            b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)[None, :]
+        return b
 
     @triton.jit
-    def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
+    def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
                           BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                           CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                          DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False):
+                          DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False,
+                          KEY_SCALE: tl.constexpr = False):
         """Grid (cdiv(Lq, BM), B·H): num (or, DIVIDE, the quotient; OUT_BF16: into the int16 view
         of a bf16 output), den and the rows' log-scale m of one query tile."""
         im = tl.program_id(0)
@@ -82,7 +91,7 @@ if HAS_TRITON:
             jok = j < Lk
             k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
             v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
-            b = _log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC)
+            b = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC)
             m_new = tl.maximum(m, tl.max(b, 1))
             alpha = tl.exp(m - m_new)
             P = _dot(q, tl.trans(k), DT, ACC, MODE) * tl.exp(b - m_new[:, None])
@@ -96,11 +105,11 @@ if HAS_TRITON:
         tl.store(m_ptr + bh * Lq + i, tl.where(m == _NEG, 0.0, m), mask=iok)  # a row that sees nothing: 0
 
     @triton.jit
-    def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dq_ptr,
+    def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dq_ptr,
                              H, Lq, Lk, F, Dv, R, q_offset,
                              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                              CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                             SCALED: tl.constexpr):
+                             SCALED: tl.constexpr, KEY_SCALE: tl.constexpr = False):
         """Grid (cdiv(Lq, BM), B·H): dφq of one query tile. SCALED: do is the quotient's
         gradient, its rows scaled by inv (`_row_inv`)."""
         im = tl.program_id(0)
@@ -123,17 +132,19 @@ if HAS_TRITON:
             jok = j < Lk
             k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
             v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
-            w = tl.exp(_log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC) - m[:, None])
+            w = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
+                                    ACC) - m[:, None])
             G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
             dq += _dot(G * w, k, DT, ACC, MODE)
         tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & (f[None, :] < F))
 
     @triton.jit
-    def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dk_ptr, dv_ptr, db_ptr,
-                              H, Lq, Lk, F, Dv, R, q_offset,
+    def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dk_ptr, dv_ptr,
+                              db_ptr, H, Lq, Lk, F, Dv, R, q_offset,
                               BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                               CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                              SCALED: tl.constexpr, DV_BF16: tl.constexpr = False, DB: tl.constexpr = False):
+                              SCALED: tl.constexpr, DV_BF16: tl.constexpr = False, DB: tl.constexpr = False,
+                              KEY_SCALE: tl.constexpr = False):
         """Grid (cdiv(Lk, BN), B·H): dφk and dv of one key tile (DV_BF16: dv_ptr is the int16
         view of a bf16 dv); DB: the table's gradient added to db_ptr `[H, R]` (atomics in ACC)."""
         jn = tl.program_id(0)
@@ -159,7 +170,8 @@ if HAS_TRITON:
             inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
             dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
             m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
-            w = tl.exp(_log_coeff_tile(lc_ptr, hh, i, j, iok, jok, Lq, R, q_offset, CAUSAL).to(ACC) - m[:, None])
+            w = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
+                                    ACC) - m[:, None])
             A = _dot(q, tl.trans(k), DT, ACC, MODE)
             dA = (inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * w
             dk += _dot(tl.trans(dA), q, DT, ACC, MODE)
@@ -170,9 +182,9 @@ if HAS_TRITON:
         tl.store(dk_ptr + bh * Lk * F + j[:, None] * F + f[None, :], dk, mask=jok[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
 
-    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "CAUSAL", "DIVIDE", "OUT_BF16"])
-    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "CAUSAL", "SCALED"])
-    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "CAUSAL", "SCALED", "DV_BF16", "DB"],
+    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "CAUSAL", "DIVIDE", "OUT_BF16", "KEY_SCALE"])
+    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "CAUSAL", "SCALED", "KEY_SCALE"])
+    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "CAUSAL", "SCALED", "DV_BF16", "DB", "KEY_SCALE"],
                                    reset=["db_ptr"])
 
 #: query and key tile rows
@@ -183,7 +195,7 @@ class _Tiled(torch.autograd.Function):
     """`(num or the quotient, den, m)` of `kernelized_num_den_triton_tiled`."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, lc, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
+    def forward(ctx, phi_q, phi_k, v, lc, ks, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -193,18 +205,20 @@ class _Tiled(torch.autograd.Function):
         den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
         m = torch.empty(B, H, Lq, dtype=acc, device=dev)
         out_bf16, quot = quotient_flags(divide, acc)
-        meta = dict(BM=TILE, BN=TILE, BF=BF, BDV=BDV, CAUSAL=causal, DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc,
+        meta = dict(BM=TILE, BN=TILE, BF=BF, BDV=BDV, CAUSAL=causal, DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode,
+                    KEY_SCALE=ks is not None)
+        _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc, lc if ks is None else ks,
                                                           num.view(torch.int16) if out_bf16 else num, den, m,
                                                           H, Lq, Lk, F, Dv, R, q_offset, **quot, **meta)
-        ctx.save_for_backward(phi_q, phi_k, v, lc, m, den if divide is not None else None)
+        ctx.save_for_backward(phi_q, phi_k, v, lc, ks, m, den if divide is not None else None)
         ctx.cfg = (q_offset, meta)
         ctx.mark_non_differentiable(m)
         return num, den, m
 
     @staticmethod
     def backward(ctx, dnum, dden, dm):
-        phi_q, phi_k, v, lc, m, den = ctx.saved_tensors
+        phi_q, phi_k, v, lc, ks, m, den = ctx.saved_tensors
+        ks = lc if ks is None else ks
         q_offset, meta = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
@@ -213,7 +227,7 @@ class _Tiled(torch.autograd.Function):
         dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
         meta = dict(meta, SCALED=den is not None)
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-        _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, dnum, inv, dd, m, dq,
+        _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, ks, dnum, inv, dd, m, dq,
                                                              H, Lq, Lk, F, Dv, R, q_offset, **meta)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
         dv_bf16 = dv_in_bf16(v, dt)
@@ -221,12 +235,12 @@ class _Tiled(torch.autograd.Function):
         wants_db = ctx.needs_input_grad[3]
         # (without it, a placeholder that is never touched: the autotuner zeroes db_ptr's tensor)
         db = torch.zeros(H, R, dtype=acc, device=dev) if wants_db else torch.zeros(1, dtype=acc, device=dev)
-        _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, dnum, inv, dd, m, dk,
+        _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, ks, dnum, inv, dd, m, dk,
                                                               dv.view(torch.int16) if dv_bf16 else dv, db,
                                                               H, Lq, Lk, F, Dv, R, q_offset, DV_BF16=dv_bf16,
                                                               DB=wants_db, **meta)
         return (dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if wants_db else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def kernelized_num_den_triton_tiled(
@@ -238,12 +252,13 @@ def kernelized_num_den_triton_tiled(
     causal: bool = False,
     q_offset: int = 0,
     key_padding_mask: Tensor | None = None,
+    key_log_scale: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     precision: str = "ieee",
     divide: torch.dtype | None = None,
 ):
-    """`kernelized_num_den_naive`'s results (no `key_log_scale`) by the tiled Triton kernels,
-    forward and backward, without materializing any `[Lq, Lk]` tensor.
+    """`kernelized_num_den_naive`'s results by the tiled Triton kernels, forward and backward,
+    without materializing any `[Lq, Lk]` tensor.
 
     Args:
         phi_q: `[B, H, Lq, F]`; phi_k: `[B, H, Lk, F]`; v: `[B, H, Lk, Dv]` (read as it
@@ -251,6 +266,9 @@ def kernelized_num_den_triton_tiled(
         log_coeff: `[H, Lq+Lk-1]` `b(r)` for `r = -(Lq-1+q_offset) .. Lk-1-q_offset` (`-inf`
             allowed; differentiable), or None for no term.
         causal, q_offset, key_padding_mask: as the naive op's.
+        key_log_scale: `[B, H, Lk]` or None: the true key features are `phi_k·exp(key_log_scale)`
+            (causal SIKF's running maximum, `kernels.SIKF.key_features`); a row's log-scale then
+            includes them, as the naive op's does (not differentiated: the caller detaches it).
         out_dtype: dtype of num and den (default phi_q's).
         precision: how float32 features are multiplied on the GPU (`triton_chunked.PRECISIONS`).
         divide: a dtype: the quotient `num/den` in it in place of num (rows without weight 0, as
@@ -258,8 +276,9 @@ def kernelized_num_den_triton_tiled(
             gradient as it comes (`_QuotientGrad`).
 
     Returns:
-        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])`: the true sums are
-        `num·exp(log_scale)`, log_scale each row's largest `b` over the keys it sees.
+        `(num [B, H, Lq, Dv], den [B, H, Lq], log_scale [H, Lq])` (`[B, H, Lq]` with
+        `key_log_scale`): the true sums are `num·exp(log_scale)`, log_scale each row's largest
+        `b` (plus the key's log-scale) over the keys it sees.
     """
     if not HAS_TRITON:
         raise FastRPEError("the triton kernels need triton: pip install 'fastrpe[triton]'")
@@ -280,12 +299,20 @@ def kernelized_num_den_triton_tiled(
         if log_coeff.shape != (H, Lq + Lk - 1):
             raise FastRPEError(f"log_coeff: expected shape {(H, Lq + Lk - 1)}, got {tuple(log_coeff.shape)}")
         lc = log_coeff.to(acc).contiguous()
+    ks = None
+    if key_log_scale is not None:
+        if key_log_scale.shape != (B, H, Lk):
+            raise FastRPEError(f"key_log_scale: expected shape {(B, H, Lk)}, got {tuple(key_log_scale.shape)}")
+        ks = key_log_scale.detach().to(acc)
+        if key_padding_mask is not None:  # a padding key's scale does not enter a row's maximum
+            ks = ks.masked_fill(key_padding_mask[:, None, :], float("-inf"))
+        ks = ks.contiguous()
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
     q, k = phi_q.contiguous(), phi_k.to(dt).contiguous()
     vv = v.to(value_dtype(v, dt)).contiguous()
-    num, den, m = _Tiled.apply(q, k, vv, lc, int(q_offset), bool(causal), out_dtype or dt, dot_mode(precision),
+    num, den, m = _Tiled.apply(q, k, vv, lc, ks, int(q_offset), bool(causal), out_dtype or dt, dot_mode(precision),
                                divide)
     if divide is not None:
         num = with_quotient_grad(num, den)
-    return num, den, m[0].detach()
+    return num, den, (m if ks is not None else m[0]).detach()
