@@ -45,6 +45,13 @@ def reference(q, k, v, lc, *, causal, q_offset=0, kpm=None, kls=None):
     return a @ v.to(a.dtype), a.sum(-1), m[..., 0]
 
 
+def _assert_grads_close(got, want, leaves):
+    """The gradients of φq, φk, v and the table from `got` equal those from `want` (weighted
+    sums, `weighted_grads`)."""
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads(got, leaves), weighted_grads(want, leaves)):
+        assert_close(a, b, msg=name)
+
+
 def _table(H, R, seed=0, spread=3.0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return (spread * torch.randn(H, R, generator=g, dtype=torch.float64)).to(DEV, dtype).requires_grad_()
@@ -70,10 +77,7 @@ def test_tiled_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, causal):
     want = reference(q, k, v, lc, causal=causal, q_offset=q_offset)
     for name, a, b in zip(("num", "den", "log_scale"), got, want):
         assert_close(a, b, msg=name)
-    leaves = (q, k, v, lc)
-    grads = zip(("dq", "dk", "dv", "dtable"), weighted_grads(got[:2], leaves), weighted_grads(want[:2], leaves))
-    for name, a, b in grads:
-        assert_close(a, b, msg=name)
+    _assert_grads_close(got[:2], want[:2], (q, k, v, lc))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -93,10 +97,7 @@ def test_quotient_and_padding_match_reference(causal):
     ref = quotient_reference(rn, rd)
     assert_close(out, ref)
     assert_close(den, rd)
-    leaves = (q, k, v, lc)
-    grads = zip(("dq", "dk", "dv", "dtable"), weighted_grads([out], leaves), weighted_grads([ref], leaves))
-    for name, a, b in grads:
-        assert_close(a, b, msg=name)
+    _assert_grads_close([out], [ref], (q, k, v, lc))
 
 
 def test_a_row_that_sees_nothing_is_zero():
@@ -163,10 +164,7 @@ def test_key_log_scale_matches_reference(causal):
     assert got[2].shape == (B, H, Lq)
     for name, a, b in zip(("num", "den", "log_scale"), got, want):
         assert_close(a, b, msg=name)
-    leaves = (q, k, v, lc)
-    grads = zip(("dq", "dk", "dv", "dtable"), weighted_grads(got[:2], leaves), weighted_grads(want[:2], leaves))
-    for name, a, b in grads:
-        assert_close(a, b, msg=name)
+    _assert_grads_close(got[:2], want[:2], (q, k, v, lc))
 
 
 def test_bad_inputs_say_why():
