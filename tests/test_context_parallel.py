@@ -10,11 +10,9 @@ but the weights is shared with the path under test.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import traceback
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launch import torchrun
 
 from fastrpe import FastRPEError
 from fastrpe.nn import DecoderLM, LMConfig, MultiheadAttention
@@ -285,45 +284,13 @@ TRAIN = ["train", "--task", "lm", "--seq-len", "31", "--max-bytes", "60000", "--
          "--lr", "3e-3", "--warmup-steps", "1", "--ckpt-every", "3", "--log-every", "1", "--eval-samples", "4", "--no-progress",
          "--kernel", "softmax", "--position", "alibi", "--seed", "3"]
 
-# launcher failures that say nothing about the code under test (ports, rendezvous under load)
-_TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection refused", "RendezvousTimeoutError",
-              "RendezvousConnectionError", "DistNetworkError")
-
 
 def _records(out: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-def _run_job(cmd: list[str], tmp: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Run `cmd` in a session of its own; on a timeout kill the whole session (torchrun and its
-    workers, which would otherwise be left waiting in a collective) and fail with its output."""
-    proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every process prints where it waits
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd[3:6])} did not finish in {timeout:.0f} s\n{out[-2000:]}\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _torchrun(tmp: Path, nproc: int, args: list[str], out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
-    # --standalone: a local rendezvous on a port the launcher picks (no fixed port shared with other jobs)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "fastrpe.cli.main", *args, "--out", str(out)]
-    for attempt in range(2):
-        proc = _run_job(cmd, tmp, env, timeout=180)
-        if proc.returncode == 0 or not any(t in proc.stderr for t in _TRANSIENT):
-            break
-        shutil.rmtree(out, ignore_errors=True)  # one retry, from scratch
-    return proc
+def _torchrun(tmp: Path, nproc: int, args: list[str], out: Path):
+    return torchrun(["-m", "fastrpe.cli.main", *args, "--out", str(out)], nproc, tmp, out, timeout=180)
 
 
 @pytest.fixture(scope="module")

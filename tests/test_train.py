@@ -5,9 +5,7 @@ import json
 import math
 import os
 import pickle
-import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("safetensors")
+
+from _launch import run_job, torchrun
 
 from fastrpe.train import (
     CheckpointError,
@@ -491,34 +491,18 @@ cleanup()
 """
 
 
-def _run(cmd, tmp_path, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _script(tmp_path) -> Path:
     path = tmp_path / "run_train.py"
     path.write_text(SCRIPT.format(tests_dir=str(TESTS_DIR)))
     return path
 
 
-# launcher failures that say nothing about the code under test (ports, rendezvous under load)
-_TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection refused", "RendezvousTimeoutError",
-              "RendezvousConnectionError", "DistNetworkError")
-
-
 def _train_subprocess(tmp_path, out_dir, config, kill=None, dropout=0.1, nproc=None):
     args = json.dumps({"config": {**config, "out_dir": str(out_dir)}, "kill": kill, "dropout": dropout})
     script = str(_script(tmp_path))
     if nproc is None:
-        return _run([sys.executable, script, args], tmp_path)
-    # --standalone: a local rendezvous on a port the launcher picks (no fixed port shared with other jobs)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, args]
-    proc = _run(cmd, tmp_path)
-    if proc.returncode != 0 and any(t in proc.stderr for t in _TRANSIENT):
-        shutil.rmtree(out_dir, ignore_errors=True)
-        proc = _run(cmd, tmp_path)  # one retry, from scratch
-    return proc
+        return run_job([sys.executable, script, args], tmp_path, timeout=120)
+    return torchrun([script, args], nproc, tmp_path, out_dir, timeout=120)
 
 
 RESUME_CFG = {"steps": 12, "batch_size": 8, "lr": 1e-2, "warmup_steps": 3, "ckpt_every": 4, "keep_last": 2,
