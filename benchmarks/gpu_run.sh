@@ -4,9 +4,13 @@
 # What it runs: `fastrpe bench --suite gpu` (src/fastrpe/bench/gpu.py) in one process per
 # phase: compiled FlexAttention with a causal block mask, SDPA without RPE, fla's
 # chunk_simple_gla / chunk_linear_attn, every fastrpe backend; B=1 H=8 D=64, 32 features,
-# bf16, forward+backward; then the issue's criteria (`--check`). Phases, each well inside one
-# 10-minute device call (a phase that runs out of its budget stops cleanly; run it again):
+# bf16, forward+backward; then the issue's criteria (`--check`). Phases (a phase that runs out
+# of its budget stops cleanly, its rows saved one by one; run `rest` to go on):
 #
+#   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
+#                                      # (100 s), then every row the criteria read at 4k, 64k,
+#                                      # 256k and 1M, then decoding, then the host-sync check
+#   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
 #   bash benchmarks/gpu_run.sh short   # host-sync check, decoding at 64k, L = 4k, 16k, 64k
 #   bash benchmarks/gpu_run.sh long    # L = 256k, 1M (resumes the JSON of `short`)
 #   bash benchmarks/gpu_run.sh tests   # the GPU tests (pytest -m gpu)
@@ -28,18 +32,19 @@
 # device image, and it needs torch >= 2.7 and triton >= 3.3 (the image has torch 2.11, triton
 # 3.6). The `flash-linear-attention` package (models, needs transformers) is not needed.
 #
-# Device calls (the tool `run`; `carry` names what travels besides the tracked tree):
-#   run(command="TESTS_BUDGET=240 bash benchmarks/gpu_run.sh tests", carry=[".whl"], timeout_s=300)
-#   run(command="bash benchmarks/gpu_run.sh short", carry=[".whl"], timeout_s=600)
-#   then here: mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
-#   run(command="bash benchmarks/gpu_run.sh long", carry=[".whl", ".gpu_runs"], timeout_s=600)
-# and locally: fastrpe bench --suite gpu --check <files_at>/gpu.json
-#
-# A developer's session has 30 minutes of device time, counted from the machine's start (a minute
-# or two) to its return, idle time included, and a machine goes back after 30 s idle: three full
-# calls fit, four do not. Order as above: `tests` first with a 240 s budget (it catches a broken
-# kernel before the bench spends time on it), then `short`, then `long`; `auto` in a later session. Copy
-# gpu.json into .gpu_runs/ at once between calls, or the next call starts a fresh machine.
+# A session's device time is 15 minutes (since 2026-11; it was 30), counted from the machine's
+# start (a minute or two) to its return, idle time included; a warm machine goes back after
+# 30 s idle, and none starts with under 4 minutes left. So plan ONE call:
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl"], timeout_s=540)
+# `first` stops itself before 500 s (FIRST_TESTS_S=100 for the tests, FIRST_BENCH_S=330 after
+# which the bench starts no new row, a hard stop at FIRST_HARD_S=470), so the rows measured so
+# far come back even if the last one runs long. Then here, at once (the machine is warm for 30 s):
+#   mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
+#   run(command="REST_S=<seconds left, less 60> bash benchmarks/gpu_run.sh rest", carry=[".whl", ".gpu_runs"],
+#       timeout_s=<seconds left, less 30>)
+# only if at least 3 minutes of device time remain; otherwise give the machine back. Locally:
+#   fastrpe bench --suite gpu --check <files_at>/gpu.json
+# With 30 minutes (if ever again): `tests` with TESTS_BUDGET=240, then `short`, then `long`.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the
@@ -164,6 +169,29 @@ resume=()
 [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)
 
 case "$phase" in
+  first)
+    # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
+    #    shapes: a broken kernel's timings mean nothing, and these calls compile the kernels the
+    #    bench then finds in Triton's cache. SIGINT at the budget: pytest still prints every
+    #    failure so far.
+    timeout -s INT -k 15 "${FIRST_TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short \
+        tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
+        tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
+        -k "(float64 and nprf and (triton or fft)) or realistic or bench_shape or dense_bf16" \
+        --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
+    # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
+    #    host-sync check; no new row after FIRST_BENCH_S, and a hard stop at FIRST_HARD_S
+    #    (gpu.json is written after every row: what was measured stays)
+    timeout -s INT -k 20 "${FIRST_HARD_S:-470}" \
+        python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' \
+        bench --suite gpu --lengths 4096,65536,262144,1048576 --sections rows,decode,sync \
+        --budget-s "${FIRST_BENCH_S:-330}" --call-cap-s 120 --out "$OUT_DIR" "${resume[@]}" \
+        2>&1 | tee "$OUT_DIR/gpu_first.log" ;;
+  rest)
+    timeout -s INT -k 20 "${REST_S:-540}" \
+        python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' \
+        bench --suite gpu --lengths 4096,65536,262144,1048576 --sections rows,decode,sync \
+        --budget-s "$(( ${REST_S:-540} - 90 ))" --out "$OUT_DIR" --resume 2>&1 | tee "$OUT_DIR/gpu_rest.log" ;;
   short)
     fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_short.log" ;;
@@ -185,7 +213,7 @@ case "$phase" in
     python3 benchmarks/auto_cpu_check.py --device cuda --grad --lengths 1024,4096,16384 \
         --out "$OUT_DIR/auto_check_grad.json" 2>&1 | tee -a "$OUT_DIR/auto_check.log" ;;
   check) ;;
-  *) echo "usage: $0 short|long|tests|auto|check"; exit 2 ;;
+  *) echo "usage: $0 first|rest|short|long|tests|auto|check"; exit 2 ;;
 esac
 fastrpe bench --suite gpu --check "$OUT_DIR/gpu.json" | tee "$OUT_DIR/gpu_check.log"
 exit 0

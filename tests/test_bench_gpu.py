@@ -3,6 +3,7 @@ CUDA, the smoke path through every competitor, the criteria checker on hand-made
 the sampled float64 reference, and the runner's resume / out-of-memory / hard-cap rules."""
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,10 +62,29 @@ def test_criteria_rows_run_first_at_every_length(tmp_path):
     length come before any other row."""
     cfg = gpu.smoke_config(lengths=(32, 40), families=("alibi",), decode_context=48)
     res = gpu.run_gpu_suite(cfg, tmp_path, command="order", log=lambda *a: None)
-    first = [r["competitor"] in gpu.CRITERIA_ROWS[r["problem"]["position"]] for r in res["rows"]]
+    first = [gpu.reads(Problem(**r["problem"]), r["competitor"]) for r in res["rows"]]
     assert any(first) and not all(first)
     assert first == sorted(first, reverse=True)  # every True before every False
     assert {r["problem"]["L"] for r, f in zip(res["rows"], first) if f} == {32, 40}
+
+
+def test_the_first_pass_holds_every_row_the_criteria_read():
+    """`reads` leaves out only rows `check` ignores: a result without them is judged the same."""
+    rows = []
+    for L in gpu.DEFAULT_LENGTHS:
+        for fam in ("none", *gpu.FAMILIES):
+            p = Problem(position=fam, causal=gpu.family_causal(fam), L=L)
+            for name in gpu.registry(gpu.GpuConfig()):
+                if gpu.applies(p, name):
+                    ours = name.startswith("fastrpe-")
+                    rows.append(_row(fam, L, name, ms=1.0 if ours else 30.0, exact=True, max_abs_err_fp32=1e-4,
+                                     peak_bytes=2**30, peak_total_bytes=2**30))
+    kept = [r for r in rows if gpu.reads(Problem(**r["problem"]), r["competitor"])]
+    assert 0 < len(kept) < len(rows) / 2
+    assert not any(r["competitor"] == "fla-chunk_linear_attn" for r in kept)  # read by no criterion
+    full, first = gpu.check(_result(rows)), gpu.check(_result(kept))
+    assert [c["status"] for c in first] == [c["status"] for c in full]
+    assert {c["status"] for c in full} >= {"pass"}
 
 
 def test_smoke_accuracy_rows_of_exact_backends_are_exact(smoke):
@@ -377,3 +397,50 @@ def test_resume_keeps_rows_and_refuses_another_device(smoke, tmp_path, capsys):
     (tmp_path / "gpu.json").write_text(json.dumps(other))
     with pytest.raises(fr.FastRPEError, match="--resume: .* do not mix"):
         gpu.run_gpu_suite(cfg, tmp_path, resume=True, log=lambda *a: None)
+
+
+# ----------------------------------------------------------------------------- sections and budget
+
+
+def test_sections_run_in_the_order_given_and_resume_where_the_budget_stopped(tmp_path):
+    """A 15-minute GPU session needs the timed rows before the other sections, and a phase cut
+    by its budget must pick up the rest later without running anything twice."""
+    quiet = {"log": lambda *a: None}
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), decode_context=48, sections=("rows",))
+    res = gpu.run_gpu_suite(cfg, tmp_path, command="rows only", **quiet)
+    assert res["rows"] and res["decode"] == [] and res["sync"] == []
+    assert not res["complete"]  # not every section was asked for
+
+    # the budget spent before the first decode row: none runs, and the run says it was cut
+    cut = gpu.run_gpu_suite(replace(cfg, sections=("decode",), budget_s=0.0), tmp_path, command="cut",
+                            resume=True, **quiet)
+    assert cut["decode"] == [] and not cut["complete"]
+
+    full = gpu.run_gpu_suite(replace(cfg, sections=gpu.SECTIONS), tmp_path, command="rest", resume=True, **quiet)
+    assert full["complete"] and full["commands"] == ["rows only", "cut", "rest"]
+    methods = [r["method"] for r in full["decode"]]
+    assert len(methods) == len(set(methods)) >= 3  # every decode row once
+    assert full["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+    assert len(full["rows"]) == len(res["rows"])  # the timed rows were not run again
+    again = gpu.run_gpu_suite(replace(cfg, sections=gpu.SECTIONS), tmp_path, command="again", resume=True, **quiet)
+    assert again["decode"] == full["decode"] and again["sync"] == full["sync"]
+
+
+def test_a_row_is_saved_as_soon_as_it_is_measured(tmp_path):
+    """gpu.json holds each decode row before the next one starts (a device call killed at its
+    time limit returns what it had measured)."""
+    seen = []
+
+    def log(line):
+        if line.startswith("decode"):
+            seen.append(len(json.loads((tmp_path / "gpu.json").read_text())["decode"]))
+
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), decode_context=48, sections=("decode",))
+    gpu.run_gpu_suite(cfg, tmp_path, command="x", log=log)
+    assert seen and seen == list(range(1, len(seen) + 1))
+
+
+def test_sections_option_refuses_unknown_names_in_one_line(tmp_path, capsys):
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--sections", "rows,warp", "--out", str(tmp_path)])
+    err = capsys.readouterr()
+    assert rc == 2 and "--sections" in (err.out + err.err) and "warp" in (err.out + err.err)

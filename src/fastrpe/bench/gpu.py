@@ -19,8 +19,10 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
   the features rounded to bf16 (`backends_triton.LOWP_FEATURES`; the default keeps them
   float32, products by tf32x3), to weigh their speed against their error on the GPU.
 
-Order: the rows the criteria read (`CRITERIA_ROWS`) at every length first, then the rest, so
-a phase cut short by its budget still has them. Positional parameters are frozen everywhere
+Order: the rows the criteria read (`reads`) first, at every length, then the rest, so a phase
+cut short by its budget still has them; the sections (host syncs, decoding, timed rows) run in
+the order `sections` gives, each under the same budget, and a run resumed picks up where one
+stopped. Positional parameters are frozen everywhere
 (gradients for q, k, v only). Times are median
 CUDA-event milliseconds over `repeats` calls after warm-up (compilation excluded), memory
 the allocator's peak above what the inputs and their gradients hold (`peak_bytes`) and in
@@ -56,16 +58,22 @@ from .registry import Problem
 DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
 FAMILIES = ("alibi", "kerple_log", "kerple_power", "t5", "learned", "learned_full")
 DECAYING = ("alibi", "kerple_log", "kerple_power")
+SECTIONS = ("sync", "decode", "rows")
 #: families the fastrpe paths must compute to within `ACCURACY_TOL` of exact (float32 inputs)
 ACCURACY_TOL = 1e-3
 SOFTMAX_ONLY_BACKENDS = ("dense", "sdpa", "flex")  # not linear-time or FFT paths: no sync check
 #: fastrpe rows timed and shown but not counted as fastrpe's result in the criteria: the
 #: materializing reference (quadratic memory) and the softmax backends
 NOT_CONTENDERS = ("fastrpe-dense", "fastrpe-sdpa", "fastrpe-flex")
-#: the rows `check` reads, per family: the suite runs them first, at every length, and the
-#: rest after (the first H100 call spent its budget on two rows of 4,096 tokens)
+#: the lengths `check` reads: every family at the first two, the learned tables' Flex ratio at
+#: the third, the memory and time limits at the last
+L_SHORT, L_CHECK, L_LONG, L_MAX = 4096, 65536, 262144, 1048576
+#: the competitors `check` reads, per family (SDPA: the ratios' ceiling). The suite runs these
+#: first, at the lengths `reads` names, and the rest after: the first H100 call spent its budget
+#: on two rows of 4,096 tokens, and fla's chunk_linear_attn, which no criterion reads, autotuned
+#: for over 60 s in its first call
 CRITERIA_ROWS = {
-    "none": ("sdpa", "fla-chunk_linear_attn"),
+    "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-auto"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
@@ -73,6 +81,19 @@ CRITERIA_ROWS = {
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
 }
+
+
+def reads(p: Problem, name: str) -> bool:
+    """Whether `check` reads the row of competitor `name` on problem `p` (at lengths it does
+    not know, as in a smoke run, every criteria competitor counts)."""
+    if name not in CRITERIA_ROWS.get(p.position, ()):
+        return False
+    learned = p.position in ("learned", "learned_full")
+    if p.L == L_LONG:
+        return learned  # >= 4x faster than Flex at 262,144
+    if p.L == L_MAX:  # 40 GiB (tables), 60 ms and 8 GiB (decaying terms): fastrpe's own rows
+        return name.startswith("fastrpe-") and (learned or p.position in DECAYING)
+    return True
 
 
 @dataclass
@@ -98,6 +119,9 @@ class GpuConfig:
     decode_prompt: int = 2048  # tokens that build the constant-size states (see `decode_rows`)
     sync_length: int = 4096
     flex_max_length: int = 262144  # no criterion needs Flex beyond (its 1M call takes minutes)
+    #: what runs, in this order: the host-sync check, the decoding rows, the timed rows (all of
+    #: them under `budget_s`: a section cut short resumes where it stopped)
+    sections: tuple = SECTIONS
     smoke: bool = False
     device: str = "cuda"
 
@@ -484,7 +508,8 @@ def applies(p: Problem, name: str) -> bool:
 # ----------------------------------------------------------------------------- decoding
 
 
-def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
+def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print, *, done=frozenset(),
+                over=lambda: False, on_row=None) -> list[dict]:
     """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
     constant-size states (`LinearState` for ALiBi, `BandState` for T5, `SoEState` for
     KERPLE-log; each row records which state `step` kept and whether its fused Triton step
@@ -494,7 +519,10 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
 
     A constant-size state is built from a `decode_prompt`-token prompt and its `length` set
     to the context (its size and its step's work do not depend on the length); a KV cache
-    is filled with seeded keys and values of the full context length."""
+    is filled with seeded keys and values of the full context length.
+
+    Methods in `done` are not run again (resuming); no new row starts once `over()` is true;
+    `on_row(row)` is called after each row (the caller saves it: a run killed later keeps it)."""
     import fastrpe as fr
     from fastrpe.bench.runner import _time
     from fastrpe.nn import attention as attention_mod
@@ -542,6 +570,10 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
          "kv"),
     ]
     for name, make, state, kind in cases:
+        if name in done:
+            continue
+        if over():
+            return rows
         row = {"method": name, "kind": kind, "context": ctx}
         # "PyTorch ops": the same layer without its fused Triton step (`attention.FUSED_STEP`)
         fused = attention_mod.FUSED_STEP
@@ -566,10 +598,14 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
         finally:
             attention_mod.FUSED_STEP = fused
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         log(_decode_line(row))
         mha = st = None
     # the bare op: one query against the whole cache, FlashAttention's decode
     row = {"method": "kv-cache sdpa op (no RPE, no projections)", "kind": "kv-op", "context": ctx}
+    if row["method"] in done or over():
+        return rows
     try:
         cache = kv_cache()
         qq = torch.randn(cfg.B, H, 1, D, generator=g).to(device=device, dtype=dtype)
@@ -582,6 +618,8 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
 
         row["skipped"] = _first_line(e)
     rows.append(row)
+    if on_row is not None:
+        on_row(row)
     log(_decode_line(row))
     return rows
 
@@ -654,14 +692,20 @@ def _watch_syncs(fn, device) -> str | None:
     return None
 
 
-def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print) -> list[dict]:
+def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print, *, done=frozenset(),
+              over=lambda: False, on_row=None) -> list[dict]:
     """Each linear-time and FFT backend (every registered backend but the softmax ones),
     forward+backward at `sync_length` under `torch.cuda.set_sync_debug_mode("error")`, twice:
     the backend's own hot path (`Backend.run` on a validated problem: `ok`) and the public call
     `fastrpe.attention` with its input checks (`ok_api`). False comes with the error; a
-    backend that refuses the family is skipped with its reasons."""
+    backend that refuses the family is skipped with its reasons. `(backend, family)` pairs in
+    `done` are not run again; no new pair starts once `over()` is true; `on_row(row)` is called
+    after each row."""
     if device.type != "cuda":
-        return [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+        rows = [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+        if on_row is not None:
+            on_row(rows[0])
+        return rows
     import fastrpe as fr
     from fastrpe.api import _problem
     from fastrpe.dispatch import BACKENDS
@@ -673,6 +717,10 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
         if name in SOFTMAX_ONLY_BACKENDS:
             continue
         for fam in FAMILIES:
+            if (name, fam) in done:
+                continue
+            if over():
+                return rows
             p = Problem(position=fam, kernel=cfg.kernel, causal=family_causal(fam), L=cfg.sync_length, B=cfg.B,
                         H=cfg.H, D=cfg.D, features=cfg.features)
             row = {"backend": name, "family": fam, "L": p.L}
@@ -696,6 +744,8 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
             except Exception as e:  # noqa: BLE001 - anything but a sync is recorded as a reason
                 row = {"backend": name, "family": fam, "L": p.L, "skipped": "error: " + _first_line(e)}
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
             msg = row.get("skipped") or " ".join(
                 f"{k}={'clean' if row[k] else row[k.replace('ok', 'error')]}" for k in ("ok", "ok_api"))
             log(f"sync {name:14s} {fam:13s} {msg}")
@@ -756,39 +806,54 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
         res["ratios"] = ratios(res)
         path.write_text(json.dumps(res, indent=1))
 
-    def select(p, name):
+    cut = []  # set once the budget turned a row away
+
+    def over() -> bool:
         if cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:
-            return False
-        return applies(p, name)
+            cut.append(True)
+            return True
+        return False
 
-    # the host-sync and decoding sections first: short, and they warm the kernels
-    if not res["sync"]:
-        res["sync"] = sync_rows(cfg, dev, dt, log=log)
-        save()
-    if not res["decode"]:
-        res["decode"] = decode_rows(cfg, dev, dt, log=log)
-        save()
-    reg = registry(cfg)
-    # two passes: the rows the criteria read at every length, then every other row
-    for first in (True, False):
-        def chosen(p, name, first=first):
-            return (name in CRITERIA_ROWS.get(p.position, ())) == first and select(p, name)
+    def select(p, name):
+        return applies(p, name) and not over()
 
-        # every pair with a row is done (timed, refused or out of memory); pairs the budget
-        # left out have no row and run now
-        done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in res["rows"]}
-        run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
-                  warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,
-                  catch_errors=True, call_cap_s=cfg.call_cap_s, done=done, on_row=save, cpu_peak=not cfg.smoke,
-                  limit_on="timed")
-    over = cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s
-    res["complete"] = not over
+    def keep(section):
+        def on_row(row):
+            res[section].append(row)
+            save()
+        return on_row
+
+    for section in cfg.sections:
+        if section == "sync":  # the hot paths under sync debug mode (they also warm the kernels)
+            done = {(r.get("backend"), r.get("family")) for r in res["sync"]}
+            if (None, None) not in done:  # a row without a backend: no CUDA, nothing to watch
+                sync_rows(cfg, dev, dt, log=log, done=done, over=over, on_row=keep("sync"))
+        elif section == "decode":
+            decode_rows(cfg, dev, dt, log=log, done={r["method"] for r in res["decode"]}, over=over,
+                        on_row=keep("decode"))
+        elif section == "rows":
+            reg = registry(cfg)
+            # two passes: the rows the criteria read at every length, then every other row
+            for first in (True, False):
+                def chosen(p, name, first=first):
+                    return reads(p, name) == first and select(p, name)
+
+                # every pair with a row is done (timed, refused or out of memory); pairs the
+                # budget left out have no row and run now
+                done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in res["rows"]}
+                run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
+                          warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,
+                          catch_errors=True, call_cap_s=cfg.call_cap_s, done=done, on_row=save,
+                          cpu_peak=not cfg.smoke, limit_on="timed")
+        else:
+            raise ValueError(f"unknown section {section!r}; known: {', '.join(SECTIONS)}")
+    res["complete"] = not cut and set(cfg.sections) == set(SECTIONS)
     res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     save()
     png = plot_gpu(res, out / "gpu.png")
     (out / "gpu.md").write_text(markdown_table(res))
     log(f"wrote {path}, {out / 'gpu.md'}" + (f" and {png}" if png else "")
-        + ("" if res["complete"] else f" (budget of {cfg.budget_s:g} s spent: run again with --resume)"))
+        + ("" if not cut else f" (budget of {cfg.budget_s:g} s spent: run again with --resume)"))
     return res
 
 
@@ -969,12 +1034,12 @@ def plot_gpu(res: dict, path: Path) -> Path | None:
 GIB = 2 ** 30
 
 
-def check(res: dict, L_check: int = 65536, L_long: int = 262144, L_max: int = 1048576) -> list[dict]:
+def check(res: dict, L_check: int = L_CHECK, L_long: int = L_LONG, L_max: int = L_MAX) -> list[dict]:
     """Issue 12's "What it must show", each as pass / fail / missing (not measured), from a
     result of `run_gpu_suite`. A smoke result is checked at its own lengths (the largest
     stands for 1M, the middle one for 64k) so the logic is exercised; it proves nothing."""
-    if res.get("smoke"):
-        Ls = sorted({r["problem"]["L"] for r in res["rows"]})
+    Ls = sorted({r["problem"]["L"] for r in res["rows"]})
+    if res.get("smoke") and Ls:
         L_check, L_long, L_max = Ls[len(Ls) // 2], Ls[-1], Ls[-1]
     t = times(res)
     out = []
@@ -1038,8 +1103,7 @@ def check(res: dict, L_check: int = 65536, L_long: int = 262144, L_max: int = 10
             add(f"learned table ({tag}), L={L_max}: completes within 40 GiB",
                 None if tot is None else tot <= 40 * GIB,
                 f"{b[0]} {ms(b[1]['seconds'])}, peak {tot / GIB:.2f} GiB in all" if tot is not None else "no peak")
-    Ls = sorted({r["problem"]["L"] for r in res["rows"]})
-    L4 = 4096 if not res.get("smoke") else Ls[0]
+    L4 = Ls[0] if res.get("smoke") and Ls else L_SHORT
     for fam in FAMILIES:
         if any(r["problem"]["position"] == fam for r in res["rows"]):
             exact = fam not in ("kerple_log", "kerple_power")
@@ -1133,6 +1197,8 @@ def add_arguments(p) -> None:
     g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
     g.add_argument("--flex-max-length", type=int, default=None,
                    help="no Flex or triton_tiled rows beyond this L (default 262144)")
+    g.add_argument("--sections", default=None,
+                   help=f"comma-separated, run in this order, from {','.join(SECTIONS)} (default: {','.join(SECTIONS)})")
 
 
 def _ints(s: str, what: str) -> tuple:
@@ -1160,6 +1226,12 @@ def config_from_args(args) -> GpuConfig:
         if bad or not fams:
             raise FastRPEError(f"--families: unknown {bad}; known: {', '.join(FAMILIES)}")
         kw["families"] = fams
+    if args.sections:
+        secs = tuple(x for x in args.sections.split(",") if x)
+        bad = [x for x in secs if x not in SECTIONS]
+        if bad or not secs or len(set(secs)) != len(secs):
+            raise FastRPEError(f"--sections: expected distinct names from {', '.join(SECTIONS)}, got {args.sections!r}")
+        kw["sections"] = secs
     if not isinstance(args.dtype, _Unset):
         kw["dtype"] = args.dtype
     if not isinstance(args.repeats, _UnsetInt):
