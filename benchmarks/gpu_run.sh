@@ -36,9 +36,9 @@
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
 # 30 s idle, and none starts with under 4 minutes left. So plan ONE call:
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl"], timeout_s=540)
-# `first` stops itself before 500 s (FIRST_TESTS_S=100 for the tests, FIRST_BENCH_S=330 after
-# which the bench starts no new row, a hard stop at FIRST_HARD_S=470), so the rows measured so
-# far come back even if the last one runs long. Then here, at once (the machine is warm for 30 s):
+# `first` ends within FIRST_S=500 s of its start (FIRST_TESTS_S=100 for the tests; the bench
+# starts no new row after the rest less 85 s, and is stopped 25 s before the end), so the rows
+# measured so far come back even when the last one runs long. Then here, at once (the machine is warm for 30 s):
 #   mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
 #   run(command="REST_S=<seconds left, less 60> bash benchmarks/gpu_run.sh rest", carry=[".whl", ".gpu_runs"],
 #       timeout_s=<seconds left, less 30>)
@@ -170,28 +170,36 @@ resume=()
 
 case "$phase" in
   first)
+    # The whole phase ends by FIRST_S seconds (default 500) after the script started, the
+    # device call's timeout_s (540) included with room to spare.
+    total="${FIRST_S:-500}"
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
     #    shapes: a broken kernel's timings mean nothing, and these calls compile the kernels the
     #    bench then finds in Triton's cache. SIGINT at the budget: pytest still prints every
     #    failure so far.
-    timeout -s INT -k 15 "${FIRST_TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short \
+    timeout -s INT -k 10 "${FIRST_TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short \
         tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "(float64 and nprf and (triton or fft)) or realistic or bench_shape or dense_bf16" \
         --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
-    #    host-sync check; no new row after FIRST_BENCH_S, and a hard stop at FIRST_HARD_S
-    #    (gpu.json is written after every row: what was measured stays)
-    timeout -s INT -k 20 "${FIRST_HARD_S:-470}" \
+    #    host-sync check. No new row once the budget is spent, a minute before the hard stop
+    #    (a row's calls are capped at 90 s each; gpu.json is written after every row, so a row
+    #    cut by the hard stop is all that is lost); 25 s kept for the kill's grace and --check.
+    left=$(( total - SECONDS - 25 ))
+    echo "first: ${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)"
+    timeout -s INT -k 10 "$left" \
         python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' \
         bench --suite gpu --lengths 4096,65536,262144,1048576 --sections rows,decode,sync \
-        --budget-s "${FIRST_BENCH_S:-330}" --call-cap-s 120 --out "$OUT_DIR" "${resume[@]}" \
+        --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_first.log" ;;
   rest)
-    timeout -s INT -k 20 "${REST_S:-540}" \
+    # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start
+    left=$(( ${REST_S:-540} - SECONDS - 25 ))
+    timeout -s INT -k 10 "$left" \
         python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' \
         bench --suite gpu --lengths 4096,65536,262144,1048576 --sections rows,decode,sync \
-        --budget-s "$(( ${REST_S:-540} - 90 ))" --out "$OUT_DIR" --resume 2>&1 | tee "$OUT_DIR/gpu_rest.log" ;;
+        --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" --resume 2>&1 | tee "$OUT_DIR/gpu_rest.log" ;;
   short)
     fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_short.log" ;;
