@@ -422,8 +422,10 @@ def test_sections_run_in_the_order_given_and_resume_where_the_budget_stopped(tmp
     assert len(methods) == len(set(methods)) >= 3  # every decode row once
     assert full["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
     assert len(full["rows"]) == len(res["rows"])  # the timed rows were not run again
-    again = gpu.run_gpu_suite(replace(cfg, sections=gpu.SECTIONS), tmp_path, command="again", resume=True, **quiet)
-    assert again["decode"] == full["decode"] and again["sync"] == full["sync"]
+    # nothing left: a spent budget turns nothing away, and the run is complete
+    again = gpu.run_gpu_suite(replace(cfg, sections=gpu.SECTIONS, budget_s=0.0), tmp_path, command="again",
+                              resume=True, **quiet)
+    assert again["decode"] == full["decode"] and again["sync"] == full["sync"] and again["complete"]
 
 
 def test_a_row_is_saved_as_soon_as_it_is_measured(tmp_path):

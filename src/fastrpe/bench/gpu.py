@@ -835,12 +835,13 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
             reg = registry(cfg)
             # two passes: the rows the criteria read at every length, then every other row
             for first in (True, False):
-                def chosen(p, name, first=first):
-                    return reads(p, name) == first and select(p, name)
-
                 # every pair with a row is done (timed, refused or out of memory); pairs the
                 # budget left out have no row and run now
                 done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in res["rows"]}
+
+                def chosen(p, name, first=first, done=done):  # the budget is asked only for a row to run
+                    return reads(p, name) == first and (p.tag(), name) not in done and select(p, name)
+
                 run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
                           warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,
                           catch_errors=True, call_cap_s=cfg.call_cap_s, done=done, on_row=save,
