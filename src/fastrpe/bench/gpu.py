@@ -509,7 +509,7 @@ def applies(p: Problem, name: str) -> bool:
 
 
 def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print, *, done=frozenset(),
-                over=lambda: False, on_row=None) -> list[dict]:
+                over=lambda: False, on_row=lambda row: None) -> list[dict]:
     """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
     constant-size states (`LinearState` for ALiBi, `BandState` for T5, `SoEState` for
     KERPLE-log; each row records which state `step` kept and whether its fused Triton step
@@ -598,8 +598,7 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
         finally:
             attention_mod.FUSED_STEP = fused
         rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        on_row(row)
         log(_decode_line(row))
         mha = st = None
     # the bare op: one query against the whole cache, FlashAttention's decode
@@ -618,8 +617,7 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
 
         row["skipped"] = _first_line(e)
     rows.append(row)
-    if on_row is not None:
-        on_row(row)
+    on_row(row)
     log(_decode_line(row))
     return rows
 
@@ -693,7 +691,7 @@ def _watch_syncs(fn, device) -> str | None:
 
 
 def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=print, *, done=frozenset(),
-              over=lambda: False, on_row=None) -> list[dict]:
+              over=lambda: False, on_row=lambda row: None) -> list[dict]:
     """Each linear-time and FFT backend (every registered backend but the softmax ones),
     forward+backward at `sync_length` under `torch.cuda.set_sync_debug_mode("error")`, twice:
     the backend's own hot path (`Backend.run` on a validated problem: `ok`) and the public call
@@ -703,8 +701,7 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
     after each row."""
     if device.type != "cuda":
         rows = [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
-        if on_row is not None:
-            on_row(rows[0])
+        on_row(rows[0])
         return rows
     import fastrpe as fr
     from fastrpe.api import _problem
@@ -744,8 +741,7 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
             except Exception as e:  # noqa: BLE001 - anything but a sync is recorded as a reason
                 row = {"backend": name, "family": fam, "L": p.L, "skipped": "error: " + _first_line(e)}
             rows.append(row)
-            if on_row is not None:
-                on_row(row)
+            on_row(row)
             msg = row.get("skipped") or " ".join(
                 f"{k}={'clean' if row[k] else row[k.replace('ok', 'error')]}" for k in ("ok", "ok_api"))
             log(f"sync {name:14s} {fam:13s} {msg}")
