@@ -149,7 +149,21 @@ else
     echo "no .whl/: fla is absent, its rows will say so"
 fi
 
-fastrpe() { python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+FASTRPE=(python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))')
+fastrpe() { "${FASTRPE[@]}" "$@"; }
+
+# bench_until END LOG ARGS...: the bench over the criteria's lengths, rows then decoding then
+# host syncs, ending END s after this script started: no new row once its budget is spent, a
+# minute before the hard stop (a row's calls are capped at 90 s each; gpu.json is written after
+# every row, so a row cut by the hard stop is all that is lost); 25 s kept for the kill's grace
+# and --check.
+bench_until() {
+    local left=$(( $1 - SECONDS - 25 )) log="$2"; shift 2
+    echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)"
+    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths 4096,65536,262144,1048576 \
+        --sections rows,decode,sync --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "$@" \
+        2>&1 | tee "$OUT_DIR/$log"
+}
 
 python3 - <<'EOF'
 import torch
@@ -172,7 +186,6 @@ case "$phase" in
   first)
     # The whole phase ends by FIRST_S seconds (default 500) after the script started, the
     # device call's timeout_s (540) included with room to spare.
-    total="${FIRST_S:-500}"
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
     #    shapes: a broken kernel's timings mean nothing, and these calls compile the kernels the
     #    bench then finds in Triton's cache. SIGINT at the budget: pytest still prints every
@@ -183,23 +196,11 @@ case "$phase" in
         -k "(float64 and nprf and (triton or fft)) or realistic or bench_shape or dense_bf16" \
         --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
-    #    host-sync check. No new row once the budget is spent, a minute before the hard stop
-    #    (a row's calls are capped at 90 s each; gpu.json is written after every row, so a row
-    #    cut by the hard stop is all that is lost); 25 s kept for the kill's grace and --check.
-    left=$(( total - SECONDS - 25 ))
-    echo "first: ${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)"
-    timeout -s INT -k 10 "$left" \
-        python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' \
-        bench --suite gpu --lengths 4096,65536,262144,1048576 --sections rows,decode,sync \
-        --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${resume[@]}" \
-        2>&1 | tee "$OUT_DIR/gpu_first.log" ;;
+    #    host-sync check
+    bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" ;;
   rest)
     # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start
-    left=$(( ${REST_S:-540} - SECONDS - 25 ))
-    timeout -s INT -k 10 "$left" \
-        python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))' \
-        bench --suite gpu --lengths 4096,65536,262144,1048576 --sections rows,decode,sync \
-        --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" --resume 2>&1 | tee "$OUT_DIR/gpu_rest.log" ;;
+    bench_until "${REST_S:-540}" gpu_rest.log --resume ;;
   short)
     fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_short.log" ;;
