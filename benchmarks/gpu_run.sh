@@ -8,9 +8,12 @@
 # of its budget stops cleanly, its rows saved one by one; run `rest` to go on):
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
-#                                      # (100 s), then every row the criteria read at 4k, 64k,
-#                                      # 256k and 1M, then decoding, then the host-sync check
+#                                      # (100 s) beside the compile warm-up (below), then every
+#                                      # row the criteria read at 4k, 64k, 256k and 1M, then
+#                                      # decoding, then the host-sync check
 #   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
+#                                      # (after a warm-up of its own: REST_WARM_S, REST_S/3 and
+#                                      # 120 s at most by default)
 #   bash benchmarks/gpu_run.sh short   # host-sync check, decoding at 64k, L = 4k, 16k, 64k
 #   bash benchmarks/gpu_run.sh long    # L = 256k, 1M (resumes the JSON of `short`)
 #   bash benchmarks/gpu_run.sh tests   # the GPU tests (pytest -m gpu)
@@ -36,6 +39,14 @@
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
 # 30 s idle, and none starts with under 4 minutes left. So plan ONE call:
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl"], timeout_s=540)
+# The warm-up (`fastrpe bench --suite gpu --warm first`, src/fastrpe/bench/gpu_warm.py): a cold
+# bench compiles kernel after kernel, each autotuned one six times (compiling the tuned kernels'
+# variants for sm_90 took 6 minutes on the 2-core CPU), and compiled Flex forward and backward
+# per length. Six processes, one per autotuner config, run the first pass's Triton rows once
+# and share out its Flex and fla rows, beside the tests, so that the bench finds the binaries
+# in Triton's and Inductor's disk caches and only times the configs; the bench starts when they
+# end, FIRST_WARM_S=170 s after the start at the latest. gpu_warm.json says what each compiled
+# and how long it took: worth a line in RESULTS.md, and it sizes FIRST_WARM_S for next time.
 # `first` ends within FIRST_S=500 s of its start (FIRST_TESTS_S=100 for the tests; the bench
 # starts no new row after the rest less 85 s, and is stopped 25 s before the end), so the rows
 # measured so far come back even when the last one runs long. Then here, at once (the machine is warm for 30 s):
@@ -157,12 +168,24 @@ fastrpe() { "${FASTRPE[@]}" "$@"; }
 # minute before the hard stop (a row's calls are capped at 90 s each; gpu.json is written after
 # every row, so a row cut by the hard stop is all that is lost); 25 s kept for the kill's grace
 # and --check.
+LENGTHS=4096,65536,262144,1048576
 bench_until() {
     local left=$(( $1 - SECONDS - 25 )) log="$2"; shift 2
     echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)"
-    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths 4096,65536,262144,1048576 \
+    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
         --sections rows,decode,sync --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "$@" \
         2>&1 | tee "$OUT_DIR/$log"
+}
+
+# warm_until END PASS: compile what the bench's PASS (first|rest) runs, one process per Triton
+# autotuner config side by side (fastrpe.bench.gpu_warm), ending END s after this script
+# started; it times nothing, and the bench starts only after it (gpu_warm.json: what each
+# process compiled, in how many seconds).
+warm_until() {
+    local left=$(( $1 - SECONDS ))
+    [ "$left" -gt 20 ] || return 0
+    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --warm "$2" --lengths "$LENGTHS" \
+        --budget-s "$(( left - 10 ))" --out "$OUT_DIR" > "$OUT_DIR/gpu_warm_$2.log" 2>&1
 }
 
 python3 - <<'EOF'
@@ -186,21 +209,30 @@ case "$phase" in
   first)
     # The whole phase ends by FIRST_S seconds (default 500) after the script started, the
     # device call's timeout_s (540) included with room to spare.
+    # 0. in the background, beside the tests: the compile caches for the bench's first pass,
+    #    until FIRST_WARM_S s after the start at the latest
+    warm_until "${FIRST_WARM_S:-170}" first &
+    warm_pid=$!
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
-    #    shapes: a broken kernel's timings mean nothing, and these calls compile the kernels the
-    #    bench then finds in Triton's cache. SIGINT at the budget: pytest still prints every
-    #    failure so far.
+    #    shapes: a broken kernel's timings mean nothing. SIGINT at the budget: pytest still
+    #    prints every failure so far.
     timeout -s INT -k 10 "${FIRST_TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short \
         tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "(float64 and nprf and (triton or fft)) or realistic or bench_shape or dense_bf16" \
         --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
+    wait "$warm_pid"  # no timing beside the compilers
+    tail -12 "$OUT_DIR/gpu_warm_first.log"
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check
     bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" ;;
   rest)
-    # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start
-    bench_until "${REST_S:-540}" gpu_rest.log --resume ;;
+    # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start;
+    # the compilations of what is left first (on a fresh machine the caches are cold), for at
+    # most REST_WARM_S s (default: a third of REST_S, 120 at most)
+    rest_s=${REST_S:-540}
+    warm_until "${REST_WARM_S:-$(( rest_s / 3 < 120 ? rest_s / 3 : 120 ))}" rest && tail -12 "$OUT_DIR/gpu_warm_rest.log"
+    bench_until "$rest_s" gpu_rest.log --resume ;;
   short)
     fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_short.log" ;;

@@ -1194,6 +1194,10 @@ def add_arguments(p) -> None:
     g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
     g.add_argument("--flex-max-length", type=int, default=None,
                    help="no Flex or triton_tiled rows beyond this L (default 262144)")
+    g.add_argument("--warm", choices=("first", "rest"), default=None,
+                   help="instead of timing: compile what the bench's first pass runs (first), or all it has yet to run "
+                        "after OUT/gpu.json (rest), one process per Triton autotuner config side by side, "
+                        "within --budget-s (default 150); fastrpe.bench.gpu_warm")
     g.add_argument("--sections", default=None,
                    help=f"comma-separated, run in this order, from {','.join(SECTIONS)} (default: {','.join(SECTIONS)})")
 
@@ -1267,5 +1271,10 @@ def run_cli(args) -> int:
     command = "fastrpe " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                     if k not in ("_module", "command") and v not in (None, False))
+    if args.warm is not None:
+        from .gpu_warm import warm
+
+        warm(cfg, out, which=args.warm, budget_s=150.0 if cfg.budget_s is None else cfg.budget_s)
+        return 0
     run_gpu_suite(cfg, out, command=command, resume=args.resume)
     return 0

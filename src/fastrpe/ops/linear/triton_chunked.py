@@ -384,14 +384,34 @@ if HAS_TRITON:
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
 
 
+#: (num_warps, num_stages) of the autotuner's configs, in this order
+TUNE_CONFIGS = tuple((w, s) for w in (4, 8) for s in (1, 2, 3))
+
+
+def tune_configs() -> tuple[tuple[int, int], ...]:
+    """The (num_warps, num_stages) pairs the autotuned kernels try: `TUNE_CONFIGS`, or only
+    the one at index `$FASTRPE_TRITON_CONFIG` when that is set (read when this module is
+    imported). `fastrpe.bench.gpu_warm` runs one process per config so that the six
+    compilations of each kernel happen side by side and land in Triton's on-disk cache
+    under the keys a full autotuning run looks up: a one-config autotuner launches its
+    config with the same options as a full one times it."""
+    pick = os.environ.get("FASTRPE_TRITON_CONFIG", "")
+    if pick == "":
+        return TUNE_CONFIGS
+    if not pick.isdigit() or int(pick) >= len(TUNE_CONFIGS):
+        raise FastRPEError(f"FASTRPE_TRITON_CONFIG: expected an index in 0..{len(TUNE_CONFIGS) - 1} "
+                           f"of {list(TUNE_CONFIGS)}, got {pick!r}")
+    return (TUNE_CONFIGS[int(pick)],)
+
+
 def _tuned(kernel, key, reset=None, restore=None):
-    """`kernel` autotuned over warps and stages on the GPU; as is under the interpreter,
-    which cannot time a config. `reset`: outputs zeroed before each timed run; `restore`:
-    outputs the kernel adds to (saved before tuning and put back, so the timed runs do not
-    add several times)."""
+    """`kernel` autotuned over warps and stages on the GPU (`tune_configs`); as is under the
+    interpreter, which cannot time a config. `reset`: outputs zeroed before each timed run;
+    `restore`: outputs the kernel adds to (saved before tuning and put back, so the timed
+    runs do not add several times)."""
     if INTERPRETED:
         return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in tune_configs()]
     return triton.autotune(configs=configs, key=key, reset_to_zero=reset, restore_value=restore)(kernel)
 
 

@@ -1,0 +1,189 @@
+"""Fill the compilers' on-disk caches for `fastrpe bench --suite gpu` before it times anything,
+in parallel (`fastrpe bench --suite gpu --warm first|rest`).
+
+Why: a GPU session lasts minutes, and a cold bench spends them compiling, one kernel after
+another. Each autotuned Triton kernel of fastrpe compiles once per autotuner config (six:
+`triton_chunked.TUNE_CONFIGS`), again for every new constexpr (the number of SoE terms
+changes with L, the term groups at 1M), and compiled FlexAttention compiles forward and
+backward per length. On a 2-core CPU, compiling the tuned kernels' variants for sm_90 takes
+about 6 minutes; the first H100 call spent its 220-s bench budget before its third row.
+
+How: one worker process per autotuner config, each with `FASTRPE_TRITON_CONFIG` set to its
+index, runs every Triton row of the pass once, forward and backward. A one-config autotuner
+launches that config with exactly the options a full one times it with, so the binaries land
+in Triton's cache under the keys the bench's own autotuning looks up, and the bench only
+times the configs. The rows that compile once whatever the config (Flex through Inductor,
+fla's kernels) are dealt out among the workers. Nothing is timed here, and nothing here is a
+result: the workers keep `auto`'s measured timings apart (`FASTRPE_CACHE_DIR`), hold at most
+`MEMORY_FRACTION` of the GPU each (they may run beside the GPU tests), and stop at the budget;
+the bench compiles whatever they did not reach. `gpu_warm.json` records what each worker
+compiled and how long it took.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .gpu import GpuConfig, applies, problems, reads, registry
+from .registry import Problem
+
+#: rows whose compilation does not depend on fastrpe's autotuner config: one worker each
+SHARED = ("flex", "fla-chunk_simple_gla", "fla-chunk_linear_attn")
+#: the share of the GPU's memory one worker may hold (six of them beside the GPU tests)
+MEMORY_FRACTION = 0.125
+
+
+def tuned(name: str) -> bool:
+    """A row that runs fastrpe's autotuned Triton kernels."""
+    return name.startswith("fastrpe-triton_")
+
+
+def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[tuple[Problem, str]]:
+    """The (problem, competitor) rows that compile something (fastrpe's Triton rows, Flex,
+    fla) in the order the bench runs them: `which="first"`, those of its first pass (the rows
+    `reads` names); `"rest"`, those of both passes not in `done` (`(tag, competitor)` pairs,
+    what a resumed bench skips). `auto` is left out: it would time its candidates beside the
+    other workers, and they are the Triton and PyTorch rows anyway."""
+    if which not in ("first", "rest"):
+        raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
+    names = list(registry(cfg))
+    return [(p, n) for first in ((True,) if which == "first" else (True, False)) for p in problems(cfg) for n in names
+            if (tuned(n) or n in SHARED) and applies(p, n) and reads(p, n) == first and (p.tag(), n) not in done]
+
+
+def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
+    """One list per worker (worker i runs autotuner config i): every tuned row, and the shared
+    rows dealt out in turn, each list in the order of `items`."""
+    out: list[list] = [[] for _ in range(n_configs)]
+    j = 0
+    for it in items:
+        if tuned(it[1]):
+            for w in out:
+                w.append(it)
+        else:
+            out[j % n_configs].append(it)
+            j += 1
+    return out
+
+
+def _record(path: Path, rec: dict) -> None:
+    from .._io import atomic_write
+
+    atomic_write(path, json.dumps(rec, indent=1).encode())
+
+
+def run_worker(plan_path: Path, index: int) -> int:
+    """Worker `index` of the plan at `plan_path`: each row once, forward and backward; its
+    record (`gpu_warm_<index>.json` beside the plan) rewritten after every row."""
+    spec = json.loads(plan_path.read_text())
+    cfg = GpuConfig(**{**spec["config"], "lengths": tuple(spec["config"]["lengths"]),
+                       "families": tuple(spec["config"]["families"]), "sections": tuple(spec["config"]["sections"])})
+    dev, dt = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    if dev.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, dev)
+    reg = registry(cfg)
+    out = plan_path.parent / f"gpu_warm_{index}.json"
+    rec = {"worker": index, "triton_config": os.environ.get("FASTRPE_TRITON_CONFIG"), "rows": []}
+    t_start = time.perf_counter()
+    for item in spec["workers"][index]:
+        p, name = Problem(**item["problem"]), item["competitor"]
+        row = {"tag": p.tag(), "competitor": name}
+        t0 = time.perf_counter()
+        fn = None
+        try:
+            fn = reg[name](p, dev, dt)
+            if isinstance(fn, str):
+                row["skipped"] = fn
+            else:
+                fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            row["skipped"] = "out of memory"
+        except Exception as e:  # noqa: BLE001 - the bench meets it again and records it
+            row["skipped"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        fn = None
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        rec["rows"].append(row)
+        rec["seconds"] = round(time.perf_counter() - t_start, 2)
+        _record(out, rec)
+        print(f"[warm {index}] {row['tag']:40s} {name:32s} {row['seconds']:7.1f} s"
+              + (f"  ({row['skipped'][:100]})" if "skipped" in row else ""), flush=True)
+    rec["finished"] = True
+    _record(out, rec)
+    return 0
+
+
+def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 150.0, log=print) -> dict:
+    """Run the workers side by side until they finish or `budget_s` passes (then each is
+    killed with its process group), and write `out/gpu_warm.json` from their records. With
+    `which="rest"`, the rows `out/gpu.json` already holds are left out (see `warm_items`)."""
+    from ..ops.linear.triton_chunked import TUNE_CONFIGS
+
+    out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if which == "rest" and (out / "gpu.json").exists():
+        done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in json.loads((out / "gpu.json").read_text())["rows"]}
+    workers = plan(warm_items(cfg, which, done), len(TUNE_CONFIGS))
+    spec = {"config": cfg.to_dict(), "pass": which,
+            "workers": [[{"problem": p.to_dict(), "competitor": n} for p, n in w] for w in workers]}
+    plan_path = out / "gpu_warm_plan.json"
+    plan_path.write_text(json.dumps(spec, indent=1))
+    log(f"warming the compile caches: {len(TUNE_CONFIGS)} workers (one per autotuner config), "
+        f"{len(workers[0])}-{max(len(w) for w in workers)} rows each, at most {budget_s:g} s")
+    auto_dir = tempfile.mkdtemp(prefix="fastrpe-warm-auto-")  # auto's timings, taken beside other workers: thrown away
+    procs = []
+    t0 = time.perf_counter()
+    for i in range(len(workers)):
+        env = {**os.environ, "FASTRPE_TRITON_CONFIG": str(i), "FASTRPE_CACHE_DIR": auto_dir, "PYTHONUNBUFFERED": "1"}
+        logf = open(out / f"gpu_warm_{i}.log", "w")  # noqa: SIM115 - the worker's output, closed below
+        procs.append((subprocess.Popen([sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(i)],
+                                       env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True), logf))
+    killed = []
+    try:
+        for i, (proc, _) in enumerate(procs):
+            try:
+                proc.wait(timeout=max(0.0, budget_s - (time.perf_counter() - t0)))
+            except subprocess.TimeoutExpired:
+                killed.append(i)
+    finally:  # at the budget, or interrupted: no worker outlives this call (each leads its own group)
+        for proc, logf in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            logf.close()
+    res = {"pass": spec["pass"], "budget_s": budget_s, "seconds": round(time.perf_counter() - t0, 1),
+           "killed_at_budget": killed, "workers": []}
+    for i, (proc, _) in enumerate(procs):
+        path = out / f"gpu_warm_{i}.json"
+        rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
+        rec.update(returncode=proc.returncode, planned=len(workers[i]))
+        res["workers"].append(rec)
+        path.unlink(missing_ok=True)
+    (out / "gpu_warm.json").write_text(json.dumps(res, indent=1))
+    for rec in res["workers"]:
+        done = [r for r in rec["rows"] if "skipped" not in r]
+        log(f"  worker {rec['worker']}: {len(rec['rows'])}/{rec['planned']} rows in {rec.get('seconds', 0):.0f} s "
+            f"({len(done)} ran), exit {rec['returncode']}")
+    log(f"warm-up: {res['seconds']:.0f} s" + (f", workers {killed} stopped at the budget" if killed else "")
+        + f"; wrote {out / 'gpu_warm.json'}")
+    return res
+
+
+if __name__ == "__main__":  # a worker: python -m fastrpe.bench.gpu_warm PLAN.json INDEX
+    sys.exit(run_worker(Path(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,142 @@
+"""The GPU bench's compile warm-up (`fastrpe bench --suite gpu --warm`, `fastrpe.bench.gpu_warm`),
+on CPU: the one-config autotuners it relies on, the rows it plans, and a smoke run of its
+worker processes, finished and stopped at the budget."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastrpe.bench import gpu
+from fastrpe.bench.gpu_warm import SHARED, plan, tuned, warm_items
+from fastrpe.bench.registry import Problem
+from fastrpe.cli.main import main
+from fastrpe.ops.linear.triton_chunked import TUNE_CONFIGS, tune_configs
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+def test_tune_configs_reads_one_index(monkeypatch):
+    monkeypatch.delenv("FASTRPE_TRITON_CONFIG", raising=False)
+    assert tune_configs() == TUNE_CONFIGS and len(set(TUNE_CONFIGS)) == len(TUNE_CONFIGS) > 1
+    for i, c in enumerate(TUNE_CONFIGS):
+        monkeypatch.setenv("FASTRPE_TRITON_CONFIG", str(i))
+        assert tune_configs() == (c,)
+    for bad in ("6", "-1", "x", "1,2"):
+        monkeypatch.setenv("FASTRPE_TRITON_CONFIG", bad)
+        with pytest.raises(Exception, match="FASTRPE_TRITON_CONFIG: expected an index in 0..5") as e:
+            tune_configs()
+        assert "\n" not in str(e.value)
+
+
+def _compiled_env(**extra):
+    """This environment without the interpreter (the suite's conftest sets it), so that the
+    kernels are decorated as on a GPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTRPE_TRITON_CONFIG")}
+    return {**env, **extra}
+
+
+def test_every_autotuned_kernel_takes_the_one_config_asked_for():
+    pytest.importorskip("triton")
+    code = ("from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_tiled as tt\n"
+            "ks = [getattr(m, n) for m in (tc, ts, tt) for n in dir(m) if type(getattr(m, n)).__name__ == 'Autotuner']\n"
+            "print(len(ks), sorted({tuple((c.num_warps, c.num_stages) for c in k.configs) for k in ks}))")
+    for env, want in ((_compiled_env(), [TUNE_CONFIGS]), (_compiled_env(FASTRPE_TRITON_CONFIG="4"), [(TUNE_CONFIGS[4],)])):
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert res.returncode == 0, res.stderr[-2000:]
+        n, configs = res.stdout.split(" ", 1)
+        assert int(n) == 10 and eval(configs) == [tuple(c) for c in want]
+
+
+def test_a_one_config_autotuner_launches_as_a_full_one_times_that_config():
+    """The warm-up's premise, against the installed triton: the options a full autotuner
+    passes when it times config c (Triton's compile cache key is built from them) are the ones
+    a one-config autotuner launches c with."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    def calls_of(configs):
+        calls = []
+        tuner = triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=["n"],
+                                do_bench=lambda fn, quantiles=None, **kw: (fn(), [1.0, 1.0, 1.0])[1])(k)
+        tuner.fn.run = lambda *args, **kwargs: calls.append((args, kwargs))
+        tuner.run(0, 64, BLOCK=16, grid=(1,))
+        return calls
+
+    full = calls_of(TUNE_CONFIGS)
+    assert len(full) == len(TUNE_CONFIGS) + 1  # each config timed, then the winner launched
+    for i, c in enumerate(TUNE_CONFIGS):
+        one = calls_of([c])
+        assert len(one) == 1 and one[0] == full[i], (c, one, full[i])
+
+
+def test_warm_items_are_the_compiling_rows_in_the_bench_order():
+    cfg = gpu.GpuConfig(lengths=(gpu.L_SHORT, gpu.L_CHECK, gpu.L_LONG, gpu.L_MAX))
+    first = warm_items(cfg, "first")
+    assert first and all(gpu.reads(p, n) and gpu.applies(p, n) and (tuned(n) or n in SHARED) for p, n in first)
+    assert [p.L for p, _ in first] == sorted(p.L for p, _ in first)
+    names = {n for _, n in first}
+    assert {"flex", "fla-chunk_simple_gla", "fastrpe-triton_chunked", "fastrpe-triton_soe", "fastrpe-triton_band",
+            "fastrpe-triton_tiled"} <= names
+    assert not any("auto" in n or n in ("fastrpe-fft", "sdpa") for n in names)  # auto would time; the rest compile nothing
+    # Flex at 262,144 only for the learned tables, as `reads` says
+    assert {p.position for p, n in first if n == "flex" and p.L == gpu.L_LONG} == {"learned", "learned_full"}
+    # rest: both passes, the first one's rows first, less what gpu.json holds
+    rest = warm_items(cfg, "rest", done={(first[0][0].tag(), first[0][1])})
+    assert rest[:len(first) - 1] == first[1:] and len(rest) > len(first)
+    assert any(n.endswith("+bf16-features") for _, n in rest) and "fla-chunk_linear_attn" in {n for _, n in rest}
+    with pytest.raises(ValueError):
+        warm_items(cfg, "second")
+
+
+def test_plan_gives_every_worker_the_tuned_rows_and_one_worker_each_shared_row():
+    P = [Problem(position="alibi", L=L) for L in (64, 128, 256)]
+    items = [(P[0], "flex"), (P[0], "fastrpe-triton_chunked"), (P[1], "flex"), (P[1], "fla-chunk_simple_gla"),
+             (P[1], "fastrpe-triton_chunked"), (P[2], "flex")]
+    workers = plan(items, 2)
+    for w in workers:  # the bench's order kept, every tuned row in every worker
+        assert [it for it in w if tuned(it[1])] == [it for it in items if tuned(it[1])]
+        assert w == [it for it in items if it in w]
+    shared = [it for w in workers for it in w if not tuned(it[1])]
+    assert sorted(shared, key=items.index) == [it for it in items if not tuned(it[1])]  # each exactly once
+    assert [len(w) for w in workers] == [4, 4]
+
+
+@needs_no_cuda
+def test_warm_refuses_without_cuda_in_one_line(tmp_path, capsys):
+    rc = main(["bench", "--suite", "gpu", "--warm", "first", "--out", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 2 and len(out) == 1 and "needs CUDA" in out[0]
+    assert not (tmp_path / "gpu_warm.json").exists()
+
+
+def test_smoke_warm_runs_each_worker_through_its_plan(tmp_path):
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--lengths", "40", "--families", "alibi,t5",
+               "--budget-s", "120", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "gpu_warm.json").read_text())
+    assert res["pass"] == "first" and res["killed_at_budget"] == []
+    assert [w["triton_config"] for w in res["workers"]] == [str(i) for i in range(len(TUNE_CONFIGS))]
+    spec = json.loads((tmp_path / "gpu_warm_plan.json").read_text())
+    for w, planned in zip(res["workers"], spec["workers"]):
+        assert w["returncode"] == 0 and w["finished"] and len(w["rows"]) == w["planned"] == len(planned)
+        assert [r["competitor"] for r in w["rows"]] == [it["competitor"] for it in planned]
+    ran = [r for w in res["workers"] for r in w["rows"] if r["competitor"] == "flex"]
+    assert len(ran) == 2 and all("skipped" not in r for r in ran)  # eager Flex runs on CPU, each row once
+
+
+def test_warm_stops_its_workers_at_the_budget(tmp_path):
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--lengths", "40", "--families", "alibi",
+               "--budget-s", "0.2", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "gpu_warm.json").read_text())
+    assert res["killed_at_budget"] == list(range(len(TUNE_CONFIGS)))
+    assert all(w["returncode"] != 0 and not w.get("finished") for w in res["workers"])
+    assert not list(tmp_path.glob("gpu_warm_?.json"))  # merged into gpu_warm.json
