@@ -40,8 +40,9 @@
 # 30 s idle, and none starts with under 4 minutes left. So plan ONE call:
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl"], timeout_s=540)
 # The warm-up (`fastrpe bench --suite gpu --warm first`, src/fastrpe/bench/gpu_warm.py): a cold
-# bench compiles kernel after kernel, each autotuned one six times (compiling the tuned kernels'
-# variants for sm_90 took 6 minutes on the 2-core CPU), and compiled Flex forward and backward
+# bench compiles kernel after kernel, each autotuned one six times (the tuned kernels' variants
+# for sm_90: 377 s on the 2-core CPU, 70 s for the slowest single config; benchmarks/
+# compile_time.py, results/compile_time-sm90.json), and compiled Flex forward and backward
 # per length. Six processes, one per autotuner config, run the first pass's Triton rows once
 # and share out its Flex and fla rows, beside the tests, so that the bench finds the binaries
 # in Triton's and Inductor's disk caches and only times the configs; the bench starts when they

@@ -140,3 +140,15 @@ def test_warm_stops_its_workers_at_the_budget(tmp_path):
     assert res["killed_at_budget"] == list(range(len(TUNE_CONFIGS)))
     assert all(w["returncode"] != 0 and not w.get("finished") for w in res["workers"])
     assert not list(tmp_path.glob("gpu_warm_?.json"))  # merged into gpu_warm.json
+
+
+def test_warm_rest_with_nothing_left_starts_no_worker(tmp_path):
+    from fastrpe.bench.gpu_warm import warm
+
+    cfg = gpu.smoke_config(lengths=(40,), families=("alibi",))
+    rows = [{"problem": p.to_dict(), "competitor": n, "seconds": 1.0} for p, n in warm_items(cfg, "rest")]
+    (tmp_path / "gpu.json").write_text(json.dumps({"rows": rows}))
+    lines = []
+    res = warm(cfg, tmp_path, which="rest", log=lines.append)
+    assert res["workers"] == [] and lines == ["warm-up: nothing left to compile for the rest pass"]
+    assert not list(tmp_path.glob("gpu_warm_*.log"))

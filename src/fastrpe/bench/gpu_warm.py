@@ -6,7 +6,8 @@ another. Each autotuned Triton kernel of fastrpe compiles once per autotuner con
 `triton_chunked.TUNE_CONFIGS`), again for every new constexpr (the number of SoE terms
 changes with L, the term groups at 1M), and compiled FlexAttention compiles forward and
 backward per length. On a 2-core CPU, compiling the tuned kernels' variants for sm_90 takes
-about 6 minutes; the first H100 call spent its 220-s bench budget before its third row.
+377 s, 70 s for the slowest single config (benchmarks/compile_time.py); the first H100 call
+spent its 220-s bench budget before its third row.
 
 How: one worker process per autotuner config, each with `FASTRPE_TRITON_CONFIG` set to its
 index, runs every Triton row of the pass once, forward and backward. A one-config autotuner
@@ -141,8 +142,11 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
             "workers": [[{"problem": p.to_dict(), "competitor": n} for p, n in w] for w in workers]}
     plan_path = out / "gpu_warm_plan.json"
     plan_path.write_text(json.dumps(spec, indent=1))
+    if not any(workers):
+        log(f"warm-up: nothing left to compile for the {which} pass")
+        return {"pass": which, "budget_s": budget_s, "seconds": 0.0, "killed_at_budget": [], "workers": []}
     log(f"warming the compile caches: {len(TUNE_CONFIGS)} workers (one per autotuner config), "
-        f"{len(workers[0])}-{max(len(w) for w in workers)} rows each, at most {budget_s:g} s")
+        f"{min(len(w) for w in workers)}-{max(len(w) for w in workers)} rows each, at most {budget_s:g} s")
     auto_dir = tempfile.mkdtemp(prefix="fastrpe-warm-auto-")  # auto's timings, taken beside other workers: thrown away
     procs = []
     t0 = time.perf_counter()
