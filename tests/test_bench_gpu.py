@@ -45,6 +45,7 @@ def test_smoke_runs_every_competitor_and_labels_itself(smoke):
     assert {"flex", "sdpa", "fla-chunk_simple_gla", "fla-chunk_linear_attn"} <= comps
     for r in res["rows"]:
         assert ("seconds" in r) != ("skipped" in r), r  # timed, or skipped with a reason
+        assert ("seconds" in r) == (r.get("first_call_seconds", -1) >= 0), r  # the first call's time, compile included
         assert r["problem"]["L"] == 40
     flex = [r for r in res["rows"] if r["competitor"] == "flex"]
     assert flex and all("EAGER" in r["flex"] and "seconds" in r for r in flex)

@@ -132,7 +132,9 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
     other exception as the row's reason instead of raising. `call_cap_s` interrupts a call
     (warm-up or timed) after that many seconds (see `_hard_cap`). `done` holds
     `(problem.tag(), name)` pairs already measured (resuming): they are not run again.
-    `on_row(row)` is called after every row. A setup's closure may carry a dict `extra`
+    `on_row(row)` is called after every row; a timed row also says how long its first call
+    took (`first_call_seconds`: compilation, or loading from a warmed cache, included). A
+    setup's closure may carry a dict `extra`
     (accuracy, notes), copied into its row. `cpu_peak=False`: no profiled peak on CPU.
     `limit_on="timed"`: a slow first call (compilation) is followed by one timed warm call,
     and that call decides the time limit; a longer length is then still run while its time,
@@ -169,9 +171,11 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
                             fn()  # compile / warm caches; also our time-limit probe
                             if dev.type == "cuda":
                                 torch.cuda.synchronize(dev)
+                        first_call = time.perf_counter() - t0
+                        row["first_call_seconds"] = round(first_call, 4)  # compilation and cache loads included
                         n, timed = repeats, None
                         totals: dict = {}
-                        if time.perf_counter() - t0 > time_limit_s:
+                        if first_call > time_limit_s:
                             if limit_on == "timed":  # the probe may have been compilation: time a warm call
                                 with _hard_cap(call_cap_s):
                                     timed = _time(fn, dev, 1, 0, totals, cpu_peak)
