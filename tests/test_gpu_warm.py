@@ -152,3 +152,18 @@ def test_warm_rest_with_nothing_left_starts_no_worker(tmp_path):
     res = warm(cfg, tmp_path, which="rest", log=lines.append)
     assert res["workers"] == [] and lines == ["warm-up: nothing left to compile for the rest pass"]
     assert not list(tmp_path.glob("gpu_warm_*.log"))
+
+
+def test_a_worker_records_a_failing_row_and_goes_on(tmp_path):
+    from fastrpe.bench.gpu_warm import run_worker
+
+    cfg = gpu.smoke_config(lengths=(40,), families=("alibi",))
+    p = Problem(position="alibi", kernel=cfg.kernel, L=40, B=cfg.B, H=cfg.H, D=cfg.D, features=cfg.features)
+    spec = {"config": cfg.to_dict(), "pass": "first",
+            "workers": [[{"problem": p.to_dict(), "competitor": "no-such-row"},
+                         {"problem": p.to_dict(), "competitor": "flex"}]]}
+    (tmp_path / "plan.json").write_text(json.dumps(spec))
+    assert run_worker(tmp_path / "plan.json", 0) == 0
+    rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
+    assert rec["finished"] and [r["competitor"] for r in rec["rows"]] == ["no-such-row", "flex"]
+    assert rec["rows"][0]["skipped"].startswith("error: KeyError") and "skipped" not in rec["rows"][1]

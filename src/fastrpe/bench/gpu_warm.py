@@ -36,6 +36,7 @@ import torch
 
 from .gpu import GpuConfig, applies, problems, reads, registry
 from .registry import Problem
+from .runner import _first_line
 
 #: rows whose compilation does not depend on fastrpe's autotuner config: one worker each
 SHARED = ("flex", "fla-chunk_simple_gla", "fla-chunk_linear_attn")
@@ -111,7 +112,7 @@ def run_worker(plan_path: Path, index: int) -> int:
         except (torch.cuda.OutOfMemoryError, MemoryError):
             row["skipped"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - the bench meets it again and records it
-            row["skipped"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            row["skipped"] = "error: " + _first_line(e)
         fn = None
         gc.collect()
         if dev.type == "cuda":
