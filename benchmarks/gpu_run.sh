@@ -138,6 +138,11 @@
 #   decode_ops.py). The decode section times each constant-size row twice, fused and "PyTorch
 #   ops"; compare the pairs (eager and graphed) as for ALiBi. GPU tests:
 #   tests/test_triton_recurrent.py -k on_cuda.
+# - (2026-11-26) the compile warm-up (above). Every kernel also compiles for sm_90 under triton
+#   3.6.0, the image's version (all others checks used 3.9.0): the compile check in a venv with
+#   triton==3.6.0, benchmarks/results/ptxas-sm90-triton3.6.json; tests/test_gpu_warm.py (the
+#   one-config autotuner premise included) passes there too. Each timed row now records
+#   first_call_seconds: near its warm time where the warm-up's cache was hit.
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
