@@ -139,7 +139,7 @@
 #   ops"; compare the pairs (eager and graphed) as for ALiBi. GPU tests:
 #   tests/test_triton_recurrent.py -k on_cuda.
 # - (2026-11-26) the compile warm-up (above). Every kernel also compiles for sm_90 under triton
-#   3.6.0, the image's version (all others checks used 3.9.0): the compile check in a venv with
+#   3.6.0, the image's version (all other checks used 3.9.0): the compile check in a venv with
 #   triton==3.6.0, benchmarks/results/ptxas-sm90-triton3.6.json; tests/test_gpu_warm.py (the
 #   one-config autotuner premise included) passes there too. Each timed row now records
 #   first_call_seconds: near its warm time where the warm-up's cache was hit.

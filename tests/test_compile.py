@@ -195,3 +195,20 @@ def test_every_position_family_traces_without_breaks(name):
     x = torch.randn(1, 17, E)
     tol = COMPILE_TOL[torch.float32]
     torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="eager")(x), m(x), atol=tol, rtol=tol)
+
+
+def test_auto_looks_up_no_module_per_call(monkeypatch):
+    """Dynamo in torch 2.11 refuses to trace `importlib.util.find_spec` ("marked as skipped"), so
+    a reason that looked for triton on every call broke every fullgraph compile through `auto`
+    there (2.13 traces it). Every backend's reasons, asked afresh, look up no module."""
+    import importlib.util
+
+    def find_spec(*a, **k):
+        raise AssertionError(f"importlib.util.find_spec{a} called while choosing a backend")
+
+    q, k, v = (torch.randn(1, H, L, 8) for _ in range(3))
+    fr.dispatch.clear_dispatch_cache()
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    for kernel, pos in (("nprf", P.ALiBi(H)), ("nprf", P.KerpleLog(H)), ("softmax", P.T5Bias(H))):
+        fr.explain(q, k, v, kernel=kernel, position=pos, causal=True)
+        fr.attention(q, k, v, kernel=kernel, position=pos, causal=True, backend="auto")

@@ -34,6 +34,10 @@ from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 INTERPRET_ON_CPU = False
 
 _KERNELS = "fastrpe.ops.linear.triton_chunked"
+#: whether triton is installed, looked up once without importing it: a reason asked for under
+#: `torch.compile` must not call `importlib.util.find_spec`, which Dynamo (torch 2.11) refuses
+#: to trace (every fullgraph compile of a layer failed there)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 #: How the kernels multiply a bf16/fp16 problem's feature maps on the GPU.
 #: "float32" (default): the features stay float32 (as the other backends keep them) and each
@@ -90,7 +94,7 @@ def _shared_reasons(p: Problem) -> list[str]:
 
 
 def _triton_reason(p: Problem) -> str | None:
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "needs triton (pip install 'fastrpe[triton]')"
     mod = sys.modules.get(_KERNELS)
     if mod is not None:
