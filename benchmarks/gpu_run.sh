@@ -143,6 +143,12 @@
 #   triton==3.6.0, benchmarks/results/ptxas-sm90-triton3.6.json; tests/test_gpu_warm.py (the
 #   one-config autotuner premise included) passes there too. Each timed row now records
 #   first_call_seconds: near its warm time where the warm-up's cache was hit.
+# - (same day) the whole suite on CPU under torch 2.11.0 + triton 3.6.0 (the image's versions,
+#   Python 3.11): 3,333 passed, 370 skipped, 165 failed, every failure triton 3.6's interpreter
+#   with numpy 2.4 ("only 0-dimensional arrays can be converted to Python scalars" at a
+#   `range(N)` over a kernel argument), which the GPU does not run. It also found a real one,
+#   fixed: torch 2.11's Dynamo refused to trace the Triton backends' `find_spec("triton")`,
+#   so every fullgraph compile through `auto` failed on 2.11.
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
