@@ -768,6 +768,13 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def done_pairs(rows: list[dict]) -> set[tuple[str, str]]:
+    """`(problem tag, competitor)` of every row a result holds: what a resumed run skips. Every
+    pair with a row is done (timed, refused or out of memory); pairs the budget left out have
+    no row and run then."""
+    return {(Problem(**r["problem"]).tag(), r["competitor"]) for r in rows}
+
+
 def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, log=print) -> dict:
     """Run everything `cfg` asks for, writing `out/gpu.json` after every row (a run cut short
     keeps what it measured; `resume` skips what `out/gpu.json` already holds), then the plot
@@ -831,9 +838,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
             reg = registry(cfg)
             # two passes: the rows the criteria read at every length, then every other row
             for first in (True, False):
-                # every pair with a row is done (timed, refused or out of memory); pairs the
-                # budget left out have no row and run now
-                done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in res["rows"]}
+                done = done_pairs(res["rows"])
 
                 def chosen(p, name, first=first, done=done):  # the budget is asked only for a row to run
                     return reads(p, name) == first and (p.tag(), name) not in done and select(p, name)
@@ -1268,13 +1273,13 @@ def run_cli(args) -> int:
         return 2
     # the words typed (`fastrpe bench ...` or `python -c '...main(sys.argv[1:])' bench ...`, as
     # benchmarks/gpu_run.sh runs it); rebuilt from the parsed options only when called otherwise
-    command = "fastrpe " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                    if k not in ("_module", "command") and v not in (None, False))
     if args.warm is not None:
         from .gpu_warm import warm
 
         warm(cfg, out, which=args.warm, budget_s=150.0 if cfg.budget_s is None else cfg.budget_s)
         return 0
+    command = "fastrpe " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                                    if k not in ("_module", "command") and v not in (None, False))
     run_gpu_suite(cfg, out, command=command, resume=args.resume)
     return 0

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .gpu import GpuConfig, applies, problems, reads, registry
+from .gpu import GpuConfig, applies, done_pairs, problems, reads, registry
 from .registry import Problem
 from .runner import _first_line
 
@@ -137,7 +137,7 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     out.mkdir(parents=True, exist_ok=True)
     done = set()
     if which == "rest" and (out / "gpu.json").exists():
-        done = {(Problem(**r["problem"]).tag(), r["competitor"]) for r in json.loads((out / "gpu.json").read_text())["rows"]}
+        done = done_pairs(json.loads((out / "gpu.json").read_text())["rows"])
     workers = plan(warm_items(cfg, which, done), len(TUNE_CONFIGS))
     spec = {"config": cfg.to_dict(), "pass": which,
             "workers": [[{"problem": p.to_dict(), "competitor": n} for p, n in w] for w in workers]}
@@ -172,7 +172,7 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
                     pass
                 proc.wait()
             logf.close()
-    res = {"pass": spec["pass"], "budget_s": budget_s, "seconds": round(time.perf_counter() - t0, 1),
+    res = {"pass": which, "budget_s": budget_s, "seconds": round(time.perf_counter() - t0, 1),
            "killed_at_budget": killed, "workers": []}
     for i, (proc, _) in enumerate(procs):
         path = out / f"gpu_warm_{i}.json"
@@ -182,9 +182,9 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         path.unlink(missing_ok=True)
     (out / "gpu_warm.json").write_text(json.dumps(res, indent=1))
     for rec in res["workers"]:
-        done = [r for r in rec["rows"] if "skipped" not in r]
+        ran = [r for r in rec["rows"] if "skipped" not in r]
         log(f"  worker {rec['worker']}: {len(rec['rows'])}/{rec['planned']} rows in {rec.get('seconds', 0):.0f} s "
-            f"({len(done)} ran), exit {rec['returncode']}")
+            f"({len(ran)} ran), exit {rec['returncode']}")
     log(f"warm-up: {res['seconds']:.0f} s" + (f", workers {killed} stopped at the budget" if killed else "")
         + f"; wrote {out / 'gpu_warm.json'}")
     return res
