@@ -87,31 +87,6 @@ def test_flex_matches_dense_forward(case, pos_name):
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("Lq,Lk,q_offset", [(200, 200, 0), (130, 300, 170), (257, 100, 0), (1, 9, 8), (150, 150, 20)],
-                         ids=["L200", "Lq130-Lk300-off170", "queries-past-keys", "Lq1", "off20"])
-def test_flex_causal_block_mask_equals_the_folded_mask(Lq, Lk, q_offset):
-    """The causal `BlockMask` the flex backend uses on CUDA (`j <= q_offset + i`, built per
-    shape), forced here in eager Flex on CPU: the same output as the naive op, with a
-    score_mod and key padding; lengths that are not multiples of its 128-token blocks."""
-    from fastrpe.ops.softmax.flex import causal_block_mask, flex_available, softmax_attention_flex
-    from fastrpe.ops.softmax.naive import softmax_attention_naive
-
-    if not flex_available():
-        pytest.skip("FlexAttention is not in this PyTorch")
-    q, k, v = qkv(2, H, Lq, Lk, 16, 7, dtype=torch.float32)
-    pos = _randomize(P.T5Bias(H, num_buckets=16, max_distance=64, bidirectional=False))
-    kpm = torch.zeros(2, Lk, dtype=torch.bool)
-    kpm[1, ::5] = True
-    with torch.no_grad():
-        ref = softmax_attention_naive(q, k, v, pos.materialize(Lq, Lk, q_offset), causal=True, q_offset=q_offset,
-                                      key_padding_mask=kpm)
-        out = softmax_attention_flex(q, k, v, pos.score_mod(q_offset), causal=True, q_offset=q_offset,
-                                     key_padding_mask=kpm, block_mask=True)
-    assert_close(out, ref)
-    bm, how = causal_block_mask(Lq, Lk, q_offset, torch.device("cpu"), compiled=False)
-    assert how == "create_block_mask" and bm.shape[-2:] == (Lq, Lk)
-
-
 KERNELS = {"elu": lambda: fr.kernels.get_kernel("elu"), "nprf": lambda: fr.kernels.get_kernel("nprf", head_dim=D, num_features=16)}
 
 

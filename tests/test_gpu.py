@@ -160,3 +160,28 @@ def test_no_host_sync_through_the_public_call(backend, family):
 
     err = _sync_error(fwd_bwd)
     assert err is None, f"{backend} {family}: {err}"
+
+
+def test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets():
+    """fastrpe's `flex` on CUDA: a decoding step (one query, a longer cache at every step) runs
+    eager FlexAttention and compiles nothing; 128 queries at four offsets compile at most once
+    (the offset is a tensor in the compiled path). Every output equals `dense`'s."""
+    from torch._dynamo.utils import counters
+
+    pos = make_position("t5", H, L).to(DEV)
+    q, k, v = (t.detach().float() for t in _inputs(torch.bfloat16))
+
+    def both(qq, Lk, off):
+        kw = dict(kernel="softmax", position=pos, causal=True, q_offset=off)
+        with torch.no_grad():
+            out = fr.attention(qq, k[:, :, :Lk], v[:, :, :Lk], backend="flex", **kw)
+            ref = fr.attention(qq, k[:, :, :Lk], v[:, :, :Lk], backend="dense", **kw)
+        assert (out - ref).abs().max().item() < 1e-4
+
+    graphs = counters["stats"]["unique_graphs"]
+    for Lk in range(300, 305):
+        both(q[:, :, Lk - 1:Lk], Lk, Lk - 1)
+    assert counters["stats"]["unique_graphs"] == graphs, "a decoding step compiled"
+    for off in (100, 200, 300, 384):
+        both(q[:, :, off:off + 128], 512, off)
+    assert counters["stats"]["unique_graphs"] <= graphs + 1, "an offset compiled anew"

@@ -19,7 +19,7 @@ from ._memo import kept, parameter_state, takes_grad
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 from .kernels import FeatureMap
 from .ops import kernelized as kops
-from .ops.softmax.flex import flex_available, softmax_attention_flex
+from .ops.softmax.flex import flex_available, flex_fused, softmax_attention_flex
 from .ops.softmax.naive import softmax_attention_naive
 from .ops.softmax.sdpa import softmax_attention_sdpa
 from .positions.fastrpb import FastRPB1D
@@ -229,7 +229,7 @@ class FlexBackend(Backend):
             pairs //= 2
         flops = 2 * pairs * (p.D + p.Dv) * (2.5 if p.requires_grad else 1) + 20 * pairs
         mem = p.B * p.H * p.Lq * (p.Dv + 2) * p.bytes_per_el
-        if p.device.type == "cpu":  # eager CPU FlexAttention materializes the full score matrix
+        if not flex_fused(p.device, p.Lq):  # eager FlexAttention materializes the score matrix
             scores = p.B * p.H * p.Lq * p.Lk * p.bytes_per_el
             return Cost(machine_time(p.device, 4 * flops, 8 * scores, calls=2, working_set=scores)
                         + 5e-3, mem)  # + Python-level overhead per call
@@ -237,7 +237,7 @@ class FlexBackend(Backend):
         return Cost(seconds, mem)
 
     def run(self, q, k, v, p, kpm):
-        mod = p.position.score_mod(p.q_offset) if p.position is not None else None
+        mod = p.position.score_mod() if p.position is not None else None  # the op adds q_offset
         out = softmax_attention_flex(q, k, v, mod, causal=p.causal, q_offset=p.q_offset,
                                      key_padding_mask=kpm, scale=p.scale)
         return _add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)

@@ -234,12 +234,31 @@ def _flex_compiled():
     return _FLEX_COMPILED
 
 
-def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, str]:
-    """The causal `BlockMask` for `L × L` and how it was built: the one fastrpe's own `flex`
-    backend uses (`ops/softmax/flex.py`), cached per length."""
-    from ..ops.softmax.flex import causal_block_mask as make
+_BENCH_MASKS: dict = {}
 
-    return make(L, L, 0, device, compiled=compiled)
+
+def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, str]:
+    """The causal `BlockMask` for `L × L` as a user builds it, and how: `create_block_mask`,
+    compiled where this torch offers it (the plain one materializes the `[L, L]` mask and runs
+    out of memory first). Cached for the last length. fastrpe's own `flex` backend builds the
+    same blocks from their indices (`ops.softmax.flex.causal_block_mask`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    key = (L, str(device), compiled)
+    if key not in _BENCH_MASKS:
+        _BENCH_MASKS.clear()  # at 1M tokens a mask's block indices take ~1 GB
+        made = None
+        if compiled:
+            try:
+                made = (create_block_mask(causal, None, None, L, L, device=device, _compile=True),
+                        "create_block_mask(_compile=True)")
+            except TypeError:  # no _compile argument in this torch
+                pass
+        _BENCH_MASKS[key] = made or (create_block_mask(causal, None, None, L, L, device=device), "create_block_mask")
+    return _BENCH_MASKS[key]
 
 
 def flex_setup(smoke: bool, max_length: int):

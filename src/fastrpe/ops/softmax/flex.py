@@ -15,7 +15,18 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 
 _compiled = None
 
-#: (Lq, Lk, q_offset, device, compiled) -> (BlockMask, how it was built); a few shapes at most
+#: A call with fewer queries runs FlexAttention eagerly: a decoding step brings a new key length
+#: at every call, and a static-shape compile per length would compile at every step; its
+#: `[Lq, Lk]` scores are small. It is also the least a causal `BlockMask` pays for.
+COMPILE_MIN_QUERIES = 128
+#: Dynamo's recompile limit while the compiled FlexAttention runs: it compiles once per shape,
+#: term class and mask, and the default (8) would send the ninth silently to eager
+#: FlexAttention, which materializes the scores. Raised for this call only.
+RECOMPILE_LIMIT = 64
+#: Block size of the causal `BlockMask` (FlexAttention's default sparse block)
+MASK_BLOCK = 128
+
+#: (Lq, Lk, q_offset, device) -> BlockMask; a few shapes at most
 _BLOCK_MASKS: dict = {}
 
 
@@ -23,34 +34,74 @@ def flex_available() -> bool:
     return _flex_attention is not None
 
 
+def flex_fused(device: torch.device, Lq: int) -> bool:
+    """Whether a call on `device` with `Lq` queries runs FlexAttention's fused kernels (CUDA,
+    compiled here for `COMPILE_MIN_QUERIES` queries or more, or by an enclosing
+    `torch.compile`), rather than eager FlexAttention, which materializes the scores."""
+    return device.type == "cuda" and (Lq >= COMPILE_MIN_QUERIES or torch.compiler.is_compiling())
+
+
 def _flex():
-    """Compiled FlexAttention on GPU (its fast path); eager elsewhere."""
+    """`torch.compile(flex_attention)`, static shapes (one compile per shape)."""
     global _compiled
     if _compiled is None:
         _compiled = torch.compile(_flex_attention, dynamic=False)
     return _compiled
 
 
-def causal_block_mask(Lq: int, Lk: int, q_offset: int, device, compiled: bool = True) -> tuple[object, str]:
-    """A `BlockMask` keeping keys `j <= q_offset + i`, and how it was built; cached per shape
-    (building one reads the mask block by block). Compiled construction where this torch
-    offers it: the plain one materializes the `[Lq, Lk]` mask and runs out of memory first."""
+def _recompile_limit():
+    """A context raising Dynamo's recompile limit to `RECOMPILE_LIMIT` (never lowering it)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)})
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + q_offset
 
-    key = (Lq, Lk, q_offset, str(device), compiled)
+def _offset(q_offset: int, device: torch.device, compiled: bool):
+    """`q_offset` as the score_mod and mask_mod see it: a 0-d tensor in the compiled path
+    (Dynamo specializes on an int, and would compile anew for each offset), else the int."""
+    if compiled and q_offset != 0:
+        return torch.full((), q_offset, dtype=torch.int64, device=device)
+    return q_offset
+
+
+def causal_block_mask(Lq: int, Lk: int, q_offset: int, device) -> object:
+    """The `BlockMask` keeping keys `j <= q_offset + i`, cached per shape and offset.
+
+    Built from the block indices, which are known in closed form: nothing is compiled (no
+    Dynamo entry per shape, no recompile limit) and no `[Lq, Lk]` mask is materialized, so it
+    costs O((Lq/128)·(Lk/128)). A block is full when it is whole and all its keys are at or
+    before its first query; partial when some key is at or before its last query. These are
+    exactly the blocks `create_block_mask` finds by reading the mask
+    (`tests/test_attention.py`), ordered as it orders them.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    off = q_offset
+    key = (Lq, Lk, off, str(device))
     if key not in _BLOCK_MASKS:
         if len(_BLOCK_MASKS) >= 4:  # at 1M tokens a mask's block indices take ~1 GB: hold a few
             _BLOCK_MASKS.clear()
-        if compiled:
-            try:
-                _BLOCK_MASKS[key] = (create_block_mask(mask_mod, None, None, Lq, Lk, device=device, _compile=True),
-                                     "create_block_mask(_compile=True)")
-            except TypeError:  # no _compile argument in this torch
-                compiled = False
-        if not compiled:
-            _BLOCK_MASKS[key] = (create_block_mask(mask_mod, None, None, Lq, Lk, device=device), "create_block_mask")
+        n = MASK_BLOCK
+        i = torch.arange(-(-Lq // n), device=device)[:, None]
+        j = torch.arange(-(-Lk // n), device=device)[None, :]
+        first_q, last_q = i * n + off, torch.clamp((i + 1) * n, max=Lq) - 1 + off
+        first_k, last_k = j * n, torch.clamp((j + 1) * n, max=Lk) - 1
+        whole = ((i + 1) * n <= Lq) & ((j + 1) * n <= Lk)  # a ragged block has padding: never full
+        full = whole & (last_k <= first_q)
+        partial = (first_k <= last_q) & ~full
+
+        def ordered(blocks):  # (count per row, the rows' block indices, present ones first)
+            blocks = blocks.to(torch.int32)[None, None]
+            order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+            return blocks.sum(-1).to(torch.int32), order.to(torch.int32)
+
+        o = _offset(off, device, compiled=True)  # a tensor: one compile for every offset
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + o
+
+        _BLOCK_MASKS[key] = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=n,
+                                                     mask_mod=mask_mod, seq_lengths=(Lq, Lk))
     return _BLOCK_MASKS[key]
 
 
@@ -66,38 +117,45 @@ def softmax_attention_flex(
     scale: float | None = None,
     block_mask: bool | None = None,
 ) -> Tensor:
-    """Softmax attention with `score_mod(score, b, h, q_idx, kv_idx)` adding the bias.
+    """Softmax attention with `score_mod(score, b, h, q_pos, kv_idx)` adding the bias, where
+    `q_pos = q_offset + q_idx` is the query's position in the sequence (so a position's
+    `score_mod()`, offset 0, serves every offset).
 
-    Causality is a `BlockMask` (`block_mask`; default: on CUDA outside `torch.compile`, for
-    128 queries or more), so blocks above the diagonal are skipped, not computed and masked:
-    about half the work. Otherwise it is folded into the score_mod as `-inf`, as the key
-    padding mask always is; rows with no admissible key return 0 (FlexAttention's
-    convention, the same as the naive reference).
+    Compiled here on CUDA for `COMPILE_MIN_QUERIES` queries or more (inside an enclosing
+    `torch.compile`, that one compiles it), one compile per shape and term: the offset is a
+    tensor there, so a new offset compiles nothing. Otherwise eager FlexAttention.
+
+    Causality is a `BlockMask` (`block_mask`; default: where compiled), so blocks above the
+    diagonal are skipped, not computed and masked: about half the work. Otherwise it is folded
+    into the score_mod as `-inf`, as the key padding mask always is; rows with no admissible
+    key return 0 (FlexAttention's convention, the same as the naive reference).
     """
     if _flex_attention is None:
         raise RuntimeError("FlexAttention is not available in this PyTorch")
     kpm = key_padding_mask
-    if block_mask is None:
-        # not inside a traced graph (the cache is Python state), nor for a few queries (a
-        # decode step skips no block and would build a mask per step)
-        block_mask = q.is_cuda and not torch.compiler.is_compiling() and q.shape[2] >= 128
-    bm = None
-    if causal and block_mask:
-        bm, _ = causal_block_mask(q.shape[2], k.shape[2], q_offset, q.device, compiled=q.is_cuda)
+    Lq, Lk = q.shape[2], k.shape[2]
+    compiled = flex_fused(q.device, Lq) and not torch.compiler.is_compiling()  # compiled here
+    if block_mask is None:  # only where it is compiled: the mask pays for itself in fused kernels
+        block_mask = compiled
+    bm = causal_block_mask(Lq, Lk, q_offset, q.device) if causal and block_mask else None
     fold_causal = causal and bm is None
+    off = _offset(q_offset, q.device, compiled)
 
     def mod(score, b, h, q_idx, kv_idx):
+        q_pos = q_idx + off  # the query's position in the sequence
         if score_mod is not None:
-            score = score_mod(score, b, h, q_idx, kv_idx)
+            score = score_mod(score, b, h, q_pos, kv_idx)
         if fold_causal:
-            score = torch.where(kv_idx > q_idx + q_offset, float("-inf"), score)
+            score = torch.where(kv_idx > q_pos, float("-inf"), score)
         if kpm is not None:
             score = torch.where(kpm[b, kv_idx], float("-inf"), score)
         return score
 
-    fn = _flex() if q.is_cuda else _flex_attention
+    if compiled:
+        with _recompile_limit():
+            return _flex()(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager-mode advice printed on CPU
-        return fn(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+        warnings.simplefilter("ignore")  # eager-mode advice
+        return _flex_attention(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
