@@ -149,6 +149,14 @@
 #   `range(N)` over a kernel argument), which the GPU does not run. It also found a real one,
 #   fixed: torch 2.11's Dynamo refused to trace the Triton backends' `find_spec("triton")`,
 #   so every fullgraph compile through `auto` failed on 2.11.
+# - (2026-11-26, later) fastrpe's `flex` backend compiles once per shape and term, not once per
+#   query offset (the offset is a tensor in the compiled path), runs eager FlexAttention below
+#   128 queries (a decoding step, a new key length each call, compiled at every step before), and
+#   raises Dynamo's recompile limit for its own calls (the ninth shape fell back to eager Flex,
+#   which materializes the scores). Its causal BlockMask is built from the block indices, the
+#   same blocks as create_block_mask's (tests/test_flex.py), with nothing compiled; the bench's
+#   Flex competitor still uses create_block_mask, as a user would. GPU test:
+#   test_gpu.py::test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets (`tests`).
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
