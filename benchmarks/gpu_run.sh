@@ -157,6 +157,10 @@
 #   same blocks as create_block_mask's (tests/test_flex.py), with nothing compiled; the bench's
 #   Flex competitor still uses create_block_mask, as a user would. GPU test:
 #   test_gpu.py::test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets (`tests`).
+# - (same session) the FFT path no longer queries its pending NaN-row events while a CUDA graph
+#   is captured (an event query there invalidates the capture; it did after any earlier eager
+#   call on the GPU). GPU test: test_gpu.py::test_forward_replays_as_a_cuda_graph, every
+#   linear-time and FFT backend's forward captured and replayed against eager (`tests`).
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;

@@ -230,3 +230,24 @@ def test_nan_rows_on_a_gpu_warn_at_the_next_call(monkeypatch):
     monkeypatch.setattr(certify, "_PENDING", [(Running(), torch.tensor(True))])
     certify._warn_pending()  # not landed yet: nothing read, nothing said
     assert len(certify._PENDING) == 1
+
+
+def test_no_event_query_while_a_cuda_graph_is_captured(monkeypatch):
+    """An event query during CUDA graph capture invalidates the capture: while the stream
+    captures, the pending flags are left alone, and read at the next call outside it."""
+    class NoQuery:
+        def query(self):
+            raise AssertionError("queried during capture")
+
+    class Done:
+        def query(self):
+            return True
+
+    monkeypatch.setattr(certify, "_PENDING", [(NoQuery(), torch.tensor(True))])
+    monkeypatch.setattr(certify, "_capturing", lambda: True)
+    certify._warn_pending()
+    assert len(certify._PENDING) == 1
+    monkeypatch.setattr(certify, "_capturing", lambda: False)
+    monkeypatch.setattr(certify, "_PENDING", [(Done(), torch.tensor(True))])
+    with pytest.warns(RuntimeWarning, match="sync_recompute"):
+        certify._warn_pending()

@@ -172,7 +172,7 @@ def test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets():
     q, k, v = (t.detach().float() for t in _inputs(torch.bfloat16))
 
     def both(qq, Lk, off):
-        kw = dict(kernel="softmax", position=pos, causal=True, q_offset=off)
+        kw = {"kernel": "softmax", "position": pos, "causal": True, "q_offset": off}
         with torch.no_grad():
             out = fr.attention(qq, k[:, :, :Lk], v[:, :, :Lk], backend="flex", **kw)
             ref = fr.attention(qq, k[:, :, :Lk], v[:, :, :Lk], backend="dense", **kw)
@@ -185,3 +185,42 @@ def test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets():
     for off in (100, 200, 300, 384):
         both(q[:, :, off:off + 128], 512, off)
     assert counters["stats"]["unique_graphs"] <= graphs + 1, "an offset compiled anew"
+
+
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_forward_replays_as_a_cuda_graph(backend):
+    """Issue 12: the linear-time and FFT paths work under CUDA graphs. `fastrpe.attention`'s
+    forward (the first family the backend takes), captured once after a warm-up off the capture
+    stream, then replayed on new inputs copied into the captured ones: each replay equals an
+    eager call on those inputs."""
+    from fastrpe.api import _problem
+
+    for family in FAMILIES:
+        causal, pos, kern = family_causal(family), make_position(family, H, L).to(DEV), _kernel("nprf")
+        q, k, v = (t.detach() for t in _inputs(torch.bfloat16))
+        if not BACKENDS[backend].not_supported_reasons(_problem(q, k, v, kern, pos, causal, None, None, None)[0]):
+            break
+    else:
+        pytest.skip(f"{backend} takes none of {FAMILIES}")
+
+    def call():
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: autotuning, plans, fits, caches, off the capture
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for seed in (5, 6):
+            g = torch.Generator().manual_seed(seed)
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g).to(DEV, t.dtype))
+            graph.replay()
+            want = call()
+            err = (out.float() - want.float()).abs().max().item()
+            assert err <= 1e-3 * max(1.0, want.float().abs().max().item()), f"{backend} {family}: replay {err:.3g}"

@@ -72,15 +72,23 @@ def _may_sync(y: Tensor) -> bool:
     if _STATIC[0] or torch.compiler.is_compiling():
         return False
     if y.is_cuda:
-        return _SYNC_ON_CUDA[0] and not torch.cuda.is_current_stream_capturing()
+        return _SYNC_ON_CUDA[0] and not _capturing()
     return True
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _warn_pending() -> None:
     """Warn for earlier GPU calls that returned NaN rows, once their flag has arrived (an event
-    query, never a wait)."""
+    query, never a wait). Not while a CUDA graph is captured: an event query there invalidates
+    the capture (the flags wait for the next call outside it)."""
     import warnings
 
+    if _capturing():
+        return
     while _PENDING and _PENDING[0][0].query():
         _, flag = _PENDING.pop(0)
         if bool(flag):  # pinned host memory the copy has finished writing: no device sync
@@ -93,7 +101,7 @@ def _warn_pending() -> None:
 
 def _flag_later(over: Tensor) -> None:
     """Copy `over.any()` to pinned host memory without waiting; `_warn_pending` reads it later."""
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or len(_PENDING) > 64:
+    if torch.compiler.is_compiling() or _capturing() or len(_PENDING) > 64:
         return
     flag = torch.empty((), dtype=torch.bool, pin_memory=True)
     flag.copy_(over.any(), non_blocking=True)
