@@ -252,3 +252,30 @@ def test_timings_persist_on_disk(measure, fake_timer, tmp_path, monkeypatch, ran
     fr.attention(q, k, v, "softmax", None, causal=True)
     assert len(fake_timer.calls) > n
     assert len(json.loads(files[0].read_text())) == 1
+
+
+def test_a_first_call_that_compiles_is_not_its_time(monkeypatch):
+    """A candidate whose first call compiles (Triton, FlexAttention) is judged by its next
+    calls: with a faster candidate already timed, a slow first call is followed by another
+    before the candidate is given up; a candidate slow at every call is given up after two."""
+    import time
+
+    q, k, v = _qkv(8, dtype=torch.float32)
+    p, kpm = _problem(q, k, v, "softmax", None, False, None, None, None)
+
+    class Stub(dispatch.Backend):
+        def __init__(self, first, then):
+            super().__init__("stub")
+            self.first, self.then, self.calls = first, then, 0
+
+        def run(self, q, k, v, p, kpm):
+            self.calls += 1
+            time.sleep(self.first if self.calls == 1 else self.then)
+            return q
+
+    compiles = Stub(first=0.3, then=0.0)
+    assert dispatch.time_backend(compiles, (q, k, v, kpm), p, give_up_after=0.01) < 0.05
+    assert compiles.calls == 2 + dispatch.MEASURE_REPEATS
+    slow = Stub(first=0.15, then=0.15)
+    assert dispatch.time_backend(slow, (q, k, v, kpm), p, give_up_after=0.01) >= 0.15
+    assert slow.calls == 2
