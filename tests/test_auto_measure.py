@@ -279,3 +279,25 @@ def test_a_first_call_that_compiles_is_not_its_time(monkeypatch):
     slow = Stub(first=0.15, then=0.15)
     assert dispatch.time_backend(slow, (q, k, v, kpm), p, give_up_after=0.01) >= 0.15
     assert slow.calls == 2
+
+
+def test_timings_taken_before_decide_where_nothing_may_be_timed(measure, fake_timer, ran, monkeypatch):
+    """While a CUDA graph is captured (or syncs are watched) `auto` times nothing, but the
+    timings taken before still decide: the captured call runs the backend the eager calls ran
+    (already compiled and tuned), for the same signature and for a new one in the same bucket.
+    A bucket never timed falls back to the model."""
+    monkeypatch.setattr(dispatch, "MEASURE_FACTOR", 1e9)
+    pos = fr.positions.KerpleLog(H)
+    q, k, v = _qkv(33)
+    ranking = _model_ranking(q, k, v, "softmax", pos, True)
+    fake_timer.times = {ranking[0]: 2e-3, ranking[1]: 1e-3}
+    fr.attention(q, k, v, "softmax", pos, causal=True)  # eager: timed, the model's second is the fastest
+    n = len(fake_timer.calls)
+    monkeypatch.setattr(dispatch, "_can_measure", lambda device: False)  # as during capture
+    ran.clear()
+    fr.attention(q, k, v, "softmax", pos, causal=True)
+    fr.attention(*_qkv(40), "softmax", pos, causal=True)  # another signature, the same bucket
+    assert ran == [ranking[1], ranking[1]] and len(fake_timer.calls) == n
+    ran.clear()
+    fr.attention(*_qkv(65), "softmax", pos, causal=True)  # a bucket never timed: the model's pick
+    assert ran == _model_ranking(*_qkv(65), "softmax", pos, True)[:1] and len(fake_timer.calls) == n

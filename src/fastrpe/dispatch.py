@@ -550,11 +550,14 @@ def _store_measurement(p: Problem, m: Measurement) -> None:
         warnings.warn(f"fastrpe: could not write auto timings to {path}: {e}", stacklevel=3)
 
 
-def _measured_choice(p: Problem, inputs: tuple) -> str | None:
+def _measured_choice(p: Problem, inputs: tuple, may_time: bool = True) -> str | None:
     """The fastest timed candidate of p's bucket that supports p itself (timing the bucket first
-    if needed); None when none does (the model decides then)."""
+    if needed and `may_time`); None when none does, or when the bucket has no timings and
+    nothing may be timed now (the model decides then)."""
     m = _lookup_measurement(p)
     if m is None:
+        if not may_time:
+            return None
         m = measure_problem(p, inputs)
         _store_measurement(p, m)
     ex = explain_problem(p, eligible_only=True, measured=False)
@@ -574,15 +577,24 @@ def _auto_choice(p: Problem, inputs: tuple | None = None) -> str:
             raise FastRPEError("backend: no backend supports this call (run it eagerly, or fastrpe.explain, "
                                "for every backend's reasons)")
         return chosen
-    measure = inputs is not None and auto_policy(p.device) == "measure" and _can_measure(p.device)
     table = _table(p)
-    key = _key(p, "measure" if measure else "model")
+    if inputs is not None and auto_policy(p.device) == "measure":
+        key = _key(p, "measure")
+        chosen = table.get(key)
+        if chosen is not None:
+            table.move_to_end(key)
+            return chosen
+        # while a CUDA graph is captured (or syncs are watched) nothing is timed, but timings
+        # taken before (an eager warm-up, the disk cache) still decide: the captured graph runs
+        # the backend the eager calls ran, already compiled and tuned
+        chosen = _measured_choice(p, inputs, may_time=_can_measure(p.device))
+        if chosen is not None:
+            _cache_put(table, key, chosen)
+            return chosen
+    key = _key(p, "model")
     chosen = table.get(key)
     if chosen is None:
-        if measure:
-            chosen = _measured_choice(p, inputs)
-        if chosen is None:
-            chosen = explain_problem(p, eligible_only=True, measured=False).chosen
+        chosen = explain_problem(p, eligible_only=True, measured=False).chosen
         if chosen is None:
             raise FastRPEError("backend: no backend supports this call:\n" + str(explain_problem(p)))
         _cache_put(table, key, chosen)
