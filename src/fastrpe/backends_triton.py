@@ -28,6 +28,7 @@ import sys
 import torch
 
 from .dispatch import Backend, Cost, Problem, machine_time, register_backend
+from .ops.common import MAX_GRID_YZ
 
 #: let the backend run CPU tensors under the Triton interpreter (tests only; needs
 #: TRITON_INTERPRET=1 before triton is imported)
@@ -115,6 +116,9 @@ def _kernel_reasons(p: Problem) -> list[str]:
     r = [why] if why else []
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         r.append(f"dtype {p.dtype} is not supported")
+    if p.B * p.H > MAX_GRID_YZ:
+        r.append(f"B·H = {p.B * p.H} is over the {MAX_GRID_YZ} a CUDA grid's second axis holds (the kernels "
+                 f"put batch × heads there)")
     return r
 
 

@@ -413,10 +413,12 @@ class PRF(_RandomFeatures):
         return super().forward(x, is_query)
 
     def _triton_features(self, x: Tensor) -> bool:
+        from .ops.common import MAX_GRID_YZ
         from .ops.linear.triton_chunked import triton_route
 
         return (triton_route(TRITON_FEATURES, "fastrpe.kernels.TRITON_FEATURES", x.device)
                 and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and x.shape[0] * x.shape[1] <= MAX_GRID_YZ  # B·H: the kernels' grid's second axis
                 and not self.w.requires_grad and not torch.compiler.is_compiling() and x.shape[-1] == self.head_dim
                 and (self.num_heads is None or x.shape[1] == self.num_heads))
 

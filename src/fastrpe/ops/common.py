@@ -13,6 +13,10 @@ from .._index import (CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, grid_o
                       materialize_grid, offsets, toeplitz_index)
 
 
+#: CUDA's limit on a grid's second and third dimensions; the Triton kernels put B·H on the second
+MAX_GRID_YZ = 65535
+
+
 def causal_offset_mask(Lq: int, Lk: int, q_offset: int, device=None) -> Tensor:
     """`[R]` bool over offsets `r = -(Lq-1+q_offset) .. Lk-1-q_offset`: True where `r <= 0` (kept by causal)."""
     r = torch.arange(-(Lq - 1 + q_offset), Lk - q_offset, device=device)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._validate import FastRPEError
-from .linear.triton_chunked import HAS_TRITON, _pow2, dot_mode, triton_unavailable_reason
+from .linear.triton_chunked import HAS_TRITON, _pow2, dot_mode, on_device_of, triton_unavailable_reason
 
 if HAS_TRITON:
     import triton
@@ -42,7 +42,8 @@ if HAS_TRITON:
         """One tile of rows: `(rows, ok, x̂ [BR, BD], ‖x‖ clamped [BR], w [BM, BD], e₀₊ [BR, BM],
         ‖xs‖²/2 [BR])`, in float32."""
         b, h = bh // H, bh % H
-        r = r0 + tl.arange(0, BR)
+        # int64: r·sxl overflows int32 on a head-split view (sxl = H·D) once L·H·D >= 2^31
+        r = (r0 + tl.arange(0, BR)).to(tl.int64)
         d, m = tl.arange(0, BD), tl.arange(0, BM)
         ok = r < L
         x = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
@@ -140,6 +141,7 @@ class _PRFTriton(torch.autograd.Function):
     `_prf_bwd_kernel`, or by the differentiable PyTorch backward under create_graph."""
 
     @staticmethod
+    @on_device_of(1)
     def forward(ctx, x: Tensor, kern, is_query: bool, w: Tensor, shift: Tensor) -> Tensor:
         B, H, L, D = x.shape
         F = kern.num_features(D)
@@ -153,6 +155,7 @@ class _PRFTriton(torch.autograd.Function):
         return phi
 
     @staticmethod
+    @on_device_of(1)
     def backward(ctx, dphi: Tensor):
         x, phi, w = ctx.saved_tensors
         kern = ctx.kern

@@ -38,6 +38,8 @@ length, N chunks, BF/BV/BDV power-of-two tile widths (>= 16 for `tl.dot`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -77,6 +79,29 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cpu" and INTERPRETED:
         return None
     return "needs CUDA and triton (or TRITON_INTERPRET=1, set before the kernels are imported, for CPU tests)"
+
+
+def launch_device(t: Tensor):
+    """Triton launches on the current CUDA device and its current stream, not on its arguments'
+    device: a context making `t`'s device current where it is not (tensors on cuda:1 while
+    cuda:0 is current would be read from the wrong GPU). Nothing to do on the CPU, where it is
+    current already, or under `torch.compile` (Inductor guards the device of the kernels it
+    launches)."""
+    if t.is_cuda and not torch.compiler.is_compiling() and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def on_device_of(i: int):
+    """Decorator: run the function under `launch_device(args[i])` (the autograd functions'
+    forward and backward, the decoding steps: every function that launches kernels)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with launch_device(args[i]):
+                return fn(*args, **kwargs)
+        return run
+    return wrap
 
 
 #: the settings of the switches that route an op to its Triton kernel by default
@@ -477,6 +502,7 @@ class _ChunkedDecay(torch.autograd.Function):
     None unless `want_state`: a call that does not return it does not gather it)."""
 
     @staticmethod
+    @on_device_of(1)
     def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int,
                 divide=None, state_dtype=None, want_state: bool = False):
         B, H, Lq, F = phi_q.shape
@@ -514,6 +540,7 @@ class _ChunkedDecay(torch.autograd.Function):
         return num, den, state
 
     @staticmethod
+    @on_device_of(1)
     def backward(ctx, dnum, dden, dstate):
         phi_q, phi_k, v, log_g, h, z, state, init, den = ctx.saved_tensors
         q_offset, BT, BF, BDV, BVS, N, strict, mode = ctx.cfg
@@ -585,6 +612,7 @@ def _state_dots(h: Tensor, dh: Tensor) -> Tensor:
     return out
 
 
+@on_device_of(0)
 def quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, Tensor]:
     """What the gradient of `out = quotient(num, den)` needs in place of `dnum`: `inv = 1/den`
     (0 for an empty row), by which the kernels scale the products of dout row by row
@@ -614,11 +642,13 @@ class _QuotientGrad(torch.autograd.Function):
     bf16 with Dv = 64; a layer's output is kept from forward to backward either way)."""
 
     @staticmethod
+    @on_device_of(1)
     def forward(ctx, out, den):
         ctx.save_for_backward(out, den)
         return out.view_as(out)
 
     @staticmethod
+    @on_device_of(1)
     def backward(ctx, dout):
         out, den = ctx.saved_tensors
         dout = dout.contiguous()

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..._validate import FastRPEError
 from ..common import underflow_threshold
 from .state import BandState, SoEState
-from .triton_chunked import HAS_TRITON, _pow2, triton_unavailable_reason
+from .triton_chunked import HAS_TRITON, _pow2, on_device_of, triton_unavailable_reason
 
 if HAS_TRITON:
     import triton
@@ -224,6 +224,7 @@ if HAS_TRITON:
         _store_quotient(o_ptr + bh * Dv, y, c, Dv, tiny, O_BF16)
 
 
+@on_device_of(0)
 def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *, gamma: Tensor | None = None):
     """One token after `state`, by one Triton launch.
 
@@ -276,6 +277,7 @@ def _row_strides(q: Tensor, k: Tensor, vv: Tensor, w: Tensor) -> tuple:
             w.shape[-2] * w.shape[-1] if w.dim() == 3 else 0)
 
 
+@on_device_of(0)
 def prf_linear_token_triton(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, *, w: Tensor, key_shift: Tensor,
                             input_scale: float, normalize: bool, two_sided: bool, gamma: Tensor | None = None,
                             out_dtype: torch.dtype | None = None):
@@ -317,6 +319,7 @@ _BJ = 16
 _WARPS = 8
 
 
+@on_device_of(0)
 def prf_band_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: BandState, weights: Tensor,
                           tail: Tensor | None, *, w: Tensor, key_shift: Tensor, input_scale: float, normalize: bool,
                           two_sided: bool, out_dtype: torch.dtype | None = None):
@@ -367,6 +370,7 @@ def prf_band_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: BandState, we
     return o, BandState(new_S, new_keys, new_values, W, state.length + 1)
 
 
+@on_device_of(0)
 def prf_soe_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: SoEState, gamma: Tensor, a: Tensor,
                          cw: Tensor, *, w: Tensor, key_shift: Tensor, input_scale: float, normalize: bool,
                          two_sided: bool, out_dtype: torch.dtype | None = None):

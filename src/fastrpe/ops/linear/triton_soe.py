@@ -46,7 +46,7 @@ from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
-                             dv_in_bf16, quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
+                             dv_in_bf16, on_device_of, quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
     import triton
@@ -355,6 +355,7 @@ class _SoE(torch.autograd.Function):
     K·N states built, read and freed before the next: memory bounded by `STATE_BUDGET`)."""
 
     @staticmethod
+    @on_device_of(1)
     def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, NB: int, out_dtype, mode: int, state_dtype,
                 group: int, divide=None):
         B, H, Lq, F = phi_q.shape
@@ -401,6 +402,7 @@ class _SoE(torch.autograd.Function):
         return h, z
 
     @staticmethod
+    @on_device_of(1)
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk, den = ctx.saved_tensors
         q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .triton_chunked import (_TL_DTYPE, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode, dv_in_bf16,
-                             quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
+                             on_device_of, quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
     import triton
@@ -195,6 +195,7 @@ class _Tiled(torch.autograd.Function):
     """`(num or the quotient, den, m)` of `kernelized_num_den_triton_tiled`."""
 
     @staticmethod
+    @on_device_of(1)
     def forward(ctx, phi_q, phi_k, v, lc, ks, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
@@ -216,6 +217,7 @@ class _Tiled(torch.autograd.Function):
         return num, den, m
 
     @staticmethod
+    @on_device_of(1)
     def backward(ctx, dnum, dden, dm):
         phi_q, phi_k, v, lc, ks, m, den = ctx.saved_tensors
         ks = lc if ks is None else ks
