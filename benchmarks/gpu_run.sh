@@ -161,6 +161,11 @@
 #   is captured (an event query there invalidates the capture; it did after any earlier eager
 #   call on the GPU). GPU test: test_gpu.py::test_forward_replays_as_a_cuda_graph, every
 #   linear-time and FFT backend's forward captured and replayed against eager (`tests`).
+# - (same session) `auto` on CUDA: a candidate whose first call compiles is timed by its next
+#   calls (the compile time was taken for its speed, and the pick is cached on disk); under
+#   capture or sync watching the bucket's earlier timings still decide (it ran the model's pick).
+#   The Triton launches run on their tensors' device (Triton uses the current one), B·H over
+#   65,535 is refused, and the PRF kernel's row offsets are int64 (E = 4,096 at 1M overflowed).
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;
