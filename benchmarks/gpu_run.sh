@@ -166,6 +166,11 @@
 #   capture or sync watching the bucket's earlier timings still decide (it ran the model's pick).
 #   The Triton launches run on their tensors' device (Triton uses the current one), B·H over
 #   65,535 is refused, and the PRF kernel's row offsets are int64 (E = 4,096 at 1M overflowed).
+# - (same session) `soe` / `triton_soe` with a term in training on a GPU read the fit's verdict on
+#   the host once, not at every optimizer step (each step is a new parameter state): the term
+#   count is kept and each call's fit is checked on the device, its flag read at a later call
+#   (a failed check warns and the next call fits again). GPU test:
+#   test_gpu.py::test_no_host_sync_in_a_training_step_with_a_trainable_term (`tests`).
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;

@@ -244,10 +244,10 @@ def test_no_event_query_while_a_cuda_graph_is_captured(monkeypatch):
             return True
 
     monkeypatch.setattr(certify, "_PENDING", [(NoQuery(), torch.tensor(True))])
-    monkeypatch.setattr(certify, "_capturing", lambda: True)
+    monkeypatch.setattr(certify, "capturing", lambda: True)
     certify._warn_pending()
     assert len(certify._PENDING) == 1
-    monkeypatch.setattr(certify, "_capturing", lambda: False)
+    monkeypatch.setattr(certify, "capturing", lambda: False)
     monkeypatch.setattr(certify, "_PENDING", [(Done(), torch.tensor(True))])
     with pytest.warns(RuntimeWarning, match="sync_recompute"):
         certify._warn_pending()

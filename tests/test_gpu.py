@@ -225,3 +225,26 @@ def test_forward_replays_as_a_cuda_graph(backend):
             want = call()
             err = (out.float() - want.float()).abs().max().item()
             assert err <= 1e-3 * max(1.0, want.float().abs().max().item()), f"{backend} {family}: replay {err:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["soe", "triton_soe"])
+def test_no_host_sync_in_a_training_step_with_a_trainable_term(backend):
+    """Training: each optimizer step is a new parameter state of the term. After the first
+    call's verdict, a step (forward, backward, optimizer) reads nothing on the host: the fit's
+    check runs on the GPU and is read at a later call."""
+    pos = fr.positions.KerpleLog(H).to(DEV)
+    kern = _kernel("nprf")
+    q, k, v = _inputs(torch.bfloat16)
+    opt = torch.optim.SGD(pos.parameters(), lr=1e-3)
+
+    def step():
+        fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        step()
+    except fr.FastRPEError as e:
+        pytest.skip(f"{backend} refuses: {e}")
+    err = _sync_error(step)
+    assert err is None, f"{backend}: {err}"

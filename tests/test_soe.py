@@ -310,3 +310,82 @@ def test_a_frozen_terms_fit_is_kept_and_a_trainable_ones_is_not(count_calls):
     assert pos.raw_r1.grad is not None and pos.raw_r1.grad.abs().sum() > 0
     with torch.no_grad():  # no gradient asked: kept again
         assert soe_mod.soe_plan_for(pos, 50) is soe_mod.soe_plan_for(pos, 50)
+
+
+class _Landed:
+    """A copy that has arrived (an event whose query is true)."""
+
+    def query(self):
+        return True
+
+
+@pytest.fixture
+def gpu_training(monkeypatch):
+    """The GPU's training path on the CPU: each call's fit check is copied at once (the
+    copies listed in `.copies`, the host memory a GPU run would read)."""
+    import fastrpe.ops.linear.soe as soe_mod
+
+    copies = []
+
+    def copy(t):
+        copies.append(t.clone())
+        return _Landed(), copies[-1]
+
+    monkeypatch.setattr(soe_mod, "_checked_on_the_gpu", soe_mod.takes_grad)
+    monkeypatch.setattr(soe_mod, "copy_to_host_later", copy)
+    monkeypatch.setattr(soe_mod, "_FIT_CHECKS", [])
+    soe_mod.copies = copies
+    return soe_mod
+
+
+def _training(pos, L=50):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
+    opt = torch.optim.SGD(pos.parameters(), lr=0.05)
+
+    def step():
+        out = fr.attention(q, k, v, kernel="elu", position=pos, causal=True, backend="soe")
+        out.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def test_a_term_in_training_on_a_gpu_reads_nothing_per_step(gpu_training, monkeypatch):
+    """Training on a GPU: every step is a new parameter state. The fit's verdict is read on
+    the host once, at the first call; later steps keep its term count and check their own
+    fit on the device, read later from host memory: no tensor is read on a step."""
+    from fastrpe import api
+
+    step = _training(P.KerpleLog(2))
+    step()
+    check = api.check_qkv
+    monkeypatch.setattr(api, "check_qkv", lambda q, k, v, **kw: check(q, k, v, check_finite=False))
+
+    def read(name):
+        real = getattr(torch.Tensor, name)
+
+        def guarded(self, *a, **kw):
+            if not any(self is c for c in gpu_training.copies):  # a landed host copy may be read
+                raise AssertionError(f"Tensor.{name} read on a training step")
+            return real(self, *a, **kw)
+        return guarded
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, read(name))
+    n = len(gpu_training.copies)
+    for _ in range(3):
+        step()
+    assert len(gpu_training.copies) == n + 3  # each step's fit checked on the device
+
+
+def test_a_failing_fit_found_on_the_gpu_is_fitted_again_at_the_next_call(gpu_training, monkeypatch):
+    """A step whose fit fails the device check is reported at the next call, which takes a
+    verdict of its own: here (every fit misplacing all of a row's weight) the refusal."""
+    step = _training(P.KerpleLog(2))
+    step()
+    step()
+    monkeypatch.setattr(gpu_training, "soe_weight_error", lambda b, plan=None: torch.ones(b.shape[0]))
+    step()  # runs on the kept verdict; its fit is checked on the device, read at the next call
+    with pytest.warns(RuntimeWarning, match="fits again"), pytest.raises(fr.FastRPEError, match="misplaces 1.0e"):
+        step()

@@ -403,9 +403,9 @@ class SoEBackend(Backend):
             # breaks the graph, so under torch.compile `run` asserts it inside the graph instead
             return []
         # the verdict reads the fit's error on the host (a GPU stream sync): `soe_terms` does it
-        # once per parameter state, so a frozen term pays it on its first call only
-        with torch.no_grad():
-            why = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
+        # once per parameter state, so a frozen term pays it on its first call only, and a term
+        # in training on a GPU on its first call only (in the call's own grad mode: that decides)
+        why = soe_fit_refusal(p.position, max(p.Lk, p.q_offset + p.Lq))
         return [why] if why else []
 
     def cost(self, p: Problem) -> Cost:

@@ -17,6 +17,24 @@ from .._index import (CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, grid_o
 MAX_GRID_YZ = 65535
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (no event query, no pinned
+    allocation, no host read may happen then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def copy_to_host_later(t: Tensor) -> tuple:
+    """`(event, copy)`: the small device tensor `t` copied to pinned host memory without
+    waiting; `copy` may be read once `event.query()` is true. A verdict that needs a value
+    from the GPU is taken this way and read at a later call (never waited for: a read would
+    drain the stream)."""
+    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    copy.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event, copy
+
+
 def causal_offset_mask(Lq: int, Lk: int, q_offset: int, device=None) -> Tensor:
     """`[R]` bool over offsets `r = -(Lq-1+q_offset) .. Lk-1-q_offset`: True where `r <= 0` (kept by causal)."""
     r = torch.arange(-(Lq - 1 + q_offset), Lk - q_offset, device=device)

@@ -24,6 +24,7 @@ import torch.nn.functional as Fn
 from torch import Tensor
 
 from ..._memo import kept, parameter_state, takes_grad
+from ..common import capturing, copy_to_host_later
 from .state import SoEState
 
 DEFAULT_WINDOW = 64
@@ -279,11 +280,56 @@ def _state_key(position, fit_length: int):
     return (fit_length, parameter_state(position))
 
 
+#: position -> {fit length: (terms, weight error)}: the latest verdict of a term in training on
+#: a GPU, kept for its next parameter states (`soe_terms`, `_checked_on_the_gpu`)
+_LATEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: [(event, pinned flag, position ref, fit length)]: each training call's fit check on the GPU,
+#: oldest first, read once its copy has landed (`_read_fit_checks`)
+_FIT_CHECKS: list = []
+
+
+def _checked_on_the_gpu(position) -> bool:
+    """A term in training on a GPU, eagerly: each step is a new parameter state, and a verdict
+    per state would read the fit's error on the host, draining the stream at every call. The
+    latest verdict's term count is kept instead, and each call's fit is checked on the GPU
+    (`_check_fit_later`), its flag read at a later call (`_read_fit_checks`)."""
+    return (takes_grad(position) and not torch.compiler.is_compiling()
+            and any(t.is_cuda for t in position.parameters()))
+
+
+def _check_fit_later(position, fit_length: int, b: Tensor, plan: SoEPlan) -> None:
+    """Whether `plan` misplaces more than SOE_MAX_WEIGHT_ERROR of a row's weight (NaN
+    failing), copied to the host without waiting (not while a CUDA graph is captured)."""
+    if capturing() or len(_FIT_CHECKS) > 64:
+        return
+    with torch.no_grad():
+        bad = ~(soe_weight_error(b.detach(), plan).max() <= SOE_MAX_WEIGHT_ERROR)
+    _FIT_CHECKS.append((*copy_to_host_later(bad), weakref.ref(position), fit_length))
+
+
+def _read_fit_checks() -> None:
+    """The checks whose flags have landed (an event query, never a wait): a fit that failed
+    drops its term's latest verdict, so that its next call takes a verdict of its own (one
+    read: more terms, or the refusal), and says so."""
+    import warnings
+
+    while _FIT_CHECKS and not capturing() and _FIT_CHECKS[0][0].query():
+        _, bad, ref, fit_length = _FIT_CHECKS.pop(0)
+        position = ref()
+        if bool(bad) and position is not None and _LATEST.get(position, {}).pop(fit_length, None) is not None:
+            warnings.warn(f"fastrpe soe: in a training step, the sum-of-exponentials fit of "
+                          f"{type(position).__name__} misplaced more than {SOE_MAX_WEIGHT_ERROR:g} of a row's "
+                          "positional weight; its next call fits again (more terms, or the refusal)",
+                          RuntimeWarning, stacklevel=2)
+
+
 def soe_terms(position, length: int) -> tuple[int, float]:
     """`(K, weight error)`: the fewest exponentials in `TERM_CHOICES` that fit `position` for
     rows up to `length` within SOE_MAX_WEIGHT_ERROR (the most if none does; the error says so).
     Once per parameter state; under torch.compile, without reading anything: the eager
-    verdict if there is one, else `(DEFAULT_TERMS, nan)` (`soe_assert_fit` checks in the graph)."""
+    verdict if there is one, else `(DEFAULT_TERMS, nan)` (`soe_assert_fit` checks in the graph).
+    A term in training on a GPU keeps its latest verdict while the GPU's checks of each call's
+    fit pass (`_checked_on_the_gpu`): no host read per step."""
     fit_length = soe_fit_length(length)
     memo = _VERDICTS.get(position)
     if torch.compiler.is_compiling():
@@ -291,6 +337,12 @@ def soe_terms(position, length: int) -> tuple[int, float]:
             if k[0] == fit_length:
                 return v
         return DEFAULT_TERMS, float("nan")
+    gpu_checked = _checked_on_the_gpu(position)
+    if gpu_checked:
+        _read_fit_checks()
+        latest = _LATEST.get(position, {}).get(fit_length)
+        if latest is not None:
+            return latest
 
     @torch.no_grad()
     def verdict():
@@ -302,7 +354,10 @@ def soe_terms(position, length: int) -> tuple[int, float]:
         return K, err
 
     # parameters in training: every step is a new state, the oldest go
-    return kept(_VERDICTS, position, _state_key(position, fit_length), verdict, entries=16)
+    v = kept(_VERDICTS, position, _state_key(position, fit_length), verdict, entries=16)
+    if gpu_checked:
+        _LATEST.setdefault(position, {})[fit_length] = v
+    return v
 
 
 #: position -> {(fit length, parameter state, terms): SoEPlan}: the fit of a term that
@@ -321,7 +376,11 @@ def soe_plan_for(position, length: int) -> SoEPlan:
     fit_length = soe_fit_length(length)
     K = soe_terms(position, length)[0]
     if takes_grad(position) or torch.compiler.is_compiling():
-        return soe_plan(causal_log_coefficients(position, fit_length), num_terms=K)
+        b = causal_log_coefficients(position, fit_length)
+        plan = soe_plan(b, num_terms=K)
+        if _checked_on_the_gpu(position):
+            _check_fit_later(position, fit_length, b, plan)
+        return plan
 
     @torch.no_grad()
     def fit():

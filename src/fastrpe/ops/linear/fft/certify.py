@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ...common import capturing, copy_to_host_later
 from .scale import MAX_RESCALE_NATS
 
 #: the promise: each row's `num/den` within this relative error of the exact value
@@ -72,13 +73,8 @@ def _may_sync(y: Tensor) -> bool:
     if _STATIC[0] or torch.compiler.is_compiling():
         return False
     if y.is_cuda:
-        return _SYNC_ON_CUDA[0] and not _capturing()
+        return _SYNC_ON_CUDA[0] and not capturing()
     return True
-
-
-def _capturing() -> bool:
-    """A CUDA graph is being captured on the current stream."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _warn_pending() -> None:
@@ -87,7 +83,7 @@ def _warn_pending() -> None:
     the capture (the flags wait for the next call outside it)."""
     import warnings
 
-    if _capturing():
+    if capturing():
         return
     while _PENDING and _PENDING[0][0].query():
         _, flag = _PENDING.pop(0)
@@ -101,13 +97,9 @@ def _warn_pending() -> None:
 
 def _flag_later(over: Tensor) -> None:
     """Copy `over.any()` to pinned host memory without waiting; `_warn_pending` reads it later."""
-    if torch.compiler.is_compiling() or _capturing() or len(_PENDING) > 64:
+    if torch.compiler.is_compiling() or capturing() or len(_PENDING) > 64:
         return
-    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-    flag.copy_(over.any(), non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    _PENDING.append((ev, flag))
+    _PENDING.append(copy_to_host_later(over.any()))
 
 
 def untrusted_rows(y: Tensor, err: Tensor, lc: Tensor, scale: Tensor) -> Tensor:
