@@ -301,3 +301,19 @@ def test_timings_taken_before_decide_where_nothing_may_be_timed(measure, fake_ti
     ran.clear()
     fr.attention(*_qkv(65), "softmax", pos, causal=True)  # a bucket never timed: the model's pick
     assert ran == _model_ranking(*_qkv(65), "softmax", pos, True)[:1] and len(fake_timer.calls) == n
+
+
+def test_a_bucket_whose_timings_all_failed_keeps_the_models_pick(measure, fake_timer, ran, monkeypatch):
+    """When no timed candidate supports the call (every timing failed), the model's pick is
+    kept for the signature: later calls look nothing up again."""
+    q, k, v = _qkv(33)
+    pos = fr.positions.KerpleLog(H)
+    fake_timer.fail = set(BACKENDS)
+    fr.attention(q, k, v, "softmax", pos, causal=True)
+    assert ran == _model_ranking(q, k, v, "softmax", pos, True)[:1]
+    calls = []
+    real = dispatch.explain_problem
+    monkeypatch.setattr(dispatch, "explain_problem", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for _ in range(3):
+        fr.attention(q, k, v, "softmax", pos, causal=True)
+    assert calls == [] and ran[1:] == ran[:1] * 3

@@ -587,7 +587,12 @@ def _auto_choice(p: Problem, inputs: tuple | None = None) -> str:
         # while a CUDA graph is captured (or syncs are watched) nothing is timed, but timings
         # taken before (an eager warm-up, the disk cache) still decide: the captured graph runs
         # the backend the eager calls ran, already compiled and tuned
-        chosen = _measured_choice(p, inputs, may_time=_can_measure(p.device))
+        may_time = _can_measure(p.device)
+        chosen = _measured_choice(p, inputs, may_time=may_time)
+        if chosen is None and may_time:  # no timed candidate supports p: the model's pick, kept
+            chosen = explain_problem(p, eligible_only=True, measured=False).chosen
+            if chosen is None:
+                raise FastRPEError("backend: no backend supports this call:\n" + str(explain_problem(p)))
         if chosen is not None:
             _cache_put(table, key, chosen)
             return chosen

@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 
 try:  # FlexAttention exists from PyTorch 2.5 on
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
     from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 except ImportError:  # pragma: no cover - depends on the installed torch
-    _flex_attention = create_block_mask = None
+    _flex_attention = BlockMask = None
 
 _compiled = None
 
@@ -71,11 +71,9 @@ def causal_block_mask(Lq: int, Lk: int, q_offset: int, device) -> object:
     Dynamo entry per shape, no recompile limit) and no `[Lq, Lk]` mask is materialized, so it
     costs O((Lq/128)·(Lk/128)). A block is full when it is whole and all its keys are at or
     before its first query; partial when some key is at or before its last query. These are
-    exactly the blocks `create_block_mask` finds by reading the mask
-    (`tests/test_attention.py`), ordered as it orders them.
+    exactly the blocks `create_block_mask` finds by reading the mask (`tests/test_flex.py`),
+    ordered as it orders them.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     off = q_offset
     key = (Lq, Lk, off, str(device))
     if key not in _BLOCK_MASKS:
