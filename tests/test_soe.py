@@ -389,3 +389,18 @@ def test_a_failing_fit_found_on_the_gpu_is_fitted_again_at_the_next_call(gpu_tra
     step()  # runs on the kept verdict; its fit is checked on the device, read at the next call
     with pytest.warns(RuntimeWarning, match="fits again"), pytest.raises(fr.FastRPEError, match="misplaces 1.0e"):
         step()
+
+
+def test_a_refused_term_in_training_on_a_gpu_is_judged_again_at_its_next_state(gpu_training, monkeypatch):
+    """A refusal is not kept as a term's latest verdict: the next parameter state is judged on
+    its own, and runs once it fits."""
+    pos = P.KerpleLog(2)
+    step = _training(pos)
+    real = gpu_training.soe_weight_error
+    monkeypatch.setattr(gpu_training, "soe_weight_error", lambda b, plan=None: torch.ones(b.shape[0]))
+    with pytest.raises(fr.FastRPEError, match="misplaces"):
+        step()
+    with torch.no_grad():
+        pos.raw_r1.add_(0.01)  # a new state
+    monkeypatch.setattr(gpu_training, "soe_weight_error", real)
+    step()

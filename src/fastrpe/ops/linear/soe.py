@@ -355,7 +355,7 @@ def soe_terms(position, length: int) -> tuple[int, float]:
 
     # parameters in training: every step is a new state, the oldest go
     v = kept(_VERDICTS, position, _state_key(position, fit_length), verdict, entries=16)
-    if gpu_checked:
+    if gpu_checked and v[1] <= SOE_MAX_WEIGHT_ERROR:  # a refusal is not kept: a later state may fit
         _LATEST.setdefault(position, {})[fit_length] = v
     return v
 
