@@ -29,9 +29,9 @@ def copy_to_host_later(t: Tensor) -> tuple:
     from the GPU is taken this way and read at a later call (never waited for: a read would
     drain the stream)."""
     copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    copy.copy_(t, non_blocking=True)
+    copy.copy_(t, non_blocking=True)  # on t's device's current stream
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(t.device))  # there, whichever device is current
     return event, copy
 
 
