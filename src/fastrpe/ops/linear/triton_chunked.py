@@ -642,14 +642,12 @@ class _QuotientGrad(torch.autograd.Function):
     bf16 with Dv = 64; a layer's output is kept from forward to backward either way)."""
 
     @staticmethod
-    @on_device_of(1)
     def forward(ctx, out, den):
         ctx.save_for_backward(out, den)
         return out.view_as(out)
 
     @staticmethod
-    @on_device_of(1)
-    def backward(ctx, dout):
+    def backward(ctx, dout):  # its one launch is quotient_backward's, which picks the device
         out, den = ctx.saved_tensors
         dout = dout.contiguous()
         return dout, quotient_backward(dout, out, den)[1]

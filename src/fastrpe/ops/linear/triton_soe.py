@@ -46,7 +46,8 @@ from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
-                             dv_in_bf16, on_device_of, quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
+                             dv_in_bf16, on_device_of, quotient_flags, triton_unavailable_reason, value_dtype,
+                             with_quotient_grad)
 
 if HAS_TRITON:
     import triton
