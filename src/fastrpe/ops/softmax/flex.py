@@ -74,15 +74,14 @@ def causal_block_mask(Lq: int, Lk: int, q_offset: int, device) -> object:
     exactly the blocks `create_block_mask` finds by reading the mask (`tests/test_flex.py`),
     ordered as it orders them.
     """
-    off = q_offset
-    key = (Lq, Lk, off, str(device))
+    key = (Lq, Lk, q_offset, str(device))
     if key not in _BLOCK_MASKS:
         if len(_BLOCK_MASKS) >= 4:  # at 1M tokens a mask's block indices take ~1 GB: hold a few
             _BLOCK_MASKS.clear()
         n = MASK_BLOCK
         i = torch.arange(-(-Lq // n), device=device)[:, None]
         j = torch.arange(-(-Lk // n), device=device)[None, :]
-        first_q, last_q = i * n + off, torch.clamp((i + 1) * n, max=Lq) - 1 + off
+        first_q, last_q = i * n + q_offset, torch.clamp((i + 1) * n, max=Lq) - 1 + q_offset
         first_k, last_k = j * n, torch.clamp((j + 1) * n, max=Lk) - 1
         whole = ((i + 1) * n <= Lq) & ((j + 1) * n <= Lk)  # a ragged block has padding: never full
         full = whole & (last_k <= first_q)
@@ -93,7 +92,7 @@ def causal_block_mask(Lq: int, Lk: int, q_offset: int, device) -> object:
             order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
             return blocks.sum(-1).to(torch.int32), order.to(torch.int32)
 
-        o = _offset(off, device, compiled=True)  # a tensor: one compile for every offset
+        o = _offset(q_offset, device, compiled=True)  # a tensor: one compile for every offset
 
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= q_idx + o
