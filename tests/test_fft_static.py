@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastrpe.ops.linear.fft as fftmod
+from fastrpe.ops import common
 from fastrpe.ops.linear.fft import certify, kernelized_num_den_fft
 from fastrpe.ops.linear.naive import kernelized_num_den_naive
 from fastrpe.testing import assert_close
@@ -211,6 +212,13 @@ def test_traces_as_one_graph_under_torch_compile(causal, monkeypatch):
         assert_close(a.double(), b.double(), dtype=torch.float32)
 
 
+def _reads(*entries):
+    """A `LaterReads` holding `(event, host copy)` entries."""
+    out = common.LaterReads()
+    out.pending = [(*e, None) for e in entries]
+    return out
+
+
 def test_nan_rows_on_a_gpu_warn_at_the_next_call(monkeypatch):
     """On a GPU the default schedule is sync-free: rows beyond the recompute capacity come back
     NaN and the flag, copied back without waiting, warns once the copy has landed."""
@@ -218,18 +226,18 @@ def test_nan_rows_on_a_gpu_warn_at_the_next_call(monkeypatch):
         def query(self):
             return True
 
-    monkeypatch.setattr(certify, "_PENDING", [(Done(), torch.tensor(False)), (Done(), torch.tensor(True))])
+    monkeypatch.setattr(certify, "_PENDING", _reads((Done(), torch.tensor(False)), (Done(), torch.tensor(True))))
     with pytest.warns(RuntimeWarning, match="sync_recompute"):
         certify._warn_pending()
-    assert certify._PENDING == []
+    assert certify._PENDING.pending == []
 
     class Running:
         def query(self):
             return False
 
-    monkeypatch.setattr(certify, "_PENDING", [(Running(), torch.tensor(True))])
+    monkeypatch.setattr(certify, "_PENDING", _reads((Running(), torch.tensor(True))))
     certify._warn_pending()  # not landed yet: nothing read, nothing said
-    assert len(certify._PENDING) == 1
+    assert len(certify._PENDING.pending) == 1
 
 
 def test_no_event_query_while_a_cuda_graph_is_captured(monkeypatch):
@@ -243,11 +251,11 @@ def test_no_event_query_while_a_cuda_graph_is_captured(monkeypatch):
         def query(self):
             return True
 
-    monkeypatch.setattr(certify, "_PENDING", [(NoQuery(), torch.tensor(True))])
-    monkeypatch.setattr(certify, "capturing", lambda: True)
+    monkeypatch.setattr(certify, "_PENDING", _reads((NoQuery(), torch.tensor(True))))
+    monkeypatch.setattr(common, "capturing", lambda: True)
     certify._warn_pending()
-    assert len(certify._PENDING) == 1
-    monkeypatch.setattr(certify, "capturing", lambda: False)
-    monkeypatch.setattr(certify, "_PENDING", [(Done(), torch.tensor(True))])
+    assert len(certify._PENDING.pending) == 1
+    monkeypatch.setattr(common, "capturing", lambda: False)
+    monkeypatch.setattr(certify, "_PENDING", _reads((Done(), torch.tensor(True))))
     with pytest.warns(RuntimeWarning, match="sync_recompute"):
         certify._warn_pending()

@@ -8,6 +8,7 @@ import torch.nn.functional as Fn
 
 import fastrpe as fr
 from fastrpe import positions as P
+from fastrpe.ops.common import LaterReads
 from fastrpe.ops.linear.soe import soe_fit_error
 
 H, D = 3, 16
@@ -327,13 +328,14 @@ def gpu_training(monkeypatch):
 
     copies = []
 
-    def copy(t):
-        copies.append(t.clone())
-        return _Landed(), copies[-1]
+    class AtOnce(LaterReads):
+        @staticmethod
+        def _copy(t):
+            copies.append(t.clone())
+            return _Landed(), copies[-1]
 
     monkeypatch.setattr(soe_mod, "_checked_on_the_gpu", soe_mod.takes_grad)
-    monkeypatch.setattr(soe_mod, "copy_to_host_later", copy)
-    monkeypatch.setattr(soe_mod, "_FIT_CHECKS", [])
+    monkeypatch.setattr(soe_mod, "_FIT_CHECKS", AtOnce())
     soe_mod.copies = copies
     return soe_mod
 

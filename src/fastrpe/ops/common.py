@@ -23,16 +23,43 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def copy_to_host_later(t: Tensor) -> tuple:
-    """`(event, copy)`: the small device tensor `t` copied to pinned host memory without
-    waiting; `copy` may be read once `event.query()` is true. A verdict that needs a value
-    from the GPU is taken this way and read at a later call (never waited for: a read would
-    drain the stream)."""
-    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    copy.copy_(t, non_blocking=True)  # on t's device's current stream
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))  # there, whichever device is current
-    return event, copy
+class LaterReads:
+    """Small device tensors copied to pinned host memory without waiting, each with what it is
+    about, and read at a later call once its copy has landed (an event query, never a wait: a
+    read would drain the stream). How a verdict that needs a value from the GPU is taken in a
+    hot path (the FFT path's NaN rows, the sum-of-exponentials fit in training). Nothing is
+    queued or queried while a CUDA graph is captured (a query there invalidates the capture),
+    and no more than `limit` wait."""
+
+    def __init__(self, limit: int = 64):
+        self.pending: list = []  # (event, host copy, info), oldest first
+        self.limit = limit
+
+    def accepting(self) -> bool:
+        """Whether `add` may be called now (asked first, so that no flag is computed for nothing)."""
+        return not capturing() and len(self.pending) <= self.limit
+
+    def add(self, t: Tensor, info=None) -> None:
+        """Queue `t` (when `accepting()`)."""
+        self.pending.append((*self._copy(t), info))
+
+    def landed(self):
+        """`(host copy, info)` of each entry whose copy has landed, oldest first, taken off."""
+        while self.pending and not capturing() and self.pending[0][0].query():
+            _, copy, info = self.pending.pop(0)
+            yield copy, info
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+    @staticmethod
+    def _copy(t: Tensor) -> tuple:
+        """`(event, copy)`: `t` copied to pinned memory on its device's current stream."""
+        copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        copy.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))  # there, whichever device is current
+        return event, copy
 
 
 def causal_offset_mask(Lq: int, Lk: int, q_offset: int, device=None) -> Tensor:

@@ -24,7 +24,7 @@ import torch.nn.functional as Fn
 from torch import Tensor
 
 from ..._memo import kept, parameter_state, takes_grad
-from ..common import capturing, copy_to_host_later
+from ..common import LaterReads
 from .state import SoEState
 
 DEFAULT_WINDOW = 64
@@ -283,9 +283,9 @@ def _state_key(position, fit_length: int):
 #: position -> {fit length: (terms, weight error)}: the latest verdict of a term in training on
 #: a GPU, kept for its next parameter states (`soe_terms`, `_checked_on_the_gpu`)
 _LATEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: [(event, pinned flag, position ref, fit length)]: each training call's fit check on the GPU,
-#: oldest first, read once its copy has landed (`_read_fit_checks`)
-_FIT_CHECKS: list = []
+#: each training call's fit check on the GPU, with (position ref, fit length), read once it has
+#: landed (`_read_fit_checks`)
+_FIT_CHECKS = LaterReads()
 
 
 def _checked_on_the_gpu(position) -> bool:
@@ -299,12 +299,12 @@ def _checked_on_the_gpu(position) -> bool:
 
 def _check_fit_later(position, fit_length: int, b: Tensor, plan: SoEPlan) -> None:
     """Whether `plan` misplaces more than SOE_MAX_WEIGHT_ERROR of a row's weight (NaN
-    failing), copied to the host without waiting (not while a CUDA graph is captured)."""
-    if capturing() or len(_FIT_CHECKS) > 64:
+    failing), copied to the host without waiting (`LaterReads`)."""
+    if not _FIT_CHECKS.accepting():
         return
     with torch.no_grad():
         bad = ~(soe_weight_error(b.detach(), plan).max() <= SOE_MAX_WEIGHT_ERROR)
-    _FIT_CHECKS.append((*copy_to_host_later(bad), weakref.ref(position), fit_length))
+    _FIT_CHECKS.add(bad, (weakref.ref(position), fit_length))
 
 
 def _read_fit_checks() -> None:
@@ -313,8 +313,7 @@ def _read_fit_checks() -> None:
     read: more terms, or the refusal), and says so."""
     import warnings
 
-    while _FIT_CHECKS and not capturing() and _FIT_CHECKS[0][0].query():
-        _, bad, ref, fit_length = _FIT_CHECKS.pop(0)
+    for bad, (ref, fit_length) in _FIT_CHECKS.landed():
         position = ref()
         if bool(bad) and position is not None and _LATEST.get(position, {}).pop(fit_length, None) is not None:
             warnings.warn(f"fastrpe soe: in a training step, the sum-of-exponentials fit of "

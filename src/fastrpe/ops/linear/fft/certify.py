@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ...common import capturing, copy_to_host_later
+from ...common import LaterReads, capturing
 from .scale import MAX_RESCALE_NATS
 
 #: the promise: each row's `num/den` within this relative error of the exact value
@@ -40,8 +40,8 @@ ROW_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 _STATIC = [False]
 _SYNC_ON_CUDA = [False]
-#: (event, pinned flag) of GPU calls whose rows beyond the capacity became NaN, read when done
-_PENDING: list = []
+#: the NaN-row flags of GPU calls, read once they have landed (`_warn_pending`)
+_PENDING = LaterReads()
 
 
 @contextmanager
@@ -83,10 +83,7 @@ def _warn_pending() -> None:
     the capture (the flags wait for the next call outside it)."""
     import warnings
 
-    if capturing():
-        return
-    while _PENDING and _PENDING[0][0].query():
-        _, flag = _PENDING.pop(0)
+    for flag, _ in _PENDING.landed():
         if bool(flag):  # pinned host memory the copy has finished writing: no device sync
             warnings.warn("fastrpe fft: some rows could not be certified and were beyond the fixed recompute "
                           "capacity, so they came back NaN (a table that swings by tens of nats); run the call "
@@ -97,9 +94,8 @@ def _warn_pending() -> None:
 
 def _flag_later(over: Tensor) -> None:
     """Copy `over.any()` to pinned host memory without waiting; `_warn_pending` reads it later."""
-    if torch.compiler.is_compiling() or capturing() or len(_PENDING) > 64:
-        return
-    _PENDING.append(copy_to_host_later(over.any()))
+    if not torch.compiler.is_compiling() and _PENDING.accepting():
+        _PENDING.add(over.any())
 
 
 def untrusted_rows(y: Tensor, err: Tensor, lc: Tensor, scale: Tensor) -> Tensor:
