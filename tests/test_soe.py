@@ -381,6 +381,22 @@ def test_a_term_in_training_on_a_gpu_reads_nothing_per_step(gpu_training, monkey
     assert len(gpu_training.copies) == n + 3  # each step's fit checked on the device
 
 
+def test_the_far_samples_go_to_the_device_once_per_length(gpu_training, monkeypatch):
+    """Each training step fits again, at the same distances: they are made and copied to the
+    device once (a copy from pageable host memory at every step cannot be captured in a
+    CUDA graph), and made again for another fit length."""
+    made = []
+    orig = gpu_training._far_samples
+    monkeypatch.setattr(gpu_training, "_far_samples", lambda *a: made.append(a) or orig(*a))
+    monkeypatch.setattr(gpu_training, "_FAR_ON_DEVICE", {})
+    step = _training(P.KerpleLog(2), L=60)
+    for _ in range(3):
+        step()
+    assert len(made) == 1
+    _training(P.KerpleLog(2), L=5000)()
+    assert len(made) == 2 and made[0] != made[1]
+
+
 def test_a_failing_fit_found_on_the_gpu_is_fitted_again_at_the_next_call(gpu_training, monkeypatch):
     """A step whose fit fails the device check is reported at the next call, which takes a
     verdict of its own: here (every fit misplacing all of a row's weight) the refusal."""

@@ -157,6 +157,25 @@ def _far_samples(window: int, max_len: int, n: int = 256) -> Tensor:
     return torch.tensor(sorted(r), dtype=torch.long)
 
 
+#: `_far_samples` kept on each device it was copied to (`_far_samples_on`)
+_FAR_ON_DEVICE: dict = {}
+
+
+def _far_samples_on(window: int, max_len: int, device: torch.device) -> Tensor:
+    """`_far_samples` on `device`, copied once per (window, length, device) and kept: a term in
+    training is fitted at every step, and a copy from pageable host memory at each one cannot
+    be captured in a CUDA graph (and is a driver-staged copy every step)."""
+    if torch.compiler.is_compiling():  # traced as a constant
+        return _far_samples(window, max_len).to(device)
+    key = (window, max_len, str(device))
+    if key not in _FAR_ON_DEVICE:
+        if len(_FAR_ON_DEVICE) >= 64:  # a few hundred bytes each; bounded all the same
+            _FAR_ON_DEVICE.clear()
+        # non_blocking: a pageable host->GPU copy is staged at once; a blocking one syncs the stream
+        _FAR_ON_DEVICE[key] = _far_samples(window, max_len).to(device, non_blocking=True)
+    return _FAR_ON_DEVICE[key]
+
+
 def soe_fit_error(log_coeff_causal: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_TERMS) -> float:
     """Max absolute error of the fitted far field over every distance `W <= |r| < L`, in
     units of the largest coefficient (c normalized so that max c = 1).
@@ -222,8 +241,7 @@ def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_T
     W = min(window, N)
     gamma = soe_rates(W, N, num_terms, device=dev, scale=live_distance(b.detach(), W))  # (K,) float64
     if N > W:
-        # non_blocking: a pageable host->GPU copy is staged at once; a blocking one syncs the stream
-        rs = _far_samples(W, N).to(dev, non_blocking=True)
+        rs = _far_samples_on(W, N, dev)
         a = fit_soe(b, rs, gamma)  # (H, K)
     else:
         a = torch.zeros(H, num_terms, dtype=torch.float64, device=dev)
