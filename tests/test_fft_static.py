@@ -134,6 +134,30 @@ def test_rows_beyond_the_capacity_are_nan_not_wrong(causal, nothing_certified, m
         assert_close(a[~lost], b[~lost])
 
 
+@pytest.mark.parametrize("F,Dv", [(32, 64), (8, 5), (256, 128)])
+def test_recompute_capacity_stops_growing_with_the_length(F, Dv):
+    """The fixed capacity is one row in 128 while that costs at most RECOMPUTE_SHARE of the
+    product, and no more beyond: the rows' bytes stay within that share of the FFT's at any
+    length (the path stays O(L log L); one row in 128 alone is O(L²)). The minimum and the
+    queries outside the keys still get room."""
+    from fastrpe.ops.linear.fft import plan
+
+    caps = {}
+    for L in (1024, 4096, 65536, 262144, 1 << 20, 1 << 22):
+        rows = plan.recompute_capacity(1, 8, L, L, F, Dv)[0]
+        share = plan.recompute_share_rows(L, L, F, Dv)
+        assert rows == max(plan.RECOMPUTE_MIN_ROWS, min(-(-L // plan.RECOMPUTE_FRACTION), share))
+        if rows > plan.RECOMPUTE_MIN_ROWS:  # beyond the minimum, within the share
+            fft_bytes = plan.FFT_BYTES_PER_CHANNEL * F * (Dv + 1) * plan.fft_length(2 * L - 1) / 2
+            assert rows * L * plan.DENSE_ROW_BYTES_PER_KEY <= plan.RECOMPUTE_SHARE * fft_bytes
+        caps[L] = rows
+    capped = [L for L in caps if caps[L] < -(-L // plan.RECOMPUTE_FRACTION)]
+    assert capped and len({caps[L] for L in capped}) == 1  # from some length on, the same at every length
+    assert caps[1024] == plan.RECOMPUTE_MIN_ROWS
+    # queries after every key (decoding past the cache) all get room, whatever the share
+    assert plan.recompute_capacity(1, 8, 5000, 1 << 20, F, Dv, q_offset=1 << 20)[0] == 5000
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_eager_mode_recomputes_every_failing_row_with_gradients(causal, nothing_certified, monkeypatch):
     """Outside `static_schedule()`, rows beyond the capacity are recomputed too (one host sync):

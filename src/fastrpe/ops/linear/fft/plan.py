@@ -27,11 +27,23 @@ CAUSAL_LEAF = 128
 #: O(leaf) per position and every FFT level a full-length product of F·(Dv+1) channels
 CAUSAL_LEAF_MAX = 2048
 
-#: rows that may be recomputed exactly per (batch, head): at least this many, and at least
-#: one in RECOMPUTE_FRACTION of the rows (a dense row costs Lk·(F + C) multiply-adds, so the
-#: rows cost at most 1/RECOMPUTE_FRACTION of dense attention; see `certify.py`)
+#: rows that may be recomputed exactly per (batch, head): at least this many, and one in
+#: RECOMPUTE_FRACTION of the rows, but (beyond the minimum) no more than keep their cost within
+#: RECOMPUTE_SHARE of the FFT product's own (see `certify.py`). The schedule is static, so
+#: every call pays for the whole capacity, failing rows or not: one row in 128 alone costs
+#: 1/128 of dense attention, O(L²), which at L = 262,144 (F = 32, Dv = 64, forward + backward,
+#: per head) was 27 % of the non-causal path's memory traffic (262.9 GiB -> 201.0 with the
+#: cap; benchmarks/fft_recompute.py) and at 1M would be more than half
 RECOMPUTE_MIN_ROWS = 64
 RECOMPUTE_FRACTION = 128
+RECOMPUTE_SHARE = 1 / 8
+#: bytes moved per (recomputed row, key), forward + backward (the checkpointed dense rows of
+#: `certify._exact_rows`), and per (position, feature channel) by the FFT path, non-causal,
+#: forward + backward (`product.py`, band and certificates included); counted on CPU with
+#: benchmarks/prf_traffic.py's ByteCounter at L = 65,536, H = 1, F = 32, Dv = 64, float32
+#: FFTs (benchmarks/fft_recompute.py, results/fft_recompute.json: 143.1 and 340.0)
+DENSE_ROW_BYTES_PER_KEY = 143
+FFT_BYTES_PER_CHANNEL = 340
 
 
 def element_size(dtype) -> int:
@@ -78,12 +90,25 @@ def rows_outside_keys(Lq: int, Lk: int, q_offset: int) -> int:
     return Lq - inside
 
 
+def recompute_share_rows(Lq: int, Lk: int, F: int, Dv: int) -> int:
+    """The most rows whose exact recomputation moves at most RECOMPUTE_SHARE of the bytes the
+    FFT product moves (`F·(Dv+1)` channels over `N/2` positions each way, against `Lk` keys
+    per row): about `0.3·F·(Dv+1)` rows for self-attention, whatever the length."""
+    N = fft_length(Lq + Lk - 1)
+    fft_bytes = FFT_BYTES_PER_CHANNEL * F * (Dv + 1) * N / 2
+    return int(RECOMPUTE_SHARE * fft_bytes / (DENSE_ROW_BYTES_PER_KEY * max(1, Lk)))
+
+
 def recompute_capacity(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=torch.float32,
                        memory_budget_bytes: int | None = None, q_offset: int = 0) -> tuple[int, int]:
     """`(rows, chunk)`: how many rows per (batch, head) the exact recomputation handles, and
     how many it materializes at a time (`[B, H, chunk, Lk]` weights, a few copies, within
-    the budget). Queries outside the keys (`rows_outside_keys`) all get room."""
-    rows = max(RECOMPUTE_MIN_ROWS, math.ceil(Lq / RECOMPUTE_FRACTION), rows_outside_keys(Lq, Lk, q_offset))
+    the budget). At least RECOMPUTE_MIN_ROWS, one row in RECOMPUTE_FRACTION up to
+    `recompute_share_rows` (so the capacity stops growing with L once it would cost more
+    than RECOMPUTE_SHARE of the product: the path stays O(L log L)); queries outside the keys
+    (`rows_outside_keys`) all get room."""
+    share = min(math.ceil(Lq / RECOMPUTE_FRACTION), recompute_share_rows(Lq, Lk, F, Dv))
+    rows = max(RECOMPUTE_MIN_ROWS, share, rows_outside_keys(Lq, Lk, q_offset))
     rows = min(Lq, rows)
     per_row = B * H * Lk * element_size(dtype) * 6  # weights, coefficients, their grads
     chunk = int(max(1, min(rows, budget_or_default(memory_budget_bytes) // max(1, per_row))))
