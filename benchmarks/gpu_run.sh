@@ -171,6 +171,17 @@
 #   count is kept and each call's fit is checked on the device, its flag read at a later call
 #   (a failed check warns and the next call fits again). GPU test:
 #   test_gpu.py::test_no_host_sync_in_a_training_step_with_a_trainable_term (`tests`).
+# - (2026-11-26, evening) the `fft` rows (learned tables) at 64k and beyond, two changes: its
+#   fixed exact-row recompute stops growing at 626 rows per head (F = 32, Dv = 64) instead of
+#   one row in 128 (O(L²): 27 % of the non-causal call's bytes at 262k; results/
+#   fft_recompute.json); on CUDA each product of the causal recursion sizes its feature blocks
+#   from its own segment (`fft.causal.SEGMENT_BLOCKS`): a causal call at 64k, B·H = 8,
+#   launched 171,529 ops with blocks sized for the whole length, 21,241 now (results/
+#   table_paths-segment-*.json). Its bytes at the HBM peak still put the causal 262k row far
+#   from the >= 4x criterion (docs/RESULTS.md, "The FFT path at 64k and 256k"); compare the
+#   rows' times with those bounds. To see the old blocks on the GPU, set SEGMENT_BLOCKS =
+#   "never" in a run of its own. A trainable soe term's far-sample distances now go to the
+#   device once per length, not at every step.
 #
 # `auto` on the GPU (issue 12 item 3): phase `auto` runs benchmarks/auto_cpu_check.py --device cuda
 # (the cost model's pick vs the measured fastest exact backend, forward and forward+backward;

@@ -107,37 +107,58 @@ def test_causal_recursion_with_many_levels(case, small_leaves):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_feature_blocks_follow_the_budget_and_agree(causal, monkeypatch, small_leaves):
+@pytest.mark.parametrize("causal,segments", [(False, "never"), (True, "never"), (True, "always")],
+                         ids=["full", "causal", "causal-segment-blocks"])
+def test_feature_blocks_follow_the_budget_and_agree(causal, segments, monkeypatch, small_leaves):
+    """Features go through the FFT `block` at a time, as many as fit the memory budget: for
+    the whole length, or (`SEGMENT_BLOCKS`, the default on CUDA) for each product's own
+    segment of the causal recursion, whose short segments take more features at a time."""
+    monkeypatch.setattr(fftmod.causal, "SEGMENT_BLOCKS", segments)
     B, H, Lq, Lk, F, Dv = 2, 3, 40, 40, 8, 5
     pq, pk, v, _ = _inputs(B, H, Lq, Lk, F, Dv)
     lc = (-0.05 * torch.arange(-(Lq - 1), Lk).abs().double()).expand(H, -1).clone().requires_grad_()
     per_feature = fftplan._bytes_per_feature(B, H, Lq, Lk, Dv, 8)
-    calls = []
+    calls, products = [], []
     orig = fftproduct._channels
     monkeypatch.setattr(fftproduct, "_channels", lambda phi, vv: calls.append(phi.shape[-1]) or orig(phi, vv))
+    orig_scaled = fftmod.causal.scaled_product
+    monkeypatch.setattr(fftmod.causal, "scaled_product",
+                        lambda *a: products.append((a[0].shape[2], a[1].shape[2], a[-1])) or orig_scaled(*a))
     results = {}
     for block in (1, 3, F):
         budget = block * per_feature
         assert fft_block_size(B, H, Lq, Lk, F, Dv, torch.float64, budget) == block
         calls.clear()
+        products.clear()
         res = kernelized_num_den_fft(pq, pk, v, lc, causal=causal, memory_budget_bytes=budget)
-        n_products = len(calls) // math.ceil(F / block)
-        assert n_products >= 1 and len(calls) == n_products * math.ceil(F / block)
-        assert max(calls) == block  # the channels of `block` features at a time, never more
+        if causal and segments == "always":
+            assert len(products) > 1
+            for nq, nk, (fb, _) in products:  # each segment's own plan, within the budget
+                assert fb == fft_block_size(B, H, nq, nk, F, Dv, torch.float64, budget)
+                assert fb == 1 or fb * fftplan._bytes_per_feature(B, H, nq, nk, Dv, 8) <= budget
+            assert block == F or max(fb for *_, (fb, _) in products) > block
+            assert max(calls) == max(fb for *_, (fb, _) in products)
+        else:
+            n_products = len(calls) // math.ceil(F / block)
+            assert n_products >= 1 and len(calls) == n_products * math.ceil(F / block)
+            assert max(calls) == block  # the channels of `block` features at a time, never more
+        widest = max(calls)
         calls.clear()
         results[block] = (res, _grads(res, [pq, pk, v, lc]))
-        assert max(calls) == block  # backward too
+        assert max(calls) == widest  # backward too
     for block in (1, 3):
         for a, b in zip(results[block][0] + results[block][1], results[F][0] + results[F][1]):
             assert_close(a, b)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_a_feature_too_big_for_the_budget_goes_through_in_channel_parts(causal, monkeypatch, small_leaves):
+@pytest.mark.parametrize("causal,segments", [(False, "never"), (True, "never"), (True, "always")],
+                         ids=["full", "causal", "causal-segment-blocks"])
+def test_a_feature_too_big_for_the_budget_goes_through_in_channel_parts(causal, segments, monkeypatch,
+                                                                         small_leaves):
     """A budget below one feature's `Dv + 1` channels (what 1M tokens with B·H = 8 gives):
     one feature at a time, its channels in parts of the size that fits; output, gradients and
     the round-off estimate as with whole features (the certificates read it)."""
+    monkeypatch.setattr(fftmod.causal, "SEGMENT_BLOCKS", segments)
     B, H, Lq, Lk, F, Dv = 2, 3, 40, 40, 4, 6
     C = Dv + 1
     pq, pk, v, _ = _inputs(B, H, Lq, Lk, F, Dv)
@@ -147,17 +168,25 @@ def test_a_feature_too_big_for_the_budget_goes_through_in_channel_parts(causal, 
     orig = fftproduct._channels
     monkeypatch.setattr(fftproduct, "_channels", lambda phi, vv: widths.append(phi.shape[-1] * vv.shape[-1])
                         or orig(phi, vv))
-    errs = []
+    errs, plans = [], []
     orig_scaled = fftproduct.scaled_product
     monkeypatch.setattr(fftmod.causal if causal else fftmod, "scaled_product",
-                        lambda *a: errs.append(r := orig_scaled(*a)) or r)
+                        lambda *a: plans.append((a[0].shape[2], a[1].shape[2], a[-1]))
+                        or errs.append(r := orig_scaled(*a)) or r)
     res = {}
     for cb in (3, C):
-        assert fftplan.fft_channel_block(B, H, Lq, Lk, Dv, torch.float64, cb * per_channel) == cb
+        budget = cb * per_channel
+        assert fftplan.fft_channel_block(B, H, Lq, Lk, Dv, torch.float64, budget) == cb
         widths.clear()
         errs.clear()
-        out = kernelized_num_den_fft(pq, pk, v, lc, causal=causal, memory_budget_bytes=cb * per_channel)
-        assert max(widths) == cb  # never a whole feature's 7 channels when 3 fit
+        plans.clear()
+        out = kernelized_num_den_fft(pq, pk, v, lc, causal=causal, memory_budget_bytes=budget)
+        if segments == "always":  # each segment its own plan: the longest still in parts, shorter ones maybe whole
+            for nq, nk, (_, c) in plans:
+                assert c == fftplan.fft_channel_block(B, H, nq, nk, Dv, torch.float64, budget)
+            assert cb == C or min(c for *_, (_, c) in plans) < C
+        else:
+            assert max(widths) == cb  # never a whole feature's 7 channels when 3 fit
         res[cb] = (out, _grads(out, [pq, pk, v, lc]), [e[1] for e in errs])
     for a, b in zip(res[3][0] + res[3][1], res[C][0] + res[C][1]):
         assert_close(a, b)

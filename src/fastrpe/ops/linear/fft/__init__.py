@@ -80,8 +80,6 @@ def kernelized_num_den_fft(
     lc = torch.zeros(H, Lq + Lk - 1, dtype=dt, device=phi_q.device) if log_coeff is None else log_coeff.to(dt)
     if causal:
         lc = lc.masked_fill(~causal_offset_mask(Lq, Lk, q_offset, device=lc.device), float("-inf"))
-    block = (fft_block_size(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes),
-             fft_channel_block(B, H, Lq, Lk, Dv, dt, memory_budget_bytes))
     rmax = row_max(lc, Lq, Lk)  # (H, Lq)
     empty = ~torch.isfinite(rmax)  # rows that see no coefficient: exactly 0
     scale = torch.where(empty, torch.zeros_like(rmax), rmax)
@@ -91,11 +89,13 @@ def kernelized_num_den_fft(
         lc_fft = far_coefficients(lc, Lq, q_offset, NEAR_BAND)
         err = torch.zeros_like(y.detach())
         if not band_covers_all(Lq, Lk, q_offset, NEAR_BAND):
+            block = (fft_block_size(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes),
+                     fft_channel_block(B, H, Lq, Lk, Dv, dt, memory_budget_bytes))
             far, err = scaled_product(phi_q, phi_k, vv, lc_fft, scale, block)
             y = y + far
     else:
         leaf = causal_leaf(B, H, dt, memory_budget_bytes)
-        y, err = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, block, leaf)
+        y, err = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, memory_budget_bytes, leaf)
         lc_fft = lc
     rows, chunk = recompute_capacity(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes, q_offset)
     y = certify_rows(y, err, phi_q, phi_k, vv, lc, lc_fft, scale, empty, rows, chunk)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .plan import CAUSAL_LEAF
+from .plan import CAUSAL_LEAF, fft_block_size, fft_channel_block
 from .product import scaled_product
 
 
@@ -60,14 +60,32 @@ def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: 
     return a @ vv
 
 
+#: whether each FFT product of the recursion sizes its feature blocks from its own segment
+#: ("always"), every product from the whole call's shapes ("never"), or per segment on CUDA
+#: only ("cuda", the default). Blocks for the whole length are one feature at a time from
+#: about 16k tokens on (B·H = 8, the 512 MiB budget), and the deepest levels' small products
+#: then launch thousands of ops that each do microseconds of work: at 65,536 tokens, B·H = 8,
+#: F = 32, Dv = 64, one call (forward + backward) launched 171,529 ops, 21,241 with blocks per
+#: segment (benchmarks/table_paths.py --segment-blocks, results/table_paths-segment-*.json).
+#: On the CPU the whole length's narrower blocks are faster (the same JSON's cpu_seconds)
+SEGMENT_BLOCKS = "cuda"
+
+
+def _segment_blocks(t: Tensor) -> bool:
+    if SEGMENT_BLOCKS not in ("always", "never", "cuda"):
+        raise ValueError(f"fft.causal.SEGMENT_BLOCKS must be 'always', 'never' or 'cuda', got {SEGMENT_BLOCKS!r}")
+    return SEGMENT_BLOCKS == "always" or (SEGMENT_BLOCKS == "cuda" and t.is_cuda)
+
+
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
-                   block: int | tuple[int, int], leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
+                   memory_budget_bytes: int | None = None, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
     """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
     round-off per entry (`scaled_product`), over `causal_segments`:
     diagonal leaves dense, the rest FFT products each rescaled by its own largest
     coefficient. `lc` is already masked (`-inf` for `r > 0`). Every segment is computed:
-    the schedule is static."""
-    B, H, Lq, _ = phi_q.shape
+    the schedule is static. Each product's feature blocks fit the memory budget, sized from
+    its own segment or from the whole call (`SEGMENT_BLOCKS`)."""
+    B, H, Lq, F = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
     # each part is added in place as it comes (index_add_: its backward passes the gradient
     # through and gathers the part's rows, no full-size copy): holding every part for one
@@ -76,6 +94,7 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
     # fresh copy (out of place) allocated O(L) per segment, O(L²/leaf) in all
     y = phi_q.new_zeros(B, H, Lq, C)
     err = phi_q.new_zeros(B, H, Lq, C)  # dense leaves add no FFT round-off
+    per_segment = _segment_blocks(phi_q)
     for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset, leaf):
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
@@ -88,6 +107,9 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
             else:
                 part = _leaf_product(*args)
         else:
+            nq, nk = (qb - qa, kb - ka) if per_segment else (Lq, Lk)
+            block = (fft_block_size(B, H, nq, nk, F, C - 1, phi_q.dtype, memory_budget_bytes),
+                     fft_channel_block(B, H, nq, nk, C - 1, phi_q.dtype, memory_budget_bytes))
             part, part_err = scaled_product(*args, block)
             err.index_add_(2, torch.arange(qa, qb, device=phi_q.device), part_err)
         y.index_add_(2, torch.arange(qa, qb, device=phi_q.device), part)
