@@ -169,7 +169,7 @@ def _far_samples_on(window: int, max_len: int, device: torch.device) -> Tensor:
         return _far_samples(window, max_len).to(device)
     key = (window, max_len, str(device))
     if key not in _FAR_ON_DEVICE:
-        if len(_FAR_ON_DEVICE) >= 64:  # a few hundred bytes each; bounded all the same
+        if len(_FAR_ON_DEVICE) >= 64:  # 2 KiB each; bounded all the same
             _FAR_ON_DEVICE.clear()
         # non_blocking: a pageable host->GPU copy is staged at once; a blocking one syncs the stream
         _FAR_ON_DEVICE[key] = _far_samples(window, max_len).to(device, non_blocking=True)
