@@ -11,10 +11,23 @@ from torch import Tensor
 # index arithmetic lives in a leaf module shared with `fastrpe.positions` (no import cycle)
 from .._index import (CLS_TO_CLS, CLS_TO_PATCH, PATCH_TO_CLS, check_grid, grid_offset_index,  # noqa: F401
                       materialize_grid, offsets, toeplitz_index)
+from .._validate import FastRPEError
 
 
 #: CUDA's limit on a grid's second and third dimensions; the Triton kernels put B·H on the second
 MAX_GRID_YZ = 65535
+
+#: the settings of a switch between a path for CUDA devices and its portable sibling
+#: (`kernels.TRITON_FEATURES`, `nn.attention.FUSED_STEP`, `fft.causal.SEGMENT_BLOCKS`)
+DEVICE_ROUTES = ("cuda", "always", "never")
+
+
+def device_route(setting: str, name: str, device: torch.device) -> bool:
+    """Whether a switch set to `setting` (`DEVICE_ROUTES`; `name` is the switch, for the error)
+    takes a call on `device`: "cuda" on CUDA devices, "always" everywhere, "never" nowhere."""
+    if setting not in DEVICE_ROUTES:
+        raise FastRPEError(f"{name}: 'cuda', 'always' or 'never', got {setting!r}")
+    return setting == "always" or (setting == "cuda" and device.type == "cuda")
 
 
 def capturing() -> bool:

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from ..common import safe_inverse, underflow_threshold
+from ..common import device_route, safe_inverse, underflow_threshold
 
 try:  # triton is the optional extra `[triton]`
     import triton
@@ -104,20 +104,11 @@ def on_device_of(i: int):
     return wrap
 
 
-#: the settings of the switches that route an op to its Triton kernel by default
-#: (`kernels.TRITON_FEATURES`, `nn.attention.FUSED_STEP`)
-TRITON_ROUTES = ("cuda", "always", "never")
-
-
 def triton_route(setting: str, name: str, device: torch.device) -> bool:
-    """Whether a switch set to `setting` (`TRITON_ROUTES`; `name` is the switch, for the error)
-    sends a call on `device` to its kernel: "cuda" on CUDA devices, "always" wherever the
-    kernels run (the interpreter included: the tests), "never" not at all."""
-    if setting not in TRITON_ROUTES:
-        raise FastRPEError(f"{name}: 'cuda', 'always' or 'never', got {setting!r}")
-    if setting == "never" or (setting == "cuda" and device.type != "cuda"):
-        return False
-    return triton_unavailable_reason(device) is None
+    """Whether a switch set to `setting` (`ops.common.device_route`; `name` is the switch, for
+    the error) sends a call on `device` to its kernel: "cuda" on CUDA devices, "always"
+    wherever the kernels run (the interpreter included: the tests), "never" not at all."""
+    return device_route(setting, name, device) and triton_unavailable_reason(device) is None
 
 
 if HAS_TRITON:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ...common import device_route
 from .plan import CAUSAL_LEAF, fft_block_size, fft_channel_block
 from .product import scaled_product
 
@@ -71,12 +72,6 @@ def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: 
 SEGMENT_BLOCKS = "cuda"
 
 
-def _segment_blocks(t: Tensor) -> bool:
-    if SEGMENT_BLOCKS not in ("always", "never", "cuda"):
-        raise ValueError(f"fft.causal.SEGMENT_BLOCKS must be 'always', 'never' or 'cuda', got {SEGMENT_BLOCKS!r}")
-    return SEGMENT_BLOCKS == "always" or (SEGMENT_BLOCKS == "cuda" and t.is_cuda)
-
-
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
                    memory_budget_bytes: int | None = None, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
     """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
@@ -94,7 +89,7 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
     # fresh copy (out of place) allocated O(L) per segment, O(L²/leaf) in all
     y = phi_q.new_zeros(B, H, Lq, C)
     err = phi_q.new_zeros(B, H, Lq, C)  # dense leaves add no FFT round-off
-    per_segment = _segment_blocks(phi_q)
+    per_segment = device_route(SEGMENT_BLOCKS, "fastrpe.ops.linear.fft.causal.SEGMENT_BLOCKS", phi_q.device)
     for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset, leaf):
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
