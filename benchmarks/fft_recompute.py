@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -44,14 +43,9 @@ def one_call(family: str, L: int, capacity=None) -> dict:
     from fastrpe.bench.gpu import _closure, family_causal, make_position
     from fastrpe.ops.linear.fft import plan
 
-    orig = fftmod.recompute_capacity
-    if capacity == "old":
-        def cap(B, H, Lq, Lk, F_, Dv, dtype=torch.float32, budget=None, q_offset=0):
-            rows = min(Lq, max(plan.RECOMPUTE_MIN_ROWS, math.ceil(Lq / plan.RECOMPUTE_FRACTION),
-                               plan.rows_outside_keys(Lq, Lk, q_offset)))
-            per_row = B * H * Lk * plan.element_size(dtype) * 6
-            return rows, int(max(1, min(rows, plan.budget_or_default(budget) // max(1, per_row))))
-        fftmod.recompute_capacity = cap
+    orig, orig_share = fftmod.recompute_capacity, plan.recompute_share_rows
+    if capacity == "old":  # the rule without its cap: one row in 128 at any length
+        plan.recompute_share_rows = lambda Lq, *a: Lq
     elif capacity is not None:
         fftmod.recompute_capacity = lambda *a, **k: (capacity, min(capacity, orig(*a, **k)[1]))
     try:
@@ -70,7 +64,7 @@ def one_call(family: str, L: int, capacity=None) -> dict:
         with c:
             call()
     finally:
-        fftmod.recompute_capacity = orig
+        fftmod.recompute_capacity, plan.recompute_share_rows = orig, orig_share
     return {"family": family, "causal": causal, "L": L, "capacity_rows": rows, "gib_moved": c.bytes / 2**30,
             "launches": c.launches, "cpu_seconds": seconds, "ms_at_hbm_peak_x8_heads": 8 * c.bytes / HBM_BYTES_PER_S * 1e3}
 
