@@ -214,12 +214,21 @@ fastrpe() { "${FASTRPE[@]}" "$@"; }
 # every row, so a row cut by the hard stop is all that is lost); 25 s kept for the kill's grace
 # and --check.
 LENGTHS=4096,65536,262144,1048576
+# A row that breaks the CUDA context (fla's kernels did, 2026-11-26) ends the bench with exit 75
+# after saving that row: it is started again with --resume, in a new process, while 80 s remain.
 bench_until() {
-    local left=$(( $1 - SECONDS - 25 )) log="$2"; shift 2
-    echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)"
-    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
-        --sections rows,decode,sync --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "$@" \
-        2>&1 | tee "$OUT_DIR/$log"
+    local end="$1" log="$2" left rc=75; shift 2
+    local args=("$@")
+    while [ "$rc" = 75 ]; do
+        left=$(( end - SECONDS - 25 ))
+        [ "$left" -gt 80 ] || { echo "no time left to resume the bench"; break; }
+        echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)" | tee -a "$OUT_DIR/$log"
+        timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
+            --sections rows,decode,sync --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${args[@]}" \
+            2>&1 | tee -a "$OUT_DIR/$log"
+        rc=${PIPESTATUS[0]}
+        [[ " ${args[*]} " == *" --resume "* ]] || args+=(--resume)
+    done
 }
 
 # warm_until END PASS: compile what the bench's PASS (first|rest) runs, one process per Triton
@@ -258,17 +267,24 @@ case "$phase" in
     #    until FIRST_WARM_S s after the start at the latest
     warm_until "${FIRST_WARM_S:-170}" first &
     warm_pid=$!
+    # 0b. beside them: which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one process per variant)
+    probe_pid=
+    if python3 -c 'import fla' 2>/dev/null; then
+        timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py > "$OUT_DIR/fla_probe.log" 2>&1 &
+        probe_pid=$!
+    fi
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
     #    shapes: a broken kernel's timings mean nothing. SIGINT at the budget: pytest still
     #    prints every failure so far. Also fastrpe's `flex` backend with T5 against float64, one
     #    of the three table terms that failed on the first H100 without a message.
-    timeout -s INT -k 10 "${FIRST_TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short \
+    FASTRPE_INSTAFAIL=1 timeout -s INT -k 10 "${FIRST_TESTS_S:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short \
         tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "(float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16" \
-        --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
+        --junitxml=/tmp/gpu_tests.xml 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
     wait "$warm_pid"  # no timing beside the compilers
-    tail -12 "$OUT_DIR/gpu_warm_first.log"
+    [ -n "$probe_pid" ] && wait "$probe_pid"
+    tail -12 "$OUT_DIR/gpu_warm_first.log"; cat "$OUT_DIR/fla_probe.log" 2>/dev/null
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check
     bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" ;;
@@ -302,5 +318,6 @@ case "$phase" in
   check) ;;
   *) echo "usage: $0 first|rest|short|long|tests|auto|check"; exit 2 ;;
 esac
-fastrpe bench --suite gpu --check "$OUT_DIR/gpu.json" | tee "$OUT_DIR/gpu_check.log"
+# printed only: a device call brings back 8 files, and --check reruns anywhere from gpu.json
+fastrpe bench --suite gpu --check "$OUT_DIR/gpu.json"
 exit 0

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,13 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # reads it when it decorates, so a later switch leaves the kernels uncallable on CPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_runtest_logreport(report):
+    """FASTRPE_INSTAFAIL=1 (benchmarks/gpu_run.sh): each failure's message as it happens, so a
+    run killed at a device call's time limit still says what failed and why."""
+    if report.failed and os.environ.get("FASTRPE_INSTAFAIL"):
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")
 
 
 def pytest_collection_modifyitems(config, items):

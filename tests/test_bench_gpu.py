@@ -342,6 +342,65 @@ def test_runner_records_errors_and_extra_and_caps_a_call():
     assert rows[3]["skipped"].endswith("at L=8")  # not tried at the longer length
 
 
+def test_runner_stops_after_recording_a_row_that_broke_the_cuda_context(monkeypatch):
+    """An illegal memory access (fla's kernels on the H100 image did it) leaves every later
+    CUDA call failing: the row is recorded, then the suite stops instead of filling the table
+    with the same error."""
+    from fastrpe.bench import runner
+
+    def faults(p, device, dtype):
+        def fn():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return fn
+
+    ran = []
+
+    def fine(p, device, dtype):
+        return lambda: ran.append(p.L)
+
+    monkeypatch.setattr(runner, "context_lost", lambda device: True)
+    seen = []
+    with pytest.raises(runner.ContextLost, match="faults on .*illegal memory access"):
+        run_suite([Problem(L=8), Problem(L=16)], ["faults", "fine"], registry={"faults": faults, "fine": fine},
+                  catch_errors=True, on_row=seen.append, log=lambda *a: None, cpu_peak=False)
+    assert len(seen) == 1 and seen[0]["context_lost"] and "illegal memory access" in seen[0]["skipped"]
+    assert ran == []  # nothing ran after it
+    # an error that leaves the context working is recorded and the suite goes on
+    monkeypatch.setattr(runner, "context_lost", lambda device: False)
+    rows = run_suite([Problem(L=8)], ["faults", "fine"], registry={"faults": faults, "fine": fine},
+                     catch_errors=True, log=lambda *a: None, cpu_peak=False, repeats=1, warmup=0)["rows"]
+    assert "context_lost" not in rows[0] and ran
+
+
+def test_a_lost_context_exits_75_and_the_resumed_run_skips_that_competitor(tmp_path, monkeypatch, capsys):
+    """gpu_run.sh reruns the bench with --resume while it exits 75: the new process goes on
+    after the recorded row and does not run the competitor that broke the context again."""
+    from fastrpe.bench import runner
+
+    calls = []
+
+    def faults(p, device, dtype):
+        def fn():
+            calls.append(p.L)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return fn
+
+    real = gpu.registry
+    monkeypatch.setattr(gpu, "registry", lambda cfg: {**real(cfg), "fla-chunk_simple_gla": faults})
+    monkeypatch.setattr(runner, "context_lost", lambda device: bool(calls) and len(calls) == 1)
+    args = ["bench", "--suite", "gpu", "--smoke", "--lengths", "32,40", "--families", "alibi", "--sections", "rows",
+            "--out", str(tmp_path)]
+    assert main(args) == gpu.CONTEXT_LOST_EXIT
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    assert "context_lost" in res and not res["complete"]
+    assert [r["competitor"] for r in res["rows"]][-1] == "fla-chunk_simple_gla" and res["rows"][-1]["context_lost"]
+    assert main([*args, "--resume"]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    assert calls == [32] and "context_lost" not in res  # not tried at 40
+    rows = [(r["problem"]["L"], r["competitor"]) for r in res["rows"]]
+    assert len(rows) == len(set(rows)) and (40, "fastrpe-triton_chunked") in rows
+
+
 def test_runner_limit_on_timed_separates_compilation_from_a_slow_call():
     """A slow first call (compilation) followed by fast calls: with `limit_on="timed"` the
     competitor keeps its repeats and its longer lengths; by the probe alone it is cut."""

@@ -5,12 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from fastrpe.bench import gpu
-from fastrpe.bench.gpu_warm import SHARED, plan, tuned, warm_items
+from fastrpe.bench.gpu_warm import LAST, SHARED, plan, tuned, warm_items
 from fastrpe.bench.registry import Problem
 from fastrpe.cli.main import main
 from fastrpe.ops.linear.triton_chunked import TUNE_CONFIGS, tune_configs
@@ -98,15 +99,16 @@ def test_warm_items_are_the_compiling_rows_in_the_bench_order():
 
 def test_plan_gives_every_worker_the_tuned_rows_and_one_worker_each_shared_row():
     P = [Problem(position="alibi", L=L) for L in (64, 128, 256)]
-    items = [(P[0], "flex"), (P[0], "fastrpe-triton_chunked"), (P[1], "flex"), (P[1], "fla-chunk_simple_gla"),
+    items = [(P[0], "flex"), (P[0], "fastrpe-triton_chunked"), (P[1], "fla-chunk_simple_gla"), (P[1], "flex"),
              (P[1], "fastrpe-triton_chunked"), (P[2], "flex")]
     workers = plan(items, 2)
-    for w in workers:  # the bench's order kept, every tuned row in every worker
+    for w in workers:  # the bench's order kept, every tuned row in every worker, fla's rows last
         assert [it for it in w if tuned(it[1])] == [it for it in items if tuned(it[1])]
-        assert w == [it for it in items if it in w]
+        fla = [it for it in w if it[1] in LAST]
+        assert w == [it for it in items if it in w and it not in fla] + fla
     shared = [it for w in workers for it in w if not tuned(it[1])]
     assert sorted(shared, key=items.index) == [it for it in items if not tuned(it[1])]  # each exactly once
-    assert [len(w) for w in workers] == [4, 4]
+    assert [len(w) for w in workers] == [4, 4] and (P[1], "fla-chunk_simple_gla") in [w[-1] for w in workers]
 
 
 @needs_no_cuda
@@ -124,7 +126,8 @@ def test_smoke_warm_runs_each_worker_through_its_plan(tmp_path):
     res = json.loads((tmp_path / "gpu_warm.json").read_text())
     assert res["pass"] == "first" and res["killed_at_budget"] == []
     assert [w["triton_config"] for w in res["workers"]] == [str(i) for i in range(len(TUNE_CONFIGS))]
-    spec = json.loads((tmp_path / "gpu_warm_plan.json").read_text())
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["gpu_warm.json"]  # plan and logs elsewhere
+    spec = json.loads((Path(res["work_dir"]) / "gpu_warm_plan.json").read_text())
     for w, planned in zip(res["workers"], spec["workers"]):
         assert w["returncode"] == 0 and w["finished"] and len(w["rows"]) == w["planned"] == len(planned)
         assert [r["competitor"] for r in w["rows"]] == [it["competitor"] for it in planned]
@@ -139,7 +142,8 @@ def test_warm_stops_its_workers_at_the_budget(tmp_path):
     res = json.loads((tmp_path / "gpu_warm.json").read_text())
     assert res["killed_at_budget"] == list(range(len(TUNE_CONFIGS)))
     assert all(w["returncode"] != 0 and not w.get("finished") for w in res["workers"])
-    assert not list(tmp_path.glob("gpu_warm_?.json"))  # merged into gpu_warm.json
+    assert not list(Path(res["work_dir"]).glob("gpu_warm_?.json"))  # merged into gpu_warm.json
+    assert not any("log_tail" in w for w in res["workers"])  # stopped, not failed
 
 
 def test_warm_rest_with_nothing_left_starts_no_worker(tmp_path):
@@ -167,3 +171,19 @@ def test_a_worker_records_a_failing_row_and_goes_on(tmp_path):
     rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
     assert rec["finished"] and [r["competitor"] for r in rec["rows"]] == ["no-such-row", "flex"]
     assert rec["rows"][0]["skipped"].startswith("error: KeyError") and "skipped" not in rec["rows"][1]
+
+
+def test_a_worker_stops_at_a_row_that_broke_the_cuda_context(tmp_path, monkeypatch):
+    from fastrpe.bench import gpu_warm
+
+    cfg = gpu.smoke_config(lengths=(40,), families=("alibi",))
+    p = Problem(position="alibi", kernel=cfg.kernel, L=40, B=cfg.B, H=cfg.H, D=cfg.D, features=cfg.features)
+    spec = {"config": cfg.to_dict(), "pass": "first",
+            "workers": [[{"problem": p.to_dict(), "competitor": "no-such-row"},
+                         {"problem": p.to_dict(), "competitor": "flex"}]]}
+    (tmp_path / "plan.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(gpu_warm, "context_lost", lambda device: True)
+    assert gpu_warm.run_worker(tmp_path / "plan.json", 0) == gpu.CONTEXT_LOST_EXIT
+    rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
+    assert not rec.get("finished") and [r["competitor"] for r in rec["rows"]] == ["no-such-row"]
+    assert rec["rows"][0]["context_lost"]

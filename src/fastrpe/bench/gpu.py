@@ -72,6 +72,10 @@ L_SHORT, L_CHECK, L_LONG, L_MAX = 4096, 65536, 262144, 1048576
 #: first, at the lengths `reads` names, and the rest after: the first H100 call spent its budget
 #: on two rows of 4,096 tokens, and fla's chunk_linear_attn, which no criterion reads, autotuned
 #: for over 60 s in its first call
+#: `fastrpe bench --suite gpu` exits with this when a row broke the CUDA context: run it again
+#: with --resume (benchmarks/gpu_run.sh does, while its time lasts)
+CONTEXT_LOST_EXIT = 75
+
 CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-auto"),
@@ -524,6 +528,22 @@ def applies(p: Problem, name: str) -> bool:
     return p.position != "none"
 
 
+def _mark_lost(row: dict, device: torch.device) -> None:
+    """After a row's error: mark it if the CUDA context is broken (see `runner.ContextLost`)."""
+    from .runner import context_lost
+
+    if context_lost(device):
+        row["context_lost"] = True
+
+
+def _stop_if_lost(row: dict, what: str) -> None:
+    """Once a marked row is recorded: stop this process (a new one resumes after that row)."""
+    from .runner import ContextLost
+
+    if row.get("context_lost"):
+        raise ContextLost(f"{what}: {row.get('skipped')}")
+
+
 # ----------------------------------------------------------------------------- decoding
 
 
@@ -614,11 +634,13 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
             from .runner import _first_line
 
             row["skipped"] = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else _first_line(e)
+            _mark_lost(row, device)
         finally:
             attention_mod.FUSED_STEP = fused
         rows.append(row)
         on_row(row)
         log(_decode_line(row))
+        _stop_if_lost(row, name)
         mha = st = None
     # the bare op: one query against the whole cache, FlashAttention's decode
     row = {"method": "kv-cache sdpa op (no RPE, no projections)", "kind": "kv-op", "context": ctx}
@@ -635,9 +657,11 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
         from .runner import _first_line
 
         row["skipped"] = _first_line(e)
+        _mark_lost(row, device)
     rows.append(row)
     on_row(row)
     log(_decode_line(row))
+    _stop_if_lost(row, row["method"])
     return rows
 
 
@@ -759,11 +783,13 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
                             row[key.replace("ok", "error")] = err
             except Exception as e:  # noqa: BLE001 - anything but a sync is recorded as a reason
                 row = {"backend": name, "family": fam, "L": p.L, "skipped": "error: " + _first_line(e)}
+                _mark_lost(row, device)
             rows.append(row)
             on_row(row)
             msg = row.get("skipped") or " ".join(
                 f"{k}={'clean' if row[k] else row[k.replace('ok', 'error')]}" for k in ("ok", "ok_api"))
             log(f"sync {name:14s} {fam:13s} {msg}")
+            _stop_if_lost(row, f"sync {name} {fam}")
             hot = api = q = k = v = None
     return rows
 
@@ -794,11 +820,40 @@ def done_pairs(rows: list[dict]) -> set[tuple[str, str]]:
     return {(Problem(**r["problem"]).tag(), r["competitor"]) for r in rows}
 
 
+def _run_sections(cfg: GpuConfig, res: dict, dev, dt, log, over, select, save, keep) -> None:
+    from .runner import run_suite
+
+    for section in cfg.sections:
+        if section == "sync":  # the hot paths under sync debug mode (they also warm the kernels)
+            done = {(r.get("backend"), r.get("family")) for r in res["sync"]}
+            if (None, None) not in done:  # a row without a backend: no CUDA, nothing to watch
+                sync_rows(cfg, dev, dt, log=log, done=done, over=over, on_row=keep("sync"))
+        elif section == "decode":
+            decode_rows(cfg, dev, dt, log=log, done={r["method"] for r in res["decode"]}, over=over,
+                        on_row=keep("decode"))
+        elif section == "rows":
+            reg = registry(cfg)
+            # two passes: the rows the criteria read at every length, then every other row
+            for first in (True, False):
+                done = done_pairs(res["rows"])
+
+                def chosen(p, name, first=first, done=done):  # the budget is asked only for a row to run
+                    return reads(p, name) == first and (p.tag(), name) not in done and select(p, name)
+
+                run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
+                          warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,
+                          catch_errors=True, call_cap_s=cfg.call_cap_s, done=done, on_row=save,
+                          cpu_peak=not cfg.smoke, limit_on="timed")
+        else:
+            raise ValueError(f"unknown section {section!r}; known: {', '.join(SECTIONS)}")
+
+
 def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, log=print) -> dict:
     """Run everything `cfg` asks for, writing `out/gpu.json` after every row (a run cut short
     keeps what it measured; `resume` skips what `out/gpu.json` already holds), then the plot
-    and the markdown table. Returns the result dict."""
-    from .runner import run_suite
+    and the markdown table. Returns the result dict; `context_lost` in it says a row broke the
+    CUDA context and the run stopped after recording it (resume it in a new process)."""
+    from .runner import ContextLost
 
     dev = torch.device(cfg.device)
     dt = getattr(torch, cfg.dtype)
@@ -836,8 +891,11 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
             return True
         return False
 
+    # a competitor that broke the CUDA context once (its row says so) is not run again
+    lost = {r["competitor"] for r in rows if r.get("context_lost")}
+
     def select(p, name):
-        return applies(p, name) and not over()
+        return applies(p, name) and name not in lost and not over()
 
     def keep(section):
         def on_row(row):
@@ -845,36 +903,19 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
             save()
         return on_row
 
-    for section in cfg.sections:
-        if section == "sync":  # the hot paths under sync debug mode (they also warm the kernels)
-            done = {(r.get("backend"), r.get("family")) for r in res["sync"]}
-            if (None, None) not in done:  # a row without a backend: no CUDA, nothing to watch
-                sync_rows(cfg, dev, dt, log=log, done=done, over=over, on_row=keep("sync"))
-        elif section == "decode":
-            decode_rows(cfg, dev, dt, log=log, done={r["method"] for r in res["decode"]}, over=over,
-                        on_row=keep("decode"))
-        elif section == "rows":
-            reg = registry(cfg)
-            # two passes: the rows the criteria read at every length, then every other row
-            for first in (True, False):
-                done = done_pairs(res["rows"])
-
-                def chosen(p, name, first=first, done=done):  # the budget is asked only for a row to run
-                    return reads(p, name) == first and (p.tag(), name) not in done and select(p, name)
-
-                run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
-                          warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,
-                          catch_errors=True, call_cap_s=cfg.call_cap_s, done=done, on_row=save,
-                          cpu_peak=not cfg.smoke, limit_on="timed")
-        else:
-            raise ValueError(f"unknown section {section!r}; known: {', '.join(SECTIONS)}")
+    try:
+        _run_sections(cfg, res, dev, dt, log, over, select, save, keep)
+    except ContextLost as e:  # what ran is saved; a new process goes on (gpu_run.sh does so)
+        res["context_lost"] = str(e)
+        cut.append(True)
+        log(f"the CUDA context is lost ({e}): run again with --resume, in a new process")
     res["complete"] = not cut and set(cfg.sections) == set(SECTIONS)
     res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     save()
     png = plot_gpu(res, out / "gpu.png")
     (out / "gpu.md").write_text(markdown_table(res))
     log(f"wrote {path}, {out / 'gpu.md'}" + (f" and {png}" if png else "")
-        + ("" if not cut else f" (budget of {cfg.budget_s:g} s spent: run again with --resume)"))
+        + ("" if not cut or "context_lost" in res else f" (budget of {cfg.budget_s:g} s spent: run again with --resume)"))
     return res
 
 
@@ -1300,5 +1341,5 @@ def run_cli(args) -> int:
     command = "fastrpe " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                     if k not in ("_module", "command") and v not in (None, False))
-    run_gpu_suite(cfg, out, command=command, resume=args.resume)
-    return 0
+    res = run_gpu_suite(cfg, out, command=command, resume=args.resume)
+    return CONTEXT_LOST_EXIT if res.get("context_lost") else 0

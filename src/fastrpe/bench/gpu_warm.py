@@ -34,12 +34,23 @@ from pathlib import Path
 
 import torch
 
-from .gpu import GpuConfig, applies, done_pairs, problems, reads, registry
+from .gpu import (
+    CONTEXT_LOST_EXIT,
+    GpuConfig,
+    applies,
+    done_pairs,
+    problems,
+    reads,
+    registry,
+)
 from .registry import Problem
-from .runner import _first_line
+from .runner import _first_line, context_lost
 
 #: rows whose compilation does not depend on fastrpe's autotuner config: one worker each
 SHARED = ("flex", "fla-chunk_simple_gla", "fla-chunk_linear_attn")
+#: rows each worker leaves to its end: fla's kernels broke the CUDA context on the H100 image
+#: (torch 2.11, triton 3.6; fla-org/flash-linear-attention#734), and a worker stops there
+LAST = ("fla-chunk_simple_gla", "fla-chunk_linear_attn")
 #: the share of the GPU's memory one worker may hold (six of them beside the GPU tests)
 MEMORY_FRACTION = 0.125
 
@@ -64,10 +75,10 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
 
 def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
     """One list per worker (worker i runs autotuner config i): every tuned row, and the shared
-    rows dealt out in turn, each list in the order of `items`."""
+    rows dealt out in turn, each list in the order of `items` but for the `LAST` rows at its end."""
     out: list[list] = [[] for _ in range(n_configs)]
     j = 0
-    for it in items:
+    for it in sorted(items, key=lambda it: it[1] in LAST):  # stable: the order kept otherwise
         if tuned(it[1]):
             for w in out:
                 w.append(it)
@@ -90,8 +101,9 @@ def run_worker(plan_path: Path, index: int) -> int:
     cfg = GpuConfig(**{**spec["config"], "lengths": tuple(spec["config"]["lengths"]),
                        "families": tuple(spec["config"]["families"]), "sections": tuple(spec["config"]["sections"])})
     dev, dt = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    if dev.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, dev)
+    if dev.type == "cuda":  # the index: torch 2.11 refuses a bare "cuda" here
+        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, torch.cuda.current_device()
+                                                   if dev.index is None else dev.index)
     reg = registry(cfg)
     out = plan_path.parent / f"gpu_warm_{index}.json"
     rec = {"worker": index, "triton_config": os.environ.get("FASTRPE_TRITON_CONFIG"), "rows": []}
@@ -113,6 +125,8 @@ def run_worker(plan_path: Path, index: int) -> int:
             row["skipped"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - the bench meets it again and records it
             row["skipped"] = "error: " + _first_line(e)
+            if context_lost(dev):  # every later row would fail here too
+                row["context_lost"] = True
         fn = None
         gc.collect()
         if dev.type == "cuda":
@@ -123,6 +137,8 @@ def run_worker(plan_path: Path, index: int) -> int:
         _record(out, rec)
         print(f"[warm {index}] {row['tag']:40s} {name:32s} {row['seconds']:7.1f} s"
               + (f"  ({row['skipped'][:100]})" if "skipped" in row else ""), flush=True)
+        if row.get("context_lost"):
+            return CONTEXT_LOST_EXIT
     rec["finished"] = True
     _record(out, rec)
     return 0
@@ -141,7 +157,10 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     workers = plan(warm_items(cfg, which, done), len(TUNE_CONFIGS))
     spec = {"config": cfg.to_dict(), "pass": which,
             "workers": [[{"problem": p.to_dict(), "competitor": n} for p, n in w] for w in workers]}
-    plan_path = out / "gpu_warm_plan.json"
+    # the plan, the workers' records and logs: in a folder of their own (a device call brings
+    # back only a few files from its output folder); failed workers' log tails go to gpu_warm.json
+    work = Path(tempfile.mkdtemp(prefix="fastrpe-warm-"))
+    plan_path = work / "gpu_warm_plan.json"
     plan_path.write_text(json.dumps(spec, indent=1))
     if not any(workers):
         log(f"warm-up: nothing left to compile for the {which} pass")
@@ -153,7 +172,7 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     t0 = time.perf_counter()
     for i in range(len(workers)):
         env = {**os.environ, "FASTRPE_TRITON_CONFIG": str(i), "FASTRPE_CACHE_DIR": auto_dir, "PYTHONUNBUFFERED": "1"}
-        logf = open(out / f"gpu_warm_{i}.log", "w")  # noqa: SIM115 - the worker's output, closed below
+        logf = open(work / f"gpu_warm_{i}.log", "w")  # noqa: SIM115 - the worker's output, closed below
         procs.append((subprocess.Popen([sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(i)],
                                        env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True), logf))
     killed = []
@@ -173,11 +192,13 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
                 proc.wait()
             logf.close()
     res = {"pass": which, "budget_s": budget_s, "seconds": round(time.perf_counter() - t0, 1),
-           "killed_at_budget": killed, "workers": []}
+           "killed_at_budget": killed, "work_dir": str(work), "workers": []}
     for i, (proc, _) in enumerate(procs):
-        path = out / f"gpu_warm_{i}.json"
+        path = work / f"gpu_warm_{i}.json"
         rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
         rec.update(returncode=proc.returncode, planned=len(workers[i]))
+        if proc.returncode not in (0, None) and i not in killed:
+            rec["log_tail"] = (work / f"gpu_warm_{i}.log").read_text(errors="replace").splitlines()[-8:]
         res["workers"].append(rec)
         path.unlink(missing_ok=True)
     (out / "gpu_warm.json").write_text(json.dumps(res, indent=1))
@@ -185,6 +206,8 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         ran = [r for r in rec["rows"] if "skipped" not in r]
         log(f"  worker {rec['worker']}: {len(rec['rows'])}/{rec['planned']} rows in {rec.get('seconds', 0):.0f} s "
             f"({len(ran)} ran), exit {rec['returncode']}")
+        for line in rec.get("log_tail", []):
+            log(f"    | {line}")
     log(f"warm-up: {res['seconds']:.0f} s" + (f", workers {killed} stopped at the budget" if killed else "")
         + f"; wrote {out / 'gpu_warm.json'}")
     return res

@@ -93,6 +93,23 @@ class _hard_cap:
         return False
 
 
+class ContextLost(RuntimeError):
+    """A row's error left the CUDA context unusable (an illegal memory access, say): every
+    later CUDA call of this process fails, so the suite stops after recording that row, and a
+    new process resumes it (`fastrpe bench --suite gpu --resume`)."""
+
+
+def context_lost(device: torch.device) -> bool:
+    """Whether `device`'s CUDA context is broken: a synchronize raises once a kernel faulted."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - any error here means the context cannot go on
+        return True
+    return False
+
+
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
@@ -129,7 +146,8 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
     ran out of memory is skipped at the longer lengths too. `registry` defaults to `COMPETITORS`.
 
     `select(problem, name) -> bool` leaves pairs out (no row). `catch_errors` records any
-    other exception as the row's reason instead of raising. `call_cap_s` interrupts a call
+    other exception as the row's reason instead of raising, except one that leaves the CUDA
+    context broken: that row is recorded (`context_lost`), then `ContextLost` raised. `call_cap_s` interrupts a call
     (warm-up or timed) after that many seconds (see `_hard_cap`). `done` holds
     `(problem.tag(), name)` pairs already measured (resuming): they are not run again.
     `on_row(row)` is called after every row; a timed row also says how long its first call
@@ -200,6 +218,13 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
                     if not catch_errors:
                         raise
                     row["skipped"] = "error: " + _first_line(e)
+                    if context_lost(dev):  # nothing more can run here: record the row, then stop
+                        row["context_lost"] = True
+                        rows.append(row)
+                        if on_row is not None:
+                            on_row(row)
+                        log(f"{p.tag():40s} {name:16s} {row['skipped']} (the CUDA context is lost)")
+                        raise ContextLost(f"{name} on {p.tag()}: {_first_line(e)}") from e
                     if "out of memory" in str(e).lower():
                         slow[(name, family)] = (p.L, f"out of memory at L={p.L}")
                 fn = None
