@@ -506,3 +506,31 @@ def test_sections_option_refuses_unknown_names_in_one_line(tmp_path, capsys):
     rc = main(["bench", "--suite", "gpu", "--smoke", "--sections", "rows,warp", "--out", str(tmp_path)])
     err = capsys.readouterr()
     assert rc == 2 and "--sections" in (err.out + err.err) and "warp" in (err.out + err.err)
+
+
+def test_flex_baseline_takes_the_first_kernel_options_that_fit():
+    """Compiled Flex with a table score_mod ran out of shared memory on the H100 with Inductor's
+    tiles: the baseline then tries the next options in turn (FLEX_OPTIONS_CHAIN), says which
+    ran and what was refused, and raises any other error as it is."""
+    tried = []
+
+    def call(i, fits, error="out of resource: triton_tem_fused_flex_attention_0 Required: 245760 "
+                            "Hardware limit:232448 Reducing block sizes or `num_stages` may help."):
+        def fn():
+            tried.append(i)
+            if not fits:
+                raise RuntimeError("No valid triton configs. OutOfMemoryError: " + error)
+            return i
+        return fn
+
+    used = {"kernel_options": "Inductor's default"}
+    run = gpu.first_that_fits([call(0, False), call(1, False), call(2, True)], ["default", "2 stages", "small"], used)
+    assert run() == 2 and run() == 2 and tried == [0, 1, 2, 2]  # settled: no retry on later calls
+    assert used["kernel_options"] == "small" and len(used["refused"]) == 2
+    assert used["refused"][0] == "out of resource: triton_tem_fused_flex_attention_0 Required: 245760 Hardware limit:232448"
+    # the last one failing too, or another error: raised
+    with pytest.raises(RuntimeError, match="out of resource"):
+        gpu.first_that_fits([call(0, False)], ["default"], {})()
+    with pytest.raises(RuntimeError, match="illegal"):
+        gpu.first_that_fits([call(0, False, error="illegal memory access"), call(1, True)], ["a", "b"], {})()
+    assert gpu.FLEX_OPTIONS_CHAIN[0] is None and gpu.FLEX_OPTIONS_CHAIN[-1] == fr.ops.softmax.flex.GATHER_KERNEL_OPTIONS

@@ -96,3 +96,34 @@ def test_compiled_path_compiles_once_per_shape_not_per_offset(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert graphs[1] == graphs[0] and graphs[2] == graphs[1] + 1, graphs
+
+
+@pytest.mark.parametrize("term,gathers", [("t5", True), ("learned", True), ("alibi", False), ("kerple", False)])
+def test_a_score_mod_that_gathers_gets_the_small_tiles_where_flex_is_fused(monkeypatch, term, gathers):
+    """On the H100 image Inductor's default tiles ran out of shared memory for every T5 and
+    learned-table score_mod (a gather per query-key pair), not for ALiBi or KERPLE: the `flex`
+    backend passes `GATHER_KERNEL_OPTIONS` for the gathering terms, to the fused kernels only
+    (eager FlexAttention has no tiles). The fused call is stood in for by a recorder here."""
+    import fastrpe as fr
+
+    seen, eager = [], F._flex_attention
+
+    def fused(q, k, v, **kw):
+        seen.append(kw.pop("kernel_options", None))
+        return eager(q, k, v, **kw)
+
+    make = {"t5": _t5, "learned": lambda: P.LearnedTable(H, max_distance=40, init_std=0.3),
+            "alibi": lambda: P.ALiBi(H), "kerple": lambda: P.KerpleLog(H)}
+    pos = make[term]().requires_grad_(False)
+    assert pos.score_mod_gathers is gathers
+    q, k, v = qkv(1, H, 130, 130, 16, seed=1, dtype=torch.float32)
+    with torch.no_grad():
+        monkeypatch.setattr(F, "_flex", lambda: fused)
+        monkeypatch.setattr(F, "flex_fused", lambda device, Lq: Lq >= F.COMPILE_MIN_QUERIES)
+        out = fr.attention(q, k, v, kernel="softmax", position=pos, backend="flex")
+        assert seen == [F.GATHER_KERNEL_OPTIONS if gathers else None]
+        assert_close(out, softmax_attention_naive(q, k, v, pos.materialize(130, 130)))
+        monkeypatch.setattr(F, "flex_fused", lambda device, Lq: False)  # eager: no options
+        monkeypatch.setattr(F, "_flex_attention", fused)
+        fr.attention(q[:, :, :5], k, v, kernel="softmax", position=pos, backend="flex")
+        assert seen[-1] is None

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops.softmax.flex import GATHER_KERNEL_OPTIONS
 from .registry import Problem
 
 DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
@@ -265,6 +266,38 @@ def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, st
     return _BENCH_MASKS[key]
 
 
+#: The compiled Flex baseline's kernel options, tried in turn while compilation runs out of
+#: shared memory: Inductor's own, then its tiles in 2 stages, then fastrpe's `flex` backend's
+#: choice for gathering score_mods (`ops.softmax.flex.GATHER_KERNEL_OPTIONS`)
+FLEX_OPTIONS_CHAIN = (None, {"num_stages": 2}, GATHER_KERNEL_OPTIONS)
+
+
+def first_that_fits(calls: list, labels: list, used: dict):
+    """A call running `calls[0]`, and from then on the next of `calls` each time one fails to
+    compile for want of resources ("out of resource": shared memory), any other error raised.
+    `used["kernel_options"]` says which runs (`labels`), `used["refused"]` what ran out."""
+    state = {"i": 0}
+
+    def run():
+        while True:
+            try:
+                return calls[state["i"]]()
+            except Exception as e:
+                if "out of resource" not in str(e) or state["i"] + 1 >= len(calls):
+                    raise
+                used.setdefault("refused", []).append(_flex_refusal(e))
+                state["i"] += 1
+                used["kernel_options"] = labels[state["i"]]
+    return run
+
+
+def _flex_refusal(e: BaseException) -> str:
+    """The line of a compile error that says what ran out ("out of resource: ... Required: N")."""
+    text = str(e)
+    i = text.find("out of resource")
+    return text[i:i + 160].split("Reducing")[0].strip() if i >= 0 else text.splitlines()[0][:160]
+
+
 def flex_setup(smoke: bool, max_length: int):
     def setup(p: Problem, device, dtype):
         try:
@@ -295,16 +328,26 @@ def flex_setup(smoke: bool, max_length: int):
             bm, how = causal_block_mask(p.L, device, compiled=device.type == "cuda")
             extra["block_mask"] = how
         q, k, v = _qkv(replace(p, backward=backward), device, dtype)
-        def flex(q, k, v):
-            if device.type == "cuda":
-                return fn(q, k, v, score_mod=mod, block_mask=bm)
-            import warnings
+        # Inductor's tiles first; where they do not fit in shared memory (a score_mod that
+        # gathers from a table did not, on the H100), the next options: the fastest that compiles
+        chain = FLEX_OPTIONS_CHAIN if device.type == "cuda" else (None,)
 
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # eager-mode advice (smoke only)
-                return fn(q, k, v, score_mod=mod, block_mask=bm)
+        def flex_with(opts):
+            kw = {"kernel_options": dict(opts)} if opts else {}
 
-        run = _closure(flex, q, k, v, backward)
+            def flex(q, k, v):
+                if device.type == "cuda":
+                    return fn(q, k, v, score_mod=mod, block_mask=bm, **kw)
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # eager-mode advice (smoke only)
+                    return fn(q, k, v, score_mod=mod, block_mask=bm, **kw)
+            return _closure(flex, q, k, v, backward)
+
+        extra["flex_tiles"] = {"kernel_options": "Inductor's default"}  # the row holds this dict
+        run = first_that_fits([flex_with(o) for o in chain], [o or "Inductor's default" for o in chain],
+                              extra["flex_tiles"])
         run.extra = extra
         return run
 

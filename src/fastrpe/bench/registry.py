@@ -77,7 +77,11 @@ def fastrpe_backend(backend: str) -> Callable:
 
 def flex_same_position(p: Problem, device, dtype):
     """FlexAttention (softmax) with the same positional term as a score_mod: what a user picks today."""
-    from fastrpe.ops.softmax.flex import flex_available, softmax_attention_flex
+    from fastrpe.ops.softmax.flex import (
+        GATHER_KERNEL_OPTIONS,
+        flex_available,
+        softmax_attention_flex,
+    )
 
     if not flex_available():
         return "FlexAttention is not in this PyTorch"
@@ -86,7 +90,9 @@ def flex_same_position(p: Problem, device, dtype):
     q, k, v = _inputs(p, device, dtype)
     pos = _position(p, device)
     mod = pos.score_mod(0) if pos is not None else None
-    return _closure(lambda q, k, v: softmax_attention_flex(q, k, v, mod, causal=p.causal), q, k, v, p.backward)
+    opts = GATHER_KERNEL_OPTIONS if getattr(pos, "score_mod_gathers", False) else None
+    return _closure(lambda q, k, v: softmax_attention_flex(q, k, v, mod, causal=p.causal, kernel_options=opts),
+                    q, k, v, p.backward)
 
 
 def sdpa_no_rpe(p: Problem, device, dtype):

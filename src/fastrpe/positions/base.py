@@ -43,6 +43,10 @@ class Position(nn.Module):
     softmax_only: bool = False
     #: Human readable reason a kernelized backend gives for refusing this term.
     kernelized_refusal: str | None = None
+    #: True for terms whose `b_h(r)` reads a table entry per (query, key) pair (T5 buckets,
+    #: learned tables, 2D grids): FlexAttention then needs smaller tiles on an H100
+    #: (`fastrpe.ops.softmax.flex.GATHER_KERNEL_OPTIONS`).
+    score_mod_gathers: bool = False
 
     def __init__(self, num_heads: int):
         super().__init__()

@@ -67,6 +67,7 @@ class GridPosition(GridTerm, Position):
 
     softmax_only: bool = False
     kernelized_refusal: str | None = None
+    score_mod_gathers = True
 
     def __init__(self, num_heads: int, grid, cls_token: bool = False):
         super().__init__(num_heads)

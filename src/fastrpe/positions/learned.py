@@ -25,6 +25,8 @@ class LearnedTable(Position):
     `max_distance + r` holds `b(r)`.
     """
 
+    score_mod_gathers = True
+
     def __init__(self, num_heads: int, max_distance: int = 128, init_std: float = 0.0, causal: bool = False):
         super().__init__(num_heads)
         if not isinstance(max_distance, int) or max_distance < 0:

@@ -59,6 +59,8 @@ class T5Bias(Position):
     Parameter `embedding: [num_buckets, H]` (T5's layout).
     """
 
+    score_mod_gathers = True
+
     def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
         super().__init__(num_heads)
         half = num_buckets // 2 if bidirectional else num_buckets

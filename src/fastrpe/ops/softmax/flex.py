@@ -26,6 +26,17 @@ RECOMPILE_LIMIT = 64
 #: Block size of the causal `BlockMask` (FlexAttention's default sparse block)
 MASK_BLOCK = 128
 
+#: FlexAttention's tiles where the score_mod gathers from a table (`Position.score_mod_gathers`:
+#: T5 buckets, learned tables, 2D grids), on CUDA. Inductor's default for bf16 and head
+#: dimension 64 on an H100 (128 x 128 tiles, 3 stages) asked for 245,760 bytes of shared memory
+#: with such a gather, over the H100's 232,448: "No valid triton configs ... out of resource",
+#: every T5 and learned-table call on the H100 image (torch 2.11; benchmarks/results/gpu/
+#: h100-2026-11-26.json); terms computed from the offset alone (ALiBi, KERPLE) compiled with
+#: the default. 64 x 64 tiles and 2 stages, forward and backward, divide the 128-token mask
+#: blocks and take about a quarter of that memory. Not yet timed on a GPU.
+GATHER_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2,
+                         "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+
 #: (Lq, Lk, q_offset, device) -> BlockMask; a few shapes at most
 _BLOCK_MASKS: dict = {}
 
@@ -113,6 +124,7 @@ def softmax_attention_flex(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     block_mask: bool | None = None,
+    kernel_options: dict | None = None,
 ) -> Tensor:
     """Softmax attention with `score_mod(score, b, h, q_pos, kv_idx)` adding the bias, where
     `q_pos = q_offset + q_idx` is the query's position in the sequence (so a position's
@@ -126,6 +138,9 @@ def softmax_attention_flex(
     diagonal are skipped, not computed and masked: about half the work. Otherwise it is folded
     into the score_mod as `-inf`, as the key padding mask always is; rows with no admissible
     key return 0 (FlexAttention's convention, the same as the naive reference).
+
+    `kernel_options` go to the fused kernels (e.g. `GATHER_KERNEL_OPTIONS`); eager
+    FlexAttention has no tiles and does not get them.
     """
     if _flex_attention is None:
         raise RuntimeError("FlexAttention is not available in this PyTorch")
@@ -148,11 +163,12 @@ def softmax_attention_flex(
             score = torch.where(kpm[b, kv_idx], float("-inf"), score)
         return score
 
+    opts = {"kernel_options": dict(kernel_options)} if kernel_options and flex_fused(q.device, Lq) else {}
     if compiled:
         with _recompile_limit():
-            return _flex()(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+            return _flex()(q, k, v, score_mod=mod, block_mask=bm, scale=scale, **opts)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager-mode advice
-        return _flex_attention(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+        return _flex_attention(q, k, v, score_mod=mod, block_mask=bm, scale=scale, **opts)
