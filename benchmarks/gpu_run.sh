@@ -37,8 +37,13 @@
 #
 # A session's device time is 15 minutes (since 2026-11; it was 30), counted from the machine's
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
-# 30 s idle, and none starts with under 4 minutes left. So plan ONE call:
-#   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl"], timeout_s=540)
+# 30 s idle, and none starts with under 4 minutes left. So plan ONE call, and since one call
+# measures 4k and 64k and no further, resume the last session's JSON (same GPU name only; the
+# problems where a row failed are measured again whole, --retry-errors):
+#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-26.json .gpu_runs/gpu.json
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl", ".gpu_runs"], timeout_s=540)
+# (on 2026-11-26 the machine started in about 30 s; the second call there used FIRST_S=480 with
+# timeout_s=505 because the first had spent 265 s)
 # The warm-up (`fastrpe bench --suite gpu --warm first`, src/fastrpe/bench/gpu_warm.py): a cold
 # bench compiles kernel after kernel, each autotuned one six times (the tuned kernels' variants
 # for sm_90: 377 s on the 2-core CPU, 70 s for the slowest single config; benchmarks/
@@ -57,6 +62,21 @@
 # only if at least 3 minutes of device time remain; otherwise give the machine back. Locally:
 #   fastrpe bench --suite gpu --check <files_at>/gpu.json
 # With 30 minutes (if ever again): `tests` with TESTS_BUDGET=240, then `short`, then `long`.
+#
+# What the second H100 session (2026-11-26, docs/RESULTS.md "Second H100 session") taught:
+# - fla-core 0.6.0's chunk_simple_gla breaks the CUDA context on this image (an illegal memory
+#   access; torch 2.11, triton 3.6; fla-org/flash-linear-attention#734 reports fla kernels
+#   crashing on H100 with triton 3.2-3.6): the bench now records that row, exits 75, and this
+#   script resumes it in a new process without fla; the fla criteria stay unmeasured here;
+# - compiled Flex with a table score_mod (T5, learned) asked for 245,760 B of shared memory
+#   (H100: 232,448): the Flex baseline now tries 2 stages, then 64x64 tiles (`flex_tiles` in
+#   its rows says which compiled), and fastrpe's `flex` backend uses the tiles for such terms;
+# - every warm-up worker died at start (set_per_process_memory_fraction wants a device index
+#   on torch 2.11), fixed; with them the warm-up reached 14-15 of 21-22 rows in 153 s;
+# - a device call brings back 8 files: the warm-up's plan and logs stay on the machine;
+# - new: gpu_profile.json (benchmarks/gpu_profile.py, PROFILE_S=50 s after the warm-up): each
+#   Triton row's kernels at 4k and 64k and the GPU's busy share, to say whether the 4k rows
+#   (1.8-3.8 ms vs Flex's 0.9-1.6) are host-bound and which kernels hold the 64k ones.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the
@@ -227,7 +247,10 @@ bench_until() {
             --sections rows,decode,sync --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${args[@]}" \
             2>&1 | tee -a "$OUT_DIR/$log"
         rc=${PIPESTATUS[0]}
-        [[ " ${args[*]} " == *" --resume "* ]] || args+=(--resume)
+        # a restart resumes this run: nothing retried again (its errors are this code's)
+        local a next=(--resume)
+        for a in "${args[@]}"; do [ "$a" = --resume ] || [ "$a" = --retry-errors ] || next+=("$a"); done
+        args=("${next[@]}")
     done
 }
 
@@ -254,10 +277,21 @@ try:
 except Exception as e: print("fla absent:", e)
 EOF
 
-# a previous phase's JSON (carried in .gpu_runs/) is resumed, never overwritten
-if [ -f .gpu_runs/gpu.json ] && [ ! -f "$OUT_DIR/gpu.json" ]; then cp .gpu_runs/gpu.json "$OUT_DIR/gpu.json"; fi
+# a previous phase's JSON (carried in .gpu_runs/) is resumed, never overwritten, if it was
+# measured on a GPU of the same name (timings of different devices do not mix); `first`
+# resuming one measures again, whole, each problem where a row failed (--retry-errors: the
+# code has changed since, as after the 2026-11-26 run's Flex failures)
+if [ -f .gpu_runs/gpu.json ] && [ ! -f "$OUT_DIR/gpu.json" ]; then
+    if python3 -c 'import json, sys, torch; sys.exit(json.load(open(".gpu_runs/gpu.json")).get("device") != torch.cuda.get_device_name())'; then
+        cp .gpu_runs/gpu.json "$OUT_DIR/gpu.json"
+    else
+        echo ".gpu_runs/gpu.json is from another device: starting afresh"
+    fi
+fi
 resume=()
 [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)
+retry=()
+[ "$phase" = first ] && [ -f "$OUT_DIR/gpu.json" ] && retry=(--retry-errors)
 
 case "$phase" in
   first)
@@ -267,10 +301,11 @@ case "$phase" in
     #    until FIRST_WARM_S s after the start at the latest
     warm_until "${FIRST_WARM_S:-170}" first &
     warm_pid=$!
-    # 0b. beside them: which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one process per variant)
+    # 0b. FLA_PROBE=1: beside them, which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one process
+    #     per variant; on 2026-11-26 its first variant was still compiling at 100 s)
     probe_pid=
-    if python3 -c 'import fla' 2>/dev/null; then
-        timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py > "$OUT_DIR/fla_probe.log" 2>&1 &
+    if [ -n "${FLA_PROBE:-}" ] && python3 -c 'import fla' 2>/dev/null; then
+        timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py > /tmp/fla_probe.log 2>&1 &
         probe_pid=$!
     fi
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
@@ -283,11 +318,15 @@ case "$phase" in
         -k "(float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16" \
         --junitxml=/tmp/gpu_tests.xml 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
     wait "$warm_pid"  # no timing beside the compilers
-    [ -n "$probe_pid" ] && wait "$probe_pid"
-    tail -12 "$OUT_DIR/gpu_warm_first.log"; cat "$OUT_DIR/fla_probe.log" 2>/dev/null
+    [ -n "$probe_pid" ] && wait "$probe_pid" && tee -a "$OUT_DIR/gpu_tests.log" < /tmp/fla_probe.log
+    tail -12 "$OUT_DIR/gpu_warm_first.log"
+    # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
+    #     the GPU's busy share), at most PROFILE_S s, from the warm caches
+    timeout -s INT -k 5 "${PROFILE_S:-50}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-50} - 20 ))" \
+        --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check
-    bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" ;;
+    bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" "${retry[@]}" ;;
   rest)
     # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start;
     # the compilations of what is left first (on a fresh machine the caches are cold), for at

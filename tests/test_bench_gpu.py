@@ -110,7 +110,7 @@ def test_smoke_decode_and_sync_sections(smoke):
     assert lin["fused_step"] is False and torch_ops["fused_step"] is False and torch_ops["seconds"] > 0
     # the KV cache holds k and v of the whole context: 2·B·H·ctx·D floats
     assert kv["state_bytes"] == 2 * 1 * 2 * 48 * 16 * 4
-    assert res["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+    assert res["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)", "run": 0}]
 
 
 def test_decode_rows_time_the_fused_step_and_the_pytorch_ops(monkeypatch):
@@ -480,7 +480,8 @@ def test_sections_run_in_the_order_given_and_resume_where_the_budget_stopped(tmp
     assert full["complete"] and full["commands"] == ["rows only", "cut", "rest"]
     methods = [r["method"] for r in full["decode"]]
     assert len(methods) == len(set(methods)) >= 3  # every decode row once
-    assert full["sync"] == [{"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
+    assert [{k: v for k, v in r.items() if k != "run"} for r in full["sync"]] == [
+        {"skipped": "needs CUDA (set_sync_debug_mode watches CUDA syncs)"}]
     assert len(full["rows"]) == len(res["rows"])  # the timed rows were not run again
     # nothing left: a spent budget turns nothing away, and the run is complete
     again = gpu.run_gpu_suite(replace(cfg, sections=gpu.SECTIONS, budget_s=0.0), tmp_path, command="again",
@@ -534,3 +535,50 @@ def test_flex_baseline_takes_the_first_kernel_options_that_fit():
     with pytest.raises(RuntimeError, match="illegal"):
         gpu.first_that_fits([call(0, False, error="illegal memory access"), call(1, True)], ["a", "b"], {})()
     assert gpu.FLEX_OPTIONS_CHAIN[0] is None and gpu.FLEX_OPTIONS_CHAIN[-1] == fr.ops.softmax.flex.GATHER_KERNEL_OPTIONS
+
+
+def test_retry_errors_measures_a_failed_problem_again_whole(tmp_path, monkeypatch):
+    """A later session resumes an earlier one's JSON (15 minutes reach 64k, not 1M): with
+    --retry-errors each problem where a row failed (Flex out of shared memory on the first
+    H100 run) runs again whole, so its ratios come from one run; a row that broke the CUDA
+    context is kept, not retried. Every row says which run measured it."""
+    quiet = {"log": lambda *a: None}
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi", "kerple_log"), sections=("rows",))
+    first = gpu.run_gpu_suite(cfg, tmp_path, command="one", **quiet)
+    assert {r["run"] for r in first["rows"]} == {0}
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    for r in res["rows"]:
+        if r["problem"]["position"] == "kerple_log" and r["competitor"] == "flex":
+            r.pop("seconds", None)
+            r["skipped"] = "error: InductorError: out of resource"
+        if r["competitor"] == "fla-chunk_simple_gla":
+            r["skipped"], r["context_lost"] = "error: AcceleratorError: illegal memory access", True
+    (tmp_path / "gpu.json").write_text(json.dumps(res))
+    kept = gpu.retry_errors(res["rows"])
+    assert {r["problem"]["position"] for r in kept if r["competitor"] != "fla-chunk_simple_gla"} <= {"none", "alibi"}
+    assert any(r["competitor"] == "fla-chunk_simple_gla" for r in kept)
+    again = gpu.run_gpu_suite(cfg, tmp_path, command="two", resume=True, retry=True, **quiet)
+    by = {(r["problem"]["position"], r["competitor"]): r for r in again["rows"]}
+    assert len(by) == len(again["rows"]) == len(first["rows"])  # nothing twice, nothing lost
+    assert by[("kerple_log", "flex")]["run"] == by[("kerple_log", "fastrpe-auto")]["run"] == 1
+    assert by[("alibi", "flex")]["run"] == 0 and by[("alibi", "fla-chunk_simple_gla")]["context_lost"]
+    assert again["commands"] == ["one", "two"]
+
+
+def test_gpu_profile_script_profiles_the_bench_rows_on_cpu(tmp_path):
+    """benchmarks/gpu_profile.py (run by gpu_run.sh before the bench) on CPU at toy sizes: each
+    case's time per call and its heaviest ops; a case that cannot run here says why."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
+    spec = importlib.util.spec_from_file_location("gpu_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "p.json"
+    assert mod.main(["--device", "cpu", "--lengths", "48", "--calls", "1",
+                     "--cases", "fastrpe-chunked:alibi,fastrpe-triton_chunked:alibi", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    ran, refused = res["cases"]
+    assert ran["wall_ms"] > 0 and ran["top"] and all(k["ms"] >= 0 for k in ran["top"])
+    assert "needs CUDA" in refused["skipped"]

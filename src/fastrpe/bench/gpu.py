@@ -891,9 +891,22 @@ def _run_sections(cfg: GpuConfig, res: dict, dev, dt, log, over, select, save, k
             raise ValueError(f"unknown section {section!r}; known: {', '.join(SECTIONS)}")
 
 
-def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, log=print) -> dict:
+def retry_errors(rows: list[dict]) -> list[dict]:
+    """`rows` less every row of each problem where a competitor failed with an error (not for
+    memory or time), so that a resumed run measures that problem again whole, its ratios from
+    one run; a row that broke the CUDA context stays (it would break it again)."""
+    def failed(r):
+        return r.get("skipped", "").startswith("error:") and not r.get("context_lost")
+
+    redo = {Problem(**r["problem"]).tag() for r in rows if failed(r)}
+    return [r for r in rows if Problem(**r["problem"]).tag() not in redo or r.get("context_lost")]
+
+
+def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, retry: bool = False,
+                  log=print) -> dict:
     """Run everything `cfg` asks for, writing `out/gpu.json` after every row (a run cut short
-    keeps what it measured; `resume` skips what `out/gpu.json` already holds), then the plot
+    keeps what it measured; `resume` skips what `out/gpu.json` already holds, and with `retry`
+    measures again the problems where a row failed, `retry_errors`), then the plot
     and the markdown table. Returns the result dict; `context_lost` in it says a row broke the
     CUDA context and the run stopped after recording it (resume it in a new process)."""
     from .runner import ContextLost
@@ -904,6 +917,8 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     path = out / "gpu.json"
     old = json.loads(path.read_text()) if resume and path.exists() else None
     rows = list(old["rows"]) if old else []
+    if retry:
+        rows = retry_errors(rows)
     env = environment(dev)
     if old and (old.get("device") != env["device"] or old.get("dtype") != cfg.dtype):
         from .._validate import FastRPEError
@@ -919,9 +934,11 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     if cfg.smoke:
         res["note"] = "SMOKE RUN at toy sizes on " + dev.type + ": tests the harness, measures nothing"
     t0 = time.perf_counter()
+    run_index = len(res["commands"]) - 1  # each new row says which run (command) measured it
 
     def save(_row=None):
         if _row is not None:
+            _row["run"] = run_index
             res["rows"].append(_row)
         res["ratios"] = ratios(res)
         path.write_text(json.dumps(res, indent=1))
@@ -942,6 +959,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
 
     def keep(section):
         def on_row(row):
+            row["run"] = run_index
             res[section].append(row)
             save()
         return on_row
@@ -1294,6 +1312,8 @@ def add_arguments(p) -> None:
     g.add_argument("--check", nargs="?", const="", default=None, metavar="JSON",
                    help="evaluate the issue's criteria from a result (default OUT/gpu.json); runs nothing")
     g.add_argument("--resume", action="store_true", help="keep the rows OUT/gpu.json already has; run the rest")
+    g.add_argument("--retry-errors", action="store_true",
+                   help="with --resume: measure again, whole, each problem where a row failed with an error")
     g.add_argument("--budget-s", type=float, default=None, help="start no new row after this many seconds")
     g.add_argument("--time-limit-s", type=float, default=None,
                    help="a first call slower than this is timed once and longer lengths skipped (default 2)")
@@ -1384,5 +1404,5 @@ def run_cli(args) -> int:
     command = "fastrpe " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                     if k not in ("_module", "command") and v not in (None, False))
-    res = run_gpu_suite(cfg, out, command=command, resume=args.resume)
+    res = run_gpu_suite(cfg, out, command=command, resume=args.resume, retry=args.retry_errors)
     return CONTEXT_LOST_EXIT if res.get("context_lost") else 0

@@ -42,6 +42,7 @@ from .gpu import (
     problems,
     reads,
     registry,
+    retry_errors,
 )
 from .registry import Problem
 from .runner import _first_line, context_lost
@@ -63,8 +64,8 @@ def tuned(name: str) -> bool:
 def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[tuple[Problem, str]]:
     """The (problem, competitor) rows that compile something (fastrpe's Triton rows, Flex,
     fla) in the order the bench runs them: `which="first"`, those of its first pass (the rows
-    `reads` names); `"rest"`, those of both passes not in `done` (`(tag, competitor)` pairs,
-    what a resumed bench skips). `auto` is left out: it would time its candidates beside the
+    `reads` names); `"rest"`, those of both passes; either less those in `done` (`(tag,
+    competitor)` pairs, what a resumed bench skips). `auto` is left out: it would time its candidates beside the
     other workers, and they are the Triton and PyTorch rows anyway."""
     if which not in ("first", "rest"):
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
@@ -151,9 +152,9 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     from ..ops.linear.triton_chunked import TUNE_CONFIGS
 
     out.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if which == "rest" and (out / "gpu.json").exists():
-        done = done_pairs(json.loads((out / "gpu.json").read_text())["rows"])
+    done = set()  # rows a resumed bench will not run (an error's problem runs again: --retry-errors)
+    if (out / "gpu.json").exists():
+        done = done_pairs(retry_errors(json.loads((out / "gpu.json").read_text())["rows"]))
     workers = plan(warm_items(cfg, which, done), len(TUNE_CONFIGS))
     spec = {"config": cfg.to_dict(), "pass": which,
             "workers": [[{"problem": p.to_dict(), "competitor": n} for p, n in w] for w in workers]}

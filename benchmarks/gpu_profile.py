@@ -1,0 +1,139 @@
+"""Where a GPU bench row's time goes: each kernel's device time per call, and how much of the
+call the GPU was busy at all (the rest is the host: Python, launches, autograd).
+
+The first H100 rows (2026-11-26, docs/RESULTS.md) left two questions this answers:
+- at 4,096 tokens every fastrpe row took 1.8-3.8 ms against Flex's 0.9-1.6 (triton_chunked:
+  1.96 ms at 4k, 5.85 at 64k, so about 1.6 ms does not grow with L): host-bound?
+- at 65,536 tokens which kernels hold triton_chunked's 5.85 ms (the state passes are
+  sequential over 1,024 chunks) and triton_tiled's 282 ms?
+
+Each case is the bench's own row (`fastrpe.bench.gpu.registry`: the same inputs, forward and
+backward), called twice to warm, then profiled over `--calls` calls (torch.profiler, CPU and
+CUDA) and timed with CUDA events.
+
+    python benchmarks/gpu_profile.py --out runs/gpu/gpu_profile.json
+    python benchmarks/gpu_profile.py --device cpu --lengths 64 --cases fastrpe-chunked:alibi  # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from fastrpe.bench import gpu  # noqa: E402
+from fastrpe.bench.registry import Problem  # noqa: E402
+
+CASES = ("fastrpe-triton_chunked:alibi", "fastrpe-triton_soe:kerple_log", "fastrpe-triton_band:t5",
+         "fastrpe-triton_tiled:learned", "flex:alibi")
+
+
+def _device_us(e) -> float:
+    """An event's self time on the device, in µs (the attribute's name changed across torch)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(e, name):
+            return float(getattr(e, name))
+    return 0.0
+
+
+def profile_case(fn, device: torch.device, calls: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):  # compile (from the warm caches) and settle the autotuners
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        wall_ms = start.elapsed_time(end) / calls
+    else:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / calls
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    host_ms = (time.perf_counter() - t0) * 1e3 / calls
+    events = prof.key_averages()
+    if device.type == "cuda":
+        kernels = [(e.key, e.count / calls, _device_us(e) / 1e3 / calls) for e in events if _device_us(e) > 0]
+    else:  # no device: the CPU's own ops, self time
+        kernels = [(e.key, e.count / calls, e.self_cpu_time_total / 1e3 / calls) for e in events
+                   if e.self_cpu_time_total > 0]
+    kernels.sort(key=lambda k: -k[2])
+    busy = sum(k[2] for k in kernels)
+    return {"wall_ms": round(wall_ms, 4), "host_ms_profiled": round(host_ms, 4), "busy_ms": round(busy, 4),
+            "busy_share": round(busy / wall_ms, 3) if wall_ms else None,
+            "launches_per_call": round(sum(k[1] for k in kernels), 1),
+            "top": [{"name": n[:120], "per_call": round(c, 2), "ms": round(ms, 4)} for n, c, ms in kernels[:top]]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--lengths", default="4096,65536")
+    ap.add_argument("--cases", default=",".join(CASES), help="competitor:family, comma-separated")
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--budget-s", type=float, default=60.0, help="start no new case after this many seconds")
+    ap.add_argument("--out", default="runs/gpu/gpu_profile.json")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile: needs CUDA (--device cpu profiles the CPU's ops)")
+        return 2
+    cfg = gpu.GpuConfig(device=args.device) if dev.type == "cuda" else gpu.smoke_config()
+    dt = getattr(torch, cfg.dtype)
+    reg = gpu.registry(cfg)
+    res = {"device": gpu.environment(dev)["device"], "torch": torch.__version__, "dtype": cfg.dtype,
+           "python": platform.python_version(), "command": "python benchmarks/gpu_profile.py " + " ".join(
+               argv if argv is not None else sys.argv[1:]), "calls": args.calls, "cases": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    for L in (int(x) for x in args.lengths.split(",")):
+        for case in args.cases.split(","):
+            name, fam = case.split(":")
+            row = {"competitor": name, "family": fam, "L": L}
+            if time.perf_counter() - t_start > args.budget_s:
+                row["skipped"] = "budget spent"
+            else:
+                p = Problem(position=fam, kernel=cfg.kernel, causal=gpu.family_causal(fam), L=L, B=cfg.B, H=cfg.H,
+                            D=cfg.D, features=cfg.features, backward=True)
+                try:
+                    fn = reg[name](p, dev, dt)
+                    if isinstance(fn, str):
+                        row["skipped"] = fn
+                    else:
+                        row.update(profile_case(fn, dev, args.calls, args.top))
+                except Exception as e:  # noqa: BLE001 - recorded, the next case goes on
+                    row["skipped"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                fn = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            res["cases"].append(row)
+            out.write_text(json.dumps(res, indent=1))
+            head = row.get("skipped") or (f"{row['wall_ms']:8.3f} ms, GPU busy {row['busy_ms']:8.3f} ms "
+                                          f"({row['launches_per_call']:.0f} launches); top: " + ", ".join(
+                                              f"{k['name'][:40]} {k['ms']:.3f}" for k in row["top"][:3]))
+            print(f"{name:28s} {fam:11s} L={L:<7d} {head}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
