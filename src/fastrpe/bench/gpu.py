@@ -1125,6 +1125,10 @@ def plot_gpu(res: dict, path: Path) -> Path | None:
     cols = min(3, len(fams))
     nrows = math.ceil(len(fams) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
+    # one colour per method across the panels (Flex is the same green everywhere)
+    names = sorted({r["competitor"] for r in res["rows"] if r.get("seconds")})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    colour = {c: cycle[i % len(cycle)] for i, c in enumerate(names)}
     for ax, fam in zip(axes.flat, fams):
         series: dict[str, list] = {}
         for r in res["rows"]:
@@ -1135,7 +1139,7 @@ def plot_gpu(res: dict, path: Path) -> Path | None:
                 series.setdefault(c, []).append((r["problem"]["L"], r["seconds"] * 1e3))
         for c, pts in sorted(series.items()):
             pts.sort()
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=c,
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=c, color=colour[c],
                     linestyle="--" if not c.startswith("fastrpe") else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
