@@ -158,16 +158,21 @@ def test_warm_rest_with_nothing_left_starts_no_worker(tmp_path):
     assert not list(tmp_path.glob("gpu_warm_*.log"))
 
 
-def test_a_worker_records_a_failing_row_and_goes_on(tmp_path):
-    from fastrpe.bench.gpu_warm import run_worker
-
+def _failing_then_flex_plan(tmp_path) -> Path:
+    """A one-worker plan: a row that fails (no such competitor), then Flex."""
     cfg = gpu.smoke_config(lengths=(40,), families=("alibi",))
     p = Problem(position="alibi", kernel=cfg.kernel, L=40, B=cfg.B, H=cfg.H, D=cfg.D, features=cfg.features)
     spec = {"config": cfg.to_dict(), "pass": "first",
             "workers": [[{"problem": p.to_dict(), "competitor": "no-such-row"},
                          {"problem": p.to_dict(), "competitor": "flex"}]]}
     (tmp_path / "plan.json").write_text(json.dumps(spec))
-    assert run_worker(tmp_path / "plan.json", 0) == 0
+    return tmp_path / "plan.json"
+
+
+def test_a_worker_records_a_failing_row_and_goes_on(tmp_path):
+    from fastrpe.bench.gpu_warm import run_worker
+
+    assert run_worker(_failing_then_flex_plan(tmp_path), 0) == 0
     rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
     assert rec["finished"] and [r["competitor"] for r in rec["rows"]] == ["no-such-row", "flex"]
     assert rec["rows"][0]["skipped"].startswith("error: KeyError") and "skipped" not in rec["rows"][1]
@@ -176,14 +181,9 @@ def test_a_worker_records_a_failing_row_and_goes_on(tmp_path):
 def test_a_worker_stops_at_a_row_that_broke_the_cuda_context(tmp_path, monkeypatch):
     from fastrpe.bench import gpu_warm
 
-    cfg = gpu.smoke_config(lengths=(40,), families=("alibi",))
-    p = Problem(position="alibi", kernel=cfg.kernel, L=40, B=cfg.B, H=cfg.H, D=cfg.D, features=cfg.features)
-    spec = {"config": cfg.to_dict(), "pass": "first",
-            "workers": [[{"problem": p.to_dict(), "competitor": "no-such-row"},
-                         {"problem": p.to_dict(), "competitor": "flex"}]]}
-    (tmp_path / "plan.json").write_text(json.dumps(spec))
+    plan_path = _failing_then_flex_plan(tmp_path)
     monkeypatch.setattr(gpu_warm, "context_lost", lambda device: True)
-    assert gpu_warm.run_worker(tmp_path / "plan.json", 0) == gpu.CONTEXT_LOST_EXIT
+    assert gpu_warm.run_worker(plan_path, 0) == gpu.CONTEXT_LOST_EXIT
     rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
     assert not rec.get("finished") and [r["competitor"] for r in rec["rows"]] == ["no-such-row"]
     assert rec["rows"][0]["context_lost"]
