@@ -582,3 +582,11 @@ def test_gpu_profile_script_profiles_the_bench_rows_on_cpu(tmp_path):
     ran, refused = res["cases"]
     assert ran["wall_ms"] > 0 and ran["top"] and all(k["ms"] >= 0 for k in ran["top"])
     assert "needs CUDA" in refused["skipped"]
+
+
+def test_retry_errors_without_resume_is_a_one_line_error(tmp_path, capsys):
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--retry-errors", "--out", str(tmp_path)])
+    out = capsys.readouterr()
+    lines = (out.out + out.err).strip().splitlines()
+    assert rc != 0 and len(lines) == 1 and "--retry-errors needs --resume" in lines[0]
+    assert not (tmp_path / "gpu.json").exists()

@@ -69,14 +69,13 @@ NOT_CONTENDERS = ("fastrpe-dense", "fastrpe-sdpa", "fastrpe-flex")
 #: the lengths `check` reads: every family at the first two, the learned tables' Flex ratio at
 #: the third, the memory and time limits at the last
 L_SHORT, L_CHECK, L_LONG, L_MAX = 4096, 65536, 262144, 1048576
+#: `fastrpe bench --suite gpu` exits with this when a row broke the CUDA context: run it again
+#: with --resume (benchmarks/gpu_run.sh does, while its time lasts)
+CONTEXT_LOST_EXIT = 75
 #: the competitors `check` reads, per family (SDPA: the ratios' ceiling). The suite runs these
 #: first, at the lengths `reads` names, and the rest after: the first H100 call spent its budget
 #: on two rows of 4,096 tokens, and fla's chunk_linear_attn, which no criterion reads, autotuned
 #: for over 60 s in its first call
-#: `fastrpe bench --suite gpu` exits with this when a row broke the CUDA context: run it again
-#: with --resume (benchmarks/gpu_run.sh does, while its time lasts)
-CONTEXT_LOST_EXIT = 75
-
 CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-auto"),
@@ -975,8 +974,9 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     save()
     png = plot_gpu(res, out / "gpu.png")
     (out / "gpu.md").write_text(markdown_table(res))
+    spent = cut and "context_lost" not in res
     log(f"wrote {path}, {out / 'gpu.md'}" + (f" and {png}" if png else "")
-        + ("" if not cut or "context_lost" in res else f" (budget of {cfg.budget_s:g} s spent: run again with --resume)"))
+        + (f" (budget of {cfg.budget_s:g} s spent: run again with --resume)" if spent else ""))
     return res
 
 
@@ -1125,7 +1125,7 @@ def plot_gpu(res: dict, path: Path) -> Path | None:
     cols = min(3, len(fams))
     nrows = math.ceil(len(fams) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
-    # one colour per method across the panels (Flex is the same green everywhere)
+    # one colour per method across the panels (Flex the same in every panel)
     names = sorted({r["competitor"] for r in res["rows"] if r.get("seconds")})
     cycle = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     colour = {c: cycle[i % len(cycle)] for i, c in enumerate(names)}
@@ -1408,5 +1408,9 @@ def run_cli(args) -> int:
     command = "fastrpe " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         "fastrpe bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                     if k not in ("_module", "command") and v not in (None, False))
+    if args.retry_errors and not args.resume:
+        from .._validate import FastRPEError
+
+        raise FastRPEError("--retry-errors needs --resume (it measures again problems of OUT/gpu.json)")
     res = run_gpu_suite(cfg, out, command=command, resume=args.resume, retry=args.retry_errors)
     return CONTEXT_LOST_EXIT if res.get("context_lost") else 0

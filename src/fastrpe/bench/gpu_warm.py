@@ -65,8 +65,8 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
     """The (problem, competitor) rows that compile something (fastrpe's Triton rows, Flex,
     fla) in the order the bench runs them: `which="first"`, those of its first pass (the rows
     `reads` names); `"rest"`, those of both passes; either less those in `done` (`(tag,
-    competitor)` pairs, what a resumed bench skips). `auto` is left out: it would time its candidates beside the
-    other workers, and they are the Triton and PyTorch rows anyway."""
+    competitor)` pairs, what a resumed bench skips). `auto` is left out: it would time its
+    candidates beside the other workers, and they are the Triton and PyTorch rows anyway."""
     if which not in ("first", "rest"):
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
     names = list(registry(cfg))
@@ -147,8 +147,9 @@ def run_worker(plan_path: Path, index: int) -> int:
 
 def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 150.0, log=print) -> dict:
     """Run the workers side by side until they finish or `budget_s` passes (then each is
-    killed with its process group), and write `out/gpu_warm.json` from their records. With
-    `which="rest"`, the rows `out/gpu.json` already holds are left out (see `warm_items`)."""
+    killed with its process group), and write `out/gpu_warm.json` from their records. The
+    rows `out/gpu.json` already holds are left out (see `warm_items`), but for the problems a
+    `--retry-errors` run measures again (`gpu.retry_errors`)."""
     from ..ops.linear.triton_chunked import TUNE_CONFIGS
 
     out.mkdir(parents=True, exist_ok=True)

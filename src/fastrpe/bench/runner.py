@@ -147,8 +147,8 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
 
     `select(problem, name) -> bool` leaves pairs out (no row). `catch_errors` records any
     other exception as the row's reason instead of raising, except one that leaves the CUDA
-    context broken: that row is recorded (`context_lost`), then `ContextLost` raised. `call_cap_s` interrupts a call
-    (warm-up or timed) after that many seconds (see `_hard_cap`). `done` holds
+    context broken: that row is recorded (`context_lost`), then `ContextLost` raised.
+    `call_cap_s` interrupts a call (warm-up or timed) after that many seconds (see `_hard_cap`). `done` holds
     `(problem.tag(), name)` pairs already measured (resuming): they are not run again.
     `on_row(row)` is called after every row; a timed row also says how long its first call
     took (`first_call_seconds`: compilation, or loading from a warmed cache, included). A
