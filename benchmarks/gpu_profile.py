@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fastrpe.bench import gpu  # noqa: E402
-from fastrpe.bench.registry import Problem  # noqa: E402
+from fastrpe.bench import gpu
+from fastrpe.bench.registry import Problem
 
 CASES = ("fastrpe-triton_chunked:alibi", "fastrpe-triton_soe:kerple_log", "fastrpe-triton_band:t5",
          "fastrpe-triton_tiled:learned", "flex:alibi")
