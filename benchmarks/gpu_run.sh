@@ -8,9 +8,10 @@
 # of its budget stops cleanly, its rows saved one by one; run `rest` to go on):
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
-#                                      # (100 s) beside the compile warm-up (below), then every
-#                                      # row the criteria read at 4k, 64k, 256k and 1M, then
-#                                      # decoding, then the host-sync check
+#                                      # (100 s) beside the compile warm-up (below), the kernel
+#                                      # profile (50 s), then every row the criteria read at 4k,
+#                                      # 64k, 256k and 1M, then decoding, then the host-sync check
+#                                      # (resuming a carried JSON: decoding and syncs first)
 #   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
 #                                      # (after a warm-up of its own: REST_WARM_S, REST_S/3 and
 #                                      # 120 s at most by default)
@@ -244,7 +245,7 @@ bench_until() {
         [ "$left" -gt 80 ] || { echo "no time left to resume the bench"; break; }
         echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)" | tee -a "$OUT_DIR/$log"
         timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
-            --sections rows,decode,sync --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${args[@]}" \
+            --sections "$SECTIONS" --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${args[@]}" \
             2>&1 | tee -a "$OUT_DIR/$log"
         rc=${PIPESTATUS[0]}
         # a restart resumes this run: nothing retried again (its errors are this code's)
@@ -292,6 +293,9 @@ resume=()
 [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)
 retry=()
 [ "$phase" = first ] && [ -f "$OUT_DIR/gpu.json" ] && retry=(--retry-errors)
+# the bench's sections in order: a resumed JSON holds the 4k and 64k rows already, so the cheap
+# decoding and host-sync sections (never measured yet) go before the long rows (262k, 1M)
+SECTIONS=${SECTIONS:-$([ -f "$OUT_DIR/gpu.json" ] && echo decode,sync,rows || echo rows,decode,sync)}
 
 case "$phase" in
   first)
