@@ -78,6 +78,11 @@
 # - new: gpu_profile.json (benchmarks/gpu_profile.py, PROFILE_S=50 s after the warm-up): each
 #   Triton row's kernels at 4k and 64k and the GPU's busy share, to say whether the 4k rows
 #   (1.8-3.8 ms vs Flex's 0.9-1.6) are host-bound and which kernels hold the 64k ones.
+# - new, untimed: `fastrpe-triton_chunked+blocked-scan` (triton_chunked.STATE_SCAN = "blocked":
+#   the chunk-state passes in √N blocks side by side instead of one walk over 1,024 chunks in
+#   32 programs at 64k). A criteria row for ALiBi (the 15x one: 5.85 ms must become 3.7) and a
+#   profile case; if it is the faster, make "blocked" the default on CUDA. GPU test:
+#   tests/test_triton_chunked.py::test_gpu_realistic_size_bf16_blocked_scan.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the

@@ -324,6 +324,27 @@ def test_gpu_realistic_size_bf16():
         assert (a.double() - b).abs().max().item() <= 3e-2 * scale, name
 
 
+@pytest.mark.gpu
+def test_gpu_realistic_size_bf16_blocked_scan():
+    """The same at 4,096 tokens with the states in blocks (64 chunks: 8 blocks of 8), and at
+    the bench's 65,536 (1,024 chunks: 32 of 32) against the sequential scan's outputs."""
+    if not _CUDA:
+        pytest.skip("needs CUDA")
+    with tc.use_state_scan("blocked"):
+        test_gpu_realistic_size_bf16()
+    q, k, v = features_and_values(1, 8, 65536, 65536, 32, 64, dtype=torch.bfloat16, device=DEV)
+    gamma = 1 - torch.exp(torch.linspace(-8, -3, 8, device=DEV, dtype=torch.float32))
+    kw = {"gamma": gamma, "state_dtype": torch.bfloat16, "divide": torch.bfloat16}
+    runs = {}
+    for mode in tc.STATE_SCANS:
+        with tc.use_state_scan(mode):
+            out = tc.kernelized_num_den_triton_chunked(q, k, v, **kw)[0]
+            runs[mode] = (out, *weighted_grads((out,), (q, k, v)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), runs["blocked"], runs["sequential"]):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * scale, name
+
+
 # ---------------------------------------------------------------------------------------------
 # The `triton_chunked` backend
 
@@ -415,3 +436,90 @@ def test_backend_refusals_say_why(interpret_on_cpu):
                      backend="triton_chunked")
     with pytest.raises(FastRPEError, match="Lq == Lk"):
         fr.attention(q[:, :, :5], k, v, kernel="elu", causal=False, backend="triton_chunked")
+
+
+# ----------------------------------------------------------------------------- blocked state scan
+
+BLOCKED_CASES = [  # N = cdiv(max(Lk, q_offset + Lq), chunk) chunks; blocks of round(√N)
+    pytest.param(1, 2, 63, 63, 12, 10, 0, 16, id="N4-two-blocks"),
+    pytest.param(1, 2, 80, 80, 12, 10, 0, 16, id="N5-ragged-last-block"),
+    pytest.param(1, 1, 70, 70, 12, 72, 0, 16, id="N5-several-value-blocks"),
+    pytest.param(1, 2, 5, 80, 12, 10, 75, 16, id="decode-N5"),
+    pytest.param(1, 2, 80, 50, 12, 10, 0, 16, id="queries-past-keys-N5"),
+]
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    """`STATE_SCAN = "blocked"` from 2 chunks on (the default threshold, 16, needs long inputs
+    that the interpreter runs slowly)."""
+    monkeypatch.setattr(tc, "STATE_SCAN", "blocked")
+    monkeypatch.setattr(tc, "BLOCKED_MIN_CHUNKS", 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", BLOCKED_CASES)
+def test_blocked_state_scan_matches_reference(blocked, B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
+    """The states in blocks walked side by side, each from its carry (`_block_carries`): the
+    same outputs, final state and gradients (γ's and the initial state's included) as Eq. 10,
+    with the initial state in and the final state out, in both passes."""
+    N = -(-max(Lk, q_offset + Lq) // chunk)
+    assert tc.scan_blocks(N)[1] >= 2
+    test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype)
+    test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype)
+
+
+def test_blocked_state_scan_equals_the_sequential_one(monkeypatch):
+    """float64, 13 chunks in 4 blocks, key padding, no initial state: the two scans agree to
+    round-off in every output and gradient; so do bf16-stored states (state_dtype) within
+    their roundings."""
+    q, k, v = features_and_values(2, 2, 200, 200, 12, 10, dtype=torch.float64, device=DEV)
+    gamma = _gamma(2)
+    kpm = torch.zeros(2, 200, dtype=torch.bool)
+    kpm[1, 150:] = True
+    kw = {"gamma": gamma, "chunk_size": 16, "key_padding_mask": kpm.to(DEV)}
+    monkeypatch.setattr(tc, "BLOCKED_MIN_CHUNKS", 2)
+    runs = {}
+    for mode in tc.STATE_SCANS:
+        monkeypatch.setattr(tc, "STATE_SCAN", mode)
+        out = tc.kernelized_num_den_triton_chunked(q, k, v, **kw)[:2]
+        runs[mode] = (*out, *weighted_grads(out, (q, k, v, gamma)))
+    assert tc.scan_blocks(13) == (4, 4)
+    for name, a, b in zip(("num", "den", "dq", "dk", "dv", "dgamma"), runs["sequential"], runs["blocked"]):
+        assert_close(a, b, torch.float64, msg=name)
+
+
+def test_scan_blocks_rule_and_bad_setting(monkeypatch):
+    assert tc.scan_blocks(1024) == (1024, 1)  # the default: sequential
+    monkeypatch.setattr(tc, "STATE_SCAN", "blocked")
+    assert tc.scan_blocks(1024) == (32, 32) and tc.scan_blocks(16384) == (128, 128)
+    assert tc.scan_blocks(15) == (15, 1)  # below BLOCKED_MIN_CHUNKS: nothing to split
+    G, NB = tc.scan_blocks(1000)
+    assert G * NB >= 1000 > G * (NB - 1)
+    monkeypatch.setattr(tc, "STATE_SCAN", "parallel")
+    with pytest.raises(FastRPEError, match="STATE_SCAN"):
+        tc.scan_blocks(64)
+
+
+@pytest.mark.parametrize("divide", [None, torch.bfloat16], ids=["num-den", "quotient"])
+def test_blocked_scan_with_bf16_states(blocked, divide):
+    """bf16-stored states under the blocked scan: the carries are float32 (only the states
+    between the kernels are rounded), so the same bounds hold."""
+    test_float32_features_with_bf16_states(divide)
+
+
+def test_a_backward_keeps_its_forwards_state_scan(monkeypatch):
+    """The bench's `+blocked-scan` rows set the scan around the forward call only
+    (`use_state_scan`): the backward, run later, takes the mode its forward saved."""
+    monkeypatch.setattr(tc, "BLOCKED_MIN_CHUNKS", 2)
+    calls = []
+    real = tc._block_carries
+    monkeypatch.setattr(tc, "_block_carries", lambda *a, **kw: calls.append(kw.get("reverse", a[-1])) or real(*a, **kw))
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
+    with tc.use_state_scan("blocked"):
+        num, den, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=_gamma(2), chunk_size=16)
+    assert tc.STATE_SCAN == "sequential" and calls == [False]
+    (num.sum() + den.sum()).backward()
+    assert calls == [False, True]
+    with pytest.raises(FastRPEError, match="STATE_SCAN"), tc.use_state_scan("parallel"):
+        pass

@@ -8,7 +8,7 @@ config) and ptxas' register and spill counts are printed (`-s` shows them): at a
 chunk the float32-feature `_soe_bwd_dkv` needed 295 KB in every config, which is why the
 near field now spans several 64-token chunks instead.
 
-About 3 minutes on 2 cores with a cold Triton cache (35 compilations), over the suite's
+About 4 minutes on 2 cores with a cold Triton cache (58 compilations), over the suite's
 30-s budget per test: it runs when FASTRPE_COMPILE_CHECK=1 is set, e.g.
 `FASTRPE_COMPILE_CHECK=1 python -m pytest -q -s tests/test_triton_compile.py`."""
 import os
@@ -59,7 +59,8 @@ def all_cases():
         D, A = {"bf16": tl.bfloat16, "fp32": tl.float32}[dt], tl.float32
         io = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "do_ptr", "dd_ptr", "num_ptr", "den_ptr"], dt)
         sums = dict.fromkeys(["lg_ptr", "z_ptr", "dz_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dvlo_ptr", "cn_ptr", "wq_ptr",
-                              "lgk_ptr", "p_ptr", "dwq_ptr", "g_ptr", "s_ptr", "out_s_ptr", "y_ptr", "inv_ptr"],
+                              "lgk_ptr", "p_ptr", "dwq_ptr", "g_ptr", "s_ptr", "out_s_ptr", "y_ptr", "inv_ptr",
+                              "c_ptr", "cz_ptr"],
                              acc := "fp32")
         # a bf16 call stores the chunk states in bf16 (`backends_triton._state_dtype`)
         geo = {**io, **sums, "h_ptr": "bf16", "dh_ptr": "bf16"}
@@ -73,6 +74,11 @@ def all_cases():
                  (tc._fwd_out_kernel, {**geo, "num_ptr": "i16", "den_ptr": acc},
                   dict(BV=64, STRICT=False, DIVIDE=True, THR=1e-31, OUT_BF16=True, **tile, **m)),
                  (tc._bwd_state_kernel, geo_b, dict(BV=16, **tile, **sc)),
+                 # STATE_SCAN = "blocked": the blocks' totals (PHASE 1), then the states from the carries (2)
+                 (tc._fwd_state_kernel, geo, dict(BV=16, PHASE=1, **tile, **m)),
+                 (tc._fwd_state_kernel, geo, dict(BV=16, PHASE=2, **tile, **m)),
+                 (tc._bwd_state_kernel, geo_b, dict(BV=16, PHASE=1, **tile, **sc)),
+                 (tc._bwd_state_kernel, geo_b, dict(BV=16, PHASE=2, **tile, **sc)),
                  (tc._bwd_dkv_kernel, geo_b, dict(STRICT=True, **tile, **sc)),
                  (tc._bwd_dq_kernel, geo_b, dict(STRICT=True, **tile, **sc)),
                  (ts._soe_state_kernel, soe, dict(BV=64, **tile, **m))]
@@ -137,7 +143,7 @@ if RUN:
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (6 + 2 * 6) + 14
+N_COMPILED = 2 * (10 + 2 * 6) + 14
 
 
 @pytest.mark.slow

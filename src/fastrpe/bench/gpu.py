@@ -78,7 +78,8 @@ CONTEXT_LOST_EXIT = 75
 #: for over 60 s in its first call
 CRITERIA_ROWS = {
     "none": ("sdpa",),
-    "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-auto"),
+    "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+blocked-scan",
+              "fastrpe-auto"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-auto"),
@@ -458,15 +459,18 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
         return num / den
 
 
-def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None):
+def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
-    `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`)."""
+    `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
+    `state_scan` triton_chunked's `STATE_SCAN` (`+blocked-scan`; a backward keeps its
+    forward's)."""
 
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
         from fastrpe.backends_triton import use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
+        from fastrpe.ops.linear.triton_chunked import use_state_scan
 
         if p.position == "none":
             return "runs the positional families"
@@ -498,11 +502,17 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["exact"] = b.exact
 
         def call(q, k, v):
-            with contextlib.nullcontext() if lowp_features is None else use_lowp_features(lowp_features):
+            with contextlib.ExitStack() as stack:
+                if lowp_features is not None:
+                    stack.enter_context(use_lowp_features(lowp_features))
+                if state_scan is not None:
+                    stack.enter_context(use_state_scan(state_scan))
                 return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
 
         if lowp_features is not None:
             extra["lowp_features"] = lowp_features
+        if state_scan is not None:
+            extra["state_scan"] = state_scan
 
         if p.L == cfg.accuracy_length:
             extra.update(accuracy(call, kern, pos, q, k, v, p.causal, cfg.accuracy_rows))
@@ -549,6 +559,9 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
+    # the chunk-state passes in blocks side by side (triton_chunked.STATE_SCAN; untimed before)
+    if "triton_chunked" in BACKENDS:
+        reg["fastrpe-triton_chunked+blocked-scan"] = fastrpe_setup("triton_chunked", cfg, state_scan="blocked")
     return reg
 
 

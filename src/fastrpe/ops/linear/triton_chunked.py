@@ -195,12 +195,32 @@ if HAS_TRITON:
             tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, H, Lk, F, Dv, N,
+    def _block_start(h_base, z_base, c_ptr, cz_ptr, bh, blk, NB, f, c, BF: tl.constexpr, BV: tl.constexpr,
+                     BDV: tl.constexpr, ACC: tl.constexpr, PHASE: tl.constexpr):
+        """The state a state pass starts from: PHASE 0, the one at h_base/z_base; 1, zero (a
+        block's own total); 2, block blk's carry (`_block_carries`)."""
+        if PHASE == 1:
+            S = tl.zeros([BF, BV], dtype=ACC)
+            z = tl.zeros([BF], dtype=ACC)
+        elif PHASE == 2:
+            S = tl.load(c_ptr + (bh * NB + blk) * BF * BDV + f[:, None] * BDV + c[None, :]).to(ACC)
+            z = tl.load(cz_ptr + (bh * NB + blk) * BF + f).to(ACC)
+        else:
+            S = tl.load(h_base + f[:, None] * BDV + c[None, :]).to(ACC)
+            z = tl.load(z_base + f).to(ACC)
+        return S, z
+
+    @triton.jit
+    def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, c_ptr, cz_ptr, H, Lk, F, Dv, N, G, NB,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (B·H, BDV/BV). h[:, 0] holds the initial state; writes h[:, 1..N]."""
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, PHASE: tl.constexpr = 0):
+        """Grid (B·H, BDV/BV, NB): program blk runs chunks blk·G .. blk·G+G-1 (PHASE 0: NB = 1,
+        G = N, from h[:, 0], the initial state). Writes h[:, n+1] after each chunk n; PHASE 1
+        (from zero) writes only the block's final state, into c_ptr/cz_ptr `[B·H, NB, ...]`;
+        PHASE 2 starts from c_ptr/cz_ptr (`STATE_SCAN = "blocked"`)."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
+        blk = tl.program_id(2)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
@@ -209,9 +229,8 @@ if HAS_TRITON:
         v_base = v_ptr + bh * Lk * Dv
         h_base = h_ptr + bh * (N + 1) * BF * BDV
         z_base = z_ptr + bh * (N + 1) * BF
-        S = tl.load(h_base + f[:, None] * BDV + c[None, :]).to(ACC)  # (BF, BV), carried in ACC
-        z = tl.load(z_base + f)  # (BF,)
-        for n in range(N):
+        S, z = _block_start(h_base, z_base, c_ptr, cz_ptr, bh, blk, NB, f, c, BF, BV, BDV, ACC, PHASE)  # in ACC
+        for n in range(blk * G, tl.minimum(blk * G + G, N)):
             pos = n * BT + t
             km = pos < Lk
             kk = tl.load(k_base + pos[:, None] * F + f[None, :], mask=km[:, None] & (f[None, :] < F), other=0.0).to(ACC)
@@ -223,8 +242,12 @@ if HAS_TRITON:
             g = tl.exp(lg * (e_n - e_prev).to(ACC))
             S = S * g + _dot(tl.trans(kt), vv, DT, ACC, MODE)
             z = z * g + tl.sum(kt, 0)
-            tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
-            tl.store(z_base + (n + 1) * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
+            if PHASE != 1:
+                tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
+                tl.store(z_base + (n + 1) * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
+        if PHASE == 1:
+            tl.store(c_ptr + (bh * NB + blk) * BF * BDV + f[:, None] * BDV + c[None, :], S)
+            tl.store(cz_ptr + (bh * NB + blk) * BF + f, z, mask=(f + iv * BF) < BF)
 
     @triton.jit
     def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset,
@@ -270,24 +293,30 @@ if HAS_TRITON:
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
 
     @triton.jit
-    def _bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, H, Lq, Lk, F, Dv, N, q_offset,
+    def _bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, c_ptr, cz_ptr, H, Lq, Lk, F, Dv, N,
+                          G, NB, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
-        """Grid (B·H, BDV/BV). dh[:, N] holds the final state's gradient; writes dh[:, 0..N-1]
-        (dh[:, n] = gradient of the state entering chunk n; dh[:, 0] is the initial state's).
-        SCALED: do is the quotient's gradient, its rows scaled by inv (`_row_inv`)."""
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
+                          PHASE: tl.constexpr = 0):
+        """Grid (B·H, BDV/BV, NB): program blk runs chunks blk·G+G-1 down to blk·G (PHASE 0: NB =
+        1, G = N, from dh[:, N], the final state's gradient). Writes dh[:, n] (the gradient of
+        the state entering chunk n; dh[:, 0] is the initial state's); PHASE 1 and 2 as in
+        `_fwd_state_kernel`. SCALED: do is the quotient's gradient, its rows scaled by inv
+        (`_row_inv`)."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
+        blk = tl.program_id(2)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = iv * BV + tl.arange(0, BV)
         dh_base = dh_ptr + bh * (N + 1) * BF * BDV
         dz_base = dz_ptr + bh * (N + 1) * BF
-        dS = tl.load(dh_base + N * BF * BDV + f[:, None] * BDV + c[None, :]).to(ACC)  # (BF, BV), carried in ACC
-        dz = tl.load(dz_base + N * BF + f)
-        for i in range(N):
-            n = N - 1 - i
+        dS, dz = _block_start(dh_base + N * BF * BDV, dz_base + N * BF, c_ptr, cz_ptr, bh, blk, NB, f, c, BF, BV,
+                              BDV, ACC, PHASE)  # carried in ACC
+        n_hi = tl.minimum(blk * G + G, N)
+        for i in range(n_hi - blk * G):
+            n = n_hi - 1 - i
             pos = n * BT + t
             qi = pos - q_offset
             qm = (qi >= 0) & (qi < Lq)
@@ -303,8 +332,12 @@ if HAS_TRITON:
             qs = qt * _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
             dS = dS * g + _dot(tl.trans(qs), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qt * dd[:, None], 0)
-            tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS.to(dh_ptr.dtype.element_ty))
-            tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
+            if PHASE != 1:
+                tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS.to(dh_ptr.dtype.element_ty))
+                tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
+        if PHASE == 1:
+            tl.store(c_ptr + (bh * NB + blk) * BF * BDV + f[:, None] * BDV + c[None, :], dS)
+            tl.store(cz_ptr + (bh * NB + blk) * BF + f, dz, mask=(f + iv * BF) < BF)
 
     @triton.jit
     def _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv, q_offset,
@@ -398,6 +431,92 @@ if HAS_TRITON:
         dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv * _dot(do, tl.trans(S), DT, ACC, MODE)
                                                               + dd[:, None] * z[None, :])
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
+
+
+#: How the chunk-state passes (forward and backward) run over the chunks: "sequential", one
+#: program per (batch·head, value block) walking all N chunks (at 64k tokens, 1,024 steps in
+#: 32 programs: a quarter of an H100's SMs); "blocked", in blocks of about √N chunks walked side
+#: by side twice (their totals from zero, then the states from each block's carry), the
+#: carries from the totals by one small float64 product (`_block_carries`): √N-deep steps in
+#: √N times the programs. Both give the recurrence's states; their float32 sums differ in
+#: order. "blocked" is not yet timed on a GPU (the 2026-11-26 H100 rows ran "sequential").
+STATE_SCAN = "sequential"
+STATE_SCANS = ("sequential", "blocked")
+#: below this many chunks "blocked" runs "sequential" (nothing to split)
+BLOCKED_MIN_CHUNKS = 16
+
+
+@contextlib.contextmanager
+def use_state_scan(mode: str):
+    """`STATE_SCAN = mode` inside the block (a call's backward keeps its forward's)."""
+    global STATE_SCAN
+    scan_blocks(1, mode)  # checks the name
+    before, STATE_SCAN = STATE_SCAN, mode
+    try:
+        yield
+    finally:
+        STATE_SCAN = before
+
+
+def scan_blocks(N: int, mode: str | None = None) -> tuple[int, int]:
+    """`(G, NB)`: chunks per block and blocks for N chunks under `mode` (default
+    `STATE_SCAN`; `(N, 1)`: sequential)."""
+    mode = STATE_SCAN if mode is None else mode
+    if mode not in STATE_SCANS:
+        raise FastRPEError(f"triton_chunked.STATE_SCAN: expected one of {STATE_SCANS}, got {mode!r}")
+    if mode == "sequential" or N < BLOCKED_MIN_CHUNKS:
+        return N, 1
+    G = max(1, round(N ** 0.5))
+    return G, -(-N // G)
+
+
+def _block_carries(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor, startz: Tensor, N: int, G: int,
+                   BT: int, Lk: int, reverse: bool) -> tuple[Tensor, Tensor]:
+    """Each block's starting state from the blocks' own totals (`tot [B·H, NB, BF, BDV]`,
+    `totz [B·H, NB, BF]`, each from a zero state) and the pass's start (`start`, `startz`: the
+    initial state, or, `reverse`, the final state's gradient), in tot's dtype.
+
+    With key ends `E_b = min(min(b·G, N)·T, Lk)`, the state entering block b is
+    `Σ_{b'<b} γ^(E_b - E_{b'+1}) tot_{b'} + γ^(E_b) start`; in reverse, the gradient leaving
+    block b is `Σ_{b'>b} γ^(E_{b'} - E_{b+1}) tot_{b'} + γ^(E_NB - E_{b+1}) start`. One product
+    in float64: a float32 one may run in TF32 (`torch.set_float32_matmul_precision`)."""
+    BHn, NB = tot.shape[:2]
+    f64 = torch.float64
+    # from shapes alone, made on the device (no copy from the host)
+    E = ((torch.arange(NB + 1, device=tot.device) * G).clamp(max=N) * BT).clamp(max=Lk).to(f64)
+    lg = log_g.to(f64).repeat(BHn // log_g.numel())[:, None, None]  # [B·H, 1, 1], ≤ 0
+    b = torch.arange(NB, device=tot.device)
+    if reverse:
+        gap, keep = E[None, :NB] - E[1:, None], b[None, :] > b[:, None]  # (b, b'): E_{b'} - E_{b+1}
+        to_start = E[NB] - E[1:]
+    else:
+        gap, keep = E[:NB, None] - E[None, 1:], b[None, :] < b[:, None]  # (b, b'): E_b - E_{b'+1}
+        to_start = E[:NB]
+    W = torch.where(keep, torch.exp(lg * gap.clamp(min=0)), 0.0)  # [B·H, NB, NB]
+    decay = torch.exp(lg[:, :, 0] * to_start)  # [B·H, NB]
+    flat = torch.cat([tot.reshape(BHn, NB, -1), totz], -1).to(f64)
+    first = torch.cat([start.reshape(BHn, 1, -1), startz.reshape(BHn, 1, -1)], -1).to(f64)
+    out = (W @ flat + decay[..., None] * first).to(tot.dtype)
+    nz = totz.shape[-1]  # (the kernels read both as contiguous)
+    return out[..., :-nz].contiguous().view(tot.shape), out[..., -nz:].contiguous()
+
+
+def _state_pass(launch, h: Tensor, z: Tensor, log_g: Tensor, N: int, BT: int, Lk: int, reverse: bool,
+                mode: str) -> None:
+    """One chunk-state pass over the chunks as `mode` says (`scan_blocks`).
+    `launch(blocks, h, z, c, cz, G, NB, phase)` launches the pass's kernel on `blocks` blocks
+    of G chunks, states h and z, carry buffers c, cz and PHASE `phase` (0: one block)."""
+    G, NB = scan_blocks(N, mode)
+    if NB == 1:
+        launch(1, h, z, h, z, N, 1, 0)
+        return
+    BHn, acc = h.shape[0], z.dtype
+    tot = torch.empty(BHn, NB, *h.shape[2:], dtype=acc, device=h.device)
+    totz = torch.empty(BHn, NB, z.shape[2], dtype=acc, device=h.device)
+    launch(NB, h, z, tot, totz, G, NB, 1)
+    at = N if reverse else 0
+    carry, carryz = _block_carries(tot, totz, log_g, h[:, at], z[:, at], N, G, BT, Lk, reverse)
+    launch(NB, h, z, carry, carryz, G, NB, 2)
 
 
 #: (num_warps, num_stages) of the autotuner's configs, in this order
@@ -517,8 +636,9 @@ class _ChunkedDecay(torch.autograd.Function):
         den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         out_bf16, quot = quotient_flags(divide, acc)
-        _fwd_state_kernel[(B * H, BDV // BVS)](phi_k, v, log_g, h, z, H, Lk, F, Dv, N,
-                                               BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
+        _state_pass(lambda nb, h, z, c, cz, G, NB, phase: _fwd_state_kernel[(B * H, BDV // BVS, nb)](
+            phi_k, v, log_g, h, z, c, cz, H, Lk, F, Dv, N, G, NB, BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta),
+            h, z, log_g, N, BT, Lk, reverse=False, mode=STATE_SCAN)
         _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
                                                den, H, Lq, Lk, F, Dv, N, q_offset,
                                                BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
@@ -527,14 +647,14 @@ class _ChunkedDecay(torch.autograd.Function):
         # gradient as it comes, scaled by 1/den in the kernels (`_row_inv`), and den's from
         # `_QuotientGrad`, so only den is saved
         ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init, den if divide is not None else None)
-        ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode)
+        ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode, STATE_SCAN)
         return num, den, state
 
     @staticmethod
     @on_device_of(1)
     def backward(ctx, dnum, dden, dstate):
         phi_q, phi_k, v, log_g, h, z, state, init, den = ctx.saved_tensors
-        q_offset, BT, BF, BDV, BVS, N, strict, mode = ctx.cfg
+        q_offset, BT, BF, BDV, BVS, N, strict, mode, scan = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         dev, dt = phi_q.device, phi_q.dtype
@@ -546,8 +666,9 @@ class _ChunkedDecay(torch.autograd.Function):
             dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
             dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=den is not None)
-        _bwd_state_kernel[(B * H, BDV // BVS)](phi_q, dnum, inv, dden, log_g, dh, dz, H, Lq, Lk, F, Dv, N, q_offset,
-                                               BT=BT, BF=BF, BV=BVS, BDV=BDV, **meta)
+        _state_pass(lambda nb, dh, dz, c, cz, G, NB, phase: _bwd_state_kernel[(B * H, BDV // BVS, nb)](
+            phi_q, dnum, inv, dden, log_g, dh, dz, c, cz, H, Lq, Lk, F, Dv, N, G, NB, q_offset,
+            BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta), dh, dz, log_g, N, BT, Lk, reverse=True, mode=scan)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
         dv_bf16 = dv_in_bf16(v, dt)
         dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
