@@ -31,7 +31,7 @@ from fastrpe.bench import gpu
 from fastrpe.bench.registry import Problem
 
 CASES = ("fastrpe-triton_chunked:alibi", "fastrpe-triton_chunked+blocked-scan:alibi", "fastrpe-triton_soe:kerple_log",
-         "fastrpe-triton_band:t5",
+         "fastrpe-triton_soe+blocked-scan:kerple_log", "fastrpe-triton_band:t5",
          "fastrpe-triton_tiled:learned", "flex:alibi")
 
 

@@ -78,10 +78,11 @@
 # - new: gpu_profile.json (benchmarks/gpu_profile.py, PROFILE_S=50 s after the warm-up): each
 #   Triton row's kernels at 4k and 64k and the GPU's busy share, to say whether the 4k rows
 #   (1.8-3.8 ms vs Flex's 0.9-1.6) are host-bound and which kernels hold the 64k ones.
-# - new, untimed: `fastrpe-triton_chunked+blocked-scan` (triton_chunked.STATE_SCAN = "blocked":
-#   the chunk-state passes in √N blocks side by side instead of one walk over 1,024 chunks in
-#   32 programs at 64k). A criteria row for ALiBi (the 15x one: 5.85 ms must become 3.7) and a
-#   profile case; if it is the faster, make "blocked" the default on CUDA. GPU test:
+# - new, untimed: `fastrpe-triton_{chunked,soe,band}+blocked-scan` (triton_chunked.STATE_SCAN =
+#   "blocked": the chunk-state passes in √N blocks side by side instead of one walk over 1,024
+#   chunks in 32 programs at 64k, 96 for soe's 12 terms). Criteria rows for ALiBi (15x: 5.85 ms
+#   must become 3.7), KERPLE (20x: 12.1 / 11.4 ms must become 9.2 / 11.1) and T5, and profile
+#   cases; where it is the faster, make "blocked" the default on CUDA. GPU test:
 #   tests/test_triton_chunked.py::test_gpu_realistic_size_bf16_blocked_scan.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:

@@ -57,3 +57,14 @@ def count_calls(monkeypatch):
         monkeypatch.setattr(module, name, counted)
         return calls
     return install
+
+
+@pytest.fixture
+def blocked_scan(monkeypatch):
+    """The Triton kernels' chunk-state passes in blocks (`triton_chunked.STATE_SCAN =
+    "blocked"`) from 2 chunks on: the default threshold, 16 chunks, needs inputs longer than
+    the interpreter runs quickly."""
+    from fastrpe.ops.linear import triton_chunked as tc
+
+    monkeypatch.setattr(tc, "STATE_SCAN", "blocked")
+    monkeypatch.setattr(tc, "BLOCKED_MIN_CHUNKS", 2)

@@ -284,3 +284,11 @@ def test_band_gpu_realistic_size_bf16():
     for name, a, b in zip(("dq", "dk", "dv", "dtable"), weighted_grads([out], (q, k, v, tab)),
                           weighted_grads([ref], (q64, k64, v64, tab))):
         assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item(), name
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,W,chunk",
+                         [c for c in CASES if c.id in ("T63-W8", "T100-W33-far-field-past-three-near-chunks",
+                                                       "decode-Lq5-Lk60-off55", "queries-past-keys")])
+def test_band_kernel_is_exact_with_the_blocked_state_scan(blocked_scan, B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
+    """The undecayed term's states in blocks, each from its carry: exact as before."""
+    test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk)

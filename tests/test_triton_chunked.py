@@ -449,17 +449,9 @@ BLOCKED_CASES = [  # N = cdiv(max(Lk, q_offset + Lq), chunk) chunks; blocks of r
 ]
 
 
-@pytest.fixture
-def blocked(monkeypatch):
-    """`STATE_SCAN = "blocked"` from 2 chunks on (the default threshold, 16, needs long inputs
-    that the interpreter runs slowly)."""
-    monkeypatch.setattr(tc, "STATE_SCAN", "blocked")
-    monkeypatch.setattr(tc, "BLOCKED_MIN_CHUNKS", 2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", BLOCKED_CASES)
-def test_blocked_state_scan_matches_reference(blocked, B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
+def test_blocked_state_scan_matches_reference(blocked_scan, B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
     """The states in blocks walked side by side, each from its carry (`_block_carries`): the
     same outputs, final state and gradients (γ's and the initial state's included) as Eq. 10,
     with the initial state in and the final state out, in both passes."""
@@ -502,7 +494,7 @@ def test_scan_blocks_rule_and_bad_setting(monkeypatch):
 
 
 @pytest.mark.parametrize("divide", [None, torch.bfloat16], ids=["num-den", "quotient"])
-def test_blocked_scan_with_bf16_states(blocked, divide):
+def test_blocked_scan_with_bf16_states(blocked_scan, divide):
     """bf16-stored states under the blocked scan: the carries are float32 (only the states
     between the kernels are rounded), so the same bounds hold."""
     test_float32_features_with_bf16_states(divide)

@@ -292,6 +292,17 @@ def test_soe_gpu_realistic_size_bf16():
         assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item(), name
 
 
+@pytest.mark.gpu
+def test_soe_gpu_realistic_size_bf16_blocked_scan():
+    """The same with every term's states in blocks (64 chunks: 8 blocks of 8)."""
+    if not _CUDA:
+        pytest.skip("needs CUDA")
+    from fastrpe.ops.linear.triton_chunked import use_state_scan
+
+    with use_state_scan("blocked"):
+        test_soe_gpu_realistic_size_bf16()
+
+
 @pytest.fixture
 def interpret_on_cpu(monkeypatch):
     from fastrpe import backends_triton
@@ -360,3 +371,20 @@ def test_soe_keeps_no_states_for_backward():
     T, K, H = 16, 4, 2
     tables = 2 * (H * 2 * T + H * K * T) + K  # cn, wq, their float64 powers γ^d, log γ
     assert sum(saved) <= q.numel() + k.numel() + v.numel() + tables  # one state set alone: 2·K·4·16·16
+
+
+BLOCKED_IDS = ("T63-F12-Dv10-W8-C16", "T40-Dv72-two-value-blocks", "T90-W40-four-near-chunks", "decode-Lq5-Lk60-off55",
+               "queries-past-keys", "T63-a-term-per-launch")
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", [c for c in CASES if c.id in BLOCKED_IDS])
+def test_soe_blocked_state_scan_matches_reference(blocked_scan, monkeypatch, B, H, Lq, Lk, F, Dv, q_offset, window,
+                                                  chunk, budget):
+    """Every term's states and their gradients in blocks walked side by side, each from its
+    carry (`_soe_pass`): the same outputs and gradients (the plan's `a` and `corr` included),
+    plain and as a quotient, term groups too."""
+    carries, real = [], ts._block_carries
+    monkeypatch.setattr(ts, "_block_carries", lambda *a: carries.append(a[-1]) or real(*a))
+    test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
+    test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
+    assert False in carries and True in carries  # forward states and their gradients, in blocks

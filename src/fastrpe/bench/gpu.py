@@ -80,9 +80,9 @@ CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+blocked-scan",
               "fastrpe-auto"),
-    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
-    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-auto"),
-    "t5": ("flex", "fastrpe-triton_band", "fastrpe-auto"),
+    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto"),
+    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto"),
+    "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+blocked-scan", "fastrpe-auto"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
 }
@@ -560,8 +560,9 @@ def registry(cfg: GpuConfig) -> dict:
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
     # the chunk-state passes in blocks side by side (triton_chunked.STATE_SCAN; untimed before)
-    if "triton_chunked" in BACKENDS:
-        reg["fastrpe-triton_chunked+blocked-scan"] = fastrpe_setup("triton_chunked", cfg, state_scan="blocked")
+    for name in ("triton_chunked", "triton_soe", "triton_band"):
+        if name in BACKENDS:
+            reg[f"fastrpe-{name}+blocked-scan"] = fastrpe_setup(name, cfg, state_scan="blocked")
     return reg
 
 

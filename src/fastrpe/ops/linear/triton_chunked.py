@@ -433,9 +433,10 @@ if HAS_TRITON:
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
 
 
-#: How the chunk-state passes (forward and backward) run over the chunks: "sequential", one
-#: program per (batch·head, value block) walking all N chunks (at 64k tokens, 1,024 steps in
-#: 32 programs: a quarter of an H100's SMs); "blocked", in blocks of about √N chunks walked side
+#: How the chunk-state passes (forward and backward; triton_soe's and triton_band's per term
+#: too, `triton_soe._soe_pass`) run over the chunks: "sequential", one program per
+#: (batch·head, value block[, term]) walking all N chunks (triton_chunked at 64k tokens: 1,024
+#: steps in 32 programs, a quarter of an H100's SMs); "blocked", in blocks of about √N chunks walked side
 #: by side twice (their totals from zero, then the states from each block's carry), the
 #: carries from the totals by one small float64 product (`_block_carries`): √N-deep steps in
 #: √N times the programs. Both give the recurrence's states; their float32 sums differ in

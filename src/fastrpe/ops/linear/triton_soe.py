@@ -45,9 +45,10 @@ from ..._memo import ByIdentity, kept
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
-from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode,
-                             dv_in_bf16, on_device_of, quotient_flags, triton_unavailable_reason, value_dtype,
-                             with_quotient_grad)
+from . import triton_chunked as _tc
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _block_carries, _numerator_grads, _pow2, _tuned,
+                             acc_dtype, dot_mode, dv_in_bf16, on_device_of, quotient_flags, scan_blocks,
+                             triton_unavailable_reason, value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
     import triton
@@ -56,26 +57,31 @@ if HAS_TRITON:
     from .triton_chunked import _bf16_bits, _bf16_value, _divide_rows, _dot, _load_rows, _row_inv, _store_tile
 
     @triton.jit
-    def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, Lk, F, Dv, N, K,
+    def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, c_ptr, cz_ptr, Lk, F, Dv, N, K, GB, NBK,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
-                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
-        """Grid (B·H, BDV/BV, K): h[bh, k, n] = S_k(n), the keys of chunks < n decayed to nT - 1."""
+                          DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, PHASE: tl.constexpr = 0):
+        """Grid (B·H, BDV/BV, K·NBK): h[bh, k, n] = S_k(n), the keys of chunks < n decayed to
+        nT - 1, for the chunks blk·GB .. blk·GB+GB-1 of program blk (PHASE 0: NBK = 1, GB = N,
+        from zero). PHASE 1 (from zero) writes only the block's final state, into c_ptr/cz_ptr
+        `[B·H, K, NBK, ...]`; PHASE 2 starts from them (`triton_chunked.STATE_SCAN`)."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
-        kk = tl.program_id(2)
+        kk = tl.program_id(2) // NBK
+        blk = tl.program_id(2) % NBK
         lg = tl.load(lgk_ptr + kk).to(ACC)
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = iv * BV + tl.arange(0, BV)
         kdec = tl.exp(lg * (BT - 1 - t).to(ACC))  # (BT,)
         g = tl.exp(lg * BT)
-        S = tl.zeros([BF, BV], dtype=ACC)
-        z = tl.zeros([BF], dtype=ACC)
+        cb = (bh * K + kk) * NBK + blk
+        S, z = _block_start(c_ptr, cz_ptr, cb, f, c, BF, BV, BDV, ACC, PHASE)
         h_base = h_ptr + (bh * K + kk) * N * BF * BDV
         z_base = z_ptr + (bh * K + kk) * N * BF
-        for n in range(N):
-            tl.store(h_base + n * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
-            tl.store(z_base + n * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
+        for n in range(blk * GB, tl.minimum(blk * GB + GB, N)):
+            if PHASE != 1:
+                tl.store(h_base + n * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
+                tl.store(z_base + n * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
             pos = n * BT + t
             km = pos < Lk
             k = tl.load(k_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=km[:, None] & (f[None, :] < F),
@@ -85,6 +91,26 @@ if HAS_TRITON:
             kt = k * kdec[:, None]
             S = S * g + _dot(tl.trans(kt), v, DT, ACC, MODE)
             z = z * g + tl.sum(kt, 0)
+        if PHASE == 1:
+            _block_total(c_ptr, cz_ptr, cb, S, z, f, c, iv, BF, BDV)
+
+    @triton.jit
+    def _block_start(c_ptr, cz_ptr, cb, f, c, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                     ACC: tl.constexpr, PHASE: tl.constexpr):
+        """A state pass's start: block cb's carry (PHASE 2), else zero."""
+        if PHASE == 2:
+            S = tl.load(c_ptr + cb * BF * BDV + f[:, None] * BDV + c[None, :]).to(ACC)
+            z = tl.load(cz_ptr + cb * BF + f).to(ACC)
+        else:
+            S = tl.zeros([BF, BV], dtype=ACC)
+            z = tl.zeros([BF], dtype=ACC)
+        return S, z
+
+    @triton.jit
+    def _block_total(c_ptr, cz_ptr, cb, S, z, f, c, iv, BF: tl.constexpr, BDV: tl.constexpr):
+        """PHASE 1's output: block cb's final state from zero (z by the first value block)."""
+        tl.store(c_ptr + cb * BF * BDV + f[:, None] * BDV + c[None, :], S)
+        tl.store(cz_ptr + cb * BF + f, z, mask=(f + iv * BF) < BF)
 
     @triton.jit
     def _near_table(cn_ptr, hh, d0, j: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr):
@@ -149,16 +175,19 @@ if HAS_TRITON:
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
-    def _soe_bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, H, Lq, F, Dv, N, K,
+    def _soe_bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, wq_ptr, lgk_ptr, dh_ptr, dz_ptr, c_ptr, cz_ptr,
+                              H, Lq, F, Dv, N, K, GB, NBK,
                               q_offset, BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                               NB: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                              SCALED: tl.constexpr):
-        """Grid (B·H, BDV/BV, K): dh[bh, k, n] = gradient of S_k(n) (read by query chunk
-        n + NB - 1, and through S_k(n+1) = γ^T S_k(n) + ... by every later one); dh[bh, k, N]
-        stays 0."""
+                              SCALED: tl.constexpr, PHASE: tl.constexpr = 0):
+        """Grid (B·H, BDV/BV, K·NBK): dh[bh, k, n] = gradient of S_k(n) (read by query chunk
+        n + NB - 1, and through S_k(n+1) = γ^T S_k(n) + ... by every later one), for the
+        chunks blk·GB+GB-1 down to blk·GB of program blk (PHASE 0: NBK = 1, GB = N, from
+        zero); dh[bh, k, N] stays 0. PHASE 1 and 2 as `_soe_state_kernel`'s."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1)
-        kk = tl.program_id(2)
+        kk = tl.program_id(2) // NBK
+        blk = tl.program_id(2) % NBK
         hh = bh % H
         lg = tl.load(lgk_ptr + kk).to(ACC)
         g = tl.exp(lg * BT)
@@ -166,12 +195,13 @@ if HAS_TRITON:
         f = tl.arange(0, BF)
         c = iv * BV + tl.arange(0, BV)
         w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
-        D = tl.zeros([BF, BV], dtype=ACC)
-        dz = tl.zeros([BF], dtype=ACC)
+        cb = (bh * K + kk) * NBK + blk
+        D, dz = _block_start(c_ptr, cz_ptr, cb, f, c, BF, BV, BDV, ACC, PHASE)
         dh_base = dh_ptr + (bh * K + kk) * (N + 1) * BF * BDV
         dz_base = dz_ptr + (bh * K + kk) * (N + 1) * BF
-        for i in range(N):
-            n = N - 1 - i
+        n_hi = tl.minimum(blk * GB + GB, N)
+        for i in range(n_hi - blk * GB):
+            n = n_hi - 1 - i
             pos = (n + NB - 1) * BT + t  # the query chunk that reads S_k(n)
             qi = pos - q_offset
             qm = (qi >= 0) & (qi < Lq)
@@ -181,8 +211,11 @@ if HAS_TRITON:
             qs = qw * _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
             D = D * g + _dot(tl.trans(qs), do, DT, ACC, MODE)
             dz = dz * g + tl.sum(qw * dd[:, None], 0)
-            tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], D.to(dh_ptr.dtype.element_ty))
-            tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
+            if PHASE != 1:
+                tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], D.to(dh_ptr.dtype.element_ty))
+                tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)
+        if PHASE == 1:
+            _block_total(c_ptr, cz_ptr, cb, D, dz, f, c, iv, BF, BDV)
 
     @triton.jit
     def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, dwq_ptr,
@@ -351,6 +384,25 @@ def _diagonal_sums(P: Tensor, T: int) -> Tensor:
     return out
 
 
+def _soe_pass(launch, h: Tensor, z: Tensor, lgk: Tensor, N: int, T: int, reverse: bool, mode: str) -> None:
+    """One state pass of the K terms (forward states from zero, or, `reverse`, their gradients
+    from zero) over the chunks as `mode` says (`triton_chunked.scan_blocks`):
+    `launch(blocks, h, z, c, cz, G, NBK, phase)` launches the kernel on `blocks` blocks of G
+    chunks per term. In blocks, every term's carries come from its blocks' totals
+    (`triton_chunked._block_carries`, chunks of T keys, decay γ_k per key)."""
+    G, NBK = scan_blocks(N, mode)
+    if NBK == 1:
+        launch(1, h, z, h, z, N, 1, 0)
+        return
+    BHK, BF, BDV = h.shape[0] * h.shape[1], h.shape[-2], h.shape[-1]
+    tot = torch.empty(BHK, NBK, BF, BDV, dtype=z.dtype, device=h.device)
+    totz = torch.empty(BHK, NBK, BF, dtype=z.dtype, device=h.device)
+    launch(NBK, h, z, tot, totz, G, NBK, 1)
+    carry, carryz = _block_carries(tot, totz, lgk, tot.new_zeros(BHK, BF, BDV), totz.new_zeros(BHK, BF), N, G, T,
+                                   N * T, reverse)
+    launch(NBK, h, z, carry, carryz, G, NBK, 2)
+
+
 class _SoE(torch.autograd.Function):
     """`(num, den)`: the near field once, the far field term group by term group (each group's
     K·N states built, read and freed before the next: memory bounded by `STATE_BUDGET`)."""
@@ -377,7 +429,7 @@ class _SoE(torch.autograd.Function):
         meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
         out_bf16, quot = quotient_flags(divide if fused else None, acc)
         for i, (k0, k1) in enumerate(groups):
-            h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta)
+            h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, _tc.STATE_SCAN)
             _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
                                                    num.view(torch.int16) if out_bf16 else num, den,
                                                    H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
@@ -388,25 +440,27 @@ class _SoE(torch.autograd.Function):
         if divide is not None:  # `num/den` in place of num, den saved alone (`triton_chunked._ChunkedDecay`)
             num = num if fused else quotient(num, den, divide)
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None)
-        ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups)
+        ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups, _tc.STATE_SCAN)
         return (num.to(out_dtype), den.to(out_dtype)) if divide is None else (num, den)
 
     @staticmethod
-    def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta):
-        """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K = lgk.numel())."""
+    def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
+        """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K =
+        lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`)."""
         B, H, Lk, F = phi_k.shape
         Dv, K = v.shape[3], lgk.numel()
         h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
         z = torch.empty(B * H, K, N, BF, dtype=acc, device=phi_k.device)
-        _soe_state_kernel[(B * H, BDV // BV, K)](phi_k, v, lgk, h, z, Lk, F, Dv, N, K,
-                                                 BT=T, BF=BF, BV=BV, BDV=BDV, **meta)
+        _soe_pass(lambda nb, h, z, c, cz, G, NBK, phase: _soe_state_kernel[(B * H, BDV // BV, K * nb)](
+            phi_k, v, lgk, h, z, c, cz, Lk, F, Dv, N, K, G, NBK, BT=T, BF=BF, BV=BV, BDV=BDV, PHASE=phase, **meta),
+            h, z, lgk, N, T, reverse=False, mode=scan)
         return h, z
 
     @staticmethod
     @on_device_of(1)
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk, den = ctx.saved_tensors
-        q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups = ctx.cfg
+        q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups, scan = ctx.cfg
         B, H, Lq, F = phi_q.shape
         Lk, Dv = v.shape[2], v.shape[3]
         K = lgk.numel()
@@ -427,7 +481,7 @@ class _SoE(torch.autograd.Function):
             Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
             flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
             # the queries' side reads the states, the keys' side their gradients: one at a time
-            h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta)
+            h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta, scan)
             dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
             _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                             H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
@@ -438,9 +492,10 @@ class _SoE(torch.autograd.Function):
             del dwq_g
             dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
             dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-            _soe_bwd_state_kernel[(B * H, BDV // BV, Kg)](phi_q, dnum, inv, dden, wg, lg, dh, dz, H, Lq, F, Dv, N,
-                                                          Kg, q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, **meta,
-                                                          **scaled)
+            _soe_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
+                (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
+                                             q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
+                                             **scaled), dh, dz, lg, N, T, reverse=True, mode=scan)
             _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                             *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
                                               else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset,
