@@ -515,3 +515,31 @@ def test_a_backward_keeps_its_forwards_state_scan(monkeypatch):
     assert calls == [False, True]
     with pytest.raises(FastRPEError, match="STATE_SCAN"), tc.use_state_scan("parallel"):
         pass
+
+
+def test_block_carries_reads_nothing_back_to_the_host(monkeypatch):
+    """The one host-side step the blocked scan adds (between its two kernel launches) makes
+    its block ends from shapes on the device and reads no tensor back: no host sync on a GPU.
+    Its carries are the recurrence's, forward and reverse."""
+    BHn, NB, BF, BDV, N, G, BT, Lk = 4, 3, 2, 3, 7, 3, 16, 100
+    g = torch.Generator().manual_seed(0)
+    tot, totz = torch.randn(BHn, NB, BF, BDV, generator=g), torch.randn(BHn, NB, BF, generator=g)
+    start, startz = torch.randn(BHn, BF, BDV, generator=g), torch.randn(BHn, BF, generator=g)
+    log_g = torch.log(torch.tensor([0.9, 0.99]))
+    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host sync: Tensor.{_n}"))
+    fwd = tc._block_carries(tot, totz, log_g, start, startz, N, G, BT, Lk, reverse=False)
+    rev = tc._block_carries(tot, totz, log_g, start, startz, N, G, BT, Lk, reverse=True)
+    monkeypatch.undo()
+    E = [min(min(b * G, N) * BT, Lk) for b in range(NB + 1)]  # 0, 48, 96, 100
+    gam = torch.tensor([0.9, 0.99]).repeat(2)[:, None, None]
+    want, c = [], start
+    for b in range(NB):  # forward: the state entering block b, step by step
+        want.append(c)
+        c = gam ** (E[b + 1] - E[b]) * c + tot[:, b]
+    assert_close(fwd[0], torch.stack(want, 1), torch.float32)
+    want, d = [None] * NB, start
+    for b in reversed(range(NB)):  # reverse: the gradient leaving block b
+        want[b] = d
+        d = gam ** (E[b + 1] - E[b]) * d + tot[:, b]
+    assert_close(rev[0], torch.stack(want, 1), torch.float32)
