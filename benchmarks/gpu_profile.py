@@ -87,7 +87,7 @@ def profile_case(fn, device: torch.device, calls: int, top: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--lengths", default="4096,65536")
+    ap.add_argument("--lengths", default="65536,4096", help="in this order (64k first: the criteria's length)")
     ap.add_argument("--cases", default=",".join(CASES), help="competitor:family, comma-separated")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
