@@ -381,10 +381,12 @@ BLOCKED_IDS = ("T63-F12-Dv10-W8-C16", "T40-Dv72-two-value-blocks", "T90-W40-four
 def test_soe_blocked_state_scan_matches_reference(blocked_scan, monkeypatch, B, H, Lq, Lk, F, Dv, q_offset, window,
                                                   chunk, budget):
     """Every term's states and their gradients in blocks walked side by side, each from its
-    carry (`_soe_pass`): the same outputs and gradients (the plan's `a` and `corr` included),
-    plain and as a quotient, term groups too."""
-    carries, real = [], ts._block_carries
-    monkeypatch.setattr(ts, "_block_carries", lambda *a: carries.append(a[-1]) or real(*a))
+    carry (`triton_chunked._state_pass`): the same outputs and gradients (the plan's `a` and
+    `corr` included), plain and as a quotient, term groups too."""
+    from fastrpe.ops.linear import triton_chunked as tc
+
+    carries, real = [], tc._block_carries
+    monkeypatch.setattr(tc, "_block_carries", lambda *a: carries.append(a[-1]) or real(*a))
     test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
     test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
     assert False in carries and True in carries  # forward states and their gradients, in blocks

@@ -20,9 +20,9 @@ from .dispatch import Backend, Cost, Problem, machine_time, register_backend
 from .kernels import FeatureMap
 from .ops import kernelized as kops
 from .ops.softmax.flex import (
-    GATHER_KERNEL_OPTIONS,
     flex_available,
     flex_fused,
+    kernel_options_for,
     softmax_attention_flex,
 )
 from .ops.softmax.naive import softmax_attention_naive
@@ -243,10 +243,8 @@ class FlexBackend(Backend):
 
     def run(self, q, k, v, p, kpm):
         mod = p.position.score_mod() if p.position is not None else None  # the op adds q_offset
-        gathers = getattr(p.position, "score_mod_gathers", False)
         out = softmax_attention_flex(q, k, v, mod, causal=p.causal, q_offset=p.q_offset,
-                                     key_padding_mask=kpm, scale=p.scale,
-                                     kernel_options=GATHER_KERNEL_OPTIONS if gathers else None)
+                                     key_padding_mask=kpm, scale=p.scale, kernel_options=kernel_options_for(p.position))
         return _add_fastrpb(out, v, p, kpm, naive=False).to(q.dtype)
 
 

@@ -78,8 +78,8 @@ def fastrpe_backend(backend: str) -> Callable:
 def flex_same_position(p: Problem, device, dtype):
     """FlexAttention (softmax) with the same positional term as a score_mod: what a user picks today."""
     from fastrpe.ops.softmax.flex import (
-        GATHER_KERNEL_OPTIONS,
         flex_available,
+        kernel_options_for,
         softmax_attention_flex,
     )
 
@@ -90,7 +90,7 @@ def flex_same_position(p: Problem, device, dtype):
     q, k, v = _inputs(p, device, dtype)
     pos = _position(p, device)
     mod = pos.score_mod(0) if pos is not None else None
-    opts = GATHER_KERNEL_OPTIONS if getattr(pos, "score_mod_gathers", False) else None
+    opts = kernel_options_for(pos)
     return _closure(lambda q, k, v: softmax_attention_flex(q, k, v, mod, causal=p.causal, kernel_options=opts),
                     q, k, v, p.backward)
 

@@ -211,6 +211,12 @@ if HAS_TRITON:
         return S, z
 
     @triton.jit
+    def _block_total(c_ptr, cz_ptr, cb, S, z, f, c, iv, BF: tl.constexpr, BDV: tl.constexpr):
+        """PHASE 1's output: block cb's final state from zero (z by the first value block)."""
+        tl.store(c_ptr + cb * BF * BDV + f[:, None] * BDV + c[None, :], S)
+        tl.store(cz_ptr + cb * BF + f, z, mask=(f + iv * BF) < BF)
+
+    @triton.jit
     def _fwd_state_kernel(k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, c_ptr, cz_ptr, H, Lk, F, Dv, N, G, NB,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, PHASE: tl.constexpr = 0):
@@ -246,8 +252,7 @@ if HAS_TRITON:
                 tl.store(h_base + (n + 1) * BF * BDV + f[:, None] * BDV + c[None, :], S.to(h_ptr.dtype.element_ty))
                 tl.store(z_base + (n + 1) * BF + f, z, mask=(f + iv * BF) < BF)  # only the first value block
         if PHASE == 1:
-            tl.store(c_ptr + (bh * NB + blk) * BF * BDV + f[:, None] * BDV + c[None, :], S)
-            tl.store(cz_ptr + (bh * NB + blk) * BF + f, z, mask=(f + iv * BF) < BF)
+            _block_total(c_ptr, cz_ptr, bh * NB + blk, S, z, f, c, iv, BF, BDV)
 
     @triton.jit
     def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset,
@@ -336,8 +341,7 @@ if HAS_TRITON:
                 tl.store(dh_base + n * BF * BDV + f[:, None] * BDV + c[None, :], dS.to(dh_ptr.dtype.element_ty))
                 tl.store(dz_base + n * BF + f, dz, mask=(f + iv * BF) < BF)  # only the first value block
         if PHASE == 1:
-            tl.store(c_ptr + (bh * NB + blk) * BF * BDV + f[:, None] * BDV + c[None, :], dS)
-            tl.store(cz_ptr + (bh * NB + blk) * BF + f, dz, mask=(f + iv * BF) < BF)
+            _block_total(c_ptr, cz_ptr, bh * NB + blk, dS, dz, f, c, iv, BF, BDV)
 
     @triton.jit
     def _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv, q_offset,
@@ -434,7 +438,7 @@ if HAS_TRITON:
 
 
 #: How the chunk-state passes (forward and backward; triton_soe's and triton_band's per term
-#: too, `triton_soe._soe_pass`) run over the chunks: "sequential", one program per
+#: too, through `_state_pass`) run over the chunks: "sequential", one program per
 #: (batch·head, value block[, term]) walking all N chunks (triton_chunked at 64k tokens: 1,024
 #: steps in 32 programs, a quarter of an H100's SMs); "blocked", in blocks of about √N chunks walked side
 #: by side twice (their totals from zero, then the states from each block's carry), the
@@ -503,20 +507,28 @@ def _block_carries(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor, star
 
 
 def _state_pass(launch, h: Tensor, z: Tensor, log_g: Tensor, N: int, BT: int, Lk: int, reverse: bool,
-                mode: str) -> None:
-    """One chunk-state pass over the chunks as `mode` says (`scan_blocks`).
-    `launch(blocks, h, z, c, cz, G, NB, phase)` launches the pass's kernel on `blocks` blocks
-    of G chunks, states h and z, carry buffers c, cz and PHASE `phase` (0: one block)."""
+                mode: str, from_zero: bool = False) -> None:
+    """One chunk-state pass over the chunks as `mode` says (`scan_blocks`), for triton_chunked
+    (`h [B·H, N+1, BF, BDV]`, one decay per head) and triton_soe (`h [B·H, K, N, BF, BDV]`, one
+    decay per term): states on the third axis from the end, `log_g` repeating along the rows
+    before it. `launch(blocks, h, z, c, cz, G, NB, phase)` launches the pass's kernel on
+    `blocks` blocks of G chunks, states h and z, carry buffers c, cz and PHASE `phase` (0: one
+    block). The pass starts from h/z at chunk 0 (`reverse`: at N), or from zero (`from_zero`)."""
     G, NB = scan_blocks(N, mode)
     if NB == 1:
         launch(1, h, z, h, z, N, 1, 0)
         return
-    BHn, acc = h.shape[0], z.dtype
-    tot = torch.empty(BHn, NB, *h.shape[2:], dtype=acc, device=h.device)
-    totz = torch.empty(BHn, NB, z.shape[2], dtype=acc, device=h.device)
+    BF, BDV, acc = h.shape[-2], h.shape[-1], z.dtype
+    rows = h.numel() // (h.shape[-3] * BF * BDV)  # B·H, or B·H·K
+    tot = torch.empty(rows, NB, BF, BDV, dtype=acc, device=h.device)
+    totz = torch.empty(rows, NB, BF, dtype=acc, device=h.device)
     launch(NB, h, z, tot, totz, G, NB, 1)
-    at = N if reverse else 0
-    carry, carryz = _block_carries(tot, totz, log_g, h[:, at], z[:, at], N, G, BT, Lk, reverse)
+    if from_zero:
+        start, startz = tot.new_zeros(rows, BF, BDV), totz.new_zeros(rows, BF)
+    else:
+        at = N if reverse else 0
+        start, startz = h[:, at], z[:, at]
+    carry, carryz = _block_carries(tot, totz, log_g, start, startz, N, G, BT, Lk, reverse)
     launch(NB, h, z, carry, carryz, G, NB, 2)
 
 

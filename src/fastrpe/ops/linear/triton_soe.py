@@ -46,15 +46,16 @@ from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
 from . import triton_chunked as _tc
-from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _block_carries, _numerator_grads, _pow2, _tuned,
-                             acc_dtype, dot_mode, dv_in_bf16, on_device_of, quotient_flags, scan_blocks,
-                             triton_unavailable_reason, value_dtype, with_quotient_grad)
+from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _state_pass, _tuned,
+                             acc_dtype, dot_mode, dv_in_bf16, on_device_of, quotient_flags, triton_unavailable_reason,
+                             value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_chunked import _bf16_bits, _bf16_value, _divide_rows, _dot, _load_rows, _row_inv, _store_tile
+    from .triton_chunked import (_bf16_bits, _bf16_value, _block_total, _divide_rows, _dot, _load_rows, _row_inv,
+                                 _store_tile)
 
     @triton.jit
     def _soe_state_kernel(k_ptr, v_ptr, lgk_ptr, h_ptr, z_ptr, c_ptr, cz_ptr, Lk, F, Dv, N, K, GB, NBK,
@@ -105,12 +106,6 @@ if HAS_TRITON:
             S = tl.zeros([BF, BV], dtype=ACC)
             z = tl.zeros([BF], dtype=ACC)
         return S, z
-
-    @triton.jit
-    def _block_total(c_ptr, cz_ptr, cb, S, z, f, c, iv, BF: tl.constexpr, BDV: tl.constexpr):
-        """PHASE 1's output: block cb's final state from zero (z by the first value block)."""
-        tl.store(c_ptr + cb * BF * BDV + f[:, None] * BDV + c[None, :], S)
-        tl.store(cz_ptr + cb * BF + f, z, mask=(f + iv * BF) < BF)
 
     @triton.jit
     def _near_table(cn_ptr, hh, d0, j: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr):
@@ -384,25 +379,6 @@ def _diagonal_sums(P: Tensor, T: int) -> Tensor:
     return out
 
 
-def _soe_pass(launch, h: Tensor, z: Tensor, lgk: Tensor, N: int, T: int, reverse: bool, mode: str) -> None:
-    """One state pass of the K terms (forward states from zero, or, `reverse`, their gradients
-    from zero) over the chunks as `mode` says (`triton_chunked.scan_blocks`):
-    `launch(blocks, h, z, c, cz, G, NBK, phase)` launches the kernel on `blocks` blocks of G
-    chunks per term. In blocks, every term's carries come from its blocks' totals
-    (`triton_chunked._block_carries`, chunks of T keys, decay γ_k per key)."""
-    G, NBK = scan_blocks(N, mode)
-    if NBK == 1:
-        launch(1, h, z, h, z, N, 1, 0)
-        return
-    BHK, BF, BDV = h.shape[0] * h.shape[1], h.shape[-2], h.shape[-1]
-    tot = torch.empty(BHK, NBK, BF, BDV, dtype=z.dtype, device=h.device)
-    totz = torch.empty(BHK, NBK, BF, dtype=z.dtype, device=h.device)
-    launch(NBK, h, z, tot, totz, G, NBK, 1)
-    carry, carryz = _block_carries(tot, totz, lgk, tot.new_zeros(BHK, BF, BDV), totz.new_zeros(BHK, BF), N, G, T,
-                                   N * T, reverse)
-    launch(NBK, h, z, carry, carryz, G, NBK, 2)
-
-
 class _SoE(torch.autograd.Function):
     """`(num, den)`: the near field once, the far field term group by term group (each group's
     K·N states built, read and freed before the next: memory bounded by `STATE_BUDGET`)."""
@@ -451,9 +427,9 @@ class _SoE(torch.autograd.Function):
         Dv, K = v.shape[3], lgk.numel()
         h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
         z = torch.empty(B * H, K, N, BF, dtype=acc, device=phi_k.device)
-        _soe_pass(lambda nb, h, z, c, cz, G, NBK, phase: _soe_state_kernel[(B * H, BDV // BV, K * nb)](
+        _state_pass(lambda nb, h, z, c, cz, G, NBK, phase: _soe_state_kernel[(B * H, BDV // BV, K * nb)](
             phi_k, v, lgk, h, z, c, cz, Lk, F, Dv, N, K, G, NBK, BT=T, BF=BF, BV=BV, BDV=BDV, PHASE=phase, **meta),
-            h, z, lgk, N, T, reverse=False, mode=scan)
+            h, z, lgk, N, T, N * T, reverse=False, mode=scan, from_zero=True)
         return h, z
 
     @staticmethod
@@ -492,10 +468,11 @@ class _SoE(torch.autograd.Function):
             del dwq_g
             dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
             dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-            _soe_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
+            _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
                 (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
                                              q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
-                                             **scaled), dh, dz, lg, N, T, reverse=True, mode=scan)
+                                             **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
+                                             from_zero=True)
             _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                             *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
                                               else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset,
