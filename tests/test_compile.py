@@ -212,3 +212,50 @@ def test_auto_looks_up_no_module_per_call(monkeypatch):
     for kernel, pos in (("nprf", P.ALiBi(H)), ("nprf", P.KerpleLog(H)), ("softmax", P.T5Bias(H))):
         fr.explain(q, k, v, kernel=kernel, position=pos, causal=True)
         fr.attention(q, k, v, kernel=kernel, position=pos, causal=True, backend="auto")
+
+
+# ---------------------------------------------------------------- the Triton backends under compile
+
+#: id -> (kernel, position factory, causal, the Triton backend forced): every Triton family,
+#: positional parameters learnable (their gradients cross the custom ops too)
+TRITON_PATHS = {
+    "triton_chunked-alibi": ("nprf", lambda: P.ALiBi(H), True, "triton_chunked"),
+    "triton_chunked-geometric-bidirectional": ("nprf", lambda: P.GeometricDecay(H), False, "triton_chunked"),
+    "triton_soe-kerple_log": ("nprf", lambda: P.KerpleLog(H), True, "triton_soe"),
+    "triton_band-t5": ("nprf", lambda: P.T5Bias(H, bidirectional=False), True, "triton_band"),
+    "triton_tiled-learned": ("nprf", lambda: P.LearnedTable(H, max_distance=L - 1, causal=False), False,
+                             "triton_tiled"),
+}
+
+
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
+def test_triton_backends_compile_fullgraph_as_custom_ops(path, ran, monkeypatch):
+    """A layer on a Triton backend (under the interpreter here) compiles with no graph break:
+    each autograd function's halves are the custom ops `fastrpe::*` in the forward and the
+    backward graph (`triton_chunked.compile_opaque`), and output and every gradient equal
+    eager's in float64."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    kernel, pos, causal, backend = TRITON_PATHS[path]
+    torch.manual_seed(0)
+    m = fr.nn.MultiheadAttention(E, H, kernel, pos(), causal=causal, backend=backend).double()
+    x = torch.randn(1, L, E, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    eager = _fwd_bwd(m, m, x)
+    assert ran == [backend]
+    ran.clear()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm)
+
+    compiled = torch.compile(m, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    _assert_same(_fwd_bwd(compiled, m, x), eager, torch.float64, path)
+    assert set(ran) == {backend}
+    op = backend if backend != "triton_band" else "triton_soe"  # the band runs the fused kernel
+    assert len(graphs) == 2, graphs
+    assert f"fastrpe.{op}_forward" in graphs[0] and f"fastrpe.{op}_backward" in graphs[1], graphs

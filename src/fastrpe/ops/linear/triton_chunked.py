@@ -620,104 +620,191 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def compile_opaque(name: str, fn, fake):
+    """`fn` (whose arguments start with a tensor on the launch device) as the custom op
+    `fastrpe::name`, which `torch.compile` keeps as one call: Dynamo cannot trace the Triton
+    interpreter's kernels, and a compiled graph needs the outputs' shapes without running
+    them (`fake`, called with the same arguments, gives them). Returns the function to call:
+    the op under compile, fn itself otherwise (the dispatcher's custom-op overhead is not
+    paid eagerly, where each launch's host time counts at short lengths). A torch that cannot
+    register the op keeps eager calls working; a compiled call then says why it cannot run."""
+    fn = on_device_of(0)(fn)
+    try:
+        op = torch.library.custom_op(f"fastrpe::{name}", mutates_args=())(fn)
+        op.register_fake(fake)
+        overload, why = op._opoverload, None
+    except Exception as e:  # pragma: no cover - depends on the torch version
+        overload, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    @functools.wraps(fn)
+    def call(*args):
+        if not torch.compiler.is_compiling():
+            return fn(*args)
+        if overload is None:
+            raise FastRPEError(f"fastrpe::{name}: the Triton kernels cannot run under torch.compile with this "
+                               f"torch ({torch.__version__}): registering their custom op failed ({why})")
+        return overload(*args)
+
+    call.op = overload
+    return call
+
+
+def _chunk_sizes(phi_q: Tensor, v: Tensor, q_offset: int, chunk: int) -> tuple[int, int, int, int, int]:
+    """`(BT, BF, BDV, BVS, N)`: the chunk, the feature and value tiles, the state passes'
+    value block and the number of chunks."""
+    Lq, F = phi_q.shape[2], phi_q.shape[3]
+    Lk, Dv = v.shape[2], v.shape[3]
+    BDV = _pow2(Dv)
+    # the state passes are sequential over chunks: narrow value blocks for more programs
+    # (B·H alone is 8 programs at B=1, H=8)
+    return chunk, _pow2(F), BDV, min(BDV, 16), -(-max(Lk, q_offset + Lq) // chunk)
+
+
+def _chunked_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, init: Tensor | None, q_offset: int,
+                     chunk: int, strict: bool, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None,
+                     state_dtype: torch.dtype | None, want_state: bool, scan: str
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`(num, den, state, h, z)` of `_ChunkedDecay` (state empty unless `want_state`; h, z the
+    chunk states its backward reads)."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, dt = phi_q.device, phi_q.dtype
+    acc = acc_dtype(dt)
+    BT, BF, BDV, BVS, N = _chunk_sizes(phi_q, v, q_offset, chunk)
+    BV = min(BDV, 64)
+    # the chunk states between the kernels (each kernel carries its running state in acc)
+    h = torch.zeros(B * H, N + 1, BF, BDV, dtype=state_dtype or acc, device=dev)
+    z = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
+    if init is not None:
+        h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
+        z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
+    # with `divide` the output kernel writes the quotient in that dtype (from its sums in acc)
+    num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
+    den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
+    meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+    out_bf16, quot = quotient_flags(divide, acc)
+    _state_pass(lambda nb, h, z, c, cz, G, NB, phase: _fwd_state_kernel[(B * H, BDV // BVS, nb)](
+        phi_k, v, log_g, h, z, c, cz, H, Lk, F, Dv, N, G, NB, BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta),
+        h, z, log_g, N, BT, Lk, reverse=False, mode=scan)
+    _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
+                                           den, H, Lq, Lk, F, Dv, N, q_offset,
+                                           BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
+    state = (torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1) if want_state
+             else h.new_empty(0, dtype=acc))
+    return num, den, state, h, z
+
+
+def _chunked_forward_fake(phi_q, phi_k, v, log_g, init, q_offset, chunk, strict, out_dtype, mode, divide,
+                          state_dtype, want_state, scan):
+    B, H, Lq, F = phi_q.shape
+    Dv = v.shape[3]
+    acc = acc_dtype(phi_q.dtype)
+    _, BF, BDV, _, N = _chunk_sizes(phi_q, v, q_offset, chunk)
+    return (phi_q.new_empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide),
+            phi_q.new_empty(B, H, Lq, dtype=out_dtype if divide is None else acc),
+            phi_q.new_empty((B, H, F, Dv + 1) if want_state else (0,), dtype=acc),
+            phi_q.new_empty(B * H, N + 1, BF, BDV, dtype=state_dtype or acc),
+            phi_q.new_empty(B * H, N + 1, BF, dtype=acc))
+
+
+def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h: Tensor, z: Tensor,
+                      state: Tensor | None, init: Tensor | None, den: Tensor | None, dnum: Tensor | None,
+                      dden: Tensor | None, dstate: Tensor | None, q_offset: int, chunk: int, strict: bool, mode: int,
+                      scan: str, want_dlg: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`(dφq, dφk, dv, dlog γ, dinit)` of `_ChunkedDecay` (dlog γ empty unless `want_dlg`,
+    dinit unless there is an initial state)."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, dt = phi_q.device, phi_q.dtype
+    acc = acc_dtype(dt)
+    BT, BF, BDV, BVS, N = _chunk_sizes(phi_q, v, q_offset, chunk)
+    dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
+    dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=h.dtype, device=dev)
+    dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
+    if dstate is not None:
+        dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
+        dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
+    meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=den is not None)
+    _state_pass(lambda nb, dh, dz, c, cz, G, NB, phase: _bwd_state_kernel[(B * H, BDV // BVS, nb)](
+        phi_q, dnum, inv, dden, log_g, dh, dz, c, cz, H, Lq, Lk, F, Dv, N, G, NB, q_offset,
+        BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta), dh, dz, log_g, N, BT, Lk, reverse=True, mode=scan)
+    dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+    dv_bf16 = dv_in_bf16(v, dt)
+    dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
+    tiles = dict(BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
+    _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
+                                dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
+                                DV_BF16=dv_bf16, **tiles)
+    dinit = h.new_empty(0, dtype=acc)
+    if init is not None:
+        dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
+    cross = None
+    if want_dlg:  # (the states' part of dlg, below)
+        cross = _state_dots(h[:, 1:], dh[:, 1:]) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=torch.float64)
+    # the states' gradients are spent before dφq is made: the two are never held together
+    del dh, dz
+    dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+    _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset, **tiles)
+    dlg = log_g.new_empty(0)
+    if want_dlg:
+        # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks
+        # between): the chunk-local parts from the gradients, the crossings from the states,
+        # Σ_pairs crossing boundary b = <S_b, dS_b>. (Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j is the
+        # same sum, but its two terms are L·(1-γ) times larger than it: bf16 products lost it.)
+        # The initial state is a key at -1 in chunk 0, the final state a query at Lk-1 in chunk N.
+        f64 = torch.float64
+        pq = ((torch.arange(Lq, device=dev) + q_offset) % BT).to(f64)
+        pk = (torch.arange(Lk, device=dev) % BT).to(f64)
+        dlg = ((phi_q.to(acc) * dq).sum(-1).to(f64) * pq).sum((0, 2))
+        dlg = dlg - ((phi_k.to(acc) * dk).sum(-1).to(f64) * pk).sum((0, 2))
+        dlg = dlg + BT * cross.view(B, H).sum(0)
+        if dstate is not None and state is not None:
+            dlg = dlg + (Lk - 1 - N * BT) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
+        if init is not None:
+            dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
+        dlg = dlg.to(log_g.dtype)
+    return dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else dinit
+
+
+def _chunked_backward_fake(phi_q, phi_k, v, log_g, h, z, state, init, den, dnum, dden, dstate, q_offset, chunk,
+                           strict, mode, scan, want_dlg):
+    B, H, Lq, F = phi_q.shape
+    Lk = v.shape[2]
+    return (phi_q.new_empty(B, H, Lq, F), phi_q.new_empty(B, H, Lk, F), torch.empty_like(v),
+            log_g.new_empty(log_g.shape if want_dlg else (0,)),
+            init.new_empty(init.shape) if init is not None else h.new_empty(0, dtype=acc_dtype(phi_q.dtype)))
+
+
+_chunked_forward_op = compile_opaque("triton_chunked_forward", _chunked_forward, _chunked_forward_fake)
+_chunked_backward_op = compile_opaque("triton_chunked_backward", _chunked_backward, _chunked_backward_fake)
+
+
 class _ChunkedDecay(torch.autograd.Function):
     """`(num, den, state)` of the causal (or strictly causal) geometric-decay recurrence (state
-    None unless `want_state`: a call that does not return it does not gather it)."""
+    None unless `want_state`: a call that does not return it does not gather it). Its two
+    halves are custom ops under `torch.compile` (`compile_opaque`)."""
 
     @staticmethod
-    @on_device_of(1)
     def forward(ctx, phi_q, phi_k, v, log_g, init, q_offset: int, chunk: int, strict: bool, out_dtype, mode: int,
                 divide=None, state_dtype=None, want_state: bool = False):
-        B, H, Lq, F = phi_q.shape
-        Lk, Dv = v.shape[2], v.shape[3]
-        dev, dt = phi_q.device, phi_q.dtype
-        acc = acc_dtype(dt)
-        BT, BF, BDV = chunk, _pow2(F), _pow2(Dv)
-        BV = min(BDV, 64)
-        # the state passes are sequential over chunks: narrow value blocks for more programs
-        # (B·H alone is 8 programs at B=1, H=8)
-        BVS = min(BDV, 16)
-        N = -(-max(Lk, q_offset + Lq) // BT)
-        # the chunk states between the kernels (each kernel carries its running state in acc)
-        h = torch.zeros(B * H, N + 1, BF, BDV, dtype=state_dtype or acc, device=dev)
-        z = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
-        if init is not None:
-            h[:, 0, :F, :Dv] = init[..., :Dv].reshape(B * H, F, Dv)
-            z[:, 0, :F] = init[..., Dv].reshape(B * H, F)
-        # with `divide` the output kernel writes the quotient in that dtype (from its sums in acc)
-        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
-        den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        out_bf16, quot = quotient_flags(divide, acc)
-        _state_pass(lambda nb, h, z, c, cz, G, NB, phase: _fwd_state_kernel[(B * H, BDV // BVS, nb)](
-            phi_k, v, log_g, h, z, c, cz, H, Lk, F, Dv, N, G, NB, BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta),
-            h, z, log_g, N, BT, Lk, reverse=False, mode=STATE_SCAN)
-        _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
-                                               den, H, Lq, Lk, F, Dv, N, q_offset,
-                                               BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
-        state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1) if want_state else None
+        num, den, state, h, z = _chunked_forward_op(phi_q, phi_k, v, log_g, init, q_offset, chunk, strict,
+                                                    out_dtype, mode, divide, state_dtype, want_state, STATE_SCAN)
+        state = state if want_state else None
         # with `divide` num holds `num/den`: no float32 num is kept; backward takes the quotient's
         # gradient as it comes, scaled by 1/den in the kernels (`_row_inv`), and den's from
         # `_QuotientGrad`, so only den is saved
         ctx.save_for_backward(phi_q, phi_k, v, log_g, h, z, state, init, den if divide is not None else None)
-        ctx.cfg = (q_offset, BT, BF, BDV, BVS, N, strict, mode, STATE_SCAN)
+        ctx.cfg = (q_offset, chunk, strict, mode, STATE_SCAN)
         return num, den, state
 
     @staticmethod
-    @on_device_of(1)
     def backward(ctx, dnum, dden, dstate):
         phi_q, phi_k, v, log_g, h, z, state, init, den = ctx.saved_tensors
-        q_offset, BT, BF, BDV, BVS, N, strict, mode, scan = ctx.cfg
-        B, H, Lq, F = phi_q.shape
-        Lk, Dv = v.shape[2], v.shape[3]
-        dev, dt = phi_q.device, phi_q.dtype
-        acc = acc_dtype(dt)
-        dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
-        dh = torch.zeros(B * H, N + 1, BF, BDV, dtype=h.dtype, device=dev)
-        dz = torch.zeros(B * H, N + 1, BF, dtype=acc, device=dev)
-        if dstate is not None:
-            dh[:, N, :F, :Dv] = dstate[..., :Dv].reshape(B * H, F, Dv)
-            dz[:, N, :F] = dstate[..., Dv].reshape(B * H, F)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=den is not None)
-        _state_pass(lambda nb, dh, dz, c, cz, G, NB, phase: _bwd_state_kernel[(B * H, BDV // BVS, nb)](
-            phi_q, dnum, inv, dden, log_g, dh, dz, c, cz, H, Lq, Lk, F, Dv, N, G, NB, q_offset,
-            BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta), dh, dz, log_g, N, BT, Lk, reverse=True, mode=scan)
-        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        dv_bf16 = dv_in_bf16(v, dt)
-        dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
-        tiles = dict(BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
-        _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
-                                    dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
-                                    DV_BF16=dv_bf16, **tiles)
-        dinit = None
-        if init is not None:
-            dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
-        cross = None
-        if ctx.needs_input_grad[3]:  # (the states' part of dlg, below)
-            cross = _state_dots(h[:, 1:], dh[:, 1:]) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=torch.float64)
-        # the states' gradients are spent before dφq is made: the two are never held together
-        del dh, dz
-        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-        _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset, **tiles)
-        dlg = None
-        if ctx.needs_input_grad[3]:
-            # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks
-            # between): the chunk-local parts from the gradients, the crossings from the states,
-            # Σ_pairs crossing boundary b = <S_b, dS_b>. (Σ_i p_i φq_i·dφq_i - Σ_j j φk_j·dφk_j is the
-            # same sum, but its two terms are L·(1-γ) times larger than it: bf16 products lost it.)
-            # The initial state is a key at -1 in chunk 0, the final state a query at Lk-1 in chunk N.
-            f64 = torch.float64
-            pq = ((torch.arange(Lq, device=dev) + q_offset) % BT).to(f64)
-            pk = (torch.arange(Lk, device=dev) % BT).to(f64)
-            dlg = ((phi_q.to(acc) * dq).sum(-1).to(f64) * pq).sum((0, 2))
-            dlg = dlg - ((phi_k.to(acc) * dk).sum(-1).to(f64) * pk).sum((0, 2))
-            dlg = dlg + BT * cross.view(B, H).sum(0)
-            if dstate is not None and state is not None:
-                dlg = dlg + (Lk - 1 - N * BT) * (state.to(f64) * dstate.to(f64)).sum((0, 2, 3))
-            if init is not None:
-                dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
-            dlg = dlg.to(log_g.dtype)
-        return (dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else None,
+        q_offset, chunk, strict, mode, scan = ctx.cfg
+        dq, dk, dv, dlg, dinit = _chunked_backward_op(phi_q, phi_k, v, log_g, h, z, state, init, den, dnum, dden,
+                                                      dstate, q_offset, chunk, strict, mode, scan,
+                                                      ctx.needs_input_grad[3])
+        return (dq, dk, dv, dlg if ctx.needs_input_grad[3] else None, dinit if init is not None else None,
                 None, None, None, None, None, None, None, None)
 
 
@@ -737,8 +824,7 @@ def _state_dots(h: Tensor, dh: Tensor) -> Tensor:
     return out
 
 
-@on_device_of(0)
-def quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, Tensor]:
+def _quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, Tensor]:
     """What the gradient of `out = quotient(num, den)` needs in place of `dnum`: `inv = 1/den`
     (0 for an empty row), by which the kernels scale the products of dout row by row
     (`dnum = dout·inv`), and `dden = -inv·Σ_c dout·out` (the output in place of num in
@@ -757,6 +843,13 @@ def quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, T
     _quotient_dd_kernel[(triton.cdiv(R, BR),)](dout, out.contiguous(), inv, dd, R, Dv, BR=BR, BC=min(_pow2(Dv), 128),
                                                ACC=_TL_DTYPE[den.dtype])
     return inv, dd
+
+
+def _quotient_backward_fake(dout, out, den):
+    return torch.empty_like(den), torch.empty_like(den)
+
+
+quotient_backward = compile_opaque("quotient_backward", _quotient_backward, _quotient_backward_fake)
 
 
 class _QuotientGrad(torch.autograd.Function):

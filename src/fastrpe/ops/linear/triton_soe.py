@@ -47,8 +47,8 @@ from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  
 from ..common import quotient
 from . import triton_chunked as _tc
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _state_pass, _tuned,
-                             acc_dtype, dot_mode, dv_in_bf16, on_device_of, quotient_flags, triton_unavailable_reason,
-                             value_dtype, with_quotient_grad)
+                             acc_dtype, compile_opaque, dot_mode, dv_in_bf16, quotient_flags,
+                             triton_unavailable_reason, value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
     import triton
@@ -379,116 +379,172 @@ def _diagonal_sums(P: Tensor, T: int) -> Tensor:
     return out
 
 
+def _soe_sizes(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int, group: int):
+    """`(BF, BDV, BV, N, groups)`: the feature and value tiles, the output kernels' value
+    block, the number of chunks and the term groups `[(k0, k1), ...]` of `group` terms."""
+    Lq, F = phi_q.shape[2], phi_q.shape[3]
+    Lk, Dv = v.shape[2], v.shape[3]
+    BDV = _pow2(Dv)
+    groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
+    return _pow2(F), BDV, min(BDV, 64), -(-max(Lk, q_offset + Lq) // T), groups
+
+
+def _soe_sum_dtypes(dt: torch.dtype, out_dtype: torch.dtype, divide: torch.dtype | None, n_groups: int):
+    """`(fused, num dtype, den dtype)` of the output launches: `fused`, one launch writes the
+    quotient (`divide`) itself; several groups add into num/den, or a quotient is formed from
+    them after: sums in the accumulation dtype until the end."""
+    acc = acc_dtype(dt)
+    fused = divide is not None and n_groups == 1
+    sum_dtype = divide if fused else (out_dtype if n_groups == 1 and divide is None else acc)
+    return fused, sum_dtype, acc if divide is not None else sum_dtype
+
+
+def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
+    """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K =
+    lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`)."""
+    B, H, Lk, F = phi_k.shape
+    Dv, K = v.shape[3], lgk.numel()
+    h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
+    z = torch.empty(B * H, K, N, BF, dtype=acc, device=phi_k.device)
+    _state_pass(lambda nb, h, z, c, cz, G, NBK, phase: _soe_state_kernel[(B * H, BDV // BV, K * nb)](
+        phi_k, v, lgk, h, z, c, cz, Lk, F, Dv, N, K, G, NBK, BT=T, BF=BF, BV=BV, BDV=BDV, PHASE=phase, **meta),
+        h, z, lgk, N, T, N * T, reverse=False, mode=scan, from_zero=True)
+    return h, z
+
+
+def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, q_offset: int, T: int,
+                 NB: int, out_dtype: torch.dtype, mode: int, state_dtype: torch.dtype, group: int,
+                 divide: torch.dtype | None, scan: str) -> tuple[Tensor, Tensor]:
+    """`(num, den)` of `_SoE`: the near field once, the far field term group by term group
+    (each group's K·N states built, read and freed before the next: memory bounded by
+    `STATE_BUDGET`)."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, dt = phi_q.device, phi_q.dtype
+    acc = acc_dtype(dt)
+    BF, BDV, BV, N, groups = _soe_sizes(phi_q, v, lgk.numel(), q_offset, T, group)
+    fused, num_dtype, den_dtype = _soe_sum_dtypes(dt, out_dtype, divide, len(groups))
+    num = torch.empty(B, H, Lq, Dv, dtype=num_dtype, device=dev)
+    den = torch.empty(B, H, Lq, dtype=den_dtype, device=dev)
+    meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+    out_bf16, quot = quotient_flags(divide if fused else None, acc)
+    for i, (k0, k1) in enumerate(groups):
+        h, z = _soe_states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
+        _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
+                                               num.view(torch.int16) if out_bf16 else num, den,
+                                               H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
+                                               BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **quot, **meta)
+        del h, z
+    # the states are not kept for backward (K times the geometric path's: 8.6 GB at
+    # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
+    if divide is not None:  # `num/den` in place of num, den saved alone (`triton_chunked._ChunkedDecay`)
+        return (num if fused else quotient(num, den, divide)), den
+    return num.to(out_dtype), den.to(out_dtype)
+
+
+def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group, divide,
+                      scan):
+    B, H, Lq, _ = phi_q.shape
+    Dv = v.shape[3]
+    if divide is None:
+        num_dtype = den_dtype = out_dtype
+    else:
+        num_dtype, den_dtype = divide, acc_dtype(phi_q.dtype)
+    return phi_q.new_empty(B, H, Lq, Dv, dtype=num_dtype), phi_q.new_empty(B, H, Lq, dtype=den_dtype)
+
+
+def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, den: Tensor | None,
+                  dnum: Tensor | None, dden: Tensor | None, q_offset: int, T: int, NB: int, mode: int,
+                  state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`(dφq, dφk, dv, dcn, dwq)` of `_SoE` (dcn, dwq empty unless wanted); the states are
+    made again, group by group, as the forward made them."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, dt = phi_q.device, phi_q.dtype
+    acc = acc_dtype(dt)
+    BF, BDV, BV, N, groups = _soe_sizes(phi_q, v, lgk.numel(), q_offset, T, group)
+    hdt = state_dtype
+    dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
+    meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+    scaled = dict(SCALED=den is not None)
+    NS = min(N, 128)
+    dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+    dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+    # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
+    dv_bf16 = dv_in_bf16(v, dt)
+    dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
+    dvlo = torch.empty_like(dv) if dv_bf16 and len(groups) > 1 else dv
+    dwq = []
+    for i, (k0, k1) in enumerate(groups):
+        Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
+        flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
+        # the queries' side reads the states, the keys' side their gradients: one at a time
+        h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta, scan)
+        dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
+        _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
+                                        H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
+                                        **flags, **meta, **scaled)
+        del h, z
+        if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
+            dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
+        del dwq_g
+        dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
+        dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
+        _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
+            (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
+                                         q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
+                                         **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
+                                         from_zero=True)
+        _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
+                                        *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
+                                          else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset,
+                                        BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
+                                        **flags, **meta, **scaled)
+        del dh, dz
+    del dvlo
+    dcn, dwq_h = cn.new_empty(0), wq.new_empty(0)
+    if want_dcn:
+        p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
+        _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
+                                             BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
+        dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
+    if want_dwq:
+        dwq_h = torch.cat(dwq, 1).to(wq.dtype)
+    return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h
+
+
+def _soe_backward_fake(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode, state_dtype, group,
+                       scan, want_dcn, want_dwq):
+    return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
+            cn.new_empty(cn.shape if want_dcn else (0,)), wq.new_empty(wq.shape if want_dwq else (0,)))
+
+
+_soe_forward_op = compile_opaque("triton_soe_forward", _soe_forward, _soe_forward_fake)
+_soe_backward_op = compile_opaque("triton_soe_backward", _soe_backward, _soe_backward_fake)
+
+
 class _SoE(torch.autograd.Function):
-    """`(num, den)`: the near field once, the far field term group by term group (each group's
-    K·N states built, read and freed before the next: memory bounded by `STATE_BUDGET`)."""
+    """`(num, den)` by `_soe_forward`; custom ops under `torch.compile` (`compile_opaque`)."""
 
     @staticmethod
-    @on_device_of(1)
     def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, NB: int, out_dtype, mode: int, state_dtype,
                 group: int, divide=None):
-        B, H, Lq, F = phi_q.shape
-        Lk, Dv = v.shape[2], v.shape[3]
-        K = lgk.numel()
-        dev, dt = phi_q.device, phi_q.dtype
-        acc = acc_dtype(dt)
-        BF, BDV = _pow2(F), _pow2(Dv)
-        BV = min(BDV, 64)
-        N = -(-max(Lk, q_offset + Lq) // T)
-        groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
-        # one launch with `divide`: the kernel writes the quotient in that dtype; several groups
-        # add into num/den, or a quotient is formed from them after: sums in acc until the end
-        fused = divide is not None and len(groups) == 1
-        sum_dtype = divide if fused else (out_dtype if len(groups) == 1 and divide is None else acc)
-        num = torch.empty(B, H, Lq, Dv, dtype=sum_dtype, device=dev)
-        den = torch.empty(B, H, Lq, dtype=acc if divide is not None else sum_dtype, device=dev)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        out_bf16, quot = quotient_flags(divide if fused else None, acc)
-        for i, (k0, k1) in enumerate(groups):
-            h, z = _SoE.states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, _tc.STATE_SCAN)
-            _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
-                                                   num.view(torch.int16) if out_bf16 else num, den,
-                                                   H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
-                                                   BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **quot, **meta)
-            del h, z
-        # the states are not kept for backward (K times the geometric path's: 8.6 GB at
-        # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
-        if divide is not None:  # `num/den` in place of num, den saved alone (`triton_chunked._ChunkedDecay`)
-            num = num if fused else quotient(num, den, divide)
+        num, den = _soe_forward_op(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group,
+                                   divide, _tc.STATE_SCAN)
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None)
-        ctx.cfg = (q_offset, T, NB, BF, BDV, BV, N, state_dtype, mode, groups, _tc.STATE_SCAN)
-        return (num.to(out_dtype), den.to(out_dtype)) if divide is None else (num, den)
+        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN)
+        return num, den
 
     @staticmethod
-    def states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
-        """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K =
-        lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`)."""
-        B, H, Lk, F = phi_k.shape
-        Dv, K = v.shape[3], lgk.numel()
-        h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
-        z = torch.empty(B * H, K, N, BF, dtype=acc, device=phi_k.device)
-        _state_pass(lambda nb, h, z, c, cz, G, NBK, phase: _soe_state_kernel[(B * H, BDV // BV, K * nb)](
-            phi_k, v, lgk, h, z, c, cz, Lk, F, Dv, N, K, G, NBK, BT=T, BF=BF, BV=BV, BDV=BDV, PHASE=phase, **meta),
-            h, z, lgk, N, T, N * T, reverse=False, mode=scan, from_zero=True)
-        return h, z
-
-    @staticmethod
-    @on_device_of(1)
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk, den = ctx.saved_tensors
-        q_offset, T, NB, BF, BDV, BV, N, hdt, mode, groups, scan = ctx.cfg
-        B, H, Lq, F = phi_q.shape
-        Lk, Dv = v.shape[2], v.shape[3]
-        K = lgk.numel()
-        dev, dt = phi_q.device, phi_q.dtype
-        acc = acc_dtype(dt)
-        dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
-        meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
-        scaled = dict(SCALED=den is not None)
-        NS = min(N, 128)
-        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
-        dv_bf16 = dv_in_bf16(v, dt)
-        dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
-        dvlo = torch.empty_like(dv) if dv_bf16 and len(groups) > 1 else dv
-        dwq = []
-        for i, (k0, k1) in enumerate(groups):
-            Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
-            flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
-            # the queries' side reads the states, the keys' side their gradients: one at a time
-            h, z = _SoE.states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta, scan)
-            dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
-            _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
-                                            H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
-                                            **flags, **meta, **scaled)
-            del h, z
-            if ctx.needs_input_grad[4]:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
-                dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
-            del dwq_g
-            dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
-            dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-            _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
-                (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
-                                             q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
-                                             **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
-                                             from_zero=True)
-            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
-                                            *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
-                                              else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset,
-                                            BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
-                                            **flags, **meta, **scaled)
-            del dh, dz
-        del dvlo
-        dcn = dwq_h = None
-        if ctx.needs_input_grad[3]:
-            p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
-            _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
-                                                 BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
-            dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
-        if ctx.needs_input_grad[4]:
-            dwq_h = torch.cat(dwq, 1).to(wq.dtype)
-        return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h, None, None, None, None, None, None, None, None, None
+        q_offset, T, NB, hdt, mode, group, scan = ctx.cfg
+        want_dcn, want_dwq = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dq, dk, dv, dcn, dwq = _soe_backward_op(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode,
+                                                hdt, group, scan, want_dcn, want_dwq)
+        return (dq, dk, dv, dcn if want_dcn else None, dwq if want_dwq else None,
+                None, None, None, None, None, None, None, None, None)
 
 
 #: the kernel tables of plans that take no gradient, per plan: a frozen term's plan is

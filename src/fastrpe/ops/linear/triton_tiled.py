@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from .triton_chunked import (_TL_DTYPE, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, dot_mode, dv_in_bf16,
-                             on_device_of, quotient_flags, triton_unavailable_reason, value_dtype, with_quotient_grad)
+from .triton_chunked import (_TL_DTYPE, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, compile_opaque,
+                             dot_mode, dv_in_bf16, quotient_flags, triton_unavailable_reason, value_dtype,
+                             with_quotient_grad)
 
 if HAS_TRITON:
     import triton
@@ -191,58 +192,94 @@ if HAS_TRITON:
 TILE = 64
 
 
+def _tiled_meta(phi_q: Tensor, v: Tensor, causal: bool, mode: int, key_scale: bool) -> dict:
+    """The tiles and flags every tiled kernel takes."""
+    dt = phi_q.dtype
+    return dict(BM=TILE, BN=TILE, BF=_pow2(phi_q.shape[3]), BDV=_pow2(v.shape[3]), CAUSAL=causal, DT=_TL_DTYPE[dt],
+                ACC=_TL_DTYPE[acc_dtype(dt)], MODE=mode, KEY_SCALE=key_scale)
+
+
+def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, q_offset: int,
+                   causal: bool, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """`(num or the quotient, den, m)` of `_Tiled`."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, acc = phi_q.device, acc_dtype(phi_q.dtype)
+    num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
+    den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
+    m = torch.empty(B, H, Lq, dtype=acc, device=dev)
+    out_bf16, quot = quotient_flags(divide, acc)
+    _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc, lc if ks is None else ks,
+                                                      num.view(torch.int16) if out_bf16 else num, den, m,
+                                                      H, Lq, Lk, F, Dv, Lq + Lk - 1, q_offset, **quot,
+                                                      **_tiled_meta(phi_q, v, causal, mode, ks is not None))
+    return num, den, m
+
+
+def _tiled_forward_fake(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode, divide):
+    B, H, Lq, _ = phi_q.shape
+    acc = acc_dtype(phi_q.dtype)
+    return (phi_q.new_empty(B, H, Lq, v.shape[3], dtype=out_dtype if divide is None else divide),
+            phi_q.new_empty(B, H, Lq, dtype=out_dtype if divide is None else acc),
+            phi_q.new_empty(B, H, Lq, dtype=acc))
+
+
+def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, m: Tensor,
+                    den: Tensor | None, dnum: Tensor | None, dden: Tensor | None, q_offset: int, causal: bool,
+                    mode: int, want_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dφq, dφk, dv, db)` of `_Tiled` (db, the table's gradient, empty unless `want_db`)."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, dt, R = phi_q.device, phi_q.dtype, lc.shape[1]
+    acc = acc_dtype(dt)
+    meta = dict(_tiled_meta(phi_q, v, causal, mode, ks is not None), SCALED=den is not None)
+    ks = lc if ks is None else ks
+    dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
+    dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+    _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, ks, dnum, inv, dd, m, dq,
+                                                         H, Lq, Lk, F, Dv, R, q_offset, **meta)
+    dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+    dv_bf16 = dv_in_bf16(v, dt)
+    dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
+    # (without it, a placeholder that is never touched: the autotuner zeroes db_ptr's tensor)
+    db = torch.zeros(H, R, dtype=acc, device=dev) if want_db else torch.zeros(1, dtype=acc, device=dev)
+    _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, ks, dnum, inv, dd, m, dk,
+                                                          dv.view(torch.int16) if dv_bf16 else dv, db,
+                                                          H, Lq, Lk, F, Dv, R, q_offset, DV_BF16=dv_bf16,
+                                                          DB=want_db, **meta)
+    return dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if want_db else lc.new_empty(0)
+
+
+def _tiled_backward_fake(phi_q, phi_k, v, lc, ks, m, den, dnum, dden, q_offset, causal, mode, want_db):
+    return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
+            lc.new_empty(lc.shape if want_db else (0,)))
+
+
+_tiled_forward_op = compile_opaque("triton_tiled_forward", _tiled_forward, _tiled_forward_fake)
+_tiled_backward_op = compile_opaque("triton_tiled_backward", _tiled_backward, _tiled_backward_fake)
+
+
 class _Tiled(torch.autograd.Function):
-    """`(num or the quotient, den, m)` of `kernelized_num_den_triton_tiled`."""
+    """`(num or the quotient, den, m)` of `kernelized_num_den_triton_tiled`; custom ops under
+    `torch.compile` (`compile_opaque`)."""
 
     @staticmethod
-    @on_device_of(1)
     def forward(ctx, phi_q, phi_k, v, lc, ks, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
-        B, H, Lq, F = phi_q.shape
-        Lk, Dv = v.shape[2], v.shape[3]
-        dev, dt = phi_q.device, phi_q.dtype
-        acc = acc_dtype(dt)
-        BF, BDV, R = _pow2(F), _pow2(Dv), Lq + Lk - 1
-        num = torch.empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide, device=dev)
-        den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
-        m = torch.empty(B, H, Lq, dtype=acc, device=dev)
-        out_bf16, quot = quotient_flags(divide, acc)
-        meta = dict(BM=TILE, BN=TILE, BF=BF, BDV=BDV, CAUSAL=causal, DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode,
-                    KEY_SCALE=ks is not None)
-        _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc, lc if ks is None else ks,
-                                                          num.view(torch.int16) if out_bf16 else num, den, m,
-                                                          H, Lq, Lk, F, Dv, R, q_offset, **quot, **meta)
+        num, den, m = _tiled_forward_op(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode, divide)
         ctx.save_for_backward(phi_q, phi_k, v, lc, ks, m, den if divide is not None else None)
-        ctx.cfg = (q_offset, meta)
+        ctx.cfg = (q_offset, causal, mode)
         ctx.mark_non_differentiable(m)
         return num, den, m
 
     @staticmethod
-    @on_device_of(1)
     def backward(ctx, dnum, dden, dm):
         phi_q, phi_k, v, lc, ks, m, den = ctx.saved_tensors
-        ks = lc if ks is None else ks
-        q_offset, meta = ctx.cfg
-        B, H, Lq, F = phi_q.shape
-        Lk, Dv = v.shape[2], v.shape[3]
-        dev, dt, R = phi_q.device, phi_q.dtype, lc.shape[1]
-        acc = acc_dtype(dt)
-        dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
-        meta = dict(meta, SCALED=den is not None)
-        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-        _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, ks, dnum, inv, dd, m, dq,
-                                                             H, Lq, Lk, F, Dv, R, q_offset, **meta)
-        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-        dv_bf16 = dv_in_bf16(v, dt)
-        dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
-        wants_db = ctx.needs_input_grad[3]
-        # (without it, a placeholder that is never touched: the autotuner zeroes db_ptr's tensor)
-        db = torch.zeros(H, R, dtype=acc, device=dev) if wants_db else torch.zeros(1, dtype=acc, device=dev)
-        _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, ks, dnum, inv, dd, m, dk,
-                                                              dv.view(torch.int16) if dv_bf16 else dv, db,
-                                                              H, Lq, Lk, F, Dv, R, q_offset, DV_BF16=dv_bf16,
-                                                              DB=wants_db, **meta)
-        return (dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if wants_db else None,
-                None, None, None, None, None, None)
+        q_offset, causal, mode = ctx.cfg
+        want_db = ctx.needs_input_grad[3]
+        dq, dk, dv, db = _tiled_backward_op(phi_q, phi_k, v, lc, ks, m, den, dnum, dden, q_offset, causal, mode,
+                                            want_db)
+        return dq, dk, dv, db if want_db else None, None, None, None, None, None, None
 
 
 def kernelized_num_den_triton_tiled(
