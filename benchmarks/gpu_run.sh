@@ -84,6 +84,12 @@
 #   must become 3.7), KERPLE (20x: 12.1 / 11.4 ms must become 9.2 / 11.1) and T5, and profile
 #   cases; where it is the faster, make "blocked" the default on CUDA. GPU test:
 #   tests/test_triton_chunked.py::test_gpu_realistic_size_bf16_blocked_scan.
+# - new, untimed: `fastrpe-triton_{chunked,soe,band,tiled}+compiled` (the call under
+#   torch.compile(fullgraph=True), as Flex runs; the kernels are custom ops in the graph) at
+#   4k and 16k (--compiled-max-length), in a pass of their own after every eager criteria row
+#   (compiling takes long); the 4k criteria read them. Check their first_call_seconds (the
+#   compile), and that they beat their eager twins at 4k; GPU test:
+#   tests/test_gpu.py::test_triton_backend_compiled_by_inductor_equals_eager (in `tests`).
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the

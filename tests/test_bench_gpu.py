@@ -67,6 +67,9 @@ def test_criteria_rows_run_first_at_every_length(tmp_path):
     assert any(first) and not all(first)
     assert first == sorted(first, reverse=True)  # every True before every False
     assert {r["problem"]["L"] for r, f in zip(res["rows"], first) if f} == {32, 40}
+    # and among them, the rows under torch.compile after the eager ones (`row_pass`)
+    ranks = [gpu.row_pass(Problem(**r["problem"]), r["competitor"]) for r in res["rows"]]
+    assert ranks == sorted(ranks) and 1 in ranks
 
 
 def test_the_first_pass_holds_every_row_the_criteria_read():
@@ -590,3 +593,52 @@ def test_retry_errors_without_resume_is_a_one_line_error(tmp_path, capsys):
     lines = (out.out + out.err).strip().splitlines()
     assert rc != 0 and len(lines) == 1 and "--retry-errors needs --resume" in lines[0]
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_compiled_rows_time_the_call_under_torch_compile(monkeypatch):
+    """`fastrpe-<triton backend>+compiled`: the call of its eager twin under
+    `torch.compile(fullgraph=True)` (interpreted kernels here, traced by aot_eager): the same
+    output and gradients, and no row beyond `compiled_max_length`."""
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(gpu, "COMPILE_BACKEND", "aot_eager")
+    calls = []  # each setup's timed call and its inputs
+
+    def closure(fn, q, k, v, backward):
+        calls.append((fn, q, k, v))
+        return lambda: None
+
+    monkeypatch.setattr(gpu, "_closure", closure)
+    torch._dynamo.reset()
+    cfg = gpu.smoke_config(compiled_max_length=48)
+    p = Problem(position="alibi", L=48, H=2, D=16, features=8)
+    dev, dt = torch.device("cpu"), torch.float64
+    got = []
+    for compiled in (False, True):
+        run = gpu.fastrpe_setup("triton_chunked", cfg, compiled=compiled)(p, dev, dt)
+        assert not isinstance(run, str), run
+        assert ("compiled" in run.extra) == compiled
+        fn, q, k, v = calls[-1]
+        out = fn(q, k, v)
+        got.append((out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert "fullgraph=True" in run.extra["compiled"]
+    refused = gpu.fastrpe_setup("triton_chunked", cfg, compiled=True)(
+        Problem(position="alibi", L=96, H=2, D=16, features=8), dev, dt)
+    assert isinstance(refused, str) and "--compiled-max-length" in refused
+    torch._dynamo.reset()
+
+
+def test_a_compiled_row_takes_its_eager_twins_accuracy():
+    """`best_fastrpe` with a tolerance: a `+compiled` row (never at the accuracy length) is
+    judged by its eager twin's measured error, so an approximate path too far from exact does
+    not count through its compiled twin."""
+    L, acc = 4096, 65536
+    rows = [_row("kerple_log", acc, "fastrpe-triton_soe", 10.0, exact=False, max_abs_err_fp32=5e-3),
+            _row("kerple_log", L, "fastrpe-triton_soe", 2.0, exact=False),
+            _row("kerple_log", L, "fastrpe-triton_soe+compiled", 1.0, exact=False)]
+    assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3) is None
+    rows[0]["max_abs_err_fp32"] = 1e-5
+    assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+compiled"

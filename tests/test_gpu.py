@@ -227,6 +227,32 @@ def test_forward_replays_as_a_cuda_graph(backend):
             assert err <= 1e-3 * max(1.0, want.float().abs().max().item()), f"{backend} {family}: replay {err:.3g}"
 
 
+#: a Triton backend and a family it takes (the bench's `+compiled` rows)
+COMPILED_ROWS = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"),
+                 ("triton_tiled", "learned_full"))
+
+
+@pytest.mark.parametrize("backend,family", COMPILED_ROWS, ids=[b for b, _ in COMPILED_ROWS])
+def test_triton_backend_compiled_by_inductor_equals_eager(backend, family):
+    """`torch.compile(fullgraph=True)` with Inductor around a Triton backend (its kernels are
+    custom ops in the graph, `triton_chunked.compile_opaque`; the feature maps are Inductor's):
+    output and the gradients of q, k, v as eager's, to bf16's rounding, at L = 4,096."""
+    pos, kern, causal = make_position(family, H, L).to(DEV), _kernel("nprf"), family_causal(family)
+    q, k, v = _inputs(torch.bfloat16)
+
+    def call(q, k, v):
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
+
+    weight = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV)
+    want = call(q, k, v)
+    got = torch.compile(call, fullgraph=True, dynamic=False)(q, k, v)
+    for a, b, what in zip((got, *_grads(got, [q, k, v], weight)), (want, *_grads(want, [q, k, v], weight)),
+                          ("output", "dq", "dk", "dv")):
+        scale = b.float().abs().max().item()
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 2e-2 * max(scale, 1e-6), f"{backend} {family} {what}: {err:.3g} (scale {scale:.3g})"
+
+
 @pytest.mark.parametrize("backend", ["soe", "triton_soe"])
 def test_no_host_sync_in_a_training_step_with_a_trainable_term(backend):
     """Training: each optimizer step is a new parameter state of the term. After the first

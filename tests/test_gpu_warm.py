@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastrpe.bench import gpu
-from fastrpe.bench.gpu_warm import LAST, SHARED, plan, tuned, warm_items
+from fastrpe.bench.gpu_warm import LAST, plan, shared, tuned, warm_items
 from fastrpe.bench.registry import Problem
 from fastrpe.cli.main import main
 from fastrpe.ops.linear.triton_chunked import TUNE_CONFIGS, tune_configs
@@ -81,11 +81,18 @@ def test_a_one_config_autotuner_launches_as_a_full_one_times_that_config():
 def test_warm_items_are_the_compiling_rows_in_the_bench_order():
     cfg = gpu.GpuConfig(lengths=(gpu.L_SHORT, gpu.L_CHECK, gpu.L_LONG, gpu.L_MAX))
     first = warm_items(cfg, "first")
-    assert first and all(gpu.reads(p, n) and gpu.applies(p, n) and (tuned(n) or n in SHARED) for p, n in first)
-    assert [p.L for p, _ in first] == sorted(p.L for p, _ in first)
+    assert first and all(gpu.reads(p, n) and gpu.applies(p, n) and (tuned(n) or shared(n)) for p, n in first)
+    # the bench's passes in order (the eager rows, then those under torch.compile), each by length
+    ranks = [gpu.row_pass(p, n) for p, n in first]
+    assert ranks == sorted(ranks) and set(ranks) == {0, 1}
+    for rank in (0, 1):
+        lengths = [p.L for (p, _), r in zip(first, ranks) if r == rank]
+        assert lengths == sorted(lengths)
     names = {n for _, n in first}
     assert {"flex", "fla-chunk_simple_gla", "fastrpe-triton_chunked", "fastrpe-triton_soe", "fastrpe-triton_band",
-            "fastrpe-triton_tiled"} <= names
+            "fastrpe-triton_tiled", "fastrpe-triton_chunked+compiled"} <= names
+    # a compiled row runs its eager twin's kernels: one worker compiles its graph (`shared`)
+    assert not tuned("fastrpe-triton_chunked+compiled") and shared("fastrpe-triton_chunked+compiled")
     assert not any("auto" in n or n in ("fastrpe-fft", "sdpa") for n in names)  # auto would time; the rest compile nothing
     # Flex at 262,144 only for the learned tables, as `reads` says
     assert {p.position for p, n in first if n == "flex" and p.L == gpu.L_LONG} == {"learned", "learned_full"}

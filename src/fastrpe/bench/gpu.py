@@ -17,10 +17,13 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
   `fastrpe.attention(..., backend=...)`; a backend that refuses the call is recorded with
   its own `not_supported_reasons`; `fastrpe-triton_*+bf16-features`: the Triton backends with
   the features rounded to bf16 (`backends_triton.LOWP_FEATURES`; the default keeps them
-  float32, products by tf32x3), to weigh their speed against their error on the GPU.
+  float32, products by tf32x3), to weigh their speed against their error on the GPU;
+  `fastrpe-triton_*+compiled`: the same call under `torch.compile(fullgraph=True)`, as Flex
+  runs (the kernels are custom ops in the graph; the feature maps and the glue are Inductor's).
 
-Order: the rows the criteria read (`reads`) first, at every length, then the rest, so a phase
-cut short by its budget still has them; the sections (host syncs, decoding, timed rows) run in
+Order: the rows the criteria read (`reads`) first, at every length, then those of them under
+`torch.compile` (`+compiled`, up to `compiled_max_length`), then the rest, so a phase cut
+short by its budget still has them; the sections (host syncs, decoding, timed rows) run in
 the order `sections` gives, each under the same budget, and a run resumed picks up where one
 stopped. Positional parameters are frozen everywhere
 (gradients for q, k, v only). Times are median
@@ -79,13 +82,30 @@ CONTEXT_LOST_EXIT = 75
 CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+blocked-scan",
-              "fastrpe-auto"),
-    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto"),
-    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto"),
-    "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+blocked-scan", "fastrpe-auto"),
-    "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
-    "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto"),
+              "fastrpe-auto", "fastrpe-triton_chunked+compiled"),
+    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto",
+                   "fastrpe-triton_soe+compiled"),
+    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto",
+                     "fastrpe-triton_soe+compiled"),
+    "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+blocked-scan", "fastrpe-auto",
+           "fastrpe-triton_band+compiled"),
+    "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled"),
+    "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled"),
 }
+#: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
+#: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
+COMPILED = "+compiled"
+COMPILE_BACKEND = "inductor"
+COMPILED_BACKENDS = ("triton_chunked", "triton_soe", "triton_band", "triton_tiled")
+
+
+def row_pass(p: Problem, name: str) -> int:
+    """Which of the suite's three passes runs a row: 0, the rows the criteria read (`reads`);
+    1, those of them under `torch.compile` (compiling takes long: the eager rows of every
+    length are in before it starts); 2, every other row."""
+    if not reads(p, name):
+        return 2
+    return 1 if name.endswith(COMPILED) else 0
 
 
 def reads(p: Problem, name: str) -> bool:
@@ -124,6 +144,9 @@ class GpuConfig:
     decode_prompt: int = 2048  # tokens that build the constant-size states (see `decode_rows`)
     sync_length: int = 4096
     flex_max_length: int = 262144  # no criterion needs Flex beyond (its 1M call takes minutes)
+    #: fastrpe's `+compiled` rows up to this length: below it an eager call is mostly host time
+    #: (the 2026-11-26 H100 rows at 4,096), beyond it the kernels' own
+    compiled_max_length: int = 16384
     #: what runs, in this order: the host-sync check, the decoding rows, the timed rows (all of
     #: them under `budget_s`: a section cut short resumes where it stopped)
     sections: tuple = SECTIONS
@@ -228,15 +251,21 @@ def _flex_compiled():
     if _FLEX_COMPILED is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        cfg = torch._dynamo.config
-        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 1024))
-        if hasattr(cfg, "fail_on_recompile_limit_hit"):
-            cfg.fail_on_recompile_limit_hit = True
+        raise_recompile_limits()
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     return _FLEX_COMPILED
+
+
+def raise_recompile_limits() -> None:
+    """Dynamo's recompile limits raised (the suite compiles one graph per problem) and, where
+    torch allows, reaching one made an error rather than a silent eager fallback."""
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 1024))
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
 
 
 _BENCH_MASKS: dict = {}
@@ -459,11 +488,14 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
         return num / den
 
 
-def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None):
+def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
+                  compiled: bool = False):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+blocked-scan`; a backward keeps its
-    forward's)."""
+    forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
+    (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
+    `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`."""
 
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
@@ -477,6 +509,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         if backend == "triton_tiled" and p.L > cfg.flex_max_length:
             # quadratic, as Flex: at 1M a forward+backward would take tens of seconds
             return f"not run beyond L={cfg.flex_max_length} (quadratic time, as Flex; --flex-max-length)"
+        if compiled and p.L > cfg.compiled_max_length:
+            return f"not run beyond L={cfg.compiled_max_length} (--compiled-max-length)"
         pos = make_position(p.position, p.H, p.L).to(device)
         kern = _kernel(p, device)
         q, k, v = _qkv(p, device, dtype)
@@ -513,6 +547,10 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["lowp_features"] = lowp_features
         if state_scan is not None:
             extra["state_scan"] = state_scan
+        if compiled:
+            raise_recompile_limits()
+            call = torch.compile(call, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+            extra["compiled"] = f"torch.compile(fastrpe.attention, fullgraph=True, dynamic=False, backend={COMPILE_BACKEND!r})"
 
         if p.L == cfg.accuracy_length:
             extra.update(accuracy(call, kern, pos, q, k, v, p.causal, cfg.accuracy_rows))
@@ -563,6 +601,10 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+blocked-scan"] = fastrpe_setup(name, cfg, state_scan="blocked")
+    # under torch.compile, as Flex: at short lengths an eager call is mostly host time
+    for name in COMPILED_BACKENDS:
+        if name in BACKENDS:
+            reg[f"fastrpe-{name}{COMPILED}"] = fastrpe_setup(name, cfg, compiled=True)
     return reg
 
 
@@ -889,12 +931,13 @@ def _run_sections(cfg: GpuConfig, res: dict, dev, dt, log, over, select, save, k
                         on_row=keep("decode"))
         elif section == "rows":
             reg = registry(cfg)
-            # two passes: the rows the criteria read at every length, then every other row
-            for first in (True, False):
+            # three passes (`row_pass`): the rows the criteria read at every length, those of them
+            # under torch.compile, then every other row
+            for rank in (0, 1, 2):
                 done = done_pairs(res["rows"])
 
-                def chosen(p, name, first=first, done=done):  # the budget is asked only for a row to run
-                    return reads(p, name) == first and (p.tag(), name) not in done and select(p, name)
+                def chosen(p, name, rank=rank, done=done):  # the budget is asked only for a row to run
+                    return row_pass(p, name) == rank and (p.tag(), name) not in done and select(p, name)
 
                 run_suite(problems(cfg), list(reg), device=cfg.device, dtype=cfg.dtype, repeats=cfg.repeats,
                           warmup=cfg.warmup, time_limit_s=cfg.time_limit_s, log=log, registry=reg, select=chosen,
@@ -1014,8 +1057,8 @@ def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
                  tol: float | None = None) -> tuple[str, dict] | None:
     """The fastest fastrpe row on (family, L) that is exact (if asked) and within `tol` of exact
     where its accuracy was measured (float32 inputs; a row without its own measurement takes
-    the one its competitor has on this family at `accuracy_length`). `fastrpe-auto` counts
-    as the backend it ran."""
+    the one its competitor, or its eager twin, has on this family at `accuracy_length`).
+    `fastrpe-auto` counts as the backend it ran."""
     errs = {r["competitor"]: r["max_abs_err_fp32"] for r in res["rows"]
             if r["problem"]["position"] == fam and r.get("max_abs_err_fp32") is not None}
     best = None
@@ -1027,7 +1070,8 @@ def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
             continue
         if exact_only and not r.get("exact", False):
             continue
-        err = r.get("max_abs_err_fp32", errs.get(r["competitor"]))
+        # (a `+compiled` row runs its eager twin's kernels: it takes the twin's measurement)
+        err = r.get("max_abs_err_fp32", errs.get(r["competitor"], errs.get(r["competitor"].removesuffix(COMPILED))))
         if tol is not None and err is not None and not err <= tol:
             continue
         if best is None or r["seconds"] < best[1]["seconds"]:
@@ -1340,6 +1384,8 @@ def add_arguments(p) -> None:
     g.add_argument("--decode-context", type=int, default=None, help="context of the decode rows (default 65536)")
     g.add_argument("--flex-max-length", type=int, default=None,
                    help="no Flex or triton_tiled rows beyond this L (default 262144)")
+    g.add_argument("--compiled-max-length", type=int, default=None,
+                   help="no fastrpe +compiled rows beyond this L (default 16384)")
     g.add_argument("--warm", choices=("first", "rest"), default=None,
                    help="instead of timing: compile what the bench's first pass runs (first), or all it has yet to run "
                         "after OUT/gpu.json (rest), one process per Triton autotuner config side by side, "
@@ -1385,7 +1431,8 @@ def config_from_args(args) -> GpuConfig:
         if args.repeats < 1:
             raise FastRPEError(f"--repeats: must be >= 1, got {args.repeats}")
         kw["repeats"] = args.repeats
-    for name in ("budget_s", "time_limit_s", "call_cap_s", "accuracy_length", "decode_context", "flex_max_length"):
+    for name in ("budget_s", "time_limit_s", "call_cap_s", "accuracy_length", "decode_context", "flex_max_length",
+                 "compiled_max_length"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if not args.smoke:

@@ -14,7 +14,7 @@ index, runs every Triton row of the pass once, forward and backward. A one-confi
 launches that config with exactly the options a full one times it with, so the binaries land
 in Triton's cache under the keys the bench's own autotuning looks up, and the bench only
 times the configs. The rows that compile once whatever the config (Flex through Inductor,
-fla's kernels) are dealt out among the workers. Nothing is timed here, and nothing here is a
+fla's kernels, fastrpe's `+compiled` graphs) are dealt out among the workers. Nothing is timed here, and nothing here is a
 result: the workers keep `auto`'s measured timings apart (`FASTRPE_CACHE_DIR`), hold at most
 `MEMORY_FRACTION` of the GPU each (they may run beside the GPU tests), and stop at the budget;
 the bench compiles whatever they did not reach. `gpu_warm.json` records what each worker
@@ -35,14 +35,15 @@ from pathlib import Path
 import torch
 
 from .gpu import (
+    COMPILED,
     CONTEXT_LOST_EXIT,
     GpuConfig,
     applies,
     done_pairs,
     problems,
-    reads,
     registry,
     retry_errors,
+    row_pass,
 )
 from .registry import Problem
 from .runner import _first_line, context_lost
@@ -57,21 +58,28 @@ MEMORY_FRACTION = 0.125
 
 
 def tuned(name: str) -> bool:
-    """A row that runs fastrpe's autotuned Triton kernels."""
-    return name.startswith("fastrpe-triton_")
+    """A row that runs fastrpe's autotuned Triton kernels eagerly (a `+compiled` row runs the
+    same kernels, with the same keys: its eager twin compiles them in every worker)."""
+    return name.startswith("fastrpe-triton_") and not name.endswith(COMPILED)
+
+
+def shared(name: str) -> bool:
+    """A row whose compilation does not depend on the autotuner's config: Flex, fla, and
+    fastrpe's `+compiled` rows (Inductor's graph around the kernels), one worker each."""
+    return name in SHARED or name.endswith(COMPILED)
 
 
 def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[tuple[Problem, str]]:
     """The (problem, competitor) rows that compile something (fastrpe's Triton rows, Flex,
-    fla) in the order the bench runs them: `which="first"`, those of its first pass (the rows
-    `reads` names); `"rest"`, those of both passes; either less those in `done` (`(tag,
-    competitor)` pairs, what a resumed bench skips). `auto` is left out: it would time its
-    candidates beside the other workers, and they are the Triton and PyTorch rows anyway."""
+    fla) in the order the bench runs them: `which="first"`, those the criteria read (its
+    passes 0 and 1, `row_pass`); `"rest"`, those of every pass; either less those in `done`
+    (`(tag, competitor)` pairs, what a resumed bench skips). `auto` is left out: it would time
+    its candidates beside the other workers, and they are the Triton and PyTorch rows anyway."""
     if which not in ("first", "rest"):
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
     names = list(registry(cfg))
-    return [(p, n) for first in ((True,) if which == "first" else (True, False)) for p in problems(cfg) for n in names
-            if (tuned(n) or n in SHARED) and applies(p, n) and reads(p, n) == first and (p.tag(), n) not in done]
+    return [(p, n) for rank in ((0, 1) if which == "first" else (0, 1, 2)) for p in problems(cfg) for n in names
+            if (tuned(n) or shared(n)) and applies(p, n) and row_pass(p, n) == rank and (p.tag(), n) not in done]
 
 
 def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
