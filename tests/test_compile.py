@@ -259,3 +259,24 @@ def test_triton_backends_compile_fullgraph_as_custom_ops(path, ran, monkeypatch)
     op = backend if backend != "triton_band" else "triton_soe"  # the band runs the fused kernel
     assert len(graphs) == 2, graphs
     assert f"fastrpe.{op}_forward" in graphs[0] and f"fastrpe.{op}_backward" in graphs[1], graphs
+
+
+@pytest.mark.parametrize("path", ["triton_chunked-alibi", "triton_soe-kerple_log"])
+def test_triton_backends_serve_many_lengths_with_two_graphs(path, monkeypatch):
+    """The custom ops' shapes follow symbolic lengths (their fake functions compute the chunk
+    count and the term groups from the inputs' shapes): after the first length's graph, one
+    shape-generic graph serves every other, as for the PyTorch paths."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    kernel, pos, causal, backend = TRITON_PATHS[path]
+    torch.manual_seed(0)
+    m = fr.nn.MultiheadAttention(E, H, kernel, pos(), causal=causal, backend=backend).double()
+    cnt = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(m, fullgraph=True, backend=cnt)
+    for n in (32, 47, 63):
+        x = torch.randn(1, n, E, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        torch.testing.assert_close(f(x), m(x), atol=1e-10, rtol=1e-10)
+    assert cnt.frame_count == 2, cnt.frame_count
