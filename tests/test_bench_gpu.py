@@ -30,7 +30,7 @@ def smoke(tmp_path_factory):
     """One smoke run through the CLI at toy sizes (shared by the tests below)."""
     out = tmp_path_factory.mktemp("gpu")
     rc = main(["bench", "--suite", "gpu", "--smoke", "--lengths", "40", "--families", "alibi,kerple_log",
-               "--decode-context", "48", "--out", str(out)])
+               "--decode-context", "48", "--compile-mode", "reduce-overhead", "--out", str(out)])
     assert rc == 0
     return out, json.loads((out / "gpu.json").read_text())
 
@@ -39,6 +39,7 @@ def test_smoke_runs_every_competitor_and_labels_itself(smoke):
     out, res = smoke
     assert res["smoke"] and res["complete"] and "SMOKE" in res["note"]
     assert res["torch"] == torch.__version__ and "command" in res and "--smoke" in res["command"]
+    assert res["config"]["compile_mode"] == "reduce-overhead"  # (the +compiled rows' mode, recorded)
     comps = {r["competitor"] for r in res["rows"]}
     # every registered fastrpe backend appears (timed or refused with its own reasons)
     assert {f"fastrpe-{b}" for b in fr.dispatch.BACKENDS if not b.startswith("grid")} | {"fastrpe-auto"} <= comps

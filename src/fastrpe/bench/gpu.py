@@ -96,6 +96,7 @@ CRITERIA_ROWS = {
 #: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
 COMPILED = "+compiled"
 COMPILE_BACKEND = "inductor"
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 COMPILED_BACKENDS = ("triton_chunked", "triton_soe", "triton_band", "triton_tiled")
 
 
@@ -147,6 +148,9 @@ class GpuConfig:
     #: fastrpe's `+compiled` rows up to this length: below it an eager call is mostly host time
     #: (the 2026-11-26 H100 rows at 4,096), beyond it the kernels' own
     compiled_max_length: int = 16384
+    #: `torch.compile`'s mode for those rows ("default", as Flex's; "reduce-overhead" adds
+    #: CUDA graphs, "max-autotune-no-cudagraphs" tunes Inductor's own kernels)
+    compile_mode: str = "default"
     #: what runs, in this order: the host-sync check, the decoding rows, the timed rows (all of
     #: them under `budget_s`: a section cut short resumes where it stopped)
     sections: tuple = SECTIONS
@@ -549,8 +553,12 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["state_scan"] = state_scan
         if compiled:
             raise_recompile_limits()
-            call = torch.compile(call, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
-            extra["compiled"] = f"torch.compile(fastrpe.attention, fullgraph=True, dynamic=False, backend={COMPILE_BACKEND!r})"
+            opts = dict(fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+            if cfg.compile_mode != "default":
+                opts["mode"] = cfg.compile_mode
+            call = torch.compile(call, **opts)
+            args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
+            extra["compiled"] = f"torch.compile(fastrpe.attention, {args})"
 
         if p.L == cfg.accuracy_length:
             extra.update(accuracy(call, kern, pos, q, k, v, p.causal, cfg.accuracy_rows))
@@ -1386,6 +1394,8 @@ def add_arguments(p) -> None:
                    help="no Flex or triton_tiled rows beyond this L (default 262144)")
     g.add_argument("--compiled-max-length", type=int, default=None,
                    help="no fastrpe +compiled rows beyond this L (default 16384)")
+    g.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
+                   help="torch.compile's mode for the +compiled rows (default: default, as Flex's)")
     g.add_argument("--warm", choices=("first", "rest"), default=None,
                    help="instead of timing: compile what the bench's first pass runs (first), or all it has yet to run "
                         "after OUT/gpu.json (rest), one process per Triton autotuner config side by side, "
@@ -1432,7 +1442,7 @@ def config_from_args(args) -> GpuConfig:
             raise FastRPEError(f"--repeats: must be >= 1, got {args.repeats}")
         kw["repeats"] = args.repeats
     for name in ("budget_s", "time_limit_s", "call_cap_s", "accuracy_length", "decode_context", "flex_max_length",
-                 "compiled_max_length"):
+                 "compiled_max_length", "compile_mode"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if not args.smoke:
