@@ -90,6 +90,9 @@
 #   (compiling takes long); the 4k criteria read them. Check their first_call_seconds (the
 #   compile), and that they beat their eager twins at 4k; GPU test:
 #   tests/test_gpu.py::test_triton_backend_compiled_by_inductor_equals_eager (in `tests`).
+# - new: each fastrpe row records the autotuners' choices its calls made (`autotuned`: kernel ->
+#   {tuning key: num_warps, num_stages}); configs that never win can leave TUNE_CONFIGS, and
+#   the warm-up (153 s of the last session's 15 minutes) shrinks with them.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the

@@ -643,3 +643,31 @@ def test_a_compiled_row_takes_its_eager_twins_accuracy():
     assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3) is None
     rows[0]["max_abs_err_fp32"] = 1e-5
     assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+compiled"
+
+
+def test_a_rows_after_hook_adds_what_its_calls_left_and_the_autotuners_choices(monkeypatch):
+    """`run_suite` copies a closure's `after()` into its timed row (not into a refused one);
+    the GPU bench uses it for each row's own new autotuner choices (`triton_chunked.TUNED`)."""
+    from types import SimpleNamespace
+
+    from fastrpe.ops.linear import triton_chunked as tc
+
+    def timed(p, device, dtype):
+        fn = lambda: None  # noqa: E731
+        fn.after = lambda: {"said": p.L}
+        return fn
+
+    rows = run_suite([Problem(L=8)], ["t", "r"], repeats=1, warmup=0,
+                     registry={"t": timed, "r": lambda p, d, t: "refused"}, log=lambda *a: None,
+                     cpu_peak=False)["rows"]
+    assert rows[0]["said"] == 8 and "said" not in rows[1]
+    # a stand-in autotuner: its cache maps tuning keys to the configs it chose
+    cfg = SimpleNamespace(num_warps=8, num_stages=2)
+    fake = SimpleNamespace(fn=SimpleNamespace(__name__="_k"), cache={(32, 64): cfg})
+    monkeypatch.setattr(tc, "TUNED", [fake])
+    before = gpu.autotuned()
+    assert before == {"_k": {"(32, 64)": "num_warps=8, num_stages=2"}}
+    fake.cache[(32, 128)] = SimpleNamespace(num_warps=4, num_stages=3)
+    assert gpu._new_choices(before, gpu.autotuned()) == {
+        "autotuned": {"_k": {"(32, 128)": "num_warps=4, num_stages=3"}}}
+    assert gpu._new_choices(before, before) == {}

@@ -564,9 +564,26 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra.update(accuracy(call, kern, pos, q, k, v, p.causal, cfg.accuracy_rows))
         run = _closure(call, q, k, v, p.backward)
         run.extra = extra
+        before = autotuned()
+        run.after = lambda: _new_choices(before, autotuned())
         return run
 
     return setup
+
+
+def autotuned() -> dict:
+    """The Triton autotuners' choices so far in this process (`triton_chunked.autotune_choices`;
+    none before fastrpe's kernels are imported)."""
+    mod = sys.modules.get("fastrpe.ops.linear.triton_chunked")
+    return mod.autotune_choices() if mod is not None else {}
+
+
+def _new_choices(before: dict, now: dict) -> dict:
+    """`{"autotuned": {kernel: {key: config}}}` with the choices in `now` not in `before` (a
+    row's own), or {} if none."""
+    new = {name: {k: c for k, c in keys.items() if k not in before.get(name, {})} for name, keys in now.items()}
+    new = {name: keys for name, keys in new.items() if keys}
+    return {"autotuned": new} if new else {}
 
 
 def accuracy(call, kern, pos, q, k, v, causal: bool, n_rows: int) -> dict:

@@ -153,7 +153,8 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
     `on_row(row)` is called after every row; a timed row also says how long its first call
     took (`first_call_seconds`: compilation, or loading from a warmed cache, included). A
     setup's closure may carry a dict `extra`
-    (accuracy, notes), copied into its row. `cpu_peak=False`: no profiled peak on CPU.
+    (accuracy, notes), copied into its row, and a function `after`, whose dict is copied into
+    a timed row after its calls. `cpu_peak=False`: no profiled peak on CPU.
     `limit_on="timed"`: a slow first call (compilation) is followed by one timed warm call,
     and that call decides the time limit; a longer length is then still run while its time,
     projected from the timed lengths (log-log slope, at least 1), stays under `call_cap_s`."""
@@ -206,6 +207,9 @@ def run_suite(problems: list[Problem], competitors: list[str], *, device: str = 
                                 timed = _time(fn, dev, n, w, totals, cpu_peak)
                         sec, peak = timed
                         row.update(seconds=sec, peak_bytes=peak, repeats=n, **totals)
+                        after = getattr(fn, "after", None)
+                        if after is not None:  # what the calls left to say (e.g. the autotuners' choices)
+                            row.update(after() or {})
                         history.setdefault((name, family), []).append((p.L, sec))
                     crashed = False
                 except (torch.cuda.OutOfMemoryError, MemoryError):

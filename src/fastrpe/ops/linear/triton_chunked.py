@@ -552,6 +552,10 @@ def tune_configs() -> tuple[tuple[int, int], ...]:
     return (TUNE_CONFIGS[int(pick)],)
 
 
+#: every autotuned kernel (`_tuned`), for `autotune_choices`
+TUNED: list = []
+
+
 def _tuned(kernel, key, reset=None, restore=None):
     """`kernel` autotuned over warps and stages on the GPU (`tune_configs`); as is under the
     interpreter, which cannot time a config. `reset`: outputs zeroed before each timed run;
@@ -560,7 +564,23 @@ def _tuned(kernel, key, reset=None, restore=None):
     if INTERPRETED:
         return kernel
     configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in tune_configs()]
-    return triton.autotune(configs=configs, key=key, reset_to_zero=reset, restore_value=restore)(kernel)
+    tuned = triton.autotune(configs=configs, key=key, reset_to_zero=reset, restore_value=restore)(kernel)
+    TUNED.append(tuned)
+    return tuned
+
+
+def autotune_choices() -> dict[str, dict[str, str]]:
+    """The configs the autotuners of this process chose so far: kernel name -> {tuning key ->
+    config}. The GPU bench records each row's new ones, so that configs that never win can
+    be dropped from `TUNE_CONFIGS` (each costs a compilation per kernel variant and a timed
+    run at each new key)."""
+    out: dict[str, dict[str, str]] = {}
+    for a in TUNED:
+        fn = getattr(a, "fn", None)
+        name = getattr(fn, "__name__", None) or repr(fn)
+        for key, cfg in dict(getattr(a, "cache", {}) or {}).items():
+            out.setdefault(name, {})[str(key)] = f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}"
+    return out
 
 
 if HAS_TRITON:
