@@ -6,6 +6,7 @@ The first H100 rows (2026-11-26, docs/RESULTS.md) left two questions this answer
   1.96 ms at 4k, 5.85 at 64k, so about 1.6 ms does not grow with L): host-bound?
 - at 65,536 tokens which kernels hold triton_chunked's 5.85 ms (the state passes are
   sequential over 1,024 chunks) and triton_tiled's 282 ms?
+And, for the eager rows' fixed part, how much of it a compiled call (`+compiled`) still has.
 
 Each case is the bench's own row (`fastrpe.bench.gpu.registry`: the same inputs, forward and
 backward), called twice to warm, then profiled over `--calls` calls (torch.profiler, CPU and
@@ -32,7 +33,9 @@ from fastrpe.bench.registry import Problem
 
 CASES = ("fastrpe-triton_chunked:alibi", "fastrpe-triton_chunked+blocked-scan:alibi", "fastrpe-triton_soe:kerple_log",
          "fastrpe-triton_soe+blocked-scan:kerple_log", "fastrpe-triton_band:t5",
-         "fastrpe-triton_tiled:learned", "flex:alibi")
+         "fastrpe-triton_tiled:learned", "flex:alibi",
+         # under torch.compile (4k only: longer lengths refuse, `compiled_max_length`); last, it compiles
+         "fastrpe-triton_chunked+compiled:alibi")
 
 
 def _device_us(e) -> float:
