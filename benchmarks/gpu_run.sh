@@ -90,6 +90,9 @@
 #   (compiling takes long); the 4k criteria read them. Check their first_call_seconds (the
 #   compile), and that they beat their eager twins at 4k; GPU test:
 #   tests/test_gpu.py::test_triton_backend_compiled_by_inductor_equals_eager (in `tests`).
+#   If gpu_profile.json shows the compiled 4k call still mostly host time, run with
+#   COMPILE_MODE=reduce-overhead (CUDA graphs for Flex and the +compiled rows alike; a fresh
+#   JSON: the Flex baseline changes with the mode).
 # - new: each fastrpe row records the autotuners' choices its calls made (`autotuned`: kernel ->
 #   {tuning key: num_warps, num_stages}); configs that never win can leave TUNE_CONFIGS, and
 #   the warm-up (153 s of the last session's 15 minutes) shrinks with them.
@@ -260,7 +263,8 @@ bench_until() {
         [ "$left" -gt 80 ] || { echo "no time left to resume the bench"; break; }
         echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)" | tee -a "$OUT_DIR/$log"
         timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
-            --sections "$SECTIONS" --budget-s "$(( left - 60 ))" --call-cap-s 90 --out "$OUT_DIR" "${args[@]}" \
+            --sections "$SECTIONS" --budget-s "$(( left - 60 ))" --call-cap-s 90 --compile-mode "$COMPILE_MODE" \
+            --out "$OUT_DIR" "${args[@]}" \
             2>&1 | tee -a "$OUT_DIR/$log"
         rc=${PIPESTATUS[0]}
         # a restart resumes this run: nothing retried again (its errors are this code's)
@@ -278,7 +282,7 @@ warm_until() {
     local left=$(( $1 - SECONDS ))
     [ "$left" -gt 20 ] || return 0
     timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --warm "$2" --lengths "$LENGTHS" \
-        --budget-s "$(( left - 10 ))" --out "$OUT_DIR" > "$OUT_DIR/gpu_warm_$2.log" 2>&1
+        --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" > "$OUT_DIR/gpu_warm_$2.log" 2>&1
 }
 
 python3 - <<'EOF'
@@ -297,11 +301,18 @@ EOF
 # measured on a GPU of the same name (timings of different devices do not mix); `first`
 # resuming one measures again, whole, each problem where a row failed (--retry-errors: the
 # code has changed since, as after the 2026-11-26 run's Flex failures)
+# COMPILE_MODE: torch.compile's mode for the Flex baseline and fastrpe's +compiled rows alike
+# (default "default"; "reduce-overhead" adds CUDA graphs to both). A carried JSON of another
+# mode or device does not mix with this run's rows: it starts afresh.
+COMPILE_MODE=${COMPILE_MODE:-default}
 if [ -f .gpu_runs/gpu.json ] && [ ! -f "$OUT_DIR/gpu.json" ]; then
-    if python3 -c 'import json, sys, torch; sys.exit(json.load(open(".gpu_runs/gpu.json")).get("device") != torch.cuda.get_device_name())'; then
+    if COMPILE_MODE="$COMPILE_MODE" python3 -c 'import json, os, sys, torch
+r = json.load(open(".gpu_runs/gpu.json"))
+sys.exit(r.get("device") != torch.cuda.get_device_name()
+         or r.get("config", {}).get("compile_mode", "default") != os.environ["COMPILE_MODE"])'; then
         cp .gpu_runs/gpu.json "$OUT_DIR/gpu.json"
     else
-        echo ".gpu_runs/gpu.json is from another device: starting afresh"
+        echo ".gpu_runs/gpu.json is from another device or compile mode: starting afresh"
     fi
 fi
 resume=()

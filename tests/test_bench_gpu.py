@@ -452,10 +452,14 @@ def test_resume_keeps_rows_and_refuses_another_device(smoke, tmp_path, capsys):
 
     out, res = smoke
     shutil.copy(out / "gpu.json", tmp_path / "gpu.json")
-    cfg = gpu.smoke_config(lengths=(40,), families=("alibi", "kerple_log"), decode_context=48)
+    cfg = gpu.smoke_config(lengths=(40,), families=("alibi", "kerple_log"), decode_context=48,
+                           compile_mode="reduce-overhead")  # (the fixture's)
     again = gpu.run_gpu_suite(cfg, tmp_path, command="second", resume=True, log=lambda *a: None)
     assert len(again["rows"]) == len(res["rows"]) and again["decode"] == res["decode"]  # nothing ran again
     assert again["commands"] == res["commands"] + ["second"]
+    # another compile mode changes the Flex baseline: its rows do not mix either
+    with pytest.raises(fr.FastRPEError, match="--resume: .* compiled in mode 'reduce-overhead'"):
+        gpu.run_gpu_suite(replace(cfg, compile_mode="default"), tmp_path, resume=True, log=lambda *a: None)
     other = json.loads((tmp_path / "gpu.json").read_text())
     other["device"] = "NVIDIA H200"
     (tmp_path / "gpu.json").write_text(json.dumps(other))

@@ -148,8 +148,8 @@ class GpuConfig:
     #: fastrpe's `+compiled` rows up to this length: below it an eager call is mostly host time
     #: (the 2026-11-26 H100 rows at 4,096), beyond it the kernels' own
     compiled_max_length: int = 16384
-    #: `torch.compile`'s mode for those rows ("default", as Flex's; "reduce-overhead" adds
-    #: CUDA graphs, "max-autotune-no-cudagraphs" tunes Inductor's own kernels)
+    #: `torch.compile`'s mode for those rows and for the Flex baseline alike ("default";
+    #: "reduce-overhead" adds CUDA graphs to both: at 4k both are partly host time)
     compile_mode: str = "default"
     #: what runs, in this order: the host-sync check, the decoding rows, the timed rows (all of
     #: them under `budget_s`: a section cut short resumes where it stopped)
@@ -245,19 +245,20 @@ def _closure(fn, q, k, v, backward: bool):
 
 # ----------------------------------------------------------------------------- competitors
 
-_FLEX_COMPILED = None
+_FLEX_COMPILED: dict = {}
 
 
-def _flex_compiled():
-    """One `torch.compile(flex_attention)`; the recompile limit raised (a shape or score_mod
-    per problem) and, where torch allows, made an error rather than a silent eager fallback."""
-    global _FLEX_COMPILED
-    if _FLEX_COMPILED is None:
+def _flex_compiled(mode: str = "default"):
+    """One `torch.compile(flex_attention)` per compile mode; the recompile limit raised (a
+    shape or score_mod per problem) and, where torch allows, made an error rather than a silent
+    eager fallback."""
+    if mode not in _FLEX_COMPILED:
         from torch.nn.attention.flex_attention import flex_attention
 
         raise_recompile_limits()
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _FLEX_COMPILED
+        _FLEX_COMPILED[mode] = torch.compile(flex_attention, dynamic=False,
+                                             **({} if mode == "default" else {"mode": mode}))
+    return _FLEX_COMPILED[mode]
 
 
 def raise_recompile_limits() -> None:
@@ -331,7 +332,9 @@ def _flex_refusal(e: BaseException) -> str:
     return text[i:i + 160].split("Reducing")[0].strip() if i >= 0 else text.splitlines()[0][:160]
 
 
-def flex_setup(smoke: bool, max_length: int):
+def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default"):
+    """Compiled FlexAttention with the family's score_mod (and a causal block mask), in
+    `compile_mode`, the mode fastrpe's `+compiled` rows run in too (like with like)."""
     def setup(p: Problem, device, dtype):
         try:
             from torch.nn.attention.flex_attention import flex_attention
@@ -348,8 +351,9 @@ def flex_setup(smoke: bool, max_length: int):
         extra = {"score_mod": type(pos).__name__}
         backward = p.backward
         if device.type == "cuda":
-            fn = _flex_compiled()
-            extra["flex"] = "torch.compile(flex_attention, dynamic=False)"
+            fn = _flex_compiled(compile_mode)
+            extra["flex"] = "torch.compile(flex_attention, dynamic=False" + (
+                ")" if compile_mode == "default" else f", mode={compile_mode!r})")
         else:
             fn = flex_attention
             extra["flex"] = "EAGER FlexAttention (smoke mode only; not a baseline)"
@@ -614,7 +618,7 @@ def registry(cfg: GpuConfig) -> dict:
         "sdpa": sdpa_setup,
         "fla-chunk_linear_attn": fla_linear_attn_setup,
         "fla-chunk_simple_gla": fla_simple_gla_setup,
-        "flex": flex_setup(cfg.smoke, cfg.flex_max_length),
+        "flex": flex_setup(cfg.smoke, cfg.flex_max_length, cfg.compile_mode),
     }
     for name in ("auto", *BACKENDS):
         reg[f"fastrpe-{name}"] = fastrpe_setup(name, cfg)
@@ -1006,6 +1010,12 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
 
         raise FastRPEError(f"--resume: {path} holds {old.get('device')} / {old.get('dtype')} timings, this run is "
                            f"{env['device']} / {cfg.dtype}: timings of different devices do not mix (use another --out)")
+    old_mode = (old or {}).get("config", {}).get("compile_mode", "default")  # (before the option: default)
+    if old and old_mode != cfg.compile_mode:
+        from .._validate import FastRPEError
+
+        raise FastRPEError(f"--resume: {path} holds rows compiled in mode {old_mode!r}, this run asks "
+                           f"{cfg.compile_mode!r}: the Flex baseline changes with it (use another --out)")
     res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **env,
            "dtype": cfg.dtype, "repeats": cfg.repeats, "command": command,
            "commands": (old.get("commands", []) if old else []) + [command],
@@ -1412,7 +1422,7 @@ def add_arguments(p) -> None:
     g.add_argument("--compiled-max-length", type=int, default=None,
                    help="no fastrpe +compiled rows beyond this L (default 16384)")
     g.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
-                   help="torch.compile's mode for the +compiled rows (default: default, as Flex's)")
+                   help="torch.compile's mode for the Flex baseline and the +compiled rows alike (default: default)")
     g.add_argument("--warm", choices=("first", "rest"), default=None,
                    help="instead of timing: compile what the bench's first pass runs (first), or all it has yet to run "
                         "after OUT/gpu.json (rest), one process per Triton autotuner config side by side, "
