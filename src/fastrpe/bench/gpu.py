@@ -557,7 +557,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["state_scan"] = state_scan
         if compiled:
             raise_recompile_limits()
-            opts = dict(fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+            opts = {"fullgraph": True, "dynamic": False, "backend": COMPILE_BACKEND}
             if cfg.compile_mode != "default":
                 opts["mode"] = cfg.compile_mode
             call = torch.compile(call, **opts)

@@ -653,7 +653,7 @@ def compile_opaque(name: str, fn, fake):
         op = torch.library.custom_op(f"fastrpe::{name}", mutates_args=())(fn)
         op.register_fake(fake)
         overload, why = op._opoverload, None
-    except Exception as e:  # pragma: no cover - depends on the torch version
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch version
         overload, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     @functools.wraps(fn)
