@@ -543,3 +543,15 @@ def test_block_carries_reads_nothing_back_to_the_host(monkeypatch):
         want[b] = d
         d = gam ** (E[b + 1] - E[b]) * d + tot[:, b]
     assert_close(rev[0], torch.stack(want, 1), torch.float32)
+
+
+def test_length_bucket_keeps_4k_and_64k_apart_and_nearby_lengths_together():
+    """The autotuners' `LB` key: the GPU bench tunes at 4,096 tokens first, and 64k reused
+    4k's choice before; a factor of 4 in chunks moves the bucket by one, a factor under 2
+    at most by one, and it never decreases."""
+    b = [tc.length_bucket(n) for n in range(1, 20000)]
+    assert b == sorted(b) and b[0] == 0
+    assert tc.length_bucket(4096 // 64) != tc.length_bucket(65536 // 64)
+    for n in (1, 7, 64, 1000, 4096):
+        assert tc.length_bucket(4 * n) == tc.length_bucket(n) + 1
+        assert tc.length_bucket(n + n // 2) - tc.length_bucket(n) <= 1

@@ -254,8 +254,8 @@ if HAS_TRITON:
         if PHASE == 1:
             _block_total(c_ptr, cz_ptr, bh * NB + blk, S, z, f, c, iv, BF, BDV)
 
-    @triton.jit
-    def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset,
+    @triton.jit(do_not_specialize=["LB"])
+    def _fwd_out_kernel(q_ptr, k_ptr, v_ptr, lg_ptr, h_ptr, z_ptr, num_ptr, den_ptr, H, Lq, Lk, F, Dv, N, q_offset, LB,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                         STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                         DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False):
@@ -373,9 +373,9 @@ if HAS_TRITON:
         dA = (inv * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
         return k, v, do, dd, inv, D, dA
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, dk_ptr, dv_ptr,
-                        H, Lq, Lk, F, Dv, N, q_offset,
+                        H, Lq, Lk, F, Dv, N, q_offset, LB,
                         BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                         STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                         SCALED: tl.constexpr, DV_BF16: tl.constexpr = False):
@@ -409,9 +409,9 @@ if HAS_TRITON:
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, km[:, None] & cm, DV_BF16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _bwd_dq_kernel(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dq_ptr,
-                       H, Lq, Lk, F, Dv, N, q_offset,
+                       H, Lq, Lk, F, Dv, N, q_offset, LB,
                        BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                        STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                        SCALED: tl.constexpr):
@@ -556,6 +556,15 @@ def tune_configs() -> tuple[tuple[int, int], ...]:
 TUNED: list = []
 
 
+def length_bucket(n: int) -> int:
+    """The autotuners' length key `LB` of a launch over n chunks (or tiles): n's bit length
+    halved, so lengths within a factor of about 4 share a choice (4k and 64k tokens do not: a
+    grid 16x larger may want other warps and stages). An argument the kernels do not read,
+    never specialized on (`do_not_specialize`): a new bucket times the configs again and
+    compiles nothing."""
+    return max(1, int(n)).bit_length() // 2
+
+
 def _tuned(kernel, key, reset=None, restore=None):
     """`kernel` autotuned over warps and stages on the GPU (`tune_configs`); as is under the
     interpreter, which cannot time a config. `reset`: outputs zeroed before each timed run;
@@ -584,9 +593,9 @@ def autotune_choices() -> dict[str, dict[str, str]]:
 
 
 if HAS_TRITON:
-    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "STRICT", "DIVIDE", "OUT_BF16"])
-    _bwd_dkv_kernel = _tuned(_bwd_dkv_kernel, ["F", "Dv", "STRICT", "SCALED", "DV_BF16"])
-    _bwd_dq_kernel = _tuned(_bwd_dq_kernel, ["F", "Dv", "STRICT", "SCALED"])
+    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "LB", "STRICT", "DIVIDE", "OUT_BF16"])
+    _bwd_dkv_kernel = _tuned(_bwd_dkv_kernel, ["F", "Dv", "LB", "STRICT", "SCALED", "DV_BF16"])
+    _bwd_dq_kernel = _tuned(_bwd_dq_kernel, ["F", "Dv", "LB", "STRICT", "SCALED"])
 
 _TL_DTYPE = {}
 if HAS_TRITON:
@@ -707,7 +716,7 @@ def _chunked_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, ini
         phi_k, v, log_g, h, z, c, cz, H, Lk, F, Dv, N, G, NB, BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta),
         h, z, log_g, N, BT, Lk, reverse=False, mode=scan)
     _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
-                                           den, H, Lq, Lk, F, Dv, N, q_offset,
+                                           den, H, Lq, Lk, F, Dv, N, q_offset, length_bucket(N),
                                            BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
     state = (torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1) if want_state
              else h.new_empty(0, dtype=acc))
@@ -754,7 +763,7 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
     tiles = dict(BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
     _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
                                 dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
-                                DV_BF16=dv_bf16, **tiles)
+                                length_bucket(N), DV_BF16=dv_bf16, **tiles)
     dinit = h.new_empty(0, dtype=acc)
     if init is not None:
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
@@ -764,7 +773,8 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
     # the states' gradients are spent before dφq is made: the two are never held together
     del dh, dz
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-    _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset, **tiles)
+    _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset,
+                               length_bucket(N), **tiles)
     dlg = log_g.new_empty(0)
     if want_dlg:
         # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks

@@ -47,7 +47,7 @@ from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  
 from ..common import quotient
 from . import triton_chunked as _tc
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _state_pass, _tuned,
-                             acc_dtype, compile_opaque, dot_mode, dv_in_bf16, quotient_flags,
+                             acc_dtype, compile_opaque, dot_mode, dv_in_bf16, length_bucket, quotient_flags,
                              triton_unavailable_reason, value_dtype, with_quotient_grad)
 
 if HAS_TRITON:
@@ -116,9 +116,9 @@ if HAS_TRITON:
         else:
             return tl.load(cn_ptr + hh * NB * BT + d0 + j * BT)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _soe_out_kernel(q_ptr, k_ptr, v_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, num_ptr, den_ptr,
-                        H, Lq, Lk, F, Dv, N, K, q_offset,
+                        H, Lq, Lk, F, Dv, N, K, q_offset, LB,
                         BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
                         NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                         DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
@@ -212,9 +212,9 @@ if HAS_TRITON:
         if PHASE == 1:
             _block_total(c_ptr, cz_ptr, cb, D, dz, f, c, iv, BF, BDV)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _soe_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dq_ptr, dwq_ptr,
-                           H, Lq, Lk, F, Dv, N, K, NS, q_offset,
+                           H, Lq, Lk, F, Dv, N, K, NS, q_offset, LB,
                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                            NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                            DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
@@ -263,8 +263,8 @@ if HAS_TRITON:
                 dq += tl.load(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=dqm, other=0.0)
             tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=dqm)
 
-    @triton.jit
-    def _soe_bwd_dcn_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, p_ptr, Lq, Lk, F, Dv, N, NS, q_offset,
+    @triton.jit(do_not_specialize=["LB"])
+    def _soe_bwd_dcn_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, p_ptr, Lq, Lk, F, Dv, N, NS, q_offset, LB,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, NB: tl.constexpr,
                             DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
         """Grid (NS, B·H, NB), query chunks n = g, g + NS, ...: `P_j = Σ_n (φq_n·φk_(n-j)ᵀ) ⊙
@@ -291,9 +291,9 @@ if HAS_TRITON:
                       DT, ACC, MODE) * G
         tl.store(p_ptr + ((bh * NS + gi) * NB + j) * BT * BT + t[:, None] * BT + t[None, :], P)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _soe_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dk_ptr,
-                            dv_ptr, dvlo_ptr, H, Lq, Lk, F, Dv, N, K, q_offset,
+                            dv_ptr, dvlo_ptr, H, Lq, Lk, F, Dv, N, K, q_offset, LB,
                             BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                             NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
                             DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
@@ -357,13 +357,14 @@ if HAS_TRITON:
         else:
             tl.store(dv_ptr + dvo, dv.to(dv_ptr.dtype.element_ty), mask=dvm)
 
-    # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart
-    _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR"]
+    # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart;
+    # LB, the length's bucket (`triton_chunked.length_bucket`)
+    _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR", "LB"]
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY + ["DIVIDE", "OUT_BF16"], restore=["num_ptr", "den_ptr"])
     _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
     _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16", "LAST"],
                                  restore=["dk_ptr", "dv_ptr", "dvlo_ptr"])
-    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "SCALED"])
+    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "LB", "SCALED"])
 
 
 def _diagonal_sums(P: Tensor, T: int) -> Tensor:
@@ -432,7 +433,8 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
         h, z = _soe_states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
         _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
                                                num.view(torch.int16) if out_bf16 else num, den,
-                                               H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, BT=T, BF=BF, BV=BV,
+                                               H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, length_bucket(N),
+                                               BT=T, BF=BF, BV=BV,
                                                BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **quot, **meta)
         del h, z
     # the states are not kept for backward (K times the geometric path's: 8.6 GB at
@@ -483,7 +485,8 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta, scan)
         dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
         _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
-                                        H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, BT=T, BF=BF, BDV=BDV,
+                                        H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF,
+                                        BDV=BDV,
                                         **flags, **meta, **scaled)
         del h, z
         if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
@@ -498,7 +501,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
                                          from_zero=True)
         _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                         *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
-                                          else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset,
+                                          else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
                                         BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
                                         **flags, **meta, **scaled)
         del dh, dz
@@ -507,7 +510,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     if want_dcn:
         p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
         _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
-                                             BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
+                                             length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
         dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
     if want_dwq:
         dwq_h = torch.cat(dwq, 1).to(wq.dtype)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..._validate import FastRPEError
 from .triton_chunked import (_TL_DTYPE, HAS_TRITON, _numerator_grads, _pow2, _tuned, acc_dtype, compile_opaque,
-                             dot_mode, dv_in_bf16, quotient_flags, triton_unavailable_reason, value_dtype,
+                             dot_mode, dv_in_bf16, length_bucket, quotient_flags, triton_unavailable_reason, value_dtype,
                              with_quotient_grad)
 
 if HAS_TRITON:
@@ -64,8 +64,9 @@ if HAS_TRITON:
             b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)[None, :]
         return b
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
+                          LB,
                           BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                           CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                           DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False,
@@ -105,9 +106,9 @@ if HAS_TRITON:
         tl.store(den_ptr + bh * Lq + i, den.to(den_ptr.dtype.element_ty), mask=iok)
         tl.store(m_ptr + bh * Lq + i, tl.where(m == _NEG, 0.0, m), mask=iok)  # a row that sees nothing: 0
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dq_ptr,
-                             H, Lq, Lk, F, Dv, R, q_offset,
+                             H, Lq, Lk, F, Dv, R, q_offset, LB,
                              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                              CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                              SCALED: tl.constexpr, KEY_SCALE: tl.constexpr = False):
@@ -139,9 +140,9 @@ if HAS_TRITON:
             dq += _dot(G * w, k, DT, ACC, MODE)
         tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & (f[None, :] < F))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LB"])
     def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dk_ptr, dv_ptr,
-                              db_ptr, H, Lq, Lk, F, Dv, R, q_offset,
+                              db_ptr, H, Lq, Lk, F, Dv, R, q_offset, LB,
                               BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                               CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                               SCALED: tl.constexpr, DV_BF16: tl.constexpr = False, DB: tl.constexpr = False,
@@ -183,13 +184,20 @@ if HAS_TRITON:
         tl.store(dk_ptr + bh * Lk * F + j[:, None] * F + f[None, :], dk, mask=jok[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
 
-    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "CAUSAL", "DIVIDE", "OUT_BF16", "KEY_SCALE"])
-    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "CAUSAL", "SCALED", "KEY_SCALE"])
-    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "CAUSAL", "SCALED", "DV_BF16", "DB", "KEY_SCALE"],
+    # LB: the length's bucket (`triton_chunked.length_bucket` of the tiles)
+    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "LB", "CAUSAL", "DIVIDE", "OUT_BF16", "KEY_SCALE"])
+    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "LB", "CAUSAL", "SCALED", "KEY_SCALE"])
+    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "LB", "CAUSAL", "SCALED", "DV_BF16", "DB",
+                                                           "KEY_SCALE"],
                                    reset=["db_ptr"])
 
 #: query and key tile rows
 TILE = 64
+
+
+def _tiles_bucket(Lq: int, Lk: int) -> int:
+    """The autotuners' length key: `length_bucket` of the longer side's tiles."""
+    return length_bucket(triton.cdiv(max(Lq, Lk), TILE))
 
 
 def _tiled_meta(phi_q: Tensor, v: Tensor, causal: bool, mode: int, key_scale: bool) -> dict:
@@ -212,7 +220,8 @@ def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tens
     out_bf16, quot = quotient_flags(divide, acc)
     _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc, lc if ks is None else ks,
                                                       num.view(torch.int16) if out_bf16 else num, den, m,
-                                                      H, Lq, Lk, F, Dv, Lq + Lk - 1, q_offset, **quot,
+                                                      H, Lq, Lk, F, Dv, Lq + Lk - 1, q_offset,
+                                                      _tiles_bucket(Lq, Lk), **quot,
                                                       **_tiled_meta(phi_q, v, causal, mode, ks is not None))
     return num, den, m
 
@@ -238,7 +247,8 @@ def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Ten
     dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
     _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, ks, dnum, inv, dd, m, dq,
-                                                         H, Lq, Lk, F, Dv, R, q_offset, **meta)
+                                                         H, Lq, Lk, F, Dv, R, q_offset, _tiles_bucket(Lq, Lk),
+                                                         **meta)
     dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     dv_bf16 = dv_in_bf16(v, dt)
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
@@ -246,7 +256,8 @@ def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Ten
     db = torch.zeros(H, R, dtype=acc, device=dev) if want_db else torch.zeros(1, dtype=acc, device=dev)
     _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, ks, dnum, inv, dd, m, dk,
                                                           dv.view(torch.int16) if dv_bf16 else dv, db,
-                                                          H, Lq, Lk, F, Dv, R, q_offset, DV_BF16=dv_bf16,
+                                                          H, Lq, Lk, F, Dv, R, q_offset, _tiles_bucket(Lq, Lk),
+                                                          DV_BF16=dv_bf16,
                                                           DB=want_db, **meta)
     return dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if want_db else lc.new_empty(0)
 
