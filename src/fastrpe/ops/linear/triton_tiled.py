@@ -104,7 +104,9 @@ if HAS_TRITON:
             acc = _divide_rows(acc, den, THR)
         _store_tile(num_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], acc, iok[:, None] & cm, OUT_BF16)
         tl.store(den_ptr + bh * Lq + i, den.to(den_ptr.dtype.element_ty), mask=iok)
-        tl.store(m_ptr + bh * Lq + i, tl.where(m == _NEG, 0.0, m), mask=iok)  # a row that sees nothing: 0
+        # a row that sees nothing: 0. Not `m == _NEG`: triton 3.6 types the constant float32, and
+        # float32(-1e30) differs from a float64 m's -1e30 (float64 calls stored -1e30 there)
+        tl.store(m_ptr + bh * Lq + i, tl.where(m > 0.5 * _NEG, m, 0.0), mask=iok)
 
     @triton.jit(do_not_specialize=["LB"])
     def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dq_ptr,
