@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..._validate import FastRPEError
-from ..common import device_route, safe_inverse, underflow_threshold
+from ..common import device_route, underflow_threshold
 
 try:  # triton is the optional extra `[triton]`
     import triton
@@ -151,19 +151,28 @@ if HAS_TRITON:
         return r
 
     @triton.jit
-    def _quotient_dd_kernel(do_ptr, o_ptr, inv_ptr, dd_ptr, R, Dv,
-                            BR: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
-        """Grid (cdiv(R, BR),): `dd = -inv·Σ_c do·o` for rows of the `[R, Dv]` quotient `o`
-        and its gradient `do` (the denominator's gradient, `quotient_backward`)."""
+    def _quotient_dd_kernel(do_ptr, o_ptr, den_ptr, inv_ptr, dd_ptr, R, Dv,
+                            BR: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr, THR: tl.constexpr,
+                            DD: tl.constexpr):
+        """Grid (cdiv(R, BR),): `inv = 1/den`, 0 where `|den| < THR` (`safe_inverse` in one
+        launch, not seven), for R rows; with DD also `dd = -inv·Σ_c do·o` for the rows of the
+        `[R, Dv]` quotient `o` and its gradient `do` (the denominator's gradient,
+        `quotient_backward`)."""
         r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         rm = r < R
-        c = tl.arange(0, BC)
-        s = tl.zeros([BR], dtype=ACC)
-        for c0 in range(0, Dv, BC):
-            m = rm[:, None] & ((c0 + c)[None, :] < Dv)
-            off = r[:, None] * Dv + (c0 + c)[None, :]
-            s += tl.sum(tl.load(do_ptr + off, mask=m, other=0.0).to(ACC) * tl.load(o_ptr + off, mask=m, other=0.0).to(ACC), 1)
-        tl.store(dd_ptr + r, -tl.load(inv_ptr + r, mask=rm, other=0.0) * s, mask=rm)
+        den = tl.load(den_ptr + r, mask=rm, other=1.0).to(ACC)
+        empty = tl.abs(den) < THR
+        inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, den))
+        tl.store(inv_ptr + r, inv, mask=rm)
+        if DD:
+            c = tl.arange(0, BC)
+            s = tl.zeros([BR], dtype=ACC)
+            for c0 in range(0, Dv, BC):
+                m = rm[:, None] & ((c0 + c)[None, :] < Dv)
+                off = r[:, None] * Dv + (c0 + c)[None, :]
+                s += tl.sum(tl.load(do_ptr + off, mask=m, other=0.0).to(ACC)
+                            * tl.load(o_ptr + off, mask=m, other=0.0).to(ACC), 1)
+            tl.store(dd_ptr + r, -inv * s, mask=rm)
 
     @triton.jit
     def _bf16_bits(x):
@@ -655,11 +664,18 @@ def compile_opaque(name: str, fn, fake):
     interpreter's kernels, and a compiled graph needs the outputs' shapes without running
     them (`fake`, called with the same arguments, gives them). Returns the function to call:
     the op under compile, fn itself otherwise (the dispatcher's custom-op overhead is not
-    paid eagerly, where each launch's host time counts at short lengths). A torch that cannot
-    register the op keeps eager calls working; a compiled call then says why it cannot run."""
+    paid eagerly, where each launch's host time counts at short lengths). fn returns None for
+    an output the call does not make; the op returns an empty tensor of the first argument's
+    dtype there (an op's outputs are tensors), as `fake` must. A torch that cannot register
+    the op keeps eager calls working; a compiled call then says why it cannot run."""
     fn = on_device_of(0)(fn)
+
+    @functools.wraps(fn)
+    def as_op(*args):
+        return tuple(args[0].new_empty(0) if t is None else t for t in fn(*args))
+
     try:
-        op = torch.library.custom_op(f"fastrpe::{name}", mutates_args=())(fn)
+        op = torch.library.custom_op(f"fastrpe::{name}", mutates_args=())(as_op)
         op.register_fake(fake)
         overload, why = op._opoverload, None
     except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch version
@@ -693,7 +709,7 @@ def _chunked_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, ini
                      chunk: int, strict: bool, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None,
                      state_dtype: torch.dtype | None, want_state: bool, scan: str
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`(num, den, state, h, z)` of `_ChunkedDecay` (state empty unless `want_state`; h, z the
+    """`(num, den, state, h, z)` of `_ChunkedDecay` (state None unless `want_state`; h, z the
     chunk states its backward reads)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
@@ -718,8 +734,7 @@ def _chunked_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, ini
     _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
                                            den, H, Lq, Lk, F, Dv, N, q_offset, length_bucket(N),
                                            BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
-    state = (torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1) if want_state
-             else h.new_empty(0, dtype=acc))
+    state = torch.cat([h[:, N, :F, :Dv], z[:, N, :F, None]], -1).reshape(B, H, F, Dv + 1) if want_state else None
     return num, den, state, h, z
 
 
@@ -731,7 +746,7 @@ def _chunked_forward_fake(phi_q, phi_k, v, log_g, init, q_offset, chunk, strict,
     _, BF, BDV, _, N = _chunk_sizes(phi_q, v, q_offset, chunk)
     return (phi_q.new_empty(B, H, Lq, Dv, dtype=out_dtype if divide is None else divide),
             phi_q.new_empty(B, H, Lq, dtype=out_dtype if divide is None else acc),
-            phi_q.new_empty((B, H, F, Dv + 1) if want_state else (0,), dtype=acc),
+            phi_q.new_empty(B, H, F, Dv + 1, dtype=acc) if want_state else phi_q.new_empty(0),
             phi_q.new_empty(B * H, N + 1, BF, BDV, dtype=state_dtype or acc),
             phi_q.new_empty(B * H, N + 1, BF, dtype=acc))
 
@@ -740,7 +755,7 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
                       state: Tensor | None, init: Tensor | None, den: Tensor | None, dnum: Tensor | None,
                       dden: Tensor | None, dstate: Tensor | None, q_offset: int, chunk: int, strict: bool, mode: int,
                       scan: str, want_dlg: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`(dφq, dφk, dv, dlog γ, dinit)` of `_ChunkedDecay` (dlog γ empty unless `want_dlg`,
+    """`(dφq, dφk, dv, dlog γ, dinit)` of `_ChunkedDecay` (dlog γ None unless `want_dlg`,
     dinit unless there is an initial state)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
@@ -764,7 +779,7 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
     _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
                                 dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
                                 length_bucket(N), DV_BF16=dv_bf16, **tiles)
-    dinit = h.new_empty(0, dtype=acc)
+    dinit = None
     if init is not None:
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
     cross = None
@@ -775,7 +790,7 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
     _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset,
                                length_bucket(N), **tiles)
-    dlg = log_g.new_empty(0)
+    dlg = None
     if want_dlg:
         # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks
         # between): the chunk-local parts from the gradients, the crossings from the states,
@@ -793,7 +808,7 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
         if init is not None:
             dlg = dlg + (init.to(f64) * dinit.to(f64)).sum((0, 2, 3))
         dlg = dlg.to(log_g.dtype)
-    return dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else dinit
+    return dq.to(dt), dk.to(dt), dv.to(v.dtype), dlg, dinit.to(init.dtype) if init is not None else None
 
 
 def _chunked_backward_fake(phi_q, phi_k, v, log_g, h, z, state, init, den, dnum, dden, dstate, q_offset, chunk,
@@ -801,8 +816,8 @@ def _chunked_backward_fake(phi_q, phi_k, v, log_g, h, z, state, init, den, dnum,
     B, H, Lq, F = phi_q.shape
     Lk = v.shape[2]
     return (phi_q.new_empty(B, H, Lq, F), phi_q.new_empty(B, H, Lk, F), torch.empty_like(v),
-            log_g.new_empty(log_g.shape if want_dlg else (0,)),
-            init.new_empty(init.shape) if init is not None else h.new_empty(0, dtype=acc_dtype(phi_q.dtype)))
+            log_g.new_empty(log_g.shape) if want_dlg else phi_q.new_empty(0),
+            init.new_empty(init.shape) if init is not None else phi_q.new_empty(0))
 
 
 _chunked_forward_op = compile_opaque("triton_chunked_forward", _chunked_forward, _chunked_forward_fake)
@@ -866,13 +881,26 @@ def _quotient_backward(dout: Tensor, out: Tensor, den: Tensor) -> tuple[Tensor, 
 
     Returns:
         `(inv, dden)`, `[B, H, Lq]` each in den's dtype."""
-    inv = safe_inverse(den).contiguous()
-    dd = torch.empty_like(inv)
-    R, Dv = inv.numel(), out.shape[-1]
+    den = den.contiguous()
+    inv, dd = torch.empty_like(den), torch.empty_like(den)
+    R, Dv = den.numel(), out.shape[-1]
     BR = 64
-    _quotient_dd_kernel[(triton.cdiv(R, BR),)](dout, out.contiguous(), inv, dd, R, Dv, BR=BR, BC=min(_pow2(Dv), 128),
-                                               ACC=_TL_DTYPE[den.dtype])
+    _quotient_dd_kernel[(triton.cdiv(R, BR),)](dout, out.contiguous(), den, inv, dd, R, Dv, BR=BR,
+                                               BC=min(_pow2(Dv), 128), ACC=_TL_DTYPE[den.dtype],
+                                               THR=underflow_threshold(den.dtype), DD=True)
     return inv, dd
+
+
+def inverse_rows(den: Tensor) -> Tensor:
+    """`safe_inverse(den)` (`1/den`, 0 where `|den|` is below `underflow_threshold`) in one
+    launch, contiguous: what the backward kernels scale a quotient's gradient by (`_row_inv`)."""
+    den = den.contiguous()
+    inv = torch.empty_like(den)
+    R, BR = den.numel(), 64
+    _quotient_dd_kernel[(triton.cdiv(R, BR),)](den, den, den, inv, inv, R, 0, BR=BR, BC=16,
+                                               ACC=_TL_DTYPE[den.dtype], THR=underflow_threshold(den.dtype),
+                                               DD=False)
+    return inv
 
 
 def _quotient_backward_fake(dout, out, den):
@@ -916,7 +944,7 @@ def _numerator_grads(dnum, dden, den, shape, dt, dev) -> tuple[Tensor, Tensor, T
     B, H, Lq, Dv = shape
     dnum = torch.zeros(B, H, Lq, Dv, dtype=dt, device=dev) if dnum is None else dnum.contiguous()
     if den is not None:
-        inv = safe_inverse(den).contiguous()
+        inv = inverse_rows(den)
         return dnum, inv, torch.zeros_like(inv) if dden is None else dden.to(inv.dtype).contiguous()
     dden = torch.zeros(B, H, Lq, dtype=dt, device=dev) if dden is None else dden.contiguous()
     return dnum, dden, dden

@@ -459,7 +459,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
                   dnum: Tensor | None, dden: Tensor | None, q_offset: int, T: int, NB: int, mode: int,
                   state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`(dφq, dφk, dv, dcn, dwq)` of `_SoE` (dcn, dwq empty unless wanted); the states are
+    """`(dφq, dφk, dv, dcn, dwq)` of `_SoE` (dcn, dwq None unless wanted); the states are
     made again, group by group, as the forward made them."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
@@ -506,7 +506,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
                                         **flags, **meta, **scaled)
         del dh, dz
     del dvlo
-    dcn, dwq_h = cn.new_empty(0), wq.new_empty(0)
+    dcn = dwq_h = None
     if want_dcn:
         p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
         _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
@@ -520,7 +520,8 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
 def _soe_backward_fake(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode, state_dtype, group,
                        scan, want_dcn, want_dwq):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
-            cn.new_empty(cn.shape if want_dcn else (0,)), wq.new_empty(wq.shape if want_dwq else (0,)))
+            cn.new_empty(cn.shape) if want_dcn else phi_q.new_empty(0),
+            wq.new_empty(wq.shape) if want_dwq else phi_q.new_empty(0))
 
 
 _soe_forward_op = compile_opaque("triton_soe_forward", _soe_forward, _soe_forward_fake)

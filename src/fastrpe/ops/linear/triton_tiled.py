@@ -239,7 +239,7 @@ def _tiled_forward_fake(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mo
 def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, m: Tensor,
                     den: Tensor | None, dnum: Tensor | None, dden: Tensor | None, q_offset: int, causal: bool,
                     mode: int, want_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(dφq, dφk, dv, db)` of `_Tiled` (db, the table's gradient, empty unless `want_db`)."""
+    """`(dφq, dφk, dv, db)` of `_Tiled` (db, the table's gradient, None unless `want_db`)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt, R = phi_q.device, phi_q.dtype, lc.shape[1]
@@ -261,12 +261,12 @@ def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Ten
                                                           H, Lq, Lk, F, Dv, R, q_offset, _tiles_bucket(Lq, Lk),
                                                           DV_BF16=dv_bf16,
                                                           DB=want_db, **meta)
-    return dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if want_db else lc.new_empty(0)
+    return dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if want_db else None
 
 
 def _tiled_backward_fake(phi_q, phi_k, v, lc, ks, m, den, dnum, dden, q_offset, causal, mode, want_db):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
-            lc.new_empty(lc.shape if want_db else (0,)))
+            lc.new_empty(lc.shape) if want_db else phi_q.new_empty(0))
 
 
 _tiled_forward_op = compile_opaque("triton_tiled_forward", _tiled_forward, _tiled_forward_fake)
