@@ -677,3 +677,28 @@ def test_a_rows_after_hook_adds_what_its_calls_left_and_the_autotuners_choices(m
     assert gpu._new_choices(before, gpu.autotuned()) == {
         "autotuned": {"_k": {"(32, 128)": "num_warps=4, num_stages=3"}}}
     assert gpu._new_choices(before, before) == {}
+
+
+def test_host_time_script_counts_the_host_side_of_each_triton_call(tmp_path, capsys):
+    """benchmarks/host_time.py: eager host time per call of each Triton backend, kernels
+    stubbed (the interpreter's launches are no-ops while it runs, and restored after), and a
+    bad `--modes` refused in one line."""
+    import importlib.util
+    from pathlib import Path
+
+    import triton.runtime.interpreter as interp
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_time.py"
+    spec = importlib.util.spec_from_file_location("host_time", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = interp.InterpretedFunction.run
+    out = tmp_path / "h.json"
+    assert mod.main(["--calls", "2", "--repeats", "1", "--modes", "eager", "--out", str(out)]) == 0
+    assert interp.InterpretedFunction.run is run  # restored
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["backend"] for r in rows] == [b for b, _ in mod.CASES]
+    assert all(r["eager_us"] > 0 and "compiled_us" not in r for r in rows)
+    capsys.readouterr()
+    assert mod.main(["--modes", "graphed"]) == 2
+    assert "--modes" in capsys.readouterr().out
