@@ -32,7 +32,7 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
-import torch  # noqa: E402
+import torch
 
 HERE = Path(__file__).resolve().parent
 CASES = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"),
@@ -55,9 +55,8 @@ def measure(L: int, calls: int, repeats: int, modes: tuple[str, ...]) -> list[di
     import triton.runtime.interpreter as interp
 
     import fastrpe as fr
-    import fastrpe.api as api
-    import fastrpe.backends_triton as bt
-    from fastrpe import kernels
+    from fastrpe import api, kernels
+    from fastrpe import backends_triton as bt
     from fastrpe.bench.gpu import make_position
 
     H, D, F = 8, 64, 32
@@ -85,7 +84,7 @@ def measure(L: int, calls: int, repeats: int, modes: tuple[str, ...]) -> list[di
                 torch._dynamo.reset()
                 fn = f if mode == "eager" else torch.compile(f, fullgraph=True, dynamic=False)
 
-                def call(fn=fn):
+                def call(fn=fn, q=q, k=k, v=v):
                     fn(q, k, v).float().sum().backward()
 
                 row[f"{mode}_us"] = round(per_call_us(call, calls, repeats), 1)
