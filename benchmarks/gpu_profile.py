@@ -6,7 +6,9 @@ The first H100 rows (2026-11-26, docs/RESULTS.md) left two questions this answer
   1.96 ms at 4k, 5.85 at 64k, so about 1.6 ms does not grow with L): host-bound?
 - at 65,536 tokens which kernels hold triton_chunked's 5.85 ms (the state passes are
   sequential over 1,024 chunks) and triton_tiled's 282 ms?
-And, for the eager rows' fixed part, how much of it a compiled call (`+compiled`) still has.
+And, for the eager rows' fixed part, how much of it a compiled call (`+compiled`) still has,
+in each of `--compile-modes` (reduce-overhead: CUDA graphs; `benchmarks/host_time.py` found
+compiling alone raised the host time on the CPU).
 
 Each case is the bench's own row (`fastrpe.bench.gpu.registry`: the same inputs, forward and
 backward), called twice to warm, then profiled over `--calls` calls (torch.profiler, CPU and
@@ -22,6 +24,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--budget-s", type=float, default=60.0, help="start no new case after this many seconds")
     ap.add_argument("--out", default="runs/gpu/gpu_profile.json")
+    ap.add_argument("--compile-modes", default="default,reduce-overhead",
+                    help="torch.compile modes a +compiled case runs in, each in turn (reduce-overhead: CUDA graphs)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -103,7 +108,12 @@ def main(argv=None) -> int:
         return 2
     cfg = gpu.GpuConfig(device=args.device) if dev.type == "cuda" else gpu.smoke_config()
     dt = getattr(torch, cfg.dtype)
-    reg = gpu.registry(cfg)
+    modes = [m for m in args.compile_modes.split(",") if m]
+    bad = [m for m in modes if m not in gpu.COMPILE_MODES]
+    if bad or not modes:
+        print(f"gpu_profile: --compile-modes takes some of {', '.join(gpu.COMPILE_MODES)}, got {args.compile_modes!r}")
+        return 2
+    regs = {m: gpu.registry(replace(cfg, compile_mode=m)) for m in modes}
     res = {"device": gpu.environment(dev)["device"], "torch": torch.__version__, "dtype": cfg.dtype,
            "python": platform.python_version(), "command": "python benchmarks/gpu_profile.py " + " ".join(
                argv if argv is not None else sys.argv[1:]), "calls": args.calls, "cases": []}
@@ -111,9 +121,15 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     for L in (int(x) for x in args.lengths.split(",")):
+        items = []
         for case in args.cases.split(","):
             name, fam = case.split(":")
+            items += [(name, fam, m) for m in (modes if name.endswith(gpu.COMPILED) else modes[:1])]
+        for name, fam, mode in items:
+            reg = regs[mode]
             row = {"competitor": name, "family": fam, "L": L}
+            if name.endswith(gpu.COMPILED):
+                row["compile_mode"] = mode
             if time.perf_counter() - t_start > args.budget_s:
                 row["skipped"] = "budget spent"
             else:
@@ -135,7 +151,8 @@ def main(argv=None) -> int:
             head = row.get("skipped") or (f"{row['wall_ms']:8.3f} ms, GPU busy {row['busy_ms']:8.3f} ms "
                                           f"({row['launches_per_call']:.0f} launches); top: " + ", ".join(
                                               f"{k['name'][:40]} {k['ms']:.3f}" for k in row["top"][:3]))
-            print(f"{name:28s} {fam:11s} L={L:<7d} {head}", flush=True)
+            label = name + (f" ({mode})" if name.endswith(gpu.COMPILED) else "")
+            print(f"{label:28s} {fam:11s} L={L:<7d} {head}", flush=True)
     return 0
 
 

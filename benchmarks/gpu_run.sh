@@ -9,7 +9,7 @@
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
 #                                      # (100 s) beside the compile warm-up (below), the kernel
-#                                      # profile (50 s), then every row the criteria read at 4k,
+#                                      # profile (65 s), then every row the criteria read at 4k,
 #                                      # 64k, 256k and 1M, then decoding, then the host-sync check
 #                                      # (resuming a carried JSON: decoding and syncs first)
 #   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
@@ -75,7 +75,7 @@
 # - every warm-up worker died at start (set_per_process_memory_fraction wants a device index
 #   on torch 2.11), fixed; with them the warm-up reached 14-15 of 21-22 rows in 153 s;
 # - a device call brings back 8 files: the warm-up's plan and logs stay on the machine;
-# - new: gpu_profile.json (benchmarks/gpu_profile.py, PROFILE_S=50 s after the warm-up): each
+# - new: gpu_profile.json (benchmarks/gpu_profile.py, PROFILE_S=65 s after the warm-up): each
 #   Triton row's kernels at 4k and 64k and the GPU's busy share, to say whether the 4k rows
 #   (1.8-3.8 ms vs Flex's 0.9-1.6) are host-bound and which kernels hold the 64k ones.
 # - new, untimed: `fastrpe-triton_{chunked,soe,band}+blocked-scan` (triton_chunked.STATE_SCAN =
@@ -92,7 +92,9 @@
 #   tests/test_gpu.py::test_triton_backend_compiled_by_inductor_equals_eager (in `tests`).
 #   If gpu_profile.json shows the compiled 4k call still mostly host time, run with
 #   COMPILE_MODE=reduce-overhead (CUDA graphs for Flex and the +compiled rows alike; a fresh
-#   JSON: the Flex baseline changes with the mode).
+#   JSON: the Flex baseline changes with the mode). gpu_profile.py profiles the compiled 4k
+#   ALiBi call in both modes, last (PROFILE_S now 65): benchmarks/host_time.py found on the CPU
+#   that compiling alone raised a call's host time (guards, AOT wrappers).
 # - new: each fastrpe row records the autotuners' choices its calls made (`autotuned`: kernel ->
 #   {tuning key: num_warps, num_stages}); configs that never win can leave TUNE_CONFIGS, and
 #   the warm-up (153 s of the last session's 15 minutes) shrinks with them.
@@ -352,7 +354,7 @@ case "$phase" in
     tail -12 "$OUT_DIR/gpu_warm_first.log"
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
-    timeout -s INT -k 5 "${PROFILE_S:-50}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-50} - 20 ))" \
+    timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" \
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check

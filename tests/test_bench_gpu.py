@@ -584,12 +584,17 @@ def test_gpu_profile_script_profiles_the_bench_rows_on_cpu(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "p.json"
-    assert mod.main(["--device", "cpu", "--lengths", "48", "--calls", "1",
-                     "--cases", "fastrpe-chunked:alibi,fastrpe-triton_chunked:alibi", "--out", str(out)]) == 0
+    assert mod.main(["--device", "cpu", "--lengths", "48", "--calls", "1", "--cases",
+                     "fastrpe-chunked:alibi,fastrpe-triton_chunked:alibi,fastrpe-triton_chunked+compiled:alibi",
+                     "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    ran, refused = res["cases"]
+    ran, refused, *compiled = res["cases"]
     assert ran["wall_ms"] > 0 and ran["top"] and all(k["ms"] >= 0 for k in ran["top"])
-    assert "needs CUDA" in refused["skipped"]
+    assert "needs CUDA" in refused["skipped"] and "compile_mode" not in ran
+    # a compiled case once per compile mode (refused here: no CUDA)
+    assert [c["compile_mode"] for c in compiled] == ["default", "reduce-overhead"]
+    assert all("needs CUDA" in c["skipped"] for c in compiled)
+    assert mod.main(["--device", "cpu", "--compile-modes", "fast", "--out", str(out)]) == 2
 
 
 def test_retry_errors_without_resume_is_a_one_line_error(tmp_path, capsys):
