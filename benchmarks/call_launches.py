@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -41,13 +42,48 @@ def _decode_ops():
     return mod
 
 
-def count(L: int, H: int, D: int, F: int, features: str) -> list[dict]:
+@contextlib.contextmanager
+def gpu_policy_on_cpu(run, features: str):
+    """Inside: the Triton backends take CPU tensors under the interpreter, each interpreted
+    launch goes through `run(self, *args, **kwargs)` (in place of `InterpretedFunction.run`),
+    the bf16 policy is CUDA's (`backends_triton.lowp_dots`) and `kernels.TRITON_FEATURES` is
+    `features`; all restored after."""
     import triton.runtime.interpreter as interp
 
-    import fastrpe as fr
     import fastrpe.backends_triton as bt
     from fastrpe import kernels
+
+    lowp = bt.lowp_dots
+    saved = (interp.InterpretedFunction.run, bt.INTERPRET_ON_CPU, bt.lowp_dots, kernels.TRITON_FEATURES)
+    interp.InterpretedFunction.run = run
+    bt.INTERPRET_ON_CPU = True
+    bt.lowp_dots = lambda p: lowp(dataclasses.replace(p, device=torch.device("cuda")))
+    kernels.TRITON_FEATURES = features
+    try:
+        yield
+    finally:
+        interp.InterpretedFunction.run, bt.INTERPRET_ON_CPU, bt.lowp_dots, kernels.TRITON_FEATURES = saved
+
+
+def case_call(backend: str, family: str, L: int, H: int, D: int, F: int):
+    """`(f, q, k, v)`: `f(q, k, v)`, the case's causal `fastrpe.attention` call (NPRF features,
+    the bench's frozen term), and its seeded bf16 inputs `[1, H, L, D]`, requiring grad."""
+    import fastrpe as fr
     from fastrpe.bench.gpu import make_position
+
+    kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
+    pos = make_position(family, H, L)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend)
+
+    return f, q, k, v
+
+
+def count(L: int, H: int, D: int, F: int, features: str) -> list[dict]:
+    import triton.runtime.interpreter as interp
 
     ops = _decode_ops()
     inside = {"depth": 0, "kernels": collections.Counter()}
@@ -67,22 +103,13 @@ def count(L: int, H: int, D: int, F: int, features: str) -> list[dict]:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    lowp = bt.lowp_dots
-    saved = (interp.InterpretedFunction.run, bt.INTERPRET_ON_CPU, bt.lowp_dots, getattr(kernels, "TRITON_FEATURES", None))
-    interp.InterpretedFunction.run = counted_run
-    bt.INTERPRET_ON_CPU = True
-    bt.lowp_dots = lambda p: lowp(dataclasses.replace(p, device=torch.device("cuda")))
-    kernels.TRITON_FEATURES = features
     rows = []
-    try:
+    with gpu_policy_on_cpu(counted_run, features):
         for backend, family in CASES:
-            kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
-            pos = make_position(family, H, L)
-            g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(1, H, L, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+            f, q, k, v = case_call(backend, family, L, H, D, F)
 
-            def call():
-                return fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend)
+            def call(f=f, q=q, k=k, v=v):
+                return f(q, k, v)
 
             call().sum().backward()  # warm: memos, fit verdicts
             row = {"backend": backend, "family": family, "L": L, "features": features}
@@ -98,10 +125,6 @@ def count(L: int, H: int, D: int, F: int, features: str) -> list[dict]:
             row["total_launches"] = sum(row[ph]["aten_launches"] + row[ph]["triton_launches"]
                                         for ph in ("forward", "backward"))
             rows.append(row)
-    finally:
-        interp.InterpretedFunction.run, bt.INTERPRET_ON_CPU, bt.lowp_dots = saved[:3]
-        if saved[3] is not None:
-            kernels.TRITON_FEATURES = saved[3]
     return rows
 
 

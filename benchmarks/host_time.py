@@ -14,20 +14,18 @@ without a GPU, the host side that a GPU call pays before its launches reach the 
 "compiled" is `torch.compile(fullgraph=True, dynamic=False)` (Inductor): the kernels are custom
 ops in the graph and the feature maps Inductor's C++ kernels, which do real (small) work here,
 while eager's feature maps are Triton kernels and stubbed. Best of `--repeats` rounds of
-`--calls` calls, one thread.
+`--calls` calls (after 20 to warm), one thread.
 
     python benchmarks/host_time.py --out benchmarks/results/host_time.json
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
@@ -35,50 +33,35 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 import torch
 
 HERE = Path(__file__).resolve().parent
-CASES = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"),
-         ("triton_tiled", "learned"))
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best * 1e6
+def _sibling(name: str):
+    """The module of benchmarks/<name>.py (the cases and the CPU setup are call_launches'; the
+    timing loop is auto_overhead's)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_launches = _sibling("call_launches")
+CASES = _launches.CASES
 
 
 def measure(L: int, calls: int, repeats: int, modes: tuple[str, ...]) -> list[dict]:
-    import triton.runtime.interpreter as interp
+    from unittest import mock
 
-    import fastrpe as fr
-    from fastrpe import api, kernels
-    from fastrpe import backends_triton as bt
-    from fastrpe.bench.gpu import make_position
+    from fastrpe import api
 
+    per_call_ms = _sibling("auto_overhead").per_call_ms
     H, D, F = 8, 64, 32
-    lowp, check = bt.lowp_dots, api.check_qkv
-    saved = (interp.InterpretedFunction.run, bt.INTERPRET_ON_CPU, bt.lowp_dots, kernels.TRITON_FEATURES,
-             api.check_qkv)
-    interp.InterpretedFunction.run = lambda self, *a, **k: None  # no kernel runs: host time only
-    bt.INTERPRET_ON_CPU = True
-    bt.lowp_dots = lambda p: lowp(dataclasses.replace(p, device=torch.device("cuda")))
-    kernels.TRITON_FEATURES = "always"
-    api.check_qkv = lambda q, k, v: check(q, k, v, check_finite=False)  # skipped on a GPU
+    check = api.check_qkv
     rows = []
-    try:
+    # no kernel runs (host time only), and the non-finite check is skipped, as on a GPU
+    with _launches.gpu_policy_on_cpu(lambda self, *a, **k: None, "always"), \
+            mock.patch.object(api, "check_qkv", lambda q, k, v: check(q, k, v, check_finite=False)):
         for backend, family in CASES:
-            kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
-            pos = make_position(family, H, L)
-            g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(1, H, L, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
-
-            def f(q, k, v, backend=backend, kern=kern, pos=pos):
-                return fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend)
-
+            f, q, k, v = _launches.case_call(backend, family, L, H, D, F)
             row = {"backend": backend, "family": family, "L": L}
             for mode in modes:
                 torch._dynamo.reset()
@@ -87,19 +70,9 @@ def measure(L: int, calls: int, repeats: int, modes: tuple[str, ...]) -> list[di
                 def call(fn=fn, q=q, k=k, v=v):
                     fn(q, k, v).float().sum().backward()
 
-                row[f"{mode}_us"] = round(per_call_us(call, calls, repeats), 1)
+                row[f"{mode}_us"] = round(per_call_ms(call, calls, repeats) * 1e3, 1)
             rows.append(row)
-    finally:
-        (interp.InterpretedFunction.run, bt.INTERPRET_ON_CPU, bt.lowp_dots, kernels.TRITON_FEATURES,
-         api.check_qkv) = saved
     return rows
-
-
-def _source_commit():
-    spec = importlib.util.spec_from_file_location("decode_ops", HERE / "decode_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.source_commit()
 
 
 def main(argv=None) -> int:
@@ -121,7 +94,7 @@ def main(argv=None) -> int:
         print(f"{r['backend']:15s} {r['family']:11s} " + " ".join(f"{r[m + '_us']:12.1f}" for m in modes))
     if a.out:
         meta = {"command": " ".join(["python", "benchmarks/host_time.py", *(argv if argv is not None else sys.argv[1:])]),
-                "fastrpe_commit": _source_commit(), "torch": torch.__version__, "python": platform.python_version(),
+                "fastrpe_commit": _launches._decode_ops().source_commit(), "torch": torch.__version__, "python": platform.python_version(),
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread",
                 "config": {"B": 1, "H": 8, "D": 64, "features": 32, "kernel": "nprf", "dtype": "bfloat16",
                            "causal": True, "calls": a.calls, "repeats": a.repeats}}

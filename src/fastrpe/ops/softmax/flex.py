@@ -38,7 +38,6 @@ GATHER_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2,
                          "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
 
 
-
 def kernel_options_for(position) -> dict | None:
     """The fused kernels' options for `position`'s score_mod: `GATHER_KERNEL_OPTIONS` where it
     gathers from a table (`Position.score_mod_gathers`), else None (Inductor's own)."""
