@@ -690,7 +690,6 @@ def compile_opaque(name: str, fn, fake):
                                f"torch ({torch.__version__}): registering their custom op failed ({why})")
         return overload(*args)
 
-    call.op = overload
     return call
 
 

@@ -466,7 +466,6 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     dev, dt = phi_q.device, phi_q.dtype
     acc = acc_dtype(dt)
     BF, BDV, BV, N, groups = _soe_sizes(phi_q, v, lgk.numel(), q_offset, T, group)
-    hdt = state_dtype
     dnum, inv, dden = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
     meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
     scaled = dict(SCALED=den is not None)
@@ -482,7 +481,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
         flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
         # the queries' side reads the states, the keys' side their gradients: one at a time
-        h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, hdt, acc, meta, scan)
+        h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
         dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
         _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                         H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF,
@@ -492,7 +491,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
             dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
         del dwq_g
-        dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=hdt, device=dev)
+        dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=state_dtype, device=dev)
         dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
         _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
             (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
