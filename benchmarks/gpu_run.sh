@@ -35,6 +35,15 @@
 # [B, T, H, K] inputs, no head_first); its one required dependency, einops, is already in the
 # device image, and it needs torch >= 2.7 and triton >= 3.3 (the image has torch 2.11, triton
 # 3.6). The `flash-linear-attention` package (models, needs transformers) is not needed.
+# But fla did not run under the image's triton 3.6 (an illegal memory access, 2026-11-26; fla
+# itself asks Hopper for triton >= 3.7.1). Since 2026-11-27 the better carry is .fla_site
+# instead of .whl: `bash benchmarks/fla_site.sh` (2-3 minutes here) packs fla-core with a
+# trimmed triton 3.7.1 into .fla_site/site.tar.xz (37 MB), and this script then warms and
+# times fla's rows in processes of their own with that triton (FLA_ENV below; FLA_S=75 s for
+# the timed rows, after the profile), every other row with the image's. A row that broke the
+# context under other versions is measured again (gpu.lost_elsewhere), so the carried JSON's
+# fla row runs again; each run's versions are in gpu.json's `envs`:
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs"], timeout_s=540)
 #
 # A session's device time is 15 minutes (since 2026-11; it was 30), counted from the machine's
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
@@ -249,6 +258,24 @@ fi
 FASTRPE=(python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))')
 fastrpe() { "${FASTRPE[@]}" "$@"; }
 
+# fla in processes of its own (benchmarks/fla_site.sh): .fla_site/site.tar.xz holds fla-core
+# and a trimmed triton 3.7.1, first on the path of the processes that warm and time fla's rows
+# (FLA_ENV), with the image's ptxas; every other process keeps the image's triton and leaves
+# fla's rows to them (SKIP_FLA). Without it, fla (if .whl/ has it) runs in the bench's process.
+FLA_ENV=()
+SKIP_FLA=()
+if [ -f .fla_site/site.tar.xz ]; then
+    rm -rf /tmp/fla_site && mkdir -p /tmp/fla_site
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+        .fla_site/site.tar.xz /tmp/fla_site || exit 1
+    cp -r "$(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))')/backends/nvidia/bin" \
+        /tmp/fla_site/triton/backends/nvidia/ || exit 1
+    FLA_ENV=(PYTHONPATH="/tmp/fla_site:$PYTHONPATH" TRITON_BACKENDS_IN_TREE=1)
+    SKIP_FLA=(--skip 'fla-*')
+    echo "fla's processes: $(cat /tmp/fla_site/FLA_SITE.txt)"
+    env "${FLA_ENV[@]}" python3 -c 'import triton, fla; print("  importable: triton", triton.__version__, "fla", fla.__version__)'
+fi
+
 # bench_until END LOG ARGS...: the bench over the criteria's lengths, rows then decoding then
 # host syncs, ending END s after this script started: no new row once its budget is spent, a
 # minute before the hard stop (a row's calls are capped at 90 s each; gpu.json is written after
@@ -266,7 +293,7 @@ bench_until() {
         echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)" | tee -a "$OUT_DIR/$log"
         timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
             --sections "$SECTIONS" --budget-s "$(( left - 60 ))" --call-cap-s 90 --compile-mode "$COMPILE_MODE" \
-            --out "$OUT_DIR" "${args[@]}" \
+            --out "$OUT_DIR" "${SKIP_FLA[@]}" "${args[@]}" \
             2>&1 | tee -a "$OUT_DIR/$log"
         rc=${PIPESTATUS[0]}
         # a restart resumes this run: nothing retried again (its errors are this code's)
@@ -284,7 +311,31 @@ warm_until() {
     local left=$(( $1 - SECONDS ))
     [ "$left" -gt 20 ] || return 0
     timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --warm "$2" --lengths "$LENGTHS" \
-        --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" > "$OUT_DIR/gpu_warm_$2.log" 2>&1
+        --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" "${SKIP_FLA[@]}" \
+        > "$OUT_DIR/gpu_warm_$2.log" 2>&1
+}
+
+# With FLA_ENV: fla's rows at the criteria's lengths. fla_warm END compiles them beside the
+# other warm-up, ending END s after the start (its own folder: a copy of gpu.json for what is
+# done, its gpu_warm.json; FLA_CACHE_RESULTS=0: the autotuner's choices made beside other
+# work are not kept, the timed run makes its own from the compiled binaries). fla_rows
+# SECONDS times them, in the bench's JSON, within that many seconds. A fault there (the CUDA
+# context lost) ends fla's rows, recorded, and nothing else.
+FLA_ROWS=(--only fla-chunk_simple_gla --lengths 4096,65536)
+fla_warm() {
+    local left=$(( $1 - SECONDS ))
+    [ "${#FLA_ENV[@]}" -gt 0 ] && [ "$left" -gt 20 ] || return 0
+    rm -rf /tmp/fla_warm && mkdir -p /tmp/fla_warm && { cp "$OUT_DIR/gpu.json" /tmp/fla_warm/ 2>/dev/null || true; }
+    env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --warm first \
+        "${FLA_ROWS[@]}" --compile-mode "$COMPILE_MODE" --budget-s "$(( left - 10 ))" --out /tmp/fla_warm > /tmp/fla_warm.log 2>&1
+}
+fla_rows() {
+    [ "${#FLA_ENV[@]}" -gt 0 ] && [ "$1" -gt 40 ] || return 0
+    local again=()
+    [ -f "$OUT_DIR/gpu.json" ] && again=(--resume)
+    echo "${SECONDS} s used, fla's rows get $1 s" | tee -a "$OUT_DIR/gpu_fla.log"
+    env "${FLA_ENV[@]}" timeout -s INT -k 10 "$1" "${FASTRPE[@]}" bench --suite gpu --sections rows "${FLA_ROWS[@]}" \
+        --compile-mode "$COMPILE_MODE" --budget-s "$(( $1 - 30 ))" --call-cap-s 60 --out "$OUT_DIR" "${again[@]}" 2>&1 | tee -a "$OUT_DIR/gpu_fla.log"
 }
 
 python3 - <<'EOF'
@@ -333,11 +384,14 @@ case "$phase" in
     #    until FIRST_WARM_S s after the start at the latest
     warm_until "${FIRST_WARM_S:-170}" first &
     warm_pid=$!
+    fla_warm "${FIRST_WARM_S:-170}" &
+    fla_warm_pid=$!
     # 0b. FLA_PROBE=1: beside them, which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one process
-    #     per variant; on 2026-11-26 its first variant was still compiling at 100 s)
+    #     per variant; on 2026-11-26 its first variant was still compiling at 100 s), with
+    #     fla's own triton where FLA_ENV gives one
     probe_pid=
-    if [ -n "${FLA_PROBE:-}" ] && python3 -c 'import fla' 2>/dev/null; then
-        timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py > /tmp/fla_probe.log 2>&1 &
+    if [ -n "${FLA_PROBE:-}" ] && env "${FLA_ENV[@]}" python3 -c 'import fla' 2>/dev/null; then
+        env "${FLA_ENV[@]}" timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py > /tmp/fla_probe.log 2>&1 &
         probe_pid=$!
     fi
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
@@ -349,13 +403,17 @@ case "$phase" in
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "(float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16" \
         --junitxml=/tmp/gpu_tests.xml 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
-    wait "$warm_pid"  # no timing beside the compilers
+    wait "$warm_pid" "$fla_warm_pid"  # no timing beside the compilers
+    [ -f /tmp/fla_warm.log ] && tail -5 /tmp/fla_warm.log
     [ -n "$probe_pid" ] && wait "$probe_pid" && tee -a "$OUT_DIR/gpu_tests.log" < /tmp/fla_probe.log
     tail -12 "$OUT_DIR/gpu_warm_first.log"
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
     timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" \
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
+    # 1c. fla's rows (with FLA_ENV), at most FLA_S s
+    fla_rows "${FLA_S:-75}"
+    [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check
     bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" "${retry[@]}" ;;
@@ -364,7 +422,12 @@ case "$phase" in
     # the compilations of what is left first (on a fresh machine the caches are cold), for at
     # most REST_WARM_S s (default: a third of REST_S, 120 at most)
     rest_s=${REST_S:-540}
-    warm_until "${REST_WARM_S:-$(( rest_s / 3 < 120 ? rest_s / 3 : 120 ))}" rest && tail -12 "$OUT_DIR/gpu_warm_rest.log"
+    rest_warm=${REST_WARM_S:-$(( rest_s / 3 < 120 ? rest_s / 3 : 120 ))}
+    fla_warm "$rest_warm" &
+    fla_warm_pid=$!
+    warm_until "$rest_warm" rest && tail -12 "$OUT_DIR/gpu_warm_rest.log"
+    wait "$fla_warm_pid"
+    fla_rows "${FLA_S:-75}"
     bench_until "$rest_s" gpu_rest.log --resume ;;
   short)
     fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \

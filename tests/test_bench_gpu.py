@@ -707,3 +707,84 @@ def test_host_time_script_counts_the_host_side_of_each_triton_call(tmp_path, cap
     capsys.readouterr()
     assert mod.main(["--modes", "graphed"]) == 2
     assert "--modes" in capsys.readouterr().out
+
+
+def test_only_and_skip_choose_the_competitors_and_a_pattern_matching_none_is_a_one_line_error(tmp_path, capsys):
+    """gpu_run.sh times fla's rows in a process of their own (`--only 'fla-*'`, with another
+    triton) and the rest without them (`--skip 'fla-*'`); neither run writes rows for the
+    other's competitors, so the other's resume still runs them."""
+    base = ["bench", "--suite", "gpu", "--smoke", "--lengths", "40", "--families", "alibi", "--sections", "rows",
+            "--out", str(tmp_path)]
+    assert main([*base, "--skip", "fla-*,fastrpe-*+*"]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    names = {r["competitor"] for r in res["rows"]}
+    assert "flex" in names and "fastrpe-triton_chunked" in names
+    assert not any(n.startswith("fla-") or "+" in n for n in names)
+    assert main([*base, "--resume", "--only", "fla-*"]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    added = {r["competitor"] for r in res["rows"] if r["run"] == 1}
+    assert added == {"fla-chunk_simple_gla", "fla-chunk_linear_attn"}  # refusals on CPU, recorded
+    capsys.readouterr()
+    assert main([*base, "--resume", "--only", "fla_*"]) == 2
+    err = capsys.readouterr()
+    msg = (err.out + err.err).strip().splitlines()
+    assert len(msg) == 1 and "--only" in msg[0] and "'fla_*'" in msg[0] and "matches no competitor" in msg[0]
+
+
+def test_a_row_that_broke_the_context_runs_again_under_other_versions_only(tmp_path, monkeypatch):
+    """fla-core 0.6.0 broke the CUDA context under triton 3.6 (H100 image, 2026-11-26): under
+    the same versions its row stays and fla is not run again; a run whose torch, triton or fla
+    differs measures it again, unless that run leaves fla to another (`skip`). Each run's
+    versions are kept (`envs`), and the table says which rows a run of other versions timed."""
+    from fastrpe.bench import runner
+
+    quiet = {"log": lambda *a: None}
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), sections=("rows",))
+    first = gpu.run_gpu_suite(cfg, tmp_path, command="one", **quiet)
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    for r in res["rows"]:
+        if r["competitor"] == "fla-chunk_simple_gla":
+            r["skipped"], r["context_lost"] = "error: AcceleratorError: illegal memory access", True
+    (tmp_path / "gpu.json").write_text(json.dumps(res))
+    calls = []
+    real = gpu.registry
+
+    def counted(cfg):
+        def fla(p, device, dtype):
+            calls.append(p.L)
+            return "counted"
+        return {**real(cfg), "fla-chunk_simple_gla": fla}
+
+    monkeypatch.setattr(gpu, "registry", counted)
+    monkeypatch.setattr(runner, "context_lost", lambda device: False)
+    gpu.run_gpu_suite(cfg, tmp_path, command="same versions", resume=True, **quiet)
+    assert calls == []
+    newer = {**gpu.versions(), "triton": "9.9.9", "fla": "9.9"}
+    monkeypatch.setattr(gpu, "versions", lambda: newer)
+    gpu.run_gpu_suite(replace(cfg, skip=("fla-*",)), tmp_path, command="others, fla left out", resume=True, **quiet)
+    assert calls == []
+    again = gpu.run_gpu_suite(replace(cfg, only=("fla-*",)), tmp_path, command="fla's own", resume=True, **quiet)
+    assert calls == [32]
+    fla = [r for r in again["rows"] if r["competitor"] == "fla-chunk_simple_gla"]
+    assert len(fla) == 1 and fla[0]["run"] == 3 and fla[0]["skipped"] == "counted"
+    assert len(again["rows"]) == len(first["rows"])
+    assert [e and e["triton"] for e in again["envs"]] == [first["triton"]] * 2 + ["9.9.9"] * 2
+    assert again["triton"] == first["triton"]  # the first run's, and the first fla any run had
+    assert again["fla"] == (first["fla"] or "9.9")
+    table = (tmp_path / "gpu.md").read_text()
+    assert "Run 3 (its rows: fla-chunk_simple_gla): torch" in table and "triton 9.9.9" in table
+
+
+def test_retry_errors_of_a_run_that_times_some_competitors_leaves_the_others_rows():
+    """The run without fla (`skip`) measures again its own rows of a problem where one of its
+    competitors failed, and keeps fla's: fla's own run times those."""
+    p, q = Problem(position="alibi", L=32).to_dict(), Problem(position="t5", L=32).to_dict()
+    rows = [{"problem": p, "competitor": "flex", "skipped": "error: InductorError"},
+            {"problem": p, "competitor": "fla-chunk_simple_gla", "seconds": 1.0},
+            {"problem": p, "competitor": "fastrpe-triton_chunked", "seconds": 1.0},
+            {"problem": q, "competitor": "flex", "seconds": 1.0}]
+    keep = gpu.retry_errors(rows, gpu.smoke_config(skip=("fla-*",)))
+    assert [r["competitor"] for r in keep] == ["fla-chunk_simple_gla", "flex"]
+    assert [r["competitor"] for r in gpu.retry_errors(rows)] == ["flex"]  # every competitor: the problem whole
+    fla_only = gpu.retry_errors(rows, gpu.smoke_config(only=("fla-*",)))
+    assert fla_only == rows  # none of its competitors failed

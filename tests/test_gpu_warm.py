@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,24 @@ def test_a_worker_stops_at_a_row_that_broke_the_cuda_context(tmp_path, monkeypat
     rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
     assert not rec.get("finished") and [r["competitor"] for r in rec["rows"]] == ["no-such-row"]
     assert rec["rows"][0]["context_lost"]
+
+
+def test_warm_items_leave_out_the_competitors_the_run_does_not_time():
+    """gpu_run.sh warms fla's rows in their own process, with their own triton (`--only`),
+    and the rest without them (`--skip`)."""
+    cfg = gpu.GpuConfig(lengths=(gpu.L_SHORT, gpu.L_CHECK))
+    fla = warm_items(replace(cfg, only=("fla-*",)), "first")
+    assert fla and {n for _, n in fla} == {"fla-chunk_simple_gla"}
+    rest = {n for _, n in warm_items(replace(cfg, skip=("fla-*",)), "first")}
+    assert rest and not any(n.startswith("fla-") for n in rest) and "flex" in rest
+
+
+def test_warm_starts_only_the_workers_that_have_rows(tmp_path):
+    """fla's warm-up (`--only 'fla-*'`) has two shared rows for six autotuner configs: the
+    workers without a row are not started."""
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--lengths", "40,48", "--families", "alibi",
+               "--only", "flex", "--budget-s", "120", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "gpu_warm.json").read_text())
+    assert [w["worker"] for w in res["workers"]] == [0, 1]
+    assert all(w["returncode"] == 0 and [r["competitor"] for r in w["rows"]] == ["flex"] for w in res["workers"])

@@ -45,6 +45,7 @@ labeled as such; fla skipped): it tests the harness, it measures nothing.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import platform
@@ -154,6 +155,11 @@ class GpuConfig:
     #: what runs, in this order: the host-sync check, the decoding rows, the timed rows (all of
     #: them under `budget_s`: a section cut short resumes where it stopped)
     sections: tuple = SECTIONS
+    #: the competitors this run times: names matching one of `only` (fnmatch patterns; empty:
+    #: every one) and none of `skip`. gpu_run.sh times fla's rows in a process of their own,
+    #: with another triton (benchmarks/fla_site.sh), and the rest with `skip=("fla-*",)`
+    only: tuple = ()
+    skip: tuple = ()
     smoke: bool = False
     device: str = "cuda"
 
@@ -645,6 +651,14 @@ _APPLIES = {
 }
 
 
+def wanted(cfg: GpuConfig, name: str) -> bool:
+    """Whether this run times competitor `name` (`GpuConfig.only` and `.skip`)."""
+    def hit(patterns):
+        return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+    return (not cfg.only or hit(cfg.only)) and not hit(cfg.skip)
+
+
 def applies(p: Problem, name: str) -> bool:
     """Pairs that make sense (fastrpe on the positional families; see the module doc)."""
     rule = _APPLIES.get(name)
@@ -924,20 +938,46 @@ def sync_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=prin
 # ----------------------------------------------------------------------------- the run
 
 
-def environment(device: torch.device) -> dict:
-    from .runner import device_name
-
+def versions() -> dict:
+    """The software whose version a row's time or fault depends on: torch, triton, fla."""
     try:
         import triton
 
         tv = triton.__version__
     except Exception:  # noqa: BLE001
         tv = None
-    env = {"device": device_name(device), "torch": torch.__version__, "triton": tv, "fla": fla_version(),
-           "python": platform.python_version(), "cuda": torch.version.cuda}
+    return {"torch": torch.__version__, "triton": tv, "fla": fla_version()}
+
+
+def environment(device: torch.device) -> dict:
+    from .runner import device_name
+
+    env = {"device": device_name(device), **versions(), "python": platform.python_version(), "cuda": torch.version.cuda}
     if device.type == "cuda":
         env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return env
+
+
+def _version_key(env: dict) -> tuple:
+    return tuple(env.get(k) for k in ("torch", "triton", "fla"))
+
+
+def run_versions(res: dict, row: dict) -> dict:
+    """The versions of the run that measured `row`: `res["envs"][row["run"]]`, or the result's
+    own for a result written before it kept one environment per run."""
+    envs = res.get("envs") or []
+    i = row.get("run")
+    return envs[i] if isinstance(i, int) and 0 <= i < len(envs) and envs[i] else res
+
+
+def lost_elsewhere(res: dict, rows: list[dict], now: dict, cfg: GpuConfig) -> list[dict]:
+    """`rows` less each row that broke the CUDA context under other versions (torch, triton,
+    fla) than `now`'s, for a competitor this run times (`wanted`): the fault may have been the
+    old versions' (fla-core 0.6.0 under triton 3.6 on the H100 image, 2026-11-26), so that row
+    is measured again. Under the same versions it stays, and its competitor is not run again."""
+    key = _version_key(now)
+    return [r for r in rows if not (r.get("context_lost") and wanted(cfg, r["competitor"])
+                                    and _version_key(run_versions(res, r)) != key)]
 
 
 def done_pairs(rows: list[dict]) -> set[tuple[str, str]]:
@@ -976,15 +1016,19 @@ def _run_sections(cfg: GpuConfig, res: dict, dev, dt, log, over, select, save, k
             raise ValueError(f"unknown section {section!r}; known: {', '.join(SECTIONS)}")
 
 
-def retry_errors(rows: list[dict]) -> list[dict]:
+def retry_errors(rows: list[dict], cfg: GpuConfig | None = None) -> list[dict]:
     """`rows` less every row of each problem where a competitor failed with an error (not for
     memory or time), so that a resumed run measures that problem again whole, its ratios from
-    one run; a row that broke the CUDA context stays (it would break it again)."""
+    one run; a row that broke the CUDA context stays (it would break it again). With `cfg`,
+    only the competitors it times count and go (`wanted`): another run times the rest."""
+    def mine(r):
+        return cfg is None or wanted(cfg, r["competitor"])
+
     def failed(r):
-        return r.get("skipped", "").startswith("error:") and not r.get("context_lost")
+        return mine(r) and r.get("skipped", "").startswith("error:") and not r.get("context_lost")
 
     redo = {Problem(**r["problem"]).tag() for r in rows if failed(r)}
-    return [r for r in rows if Problem(**r["problem"]).tag() not in redo or r.get("context_lost")]
+    return [r for r in rows if not (mine(r) and Problem(**r["problem"]).tag() in redo) or r.get("context_lost")]
 
 
 def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, retry: bool = False,
@@ -1003,8 +1047,10 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     old = json.loads(path.read_text()) if resume and path.exists() else None
     rows = list(old["rows"]) if old else []
     if retry:
-        rows = retry_errors(rows)
+        rows = retry_errors(rows, cfg)
     env = environment(dev)
+    if old:
+        rows = lost_elsewhere(old, rows, env, cfg)
     if old and (old.get("device") != env["device"] or old.get("dtype") != cfg.dtype):
         from .._validate import FastRPEError
 
@@ -1016,7 +1062,14 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
 
         raise FastRPEError(f"--resume: {path} holds rows compiled in mode {old_mode!r}, this run asks "
                            f"{cfg.compile_mode!r}: the Flex baseline changes with it (use another --out)")
-    res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **env,
+    # one environment per run (command), rows say their run; the top level keeps the first
+    # run's, and the first fla version any run had (fla's rows may run in a process of their own)
+    n_old = len(old.get("commands", [])) if old else 0
+    envs = (list(old.get("envs", [])) if old else [])[:n_old]
+    envs = envs + [None] * (n_old - len(envs)) + [env]
+    top = {k: old.get(k, v) for k, v in env.items()} if old else dict(env)
+    top["fla"] = next((e["fla"] for e in [top, *[e for e in envs if e]] if e.get("fla")), None)
+    res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **top, "envs": envs,
            "dtype": cfg.dtype, "repeats": cfg.repeats, "command": command,
            "commands": (old.get("commands", []) if old else []) + [command],
            "positions_frozen": True, "rows": rows,
@@ -1046,7 +1099,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     lost = {r["competitor"] for r in rows if r.get("context_lost")}
 
     def select(p, name):
-        return applies(p, name) and name not in lost and not over()
+        return applies(p, name) and wanted(cfg, name) and name not in lost and not over()
 
     def keep(section):
         def on_row(row):
@@ -1148,6 +1201,12 @@ def markdown_table(res: dict) -> str:
              f"warm-up (compilation excluded); positional parameters frozen (gradients of q, k, v).",
              "", "Commands: " + "; ".join(f"`{c}`" for c in res.get("commands", [res.get("command", "")])),
              "", "¹ timed once: a warm call took longer than the time limit; OOM: out of memory.", ""]
+    top = _version_key(res)
+    other = [(i, e) for i, e in enumerate(res.get("envs") or []) if e and _version_key(e) != top]
+    if other:  # e.g. fla's rows, timed in a process of their own with another triton
+        ran = {i: sorted({r["competitor"] for r in res["rows"] if r.get("run") == i}) for i, _ in other}
+        lines[1:1] = ["", *[f"Run {i} (its rows: {', '.join(ran[i]) or 'none'}): torch {e.get('torch')}, "
+                            f"triton {e.get('triton')}, fla {e.get('fla')}." for i, e in other]]
     if res.get("smoke"):
         lines.insert(0, "**SMOKE RUN (toy sizes, CPU): not a measurement.**\n")
     Ls = sorted({r["problem"]["L"] for r in res["rows"]})
@@ -1427,6 +1486,10 @@ def add_arguments(p) -> None:
                    help="instead of timing: compile what the bench's first pass runs (first), or all it has yet to run "
                         "after OUT/gpu.json (rest), one process per Triton autotuner config side by side, "
                         "within --budget-s (default 150); fastrpe.bench.gpu_warm")
+    g.add_argument("--only", default=None, metavar="PATTERNS",
+                   help="comma-separated competitor name patterns (fnmatch, e.g. 'fla-*'): time only these rows")
+    g.add_argument("--skip", default=None, metavar="PATTERNS",
+                   help="comma-separated competitor name patterns: leave these rows to another run")
     g.add_argument("--sections", default=None,
                    help=f"comma-separated, run in this order, from {','.join(SECTIONS)} (default: {','.join(SECTIONS)})")
 
@@ -1441,6 +1504,20 @@ def _ints(s: str, what: str) -> tuple:
     if not vals or any(v < 1 for v in vals):
         raise FastRPEError(f"{what}: expected positive integers, got {s!r}")
     return vals
+
+
+def _patterns(s: str, what: str, cfg: GpuConfig) -> tuple:
+    """Comma-separated competitor patterns, each matching some competitor (a typo would
+    silently select nothing)."""
+    from .._validate import FastRPEError
+
+    pats = tuple(x.strip() for x in s.split(",") if x.strip())
+    names = list(registry(cfg))
+    bad = [x for x in pats if not any(fnmatch.fnmatchcase(n, x) for n in names)]
+    if not pats or bad:
+        raise FastRPEError(f"{what}: {', '.join(map(repr, bad)) or repr(s)} matches no competitor; "
+                           f"known: {', '.join(names)}")
+    return pats
 
 
 def config_from_args(args) -> GpuConfig:
@@ -1462,6 +1539,9 @@ def config_from_args(args) -> GpuConfig:
         if bad or not secs or len(set(secs)) != len(secs):
             raise FastRPEError(f"--sections: expected distinct names from {', '.join(SECTIONS)}, got {args.sections!r}")
         kw["sections"] = secs
+    for opt in ("only", "skip"):
+        if getattr(args, opt, None) is not None:
+            kw[opt] = _patterns(getattr(args, opt), f"--{opt}", cfg)
     if not isinstance(args.dtype, _Unset):
         kw["dtype"] = args.dtype
     if not isinstance(args.repeats, _UnsetInt):

@@ -40,10 +40,13 @@ from .gpu import (
     GpuConfig,
     applies,
     done_pairs,
+    lost_elsewhere,
     problems,
     registry,
     retry_errors,
     row_pass,
+    versions,
+    wanted,
 )
 from .registry import Problem
 from .runner import _first_line, context_lost
@@ -73,13 +76,15 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
     """The (problem, competitor) rows that compile something (fastrpe's Triton rows, Flex,
     fla) in the order the bench runs them: `which="first"`, those the criteria read (its
     passes 0 and 1, `row_pass`); `"rest"`, those of every pass; either less those in `done`
-    (`(tag, competitor)` pairs, what a resumed bench skips). `auto` is left out: it would time
+    (`(tag, competitor)` pairs, what a resumed bench skips), and those `cfg` does not time
+    (`gpu.wanted`). `auto` is left out: it would time
     its candidates beside the other workers, and they are the Triton and PyTorch rows anyway."""
     if which not in ("first", "rest"):
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
     names = list(registry(cfg))
     return [(p, n) for rank in ((0, 1) if which == "first" else (0, 1, 2)) for p in problems(cfg) for n in names
-            if (tuned(n) or shared(n)) and applies(p, n) and row_pass(p, n) == rank and (p.tag(), n) not in done]
+            if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n) and row_pass(p, n) == rank
+            and (p.tag(), n) not in done]
 
 
 def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
@@ -107,8 +112,8 @@ def run_worker(plan_path: Path, index: int) -> int:
     """Worker `index` of the plan at `plan_path`: each row once, forward and backward; its
     record (`gpu_warm_<index>.json` beside the plan) rewritten after every row."""
     spec = json.loads(plan_path.read_text())
-    cfg = GpuConfig(**{**spec["config"], "lengths": tuple(spec["config"]["lengths"]),
-                       "families": tuple(spec["config"]["families"]), "sections": tuple(spec["config"]["sections"])})
+    c = spec["config"]
+    cfg = GpuConfig(**{**c, **{k: tuple(c[k]) for k in ("lengths", "families", "sections", "only", "skip") if k in c}})
     dev, dt = torch.device(cfg.device), getattr(torch, cfg.dtype)
     if dev.type == "cuda":  # the index: torch 2.11 refuses a bare "cuda" here
         torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, torch.cuda.current_device()
@@ -161,9 +166,10 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     from ..ops.linear.triton_chunked import TUNE_CONFIGS
 
     out.mkdir(parents=True, exist_ok=True)
-    done = set()  # rows a resumed bench will not run (an error's problem runs again: --retry-errors)
-    if (out / "gpu.json").exists():
-        done = done_pairs(retry_errors(json.loads((out / "gpu.json").read_text())["rows"]))
+    done = set()  # rows a resumed bench will not run (an error's problem runs again: --retry-errors;
+    if (out / "gpu.json").exists():  # a lost context under other versions too: gpu.lost_elsewhere)
+        old = json.loads((out / "gpu.json").read_text())
+        done = done_pairs(lost_elsewhere(old, retry_errors(old["rows"], cfg), versions(), cfg))
     workers = plan(warm_items(cfg, which, done), len(TUNE_CONFIGS))
     spec = {"config": cfg.to_dict(), "pass": which,
             "workers": [[{"problem": p.to_dict(), "competitor": n} for p, n in w] for w in workers]}
@@ -178,22 +184,24 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     log(f"warming the compile caches: {len(TUNE_CONFIGS)} workers (one per autotuner config), "
         f"{min(len(w) for w in workers)}-{max(len(w) for w in workers)} rows each, at most {budget_s:g} s")
     auto_dir = tempfile.mkdtemp(prefix="fastrpe-warm-auto-")  # auto's timings, taken beside other workers: thrown away
-    procs = []
+    procs = {}  # worker index -> (process, log); a worker with nothing to compile is not started
     t0 = time.perf_counter()
     for i in range(len(workers)):
+        if not workers[i]:
+            continue
         env = {**os.environ, "FASTRPE_TRITON_CONFIG": str(i), "FASTRPE_CACHE_DIR": auto_dir, "PYTHONUNBUFFERED": "1"}
         logf = open(work / f"gpu_warm_{i}.log", "w")  # noqa: SIM115 - the worker's output, closed below
-        procs.append((subprocess.Popen([sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(i)],
-                                       env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True), logf))
+        procs[i] = (subprocess.Popen([sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(i)],
+                                     env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True), logf)
     killed = []
     try:
-        for i, (proc, _) in enumerate(procs):
+        for i, (proc, _) in procs.items():
             try:
                 proc.wait(timeout=max(0.0, budget_s - (time.perf_counter() - t0)))
             except subprocess.TimeoutExpired:
                 killed.append(i)
     finally:  # at the budget, or interrupted: no worker outlives this call (each leads its own group)
-        for proc, logf in procs:
+        for proc, logf in procs.values():
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -203,7 +211,7 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
             logf.close()
     res = {"pass": which, "budget_s": budget_s, "seconds": round(time.perf_counter() - t0, 1),
            "killed_at_budget": killed, "work_dir": str(work), "workers": []}
-    for i, (proc, _) in enumerate(procs):
+    for i, (proc, _) in procs.items():
         path = work / f"gpu_warm_{i}.json"
         rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
         rec.update(returncode=proc.returncode, planned=len(workers[i]))
