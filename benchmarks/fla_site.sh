@@ -28,7 +28,10 @@ PYVER=${PYVER:-3.12}
 TRITON=${TRITON:-3.7.1}
 FLA=${FLA:-0.6.0}
 OUT_DIR=${OUT_DIR:-.fla_site}
-grep -qx "/$OUT_DIR/" .git/info/exclude 2>/dev/null || echo "/$OUT_DIR/" >> .git/info/exclude
+case "$OUT_DIR" in  # a folder in the checkout stays out of git (it travels as a carried path)
+    /*) ;;
+    *) grep -qx "/$OUT_DIR/" .git/info/exclude 2>/dev/null || echo "/$OUT_DIR/" >> .git/info/exclude ;;
+esac
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -258,16 +258,32 @@ fi
 FASTRPE=(python3 -c 'import sys; from fastrpe.cli.main import main; sys.exit(main(sys.argv[1:]))')
 fastrpe() { "${FASTRPE[@]}" "$@"; }
 
+# SMOKE=1: every step on a machine without a GPU, at toy sizes (the bench's --smoke; the GPU
+# tests skip): it checks this script before a GPU session spends minutes on it, and measures
+# nothing (`OUT=/tmp/smoke SMOKE=1 FIRST_S=240 bash benchmarks/gpu_run.sh first`)
+SMOKE_ARGS=()
+LENGTHS=4096,65536,262144,1048576
+FLA_LENGTHS=4096,65536
+PROFILE_ARGS=()
+if [ -n "${SMOKE:-}" ]; then
+    SMOKE_ARGS=(--smoke)
+    LENGTHS=48,96
+    FLA_LENGTHS=48
+    PROFILE_ARGS=(--device cpu --lengths 64 --cases fastrpe-chunked:alibi)
+fi
+
 # fla in processes of its own (benchmarks/fla_site.sh): .fla_site/site.tar.xz holds fla-core
 # and a trimmed triton 3.7.1, first on the path of the processes that warm and time fla's rows
 # (FLA_ENV), with the image's ptxas; every other process keeps the image's triton and leaves
 # fla's rows to them (SKIP_FLA). Without it, fla (if .whl/ has it) runs in the bench's process.
+# (FLA_SITE names another pack: SMOKE runs here take one built for this machine's Python.)
 FLA_ENV=()
 SKIP_FLA=()
-if [ -f .fla_site/site.tar.xz ]; then
+FLA_SITE=${FLA_SITE:-.fla_site/site.tar.xz}
+if [ -f "$FLA_SITE" ]; then
     rm -rf /tmp/fla_site && mkdir -p /tmp/fla_site
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
-        .fla_site/site.tar.xz /tmp/fla_site || exit 1
+        "$FLA_SITE" /tmp/fla_site || exit 1
     cp -r "$(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))')/backends/nvidia/bin" \
         /tmp/fla_site/triton/backends/nvidia/ || exit 1
     FLA_ENV=(PYTHONPATH="/tmp/fla_site:$PYTHONPATH" TRITON_BACKENDS_IN_TREE=1)
@@ -281,7 +297,6 @@ fi
 # minute before the hard stop (a row's calls are capped at 90 s each; gpu.json is written after
 # every row, so a row cut by the hard stop is all that is lost); 25 s kept for the kill's grace
 # and --check.
-LENGTHS=4096,65536,262144,1048576
 # A row that breaks the CUDA context (fla's kernels did, 2026-11-26) ends the bench with exit 75
 # after saving that row: it is started again with --resume, in a new process, while 80 s remain.
 bench_until() {
@@ -291,7 +306,7 @@ bench_until() {
         left=$(( end - SECONDS - 25 ))
         [ "$left" -gt 80 ] || { echo "no time left to resume the bench"; break; }
         echo "${SECONDS} s used, the bench gets ${left} s (no new row after $(( left - 60 )) s)" | tee -a "$OUT_DIR/$log"
-        timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --lengths "$LENGTHS" \
+        timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --lengths "$LENGTHS" \
             --sections "$SECTIONS" --budget-s "$(( left - 60 ))" --call-cap-s 90 --compile-mode "$COMPILE_MODE" \
             --out "$OUT_DIR" "${SKIP_FLA[@]}" "${args[@]}" \
             2>&1 | tee -a "$OUT_DIR/$log"
@@ -310,7 +325,7 @@ bench_until() {
 warm_until() {
     local left=$(( $1 - SECONDS ))
     [ "$left" -gt 20 ] || return 0
-    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --warm "$2" --lengths "$LENGTHS" \
+    timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --warm "$2" --lengths "$LENGTHS" \
         --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" "${SKIP_FLA[@]}" \
         > "$OUT_DIR/gpu_warm_$2.log" 2>&1
 }
@@ -321,12 +336,12 @@ warm_until() {
 # work are not kept, the timed run makes its own from the compiled binaries). fla_rows
 # SECONDS times them, in the bench's JSON, within that many seconds. A fault there (the CUDA
 # context lost) ends fla's rows, recorded, and nothing else.
-FLA_ROWS=(--only fla-chunk_simple_gla --lengths 4096,65536)
+FLA_ROWS=(--only fla-chunk_simple_gla --lengths "$FLA_LENGTHS")
 fla_warm() {
     local left=$(( $1 - SECONDS ))
     [ "${#FLA_ENV[@]}" -gt 0 ] && [ "$left" -gt 20 ] || return 0
     rm -rf /tmp/fla_warm && mkdir -p /tmp/fla_warm && { cp "$OUT_DIR/gpu.json" /tmp/fla_warm/ 2>/dev/null || true; }
-    env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu --warm first \
+    env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --warm first \
         "${FLA_ROWS[@]}" --compile-mode "$COMPILE_MODE" --budget-s "$(( left - 10 ))" --out /tmp/fla_warm > /tmp/fla_warm.log 2>&1
 }
 fla_rows() {
@@ -334,7 +349,7 @@ fla_rows() {
     local again=()
     [ -f "$OUT_DIR/gpu.json" ] && again=(--resume)
     echo "${SECONDS} s used, fla's rows get $1 s" | tee -a "$OUT_DIR/gpu_fla.log"
-    env "${FLA_ENV[@]}" timeout -s INT -k 10 "$1" "${FASTRPE[@]}" bench --suite gpu --sections rows "${FLA_ROWS[@]}" \
+    env "${FLA_ENV[@]}" timeout -s INT -k 10 "$1" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --sections rows "${FLA_ROWS[@]}" \
         --compile-mode "$COMPILE_MODE" --budget-s "$(( $1 - 30 ))" --call-cap-s 60 --out "$OUT_DIR" "${again[@]}" 2>&1 | tee -a "$OUT_DIR/gpu_fla.log"
 }
 
@@ -409,7 +424,7 @@ case "$phase" in
     tail -12 "$OUT_DIR/gpu_warm_first.log"
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
-    timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" \
+    timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" "${PROFILE_ARGS[@]}" \
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     # 1c. fla's rows (with FLA_ENV), at most FLA_S s
     fla_rows "${FLA_S:-75}"

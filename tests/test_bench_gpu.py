@@ -788,3 +788,21 @@ def test_retry_errors_of_a_run_that_times_some_competitors_leaves_the_others_row
     assert [r["competitor"] for r in gpu.retry_errors(rows)] == ["flex"]  # every competitor: the problem whole
     fla_only = gpu.retry_errors(rows, gpu.smoke_config(only=("fla-*",)))
     assert fla_only == rows  # none of its competitors failed
+
+
+def test_the_top_level_versions_are_the_first_whole_runs_not_fla_s_own(tmp_path, monkeypatch):
+    """On a fresh machine gpu_run.sh times fla's rows first, in a process with triton 3.7.1
+    (`--only`): the result's versions are still those of the run that timed the rest, and
+    the table names the run whose versions differ."""
+    quiet = {"log": lambda *a: None}
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), sections=("rows",))
+    real = gpu.versions()
+    monkeypatch.setattr(gpu, "versions", lambda: {**real, "triton": "9.9.9", "fla": "9.9"})
+    gpu.run_gpu_suite(replace(cfg, only=("fla-*",)), tmp_path, command="fla's own", **quiet)
+    monkeypatch.setattr(gpu, "versions", lambda: {**real, "fla": None})
+    res = gpu.run_gpu_suite(replace(cfg, skip=("fla-*",)), tmp_path, command="the rest", resume=True, **quiet)
+    assert res["triton"] == real["triton"] and res["fla"] == "9.9"
+    assert res["envs"][0]["only"] == ["fla-*"] and "only" not in res["envs"][1]
+    table = (tmp_path / "gpu.md").read_text()
+    assert "Run 0 (its rows: fla-chunk_linear_attn, fla-chunk_simple_gla): torch" in table
+    assert "Run 1" not in table

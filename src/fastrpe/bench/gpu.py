@@ -1062,12 +1062,14 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
 
         raise FastRPEError(f"--resume: {path} holds rows compiled in mode {old_mode!r}, this run asks "
                            f"{cfg.compile_mode!r}: the Flex baseline changes with it (use another --out)")
-    # one environment per run (command), rows say their run; the top level keeps the first
-    # run's, and the first fla version any run had (fla's rows may run in a process of their own)
+    # one environment per run (command), rows say their run (`run_versions`); the top level is
+    # the first whole run's (not one of `--only`: gpu_run.sh may time fla's rows first, with
+    # another triton), with the first fla version any run had
     n_old = len(old.get("commands", [])) if old else 0
     envs = (list(old.get("envs", [])) if old else [])[:n_old]
-    envs = envs + [None] * (n_old - len(envs)) + [env]
-    top = {k: old.get(k, v) for k, v in env.items()} if old else dict(env)
+    envs = envs + [None] * (n_old - len(envs)) + [{**env, **({"only": list(cfg.only)} if cfg.only else {})}]
+    base = next((old if e is None else e for e in envs if e is None or not e.get("only")), envs[0])
+    top = {k: base.get(k) for k in env}
     top["fla"] = next((e["fla"] for e in [top, *[e for e in envs if e]] if e.get("fla")), None)
     res = {"suite": "gpu", "smoke": cfg.smoke, "config": cfg.to_dict(), **top, "envs": envs,
            "dtype": cfg.dtype, "repeats": cfg.repeats, "command": command,
@@ -1201,12 +1203,17 @@ def markdown_table(res: dict) -> str:
              f"warm-up (compilation excluded); positional parameters frozen (gradients of q, k, v).",
              "", "Commands: " + "; ".join(f"`{c}`" for c in res.get("commands", [res.get("command", "")])),
              "", "¹ timed once: a warm call took longer than the time limit; OOM: out of memory.", ""]
-    top = _version_key(res)
-    other = [(i, e) for i, e in enumerate(res.get("envs") or []) if e and _version_key(e) != top]
-    if other:  # e.g. fla's rows, timed in a process of their own with another triton
-        ran = {i: sorted({r["competitor"] for r in res["rows"] if r.get("run") == i}) for i, _ in other}
-        lines[1:1] = ["", *[f"Run {i} (its rows: {', '.join(ran[i]) or 'none'}): torch {e.get('torch')}, "
-                            f"triton {e.get('triton')}, fla {e.get('fla')}." for i, e in other]]
+    def differs(e):  # a run without fla (its rows left to fla's own run) differs in no version of fla
+        fla = e.get("fla")
+        return any(e.get(k) != res.get(k) for k in ("torch", "triton")) or (fla is not None and fla != res.get("fla"))
+
+    ran = {i: sorted({r["competitor"] for r in res["rows"] if r.get("run") == i})
+           for i, e in enumerate(res.get("envs") or []) if e and differs(e)}
+    if any(ran.values()):  # e.g. fla's rows, timed in a process of their own with another triton
+        envs = res["envs"]
+        lines[1:1] = ["", *[f"Run {i} (its rows: {', '.join(names)}): torch {envs[i].get('torch')}, "
+                            f"triton {envs[i].get('triton')}, fla {envs[i].get('fla')}." for i, names in ran.items()
+                            if names]]
     if res.get("smoke"):
         lines.insert(0, "**SMOKE RUN (toy sizes, CPU): not a measurement.**\n")
     Ls = sorted({r["problem"]["L"] for r in res["rows"]})

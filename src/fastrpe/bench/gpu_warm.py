@@ -181,8 +181,9 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     if not any(workers):
         log(f"warm-up: nothing left to compile for the {which} pass")
         return {"pass": which, "budget_s": budget_s, "seconds": 0.0, "killed_at_budget": [], "workers": []}
-    log(f"warming the compile caches: {len(TUNE_CONFIGS)} workers (one per autotuner config), "
-        f"{min(len(w) for w in workers)}-{max(len(w) for w in workers)} rows each, at most {budget_s:g} s")
+    busy = [w for w in workers if w]
+    log(f"warming the compile caches: {len(busy)} workers (one per autotuner config that has rows), "
+        f"{min(map(len, busy))}-{max(map(len, busy))} rows each, at most {budget_s:g} s")
     auto_dir = tempfile.mkdtemp(prefix="fastrpe-warm-auto-")  # auto's timings, taken beside other workers: thrown away
     procs = {}  # worker index -> (process, log); a worker with nothing to compile is not started
     t0 = time.perf_counter()
