@@ -141,6 +141,7 @@ def main(argv=None) -> int:
                         row["skipped"] = fn
                     else:
                         row.update(profile_case(fn, dev, args.calls, args.top))
+                        row.update(getattr(fn, "after", dict)() or {})  # autotuned, cudagraph_skips
                 except Exception as e:  # noqa: BLE001 - recorded, the next case goes on
                     row["skipped"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
                 fn = None

@@ -107,6 +107,14 @@
 # - new: each fastrpe row records the autotuners' choices its calls made (`autotuned`: kernel ->
 #   {tuning key: num_warps, num_stages}); configs that never win can leave TUNE_CONFIGS, and
 #   the warm-up (153 s of the last session's 15 minutes) shrinks with them.
+# - new (2026-11-27): under COMPILE_MODE=reduce-overhead a graph Inductor cannot capture runs
+#   without CUDA graphs, and says so in one log line only; the +compiled and Flex rows (and
+#   gpu_profile's cases) keep those lines (`cudagraph_skips`). None expected: the CPU tests find
+#   no op Inductor refuses in the Triton backends' graphs (tests/test_compile.py), and the GPU
+#   test test_gpu.py::test_triton_backend_compiled_with_cuda_graphs_* (in `tests`) checks the
+#   capture and the replays against eager.
+# - new (2026-11-27): SMOKE=1 runs this script's steps on a machine without a GPU (toy sizes);
+#   run it after any change here, before a GPU session spends its minutes on a shell error.
 #
 # What the first H100 call (2026-11-23, docs/RESULTS.md "First contact with an H100") taught:
 # - run `tests` first, in its own call: it fails fast where something is wrong, and with the

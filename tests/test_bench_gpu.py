@@ -806,3 +806,30 @@ def test_the_top_level_versions_are_the_first_whole_runs_not_fla_s_own(tmp_path,
     table = (tmp_path / "gpu.md").read_text()
     assert "Run 0 (its rows: fla-chunk_linear_attn, fla-chunk_simple_gla): torch" in table
     assert "Run 1" not in table
+
+
+def test_compiled_and_flex_rows_record_inductors_cudagraph_skips(monkeypatch):
+    """Under mode="reduce-overhead" Inductor runs a graph it cannot capture without CUDA graphs
+    and says so in one log line only: a `+compiled` or Flex row keeps the lines logged since
+    its setup (`cudagraph_skips`), and none when there were none."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(gpu, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    cfg = gpu.smoke_config(compiled_max_length=48)
+    p = Problem(position="alibi", L=48, H=2, D=16, features=8)
+    dev = torch.device("cpu")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to an earlier row")  # not this row's
+    runs = [gpu.fastrpe_setup("triton_chunked", cfg, compiled=True)(p, dev, torch.float32),
+            gpu.flex_setup(True, 4096)(p, dev, torch.float32)]
+    for run in runs:
+        assert not isinstance(run, str), run
+        assert "cudagraph_skips" not in run.after()
+    runs[0]()
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)\nmore")
+    for run in runs:
+        assert run.after()["cudagraph_skips"] == ["skipping cudagraphs due to mutated inputs (1 instances)"]
+    torch._dynamo.reset()

@@ -233,9 +233,11 @@ def test_triton_backends_compile_fullgraph_as_custom_ops(path, ran, monkeypatch)
     """A layer on a Triton backend (under the interpreter here) compiles with no graph break:
     each autograd function's halves are the custom ops `fastrpe::*` in the forward and the
     backward graph (`triton_chunked.compile_opaque`), and output and every gradient equal
-    eager's in float64."""
+    eager's in float64. Neither graph holds an op Inductor refuses to capture as a CUDA graph
+    (mode="reduce-overhead" would run it without, logging one line)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
     from fastrpe import backends_triton
 
@@ -247,10 +249,11 @@ def test_triton_backends_compile_fullgraph_as_custom_ops(path, ran, monkeypatch)
     eager = _fwd_bwd(m, m, x)
     assert ran == [backend]
     ran.clear()
-    graphs = []
+    graphs, refused = [], []
 
     def keep(gm, example_inputs):
         graphs.append(str(gm.graph))
+        refused.append(get_first_incompatible_cudagraph_node(gm))
         return make_boxed_func(gm)
 
     compiled = torch.compile(m, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
@@ -259,6 +262,7 @@ def test_triton_backends_compile_fullgraph_as_custom_ops(path, ran, monkeypatch)
     op = backend if backend != "triton_band" else "triton_soe"  # the band runs the fused kernel
     assert len(graphs) == 2, graphs
     assert f"fastrpe.{op}_forward" in graphs[0] and f"fastrpe.{op}_backward" in graphs[1], graphs
+    assert refused == [None, None], refused
 
 
 @pytest.mark.parametrize("path", ["triton_chunked-alibi", "triton_soe-kerple_log"])

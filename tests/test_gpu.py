@@ -253,6 +253,37 @@ def test_triton_backend_compiled_by_inductor_equals_eager(backend, family):
         assert err <= 2e-2 * max(scale, 1e-6), f"{backend} {family} {what}: {err:.3g} (scale {scale:.3g})"
 
 
+@pytest.mark.parametrize("backend,family", COMPILED_ROWS, ids=[b for b, _ in COMPILED_ROWS])
+def test_triton_backend_compiled_with_cuda_graphs_is_captured_and_replays_eagers_result(backend, family):
+    """mode="reduce-overhead" (the bench's COMPILE_MODE for the 4k rows if host time holds
+    them): Inductor captures the forward and the backward as CUDA graphs, logging no
+    "skipping cudagraphs" (a graph it cannot capture runs without them, silently but for that
+    line; the CPU tests find no op it refuses, tests/test_compile.py), and the replays give
+    eager's output and gradients."""
+    from fastrpe.bench import gpu
+
+    pos, kern, causal = make_position(family, H, L).to(DEV), _kernel("nprf"), family_causal(family)
+    q, k, v = _inputs(torch.bfloat16)
+
+    def call(q, k, v):
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
+
+    weight = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV)
+    o = call(q, k, v)
+    want = [t.float() for t in (o.detach(), *_grads(o, [q, k, v], weight))]
+    mark = gpu.cudagraph_skips_mark()
+    f = torch.compile(call, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, capture, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        out = f(q, k, v)
+        got = [t.float() for t in (out.detach(), *_grads(out, [q, k, v], weight))]
+    assert gpu.cudagraph_skips_since(mark) == {}, gpu.cudagraph_skips_since(mark)
+    for a, b, what in zip(got, want, ("output", "dq", "dk", "dv")):
+        scale = b.abs().max().item()
+        err = (a - b).abs().max().item()
+        assert err <= 2e-2 * max(scale, 1e-6), f"{backend} {family} {what}: {err:.3g} (scale {scale:.3g})"
+
+
 @pytest.mark.parametrize("backend", ["soe", "triton_soe"])
 def test_no_host_sync_in_a_training_step_with_a_trainable_term(backend):
     """Training: each optimizer step is a new parameter state of the term. After the first

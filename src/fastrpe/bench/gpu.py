@@ -389,9 +389,11 @@ def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default"):
             return _closure(flex, q, k, v, backward)
 
         extra["flex_tiles"] = {"kernel_options": "Inductor's default"}  # the row holds this dict
+        skips = cudagraph_skips_mark()
         run = first_that_fits([flex_with(o) for o in chain], [o or "Inductor's default" for o in chain],
                               extra["flex_tiles"])
         run.extra = extra
+        run.after = lambda: cudagraph_skips_since(skips)
         return run
 
     return setup
@@ -561,6 +563,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["lowp_features"] = lowp_features
         if state_scan is not None:
             extra["state_scan"] = state_scan
+        skips = cudagraph_skips_mark()
         if compiled:
             raise_recompile_limits()
             opts = {"fullgraph": True, "dynamic": False, "backend": COMPILE_BACKEND}
@@ -575,10 +578,45 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         run = _closure(call, q, k, v, p.backward)
         run.extra = extra
         before = autotuned()
-        run.after = lambda: _new_choices(before, autotuned())
+        run.after = lambda: {**_new_choices(before, autotuned()), **cudagraph_skips_since(skips)}
         return run
 
     return setup
+
+
+#: Inductor's warnings that it runs a graph without CUDA graphs, as this process logged them
+#: since `cudagraph_skips_mark` first ran
+_CUDAGRAPH_SKIPS: list[str] = []
+_CUDAGRAPH_WATCH: list = []
+
+
+def cudagraph_skips_mark() -> int:
+    """How many "skipping cudagraphs due to ..." warnings Inductor has logged so far (watched
+    from the first call on, once per process). Under mode="reduce-overhead" a graph Inductor
+    cannot capture runs without CUDA graphs, and only that log line says so: the `+compiled`
+    and Flex rows record theirs (`cudagraph_skips_since`)."""
+    if not _CUDAGRAPH_WATCH:
+        import logging
+
+        try:
+            from torch._inductor.cudagraph_utils import cudagraphs_log
+        except Exception:  # noqa: BLE001 - another torch: nothing to watch
+            cudagraphs_log = None
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                _CUDAGRAPH_SKIPS.append(record.getMessage().strip().splitlines()[0][:300])
+
+        if cudagraphs_log is not None:
+            cudagraphs_log.addHandler(Keep(logging.WARNING))
+        _CUDAGRAPH_WATCH.append(cudagraphs_log)
+    return len(_CUDAGRAPH_SKIPS)
+
+
+def cudagraph_skips_since(mark: int) -> dict:
+    """`{"cudagraph_skips": [...]}`, the warnings logged after `mark`, or {} if none."""
+    new = _CUDAGRAPH_SKIPS[mark:]
+    return {"cudagraph_skips": list(new)} if new else {}
 
 
 def autotuned() -> dict:
