@@ -338,7 +338,8 @@ warm_until() {
         > "$OUT_DIR/gpu_warm_$2.log" 2>&1
 }
 
-# With FLA_ENV: fla's rows at the criteria's lengths. fla_warm END compiles them beside the
+# With FLA_ENV: fla's rows (FLA_ROWS: in `first` those the criteria read, in `rest` every
+# one at every length). fla_warm END PASS compiles them beside the
 # other warm-up, ending END s after the start (its own folder: a copy of gpu.json for what is
 # done, its gpu_warm.json; FLA_CACHE_RESULTS=0: the autotuner's choices made beside other
 # work are not kept, the timed run makes its own from the compiled binaries). fla_rows
@@ -346,10 +347,10 @@ warm_until() {
 # context lost) ends fla's rows, recorded, and nothing else.
 FLA_ROWS=(--only fla-chunk_simple_gla --lengths "$FLA_LENGTHS")
 fla_warm() {
-    local left=$(( $1 - SECONDS ))
+    local left=$(( $1 - SECONDS )) pass=$2
     [ "${#FLA_ENV[@]}" -gt 0 ] && [ "$left" -gt 20 ] || return 0
     rm -rf /tmp/fla_warm && mkdir -p /tmp/fla_warm && { cp "$OUT_DIR/gpu.json" /tmp/fla_warm/ 2>/dev/null || true; }
-    env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --warm first \
+    env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --warm "$pass" \
         "${FLA_ROWS[@]}" --compile-mode "$COMPILE_MODE" --budget-s "$(( left - 10 ))" --out /tmp/fla_warm > /tmp/fla_warm.log 2>&1
 }
 fla_rows() {
@@ -407,7 +408,7 @@ case "$phase" in
     #    until FIRST_WARM_S s after the start at the latest
     warm_until "${FIRST_WARM_S:-170}" first &
     warm_pid=$!
-    fla_warm "${FIRST_WARM_S:-170}" &
+    fla_warm "${FIRST_WARM_S:-170}" first &
     fla_warm_pid=$!
     # 0b. FLA_PROBE=1: beside them, which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one process
     #     per variant; on 2026-11-26 its first variant was still compiling at 100 s), with
@@ -446,7 +447,8 @@ case "$phase" in
     # most REST_WARM_S s (default: a third of REST_S, 120 at most)
     rest_s=${REST_S:-540}
     rest_warm=${REST_WARM_S:-$(( rest_s / 3 < 120 ? rest_s / 3 : 120 ))}
-    fla_warm "$rest_warm" &
+    FLA_ROWS=(--only 'fla-*' --lengths "$LENGTHS")
+    fla_warm "$rest_warm" rest &
     fla_warm_pid=$!
     warm_until "$rest_warm" rest && tail -12 "$OUT_DIR/gpu_warm_rest.log"
     wait "$fla_warm_pid"
