@@ -49,7 +49,7 @@
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
 # 30 s idle, and none starts with under 4 minutes left. So plan ONE call, and since one call
 # measures 4k and 64k and no further, resume the last session's JSON (same GPU name only; the
-# problems where a row failed are measured again whole, --retry-errors):
+# problems where a row failed are measured again whole, gpu.retry_errors):
 #   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-26.json .gpu_runs/gpu.json
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl", ".gpu_runs"], timeout_s=540)
 # (on 2026-11-26 the machine started in about 30 s; the second call there used FIRST_S=480 with
@@ -272,11 +272,13 @@ fastrpe() { "${FASTRPE[@]}" "$@"; }
 SMOKE_ARGS=()
 LENGTHS=4096,65536,262144,1048576
 FLA_LENGTHS=4096,65536
+PRIORITY_LENGTHS=4096,65536
 PROFILE_ARGS=()
 if [ -n "${SMOKE:-}" ]; then
     SMOKE_ARGS=(--smoke)
     LENGTHS=48,96
     FLA_LENGTHS=48
+    PRIORITY_LENGTHS=48,96
     PROFILE_ARGS=(--device cpu --lengths 64 --cases fastrpe-chunked:alibi)
 fi
 
@@ -376,8 +378,7 @@ EOF
 
 # a previous phase's JSON (carried in .gpu_runs/) is resumed, never overwritten, if it was
 # measured on a GPU of the same name (timings of different devices do not mix); `first`
-# resuming one measures again, whole, each problem where a row failed (--retry-errors: the
-# code has changed since, as after the 2026-11-26 run's Flex failures)
+# resuming one measures again, whole, each problem where a row failed (below)
 # COMPILE_MODE: torch.compile's mode for the Flex baseline and fastrpe's +compiled rows alike
 # (default "default"; "reduce-overhead" adds CUDA graphs to both). A carried JSON of another
 # mode or device does not mix with this run's rows: it starts afresh.
@@ -394,8 +395,19 @@ sys.exit(r.get("device") != torch.cuda.get_device_name()
 fi
 resume=()
 [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)
-retry=()
-[ "$phase" = first ] && [ -f "$OUT_DIR/gpu.json" ] && retry=(--retry-errors)
+# `first` resuming a JSON measures again, whole, each problem where a row failed (the code has
+# changed since: the 2026-11-26 run's Flex failures). Those problems' rows go before anything
+# runs (gpu.retry_errors), so that every process after, the warm-up's, fla's and the bench's,
+# sees the same rows, and no later step drops what an earlier one measured again.
+if [ "$phase" = first ] && [ -f "$OUT_DIR/gpu.json" ]; then
+    python3 -c 'import json, sys
+from fastrpe.bench.gpu import retry_errors
+res = json.load(open(sys.argv[1]))
+rows, kept = res["rows"], retry_errors(res["rows"])
+print(f"measured again: {len(rows) - len(kept)} rows of the problems where a row failed")
+res["rows"] = kept
+json.dump(res, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu.json" || exit 1
+fi
 # the bench's sections in order: a resumed JSON holds the 4k and 64k rows already, so the cheap
 # decoding and host-sync sections (never measured yet) go before the long rows (262k, 1M)
 SECTIONS=${SECTIONS:-$([ -f "$OUT_DIR/gpu.json" ] && echo decode,sync,rows || echo rows,decode,sync)}
@@ -435,12 +447,19 @@ case "$phase" in
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
     timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" "${PROFILE_ARGS[@]}" \
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
-    # 1c. fla's rows (with FLA_ENV), at most FLA_S s
+    # 1c. resuming: first the rows that the last session did not reach and that the next
+    #     decisions hang on, at most PRIORITY_S s (default 150; 0: none): +compiled at 4k (the
+    #     4k criteria), +blocked-scan at 4k and 64k (STATE_SCAN's default on CUDA)
+    if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
+        bench_until $(( SECONDS + ${PRIORITY_S:-150} )) gpu_first.log --resume --sections rows \
+            --lengths "$PRIORITY_LENGTHS" --only '*+compiled,*+blocked-scan'
+    fi
+    # 1d. fla's rows (with FLA_ENV), at most FLA_S s
     fla_rows "${FLA_S:-75}"
     [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check
-    bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" "${retry[@]}" ;;
+    bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" ;;
   rest)
     # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start;
     # the compilations of what is left first (on a fresh machine the caches are cold), for at
