@@ -833,3 +833,29 @@ def test_compiled_and_flex_rows_record_inductors_cudagraph_skips(monkeypatch):
     for run in runs:
         assert run.after()["cudagraph_skips"] == ["skipping cudagraphs due to mutated inputs (1 instances)"]
     torch._dynamo.reset()
+
+
+def test_a_verdict_on_rows_of_two_machines_says_so(capsys):
+    """A 15-minute session resumes the last one's JSON: a ratio may then set a row of this
+    session's machine against one of another's (each session gets a fresh machine; its boot
+    id tells them apart). The issue asks for ratios from one run, so such a verdict says so."""
+    L = 65536
+    rows = [_row("alibi", L, "flex", 60.0, run=0), _row("alibi", L, "fastrpe-triton_chunked", 3.0, exact=True, run=1),
+            _row("alibi", L, "fla-chunk_simple_gla", 3.5, run=1)]
+    res = {**_result(rows), "envs": [{"machine": "aaaa"}, {"machine": "bbbb"}]}
+    by = {c["criterion"]: c for c in gpu.check(res)}
+    flex = by["geometric (alibi), L=65536: >= 15x faster than compiled Flex + ALiBi"]
+    fla = by["geometric (alibi), L=65536: no slower than fla chunk_simple_gla"]
+    assert flex["status"] == "pass" and flex["machines"] == 2 and "two machines" in flex["detail"]
+    assert fla["status"] == "pass" and "machines" not in fla and "two machines" not in fla["detail"]
+    gpu.print_check(res)
+    assert "1 of these compare rows timed on two machines" in capsys.readouterr().out
+    # a result from before `envs`: its runs count as one machine
+    assert "machines" not in {c["criterion"]: c for c in gpu.check(_result(rows))}[flex["criterion"]]
+
+
+def test_each_run_records_the_machine_it_ran_on(tmp_path):
+    cfg = gpu.smoke_config(lengths=(32,), families=("alibi",), sections=("rows",), only=("flex",))
+    res = gpu.run_gpu_suite(cfg, tmp_path, command="one", log=lambda *a: None)
+    assert res["envs"][0]["machine"] == gpu.machine_id()
+    assert gpu.machine_id() is None or len(gpu.machine_id()) == 8
