@@ -398,14 +398,18 @@ resume=()
 # `first` resuming a JSON measures again, whole, each problem where a row failed (the code has
 # changed since: the 2026-11-26 run's Flex failures). Those problems' rows go before anything
 # runs (gpu.retry_errors), so that every process after, the warm-up's, fla's and the bench's,
-# sees the same rows, and no later step drops what an earlier one measured again.
+# sees the same rows, and no later step drops what an earlier one measured again. Two anchor
+# rows are measured again too (gpu.ANCHORS: Flex + ALiBi at 4k, triton_chunked at 64k): their
+# two times say how far this session's machine is from the last one's (--check prints them),
+# for the verdicts that set rows of two sessions against each other.
 if [ "$phase" = first ] && [ -f "$OUT_DIR/gpu.json" ]; then
     python3 -c 'import json, sys
-from fastrpe.bench.gpu import retry_errors
+from fastrpe.bench.gpu import measure_again, retry_errors
 res = json.load(open(sys.argv[1]))
 rows, kept = res["rows"], retry_errors(res["rows"])
 print(f"measured again: {len(rows) - len(kept)} rows of the problems where a row failed")
 res["rows"] = kept
+print(f"measured again: {measure_again(res)} anchor rows (their earlier times kept)")
 json.dump(res, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu.json" || exit 1
 fi
 # the bench's sections in order: a resumed JSON holds the 4k and 64k rows already, so the cheap

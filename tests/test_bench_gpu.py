@@ -859,3 +859,27 @@ def test_each_run_records_the_machine_it_ran_on(tmp_path):
     res = gpu.run_gpu_suite(cfg, tmp_path, command="one", log=lambda *a: None)
     assert res["envs"][0]["machine"] == gpu.machine_id()
     assert gpu.machine_id() is None or len(gpu.machine_id()) == 8
+
+
+def test_anchor_rows_are_measured_again_and_their_drift_printed(tmp_path, capsys):
+    """A session resuming the last one's JSON measures the anchors again (`measure_again`),
+    keeping their earlier rows; --check prints each pair's ratio, the drift between the two
+    sessions' machines that the verdicts across sessions carry."""
+    quiet = {"log": lambda *a: None}
+    cfg = gpu.smoke_config(lengths=(32, 40), families=("alibi",), sections=("rows",), only=("flex", "fastrpe-chunked"))
+    gpu.run_gpu_suite(cfg, tmp_path, command="one", **quiet)
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    n = len(res["rows"])
+    assert gpu.measure_again(res, (("flex", "alibi", 32), ("fastrpe-chunked", "alibi", 40), ("flex", "t5", 32))) == 2
+    assert len(res["rows"]) == n - 2 and [r["competitor"] for r in res["earlier"]] == ["flex", "fastrpe-chunked"]
+    (tmp_path / "gpu.json").write_text(json.dumps(res))
+    again = gpu.run_gpu_suite(cfg, tmp_path, command="two", resume=True, **quiet)
+    assert len(again["rows"]) == n
+    assert sorted((r["competitor"], r["problem"]["L"]) for r in again["rows"] if r["run"] == 1) == [
+        ("fastrpe-chunked", 40), ("flex", 32)]
+    drift = gpu.anchor_drift(again)
+    assert [(d["competitor"], d["L"]) for d in drift] == [("flex", 32), ("fastrpe-chunked", 40)]
+    assert all(d["ratio"] == pytest.approx(d["now_ms"] / d["earlier_ms"]) for d in drift)
+    gpu.print_check(again)
+    out = capsys.readouterr().out
+    assert "measured again: flex alibi L=32:" in out and "how far two sessions' machines differ" in out

@@ -1079,6 +1079,40 @@ def retry_errors(rows: list[dict], cfg: GpuConfig | None = None) -> list[dict]:
     return [r for r in rows if not (mine(r) and Problem(**r["problem"]).tag() in redo) or r.get("context_lost")]
 
 
+#: rows a session resuming another's JSON measures again (`measure_again`), whose old and new
+#: times tell how far two sessions' machines differ: one row of each kind, short and long
+ANCHORS = (("flex", "alibi", L_SHORT), ("fastrpe-triton_chunked", "alibi", L_CHECK))
+
+
+def measure_again(res: dict, anchors=ANCHORS) -> int:
+    """Move the rows of `anchors` ((competitor, family, L)) from `res["rows"]` to
+    `res["earlier"]`, so that a resumed run measures them again; `anchor_drift` then compares
+    the two. Returns how many moved."""
+    want = {tuple(a) for a in anchors}
+    moved = [r for r in res["rows"] if (r["competitor"], r["problem"]["position"], r["problem"]["L"]) in want
+             and r.get("seconds")]
+    ids = {id(r) for r in moved}
+    res["rows"] = [r for r in res["rows"] if id(r) not in ids]
+    for r in moved:
+        r["machine"] = run_versions(res, r).get("machine")  # its run's, kept with it
+    res.setdefault("earlier", []).extend(moved)
+    return len(moved)
+
+
+def anchor_drift(res: dict) -> list[dict]:
+    """Each row measured again (`measure_again`) against its earlier time: how far one
+    session's machine times the same call from another's (same device name)."""
+    out = []
+    for old in res.get("earlier", []):
+        p = old["problem"]
+        new = _row(res, p["position"], p["L"], old["competitor"])
+        if new is not None and new.get("seconds") and old.get("seconds"):
+            out.append({"competitor": old["competitor"], "family": p["position"], "L": p["L"],
+                        "earlier_ms": old["seconds"] * 1e3, "now_ms": new["seconds"] * 1e3,
+                        "ratio": new["seconds"] / old["seconds"]})
+    return out
+
+
 def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, retry: bool = False,
                   log=print) -> dict:
     """Run everything `cfg` asks for, writing `out/gpu.json` after every row (a run cut short
@@ -1125,6 +1159,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
            "commands": (old.get("commands", []) if old else []) + [command],
            "positions_frozen": True, "rows": rows,
            "decode": old.get("decode", []) if old else [], "sync": old.get("sync", []) if old else [],
+           "earlier": old.get("earlier", []) if old else [],
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if cfg.smoke:
         res["note"] = "SMOKE RUN at toy sizes on " + dev.type + ": tests the harness, measures nothing"
@@ -1503,6 +1538,9 @@ def print_check(res: dict, log=print) -> int:
     if two:
         log(f"{two} of these compare rows timed on two machines (two GPU sessions): the issue asks for ratios "
             "measured in one run")
+    for d in anchor_drift(res):
+        log(f"measured again: {d['competitor']} {d['family']} L={d['L']}: {d['earlier_ms']:.3g} ms earlier, "
+            f"{d['now_ms']:.3g} ms now ({d['ratio']:.3f}x): how far two sessions' machines differ")
     return 0 if n["fail"] == 0 and n["missing"] == 0 else 1
 
 
