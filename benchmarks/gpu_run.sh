@@ -49,9 +49,15 @@
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
 # 30 s idle, and none starts with under 4 minutes left. So plan ONE call, and since one call
 # measures 4k and 64k and no further, resume the last session's JSON (same GPU name only; the
-# problems where a row failed are measured again whole, gpu.retry_errors):
+# problems where a row failed are measured again whole, gpu.retry_errors; two anchor rows are
+# measured again, gpu.ANCHORS; then +compiled and +blocked-scan first, PRIORITY_S):
 #   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-26.json .gpu_runs/gpu.json
-#   run(command="bash benchmarks/gpu_run.sh first", carry=[".whl", ".gpu_runs"], timeout_s=540)
+#   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs"], timeout_s=540,
+#       kind="nvidia-h100-x1")
+# (kind: the carried JSON is an H100's, and an H200 would start afresh; a refusal costs 1-2
+# minutes, after which a plain call, H200 allowed, is the fallback.) Check the script first
+# here: `OUT=/tmp/smoke SMOKE=1 bash benchmarks/gpu_run.sh first` (about a minute).
 # (on 2026-11-26 the machine started in about 30 s; the second call there used FIRST_S=480 with
 # timeout_s=505 because the first had spent 265 s)
 # The warm-up (`fastrpe bench --suite gpu --warm first`, src/fastrpe/bench/gpu_warm.py): a cold
@@ -67,7 +73,7 @@
 # starts no new row after the rest less 85 s, and is stopped 25 s before the end), so the rows
 # measured so far come back even when the last one runs long. Then here, at once (the machine is warm for 30 s):
 #   mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
-#   run(command="REST_S=<seconds left, less 60> bash benchmarks/gpu_run.sh rest", carry=[".whl", ".gpu_runs"],
+#   run(command="REST_S=<seconds left, less 60> bash benchmarks/gpu_run.sh rest", carry=[".fla_site", ".gpu_runs"],
 #       timeout_s=<seconds left, less 30>)
 # only if at least 3 minutes of device time remain; otherwise give the machine back. Locally:
 #   fastrpe bench --suite gpu --check <files_at>/gpu.json
