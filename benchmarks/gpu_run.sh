@@ -53,11 +53,10 @@
 # measured again, gpu.ANCHORS; then +compiled and +blocked-scan first, PRIORITY_S):
 #   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-26.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
-#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs"], timeout_s=540,
-#       kind="nvidia-h100-x1")
-# (kind: the carried JSON is an H100's, and an H200 would start afresh; a refusal costs 1-2
-# minutes, after which a plain call, H200 allowed, is the fallback.) Check the script first
-# here: `OUT=/tmp/smoke SMOKE=1 bash benchmarks/gpu_run.sh first` (about a minute).
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs"], timeout_s=540)
+# (no kind: a first call takes an H100 if one opens within 90 s, else an H200, where the H100's
+# JSON does not resume and the run starts afresh.) Check the script here first:
+# `OUT=/tmp/smoke SMOKE=1 bash benchmarks/gpu_run.sh first` (about a minute).
 # (on 2026-11-26 the machine started in about 30 s; the second call there used FIRST_S=480 with
 # timeout_s=505 because the first had spent 265 s)
 # The warm-up (`fastrpe bench --suite gpu --warm first`, src/fastrpe/bench/gpu_warm.py): a cold
