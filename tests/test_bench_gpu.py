@@ -883,3 +883,23 @@ def test_anchor_rows_are_measured_again_and_their_drift_printed(tmp_path, capsys
     gpu.print_check(again)
     out = capsys.readouterr().out
     assert "measured again: flex alibi L=32:" in out and "how far two sessions' machines differ" in out
+
+
+def test_check_auto_against_the_fastest_exact_backend():
+    """Issue 12 item 3: `auto` never more than 1.2x the fastest exact backend. Variants (`+`)
+    and approximate backends do not set the bar; a faster approximate pick passes."""
+    L = 4096
+    base = [_row("alibi", L, "fastrpe-triton_chunked", 2.0, exact=True),
+            _row("alibi", L, "fastrpe-chunked", 5.0, exact=True),
+            _row("alibi", L, "fastrpe-triton_chunked+compiled", 0.5, exact=True),
+            _row("kerple_log", L, "fastrpe-fft", 20.0, exact=True),
+            _row("kerple_log", L, "fastrpe-triton_soe", 3.0, exact=False)]
+    crit = "auto: never more than 1.2x"
+    good = _result(base + [_row("alibi", L, "fastrpe-auto", 2.3, auto_picks="triton_chunked", exact=True),
+                           _row("kerple_log", L, "fastrpe-auto", 3.1, auto_picks="triton_soe", exact=False)])
+    assert _status(good, crit) == "pass"
+    slow = _result(base + [_row("alibi", L, "fastrpe-auto", 5.1, auto_picks="chunked", exact=True)])
+    assert _status(slow, crit) == "fail"
+    detail = next(c["detail"] for c in gpu.check(slow) if c["criterion"].startswith(crit))
+    assert "0/1 within 1.2x" in detail and "auto ran chunked, 2.55x fastrpe-triton_chunked's time" in detail
+    assert _status(_result(base), crit) == "missing"

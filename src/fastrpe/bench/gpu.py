@@ -1495,6 +1495,7 @@ def check(res: dict, L_check: int = L_CHECK, L_long: int = L_LONG, L_max: int = 
         add(f"{fam}, L={L_max}: forward+backward within 60 ms and 8 GiB", ok,
             f"{b[0]} {ms(s)}, peak {peak / GIB:.2f} GiB above inputs"
             + (f" ({tot / GIB:.2f} GiB in all)" if tot is not None else "") if peak is not None else ms(s))
+    add("auto: never more than 1.2x the fastest exact backend (every family and length timed)", *auto_line(res))
     dec = [r for r in res.get("decode", []) if r.get("seconds")]
     states = [r for r in dec if r["kind"] == "constant"]
     kvs = [r for r in dec if r["kind"] == "kv"]
@@ -1523,6 +1524,37 @@ def check(res: dict, L_check: int = L_CHECK, L_long: int = L_LONG, L_max: int = 
         add(what, not bad, f"{len(rows) - len(bad)}/{len(rows)} backend x family runs clean"
             + (f"; syncs in {', '.join(bad)} (first: {first})" if bad else ""))
     return out
+
+
+#: issue 12 item 3: `auto` never picks a backend more than this many times slower than the
+#: fastest exact one
+AUTO_SLACK = 1.2
+
+
+def auto_line(res: dict, slack: float = AUTO_SLACK) -> tuple:
+    """Issue 12 item 3 over every (family, L) with a timed `fastrpe-auto` row: its time
+    against the fastest exact backend's row in its default form (no `+` variant; the
+    materializing reference counts, it is a backend `auto` may pick). `(ok or None, detail)`."""
+    ratios = []
+    for r in res["rows"]:
+        if r["competitor"] != "fastrpe-auto" or not r.get("seconds"):
+            continue
+        fam, L = r["problem"]["position"], r["problem"]["L"]
+        exact = [x for x in res["rows"] if x["problem"]["position"] == fam and x["problem"]["L"] == L
+                 and x["competitor"].startswith("fastrpe-") and "+" not in x["competitor"]
+                 and x["competitor"] != "fastrpe-auto" and x.get("exact") and x.get("seconds")]
+        if exact:
+            best = min(exact, key=lambda x: x["seconds"])
+            ratios.append((r["seconds"] / best["seconds"], fam, L, r.get("auto_picks"), best["competitor"]))
+    if not ratios:
+        return None, "no fastrpe-auto row with an exact backend timed beside it"
+    bad = [x for x in ratios if x[0] > slack]
+    worst = max(ratios)
+    same = f"fastrpe-{worst[3]}" == worst[4]
+    detail = (f"{len(ratios) - len(bad)}/{len(ratios)} within {slack:g}x; worst {worst[1]} L={worst[2]}: auto "
+              f"ran {worst[3]}, {worst[0]:.2f}x {worst[4]}'s time"
+              + (" (the same backend: the gap is auto's own host time, or two timings' spread)" if same else ""))
+    return not bad, detail
 
 
 def print_check(res: dict, log=print) -> int:
