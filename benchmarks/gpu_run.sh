@@ -118,6 +118,11 @@
 #   no op Inductor refuses in the Triton backends' graphs (tests/test_compile.py), and the GPU
 #   test test_gpu.py::test_triton_backend_compiled_with_cuda_graphs_* (in `tests`) checks the
 #   capture and the replays against eager.
+# - new (2026-11-27): in the default mode the bench also times Flex and the +compiled rows with
+#   CUDA graphs (`flex+cudagraphs`, `fastrpe-*+compiled+cudagraphs`: mode="reduce-overhead", up to
+#   --compiled-max-length), so one JSON answers the 4k question both ways; the 4k criteria pass
+#   on either like-with-like pairing. COMPILE_MODE=reduce-overhead (a fresh JSON) is no longer
+#   needed for it.
 # - new (2026-11-27): SMOKE=1 runs this script's steps on a machine without a GPU (toy sizes);
 #   run it after any change here, before a GPU session spends its minutes on a shell error.
 #
@@ -457,11 +462,12 @@ case "$phase" in
     timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" "${PROFILE_ARGS[@]}" \
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     # 1c. resuming: first the rows that the last session did not reach and that the next
-    #     decisions hang on, at most PRIORITY_S s (default 150; 0: none): +compiled at 4k (the
-    #     4k criteria), +blocked-scan at 4k and 64k (STATE_SCAN's default on CUDA)
+    #     decisions hang on, at most PRIORITY_S s (default 150; 0: none): +compiled at 4k, and
+    #     it and Flex with CUDA graphs (+cudagraphs; the 4k criteria read both pairings),
+    #     +blocked-scan at 4k and 64k (STATE_SCAN's default on CUDA)
     if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         bench_until $(( SECONDS + ${PRIORITY_S:-150} )) gpu_first.log --resume --sections rows \
-            --lengths "$PRIORITY_LENGTHS" --only '*+compiled,*+blocked-scan'
+            --lengths "$PRIORITY_LENGTHS" --only '*+compiled,*+cudagraphs,*+blocked-scan'
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s
     fla_rows "${FLA_S:-75}"

@@ -715,7 +715,7 @@ def test_only_and_skip_choose_the_competitors_and_a_pattern_matching_none_is_a_o
     other's competitors, so the other's resume still runs them."""
     base = ["bench", "--suite", "gpu", "--smoke", "--lengths", "40", "--families", "alibi", "--sections", "rows",
             "--out", str(tmp_path)]
-    assert main([*base, "--skip", "fla-*,fastrpe-*+*"]) == 0
+    assert main([*base, "--skip", "fla-*,*+*"]) == 0
     res = json.loads((tmp_path / "gpu.json").read_text())
     names = {r["competitor"] for r in res["rows"]}
     assert "flex" in names and "fastrpe-triton_chunked" in names
@@ -903,3 +903,45 @@ def test_check_auto_against_the_fastest_exact_backend():
     detail = next(c["detail"] for c in gpu.check(slow) if c["criterion"].startswith(crit))
     assert "0/1 within 1.2x" in detail and "auto ran chunked, 2.55x fastrpe-triton_chunked's time" in detail
     assert _status(_result(base), crit) == "missing"
+
+
+def test_rows_with_cuda_graphs_in_a_default_mode_run_and_the_4k_criterion_reads_both_pairings(monkeypatch):
+    """A run in the default compile mode also times Flex and fastrpe's +compiled rows with CUDA
+    graphs (`+cudagraphs`, mode="reduce-overhead", up to --compiled-max-length, after the eager
+    rows): the 4k criterion sets fastrpe against Flex without graphs, and any fastrpe row against
+    Flex with graphs, and passes on either; a graphed fastrpe row never meets Flex without."""
+    reg = gpu.registry(gpu.GpuConfig())
+    assert {"flex+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs"} <= set(reg)
+    assert not any(n.endswith("+cudagraphs") for n in gpu.registry(gpu.GpuConfig(compile_mode="reduce-overhead")))
+    p4 = Problem(position="alibi", causal=True, L=4096)
+    assert gpu.row_pass(p4, "flex+cudagraphs") == gpu.row_pass(p4, "fastrpe-triton_chunked+compiled+cudagraphs") == 1
+    L, crit = 4096, "alibi, L=4096: no slower than Flex"
+    base = [_row("alibi", L, "flex", 0.9), _row("alibi", L, "flex+cudagraphs", 0.5),
+            _row("alibi", L, "fastrpe-triton_chunked", 1.8, exact=True)]
+    assert _status(_result(base), crit) == "fail"
+    # with graphs ours beats Flex with graphs (0.4 < 0.5), though not Flex without them on its own terms
+    graphed = _result(base + [_row("alibi", L, "fastrpe-triton_chunked+compiled+cudagraphs", 0.4, exact=True)])
+    assert _status(graphed, crit) == "pass"
+    detail = next(c["detail"] for c in gpu.check(graphed) if c["criterion"].startswith(crit))
+    assert "fastrpe-triton_chunked 1.8 ms vs flex 0.9 ms" in detail
+    assert "with CUDA graphs: fastrpe-triton_chunked+compiled+cudagraphs 0.4 ms vs flex+cudagraphs 0.5 ms" in detail
+    # a graphed row slower than Flex with graphs: fail, even though 0.6 < Flex's 0.9 without graphs
+    slow = _result(base + [_row("alibi", L, "fastrpe-triton_chunked+compiled+cudagraphs", 0.6, exact=True)])
+    assert _status(slow, crit) == "fail"
+
+
+def test_a_graphed_row_compiles_with_reduce_overhead(monkeypatch):
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(gpu, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(gpu, "_closure", lambda fn, q, k, v, backward: (lambda: None))
+    cfg = gpu.smoke_config(compiled_max_length=48)
+    p = Problem(position="alibi", L=48, H=2, D=16, features=8)
+    run = gpu.registry(cfg)["fastrpe-triton_chunked+compiled+cudagraphs"](p, torch.device("cpu"), torch.float64)
+    assert not isinstance(run, str), run
+    assert "mode='reduce-overhead'" in run.extra["compiled"]
+    flex = gpu.registry(cfg)["flex+cudagraphs"](Problem(position="alibi", L=96, H=2, D=16, features=8),
+                                                torch.device("cpu"), torch.float64)
+    assert isinstance(flex, str) and "--compiled-max-length" in flex
+    torch._dynamo.reset()

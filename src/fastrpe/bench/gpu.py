@@ -83,15 +83,18 @@ CONTEXT_LOST_EXIT = 75
 CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+blocked-scan",
-              "fastrpe-auto", "fastrpe-triton_chunked+compiled"),
+              "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs",
+              "fastrpe-triton_chunked+compiled+cudagraphs"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto",
-                   "fastrpe-triton_soe+compiled"),
+                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto",
-                     "fastrpe-triton_soe+compiled"),
+                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+blocked-scan", "fastrpe-auto",
-           "fastrpe-triton_band+compiled"),
-    "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled"),
-    "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled"),
+           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
+    "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
+                "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs"),
+    "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
+                     "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs"),
 }
 #: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
 #: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
@@ -99,6 +102,21 @@ COMPILED = "+compiled"
 COMPILE_BACKEND = "inductor"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 COMPILED_BACKENDS = ("triton_chunked", "triton_soe", "triton_band", "triton_tiled")
+#: the suffix of the rows compiled with mode="reduce-overhead" (CUDA graphs) in a run whose
+#: compile mode is the default: Flex (`flex+cudagraphs`) and fastrpe's `+compiled` rows, up to
+#: `compiled_max_length`. At 4k both are partly host time; these rows give the like-with-like
+#: answer with graphs in the same run (`check` reads both pairings).
+GRAPHED = "+cudagraphs"
+
+
+def compiled_row(name: str) -> bool:
+    """A row whose call runs under `torch.compile` (it compiles for long: pass 1)."""
+    return name.endswith((COMPILED, GRAPHED))
+
+
+def base_competitor(name: str) -> str:
+    """The eager row a compiled row runs the kernels of (its accuracy is that row's)."""
+    return name.removesuffix(GRAPHED).removesuffix(COMPILED)
 
 
 def row_pass(p: Problem, name: str) -> int:
@@ -107,7 +125,7 @@ def row_pass(p: Problem, name: str) -> int:
     length are in before it starts); 2, every other row."""
     if not reads(p, name):
         return 2
-    return 1 if name.endswith(COMPILED) else 0
+    return 1 if compiled_row(name) else 0
 
 
 def reads(p: Problem, name: str) -> bool:
@@ -338,9 +356,10 @@ def _flex_refusal(e: BaseException) -> str:
     return text[i:i + 160].split("Reducing")[0].strip() if i >= 0 else text.splitlines()[0][:160]
 
 
-def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default"):
+def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default", cap: str = "--flex-max-length"):
     """Compiled FlexAttention with the family's score_mod (and a causal block mask), in
-    `compile_mode`, the mode fastrpe's `+compiled` rows run in too (like with like)."""
+    `compile_mode`, the mode fastrpe's `+compiled` rows run in too (like with like); not beyond
+    `max_length` (the option `cap` sets it)."""
     def setup(p: Problem, device, dtype):
         try:
             from torch.nn.attention.flex_attention import flex_attention
@@ -349,7 +368,7 @@ def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default"):
         if p.position == "none":
             return "no positional term (see sdpa)"
         if p.L > max_length:
-            return f"not run beyond L={max_length} (no criterion needs it; --flex-max-length)"
+            return f"not run beyond L={max_length} (no criterion needs it; {cap})"
         if device.type != "cuda" and not smoke:
             return "needs CUDA (eager Flex on CPU is not a baseline)"
         pos = make_position(p.position, p.H, p.L).to(device)
@@ -505,13 +524,15 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
-                  compiled: bool = False):
+                  compiled: bool = False, mode: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
-    `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`."""
+    `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`, in `mode` (default:
+    `cfg.compile_mode`; `+compiled+cudagraphs`: "reduce-overhead")."""
+    mode = cfg.compile_mode if mode is None else mode
 
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
@@ -567,8 +588,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         if compiled:
             raise_recompile_limits()
             opts = {"fullgraph": True, "dynamic": False, "backend": COMPILE_BACKEND}
-            if cfg.compile_mode != "default":
-                opts["mode"] = cfg.compile_mode
+            if mode != "default":
+                opts["mode"] = mode
             call = torch.compile(call, **opts)
             args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
             extra["compiled"] = f"torch.compile(fastrpe.attention, {args})"
@@ -678,6 +699,14 @@ def registry(cfg: GpuConfig) -> dict:
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
             reg[f"fastrpe-{name}{COMPILED}"] = fastrpe_setup(name, cfg, compiled=True)
+    # the same, and Flex, with CUDA graphs, where the run's mode has none
+    if cfg.compile_mode == "default":
+        reg[f"flex{GRAPHED}"] = flex_setup(cfg.smoke, min(cfg.flex_max_length, cfg.compiled_max_length),
+                                           "reduce-overhead", cap="--compiled-max-length")
+        for name in COMPILED_BACKENDS:
+            if name in BACKENDS:
+                reg[f"fastrpe-{name}{COMPILED}{GRAPHED}"] = fastrpe_setup(name, cfg, compiled=True,
+                                                                          mode="reduce-overhead")
     return reg
 
 
@@ -686,6 +715,7 @@ _APPLIES = {
     "fla-chunk_linear_attn": lambda fam: fam == "none",
     "fla-chunk_simple_gla": lambda fam: fam == "alibi",
     "flex": lambda fam: fam != "none",
+    f"flex{GRAPHED}": lambda fam: fam != "none",
 }
 
 
@@ -1228,11 +1258,12 @@ def _row(res: dict, fam: str, L: int, comp: str) -> dict | None:
 
 
 def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
-                 tol: float | None = None) -> tuple[str, dict] | None:
+                 tol: float | None = None, graphed: bool = False) -> tuple[str, dict] | None:
     """The fastest fastrpe row on (family, L) that is exact (if asked) and within `tol` of exact
     where its accuracy was measured (float32 inputs; a row without its own measurement takes
     the one its competitor, or its eager twin, has on this family at `accuracy_length`).
-    `fastrpe-auto` counts as the backend it ran."""
+    `fastrpe-auto` counts as the backend it ran. The rows with CUDA graphs (`GRAPHED`) count
+    only with `graphed`: they are set against Flex with graphs, not without."""
     errs = {r["competitor"]: r["max_abs_err_fp32"] for r in res["rows"]
             if r["problem"]["position"] == fam and r.get("max_abs_err_fp32") is not None}
     best = None
@@ -1244,8 +1275,10 @@ def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
             continue
         if exact_only and not r.get("exact", False):
             continue
+        if r["competitor"].endswith(GRAPHED) and not graphed:
+            continue
         # (a `+compiled` row runs its eager twin's kernels: it takes the twin's measurement)
-        err = r.get("max_abs_err_fp32", errs.get(r["competitor"], errs.get(r["competitor"].removesuffix(COMPILED))))
+        err = r.get("max_abs_err_fp32", errs.get(r["competitor"], errs.get(base_competitor(r["competitor"]))))
         if tol is not None and err is not None and not err <= tol:
             continue
         if best is None or r["seconds"] < best[1]["seconds"]:
@@ -1421,9 +1454,9 @@ def check(res: dict, L_check: int = L_CHECK, L_long: int = L_LONG, L_max: int = 
     def ms(s):
         return "—" if s is None else f"{s * 1e3:.3g} ms"
 
-    def ratio_line(fam, L, ref_name, ref_fam, need, kind, exact_only=False, tol=None):
+    def ratio_line(fam, L, ref_name, ref_fam, need, kind, exact_only=False, tol=None, graphed=False):
         """`kind`: 'faster' (ref / ours >= need) or 'at_most' (ours <= need × ref)."""
-        b = best_fastrpe(res, fam, L, exact_only=exact_only, tol=tol)
+        b = best_fastrpe(res, fam, L, exact_only=exact_only, tol=tol, graphed=graphed)
         ref = t.get((ref_fam, L, ref_name))
         if b is None or ref is None:
             why = "no fastrpe row" if b is None else f"no {ref_name} time"
@@ -1481,9 +1514,19 @@ def check(res: dict, L_check: int = L_CHECK, L_long: int = L_LONG, L_max: int = 
     for fam in FAMILIES:
         if any(r["problem"]["position"] == fam for r in res["rows"]):
             exact = fam not in ("kerple_log", "kerple_power")
-            add(f"{fam}, L={L4}: no slower than Flex with the same term",
-                *ratio_line(fam, L4, "flex", fam, 1.0, "faster", exact_only=exact,
-                            tol=None if exact else ACCURACY_TOL))
+            tol = None if exact else ACCURACY_TOL
+            plain = ratio_line(fam, L4, "flex", fam, 1.0, "faster", exact_only=exact, tol=tol)
+            # like with like with CUDA graphs too (fastrpe's rows with graphs or without against
+            # Flex with graphs): either pairing passing meets the criterion
+            graphs = ratio_line(fam, L4, f"flex{GRAPHED}", fam, 1.0, "faster", exact_only=exact, tol=tol,
+                                graphed=True)
+            if graphs[0] is None and not any(r["competitor"] == f"flex{GRAPHED}" for r in res["rows"]):
+                add(f"{fam}, L={L4}: no slower than Flex with the same term", *plain)
+            else:
+                oks = [x[0] for x in (plain, graphs)]
+                ok = True if True in oks else (None if oks == [None, None] else False)
+                add(f"{fam}, L={L4}: no slower than Flex with the same term", ok,
+                    f"{plain[1]}; with CUDA graphs: {graphs[1]}", max([*plain[2:3], *graphs[2:3], 1]))
     for fam in DECAYING:
         b = best_fastrpe(res, fam, L_max, tol=ACCURACY_TOL)
         if b is None:

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from .gpu import (
-    COMPILED,
     CONTEXT_LOST_EXIT,
     GpuConfig,
     applies,
+    compiled_row,
     done_pairs,
     lost_elsewhere,
     problems,
@@ -63,13 +63,13 @@ MEMORY_FRACTION = 0.125
 def tuned(name: str) -> bool:
     """A row that runs fastrpe's autotuned Triton kernels eagerly (a `+compiled` row runs the
     same kernels, with the same keys: its eager twin compiles them in every worker)."""
-    return name.startswith("fastrpe-triton_") and not name.endswith(COMPILED)
+    return name.startswith("fastrpe-triton_") and not compiled_row(name)
 
 
 def shared(name: str) -> bool:
     """A row whose compilation does not depend on the autotuner's config: Flex, fla, and
     fastrpe's `+compiled` rows (Inductor's graph around the kernels), one worker each."""
-    return name in SHARED or name.endswith(COMPILED)
+    return name in SHARED or compiled_row(name)
 
 
 def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[tuple[Problem, str]]:
