@@ -397,6 +397,27 @@ def test_the_far_samples_go_to_the_device_once_per_length(gpu_training, monkeypa
     assert len(made) == 2 and made[0] != made[1]
 
 
+def test_under_compile_the_far_samples_are_a_constant_made_on_the_device(monkeypatch):
+    """Traced, the distances are a constant of the graph: made on the call's device, not on the
+    host and copied (a CPU tensor in a GPU graph makes Inductor run it without CUDA graphs
+    under mode="reduce-overhead"). The same distances as eager's."""
+    from fastrpe.ops.linear import soe
+
+    eager = soe._far_samples_on(32, 5000, torch.device("cpu"))
+    made, tensor = [], torch.tensor
+
+    def recording(*a, **k):
+        made.append(torch.device(k["device"]) if k.get("device") is not None else None)
+        return tensor(*a, **k)
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "tensor", recording)
+    traced = soe._far_samples_on(32, 5000, torch.device("meta"))
+    assert made == [torch.device("meta")]  # made there, not made on the host and copied
+    assert traced.device.type == "meta" and traced.shape == eager.shape and traced.dtype == torch.long
+    assert soe._far_samples_on(32, 20, torch.device("meta")).device.type == "meta"  # none: still there
+
+
 def test_a_failing_fit_found_on_the_gpu_is_fitted_again_at_the_next_call(gpu_training, monkeypatch):
     """A step whose fit fails the device check is reported at the next call, which takes a
     verdict of its own: here (every fit misplacing all of a row's weight) the refusal."""

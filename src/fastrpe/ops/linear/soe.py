@@ -145,16 +145,16 @@ def fit_soe(b: Tensor, r_far: Tensor, gamma: Tensor) -> Tensor:
 RIDGE_A = 1e-10
 
 
-def _far_samples(window: int, max_len: int, n: int = 256) -> Tensor:
+def _far_samples(window: int, max_len: int, n: int = 256, device: torch.device | None = None) -> Tensor:
     """Distances W..max_len-1, log-spaced (plus the ends), to fit and to check the fit.
     Computed on the host from the two lengths alone: `torch.unique` has a data-dependent
     size, which torch.compile cannot trace without a graph break."""
     if max_len <= window:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=device)
     lo, hi = math.log10(window), math.log10(max_len - 1)
     # round() is half-to-even, as torch.round
     r = {min(max(round(10.0 ** (lo + (hi - lo) * i / (n - 1))), window), max_len - 1) for i in range(n)}
-    return torch.tensor(sorted(r), dtype=torch.long)
+    return torch.tensor(sorted(r), dtype=torch.long, device=device)
 
 
 #: `_far_samples` kept on each device it was copied to (`_far_samples_on`)
@@ -165,8 +165,10 @@ def _far_samples_on(window: int, max_len: int, device: torch.device) -> Tensor:
     """`_far_samples` on `device`, copied once per (window, length, device) and kept: a term in
     training is fitted at every step, and a copy from pageable host memory at each one cannot
     be captured in a CUDA graph (and is a driver-staged copy every step)."""
-    if torch.compiler.is_compiling():  # traced as a constant
-        return _far_samples(window, max_len).to(device)
+    if torch.compiler.is_compiling():
+        # traced as a constant made on `device`: one made on the host and copied would be a CPU
+        # tensor in a GPU graph, which Inductor's CUDA graphs (mode="reduce-overhead") refuse
+        return _far_samples(window, max_len, device=device)
     key = (window, max_len, str(device))
     if key not in _FAR_ON_DEVICE:
         if len(_FAR_ON_DEVICE) >= 64:  # 2 KiB each; bounded all the same
