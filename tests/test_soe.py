@@ -399,8 +399,8 @@ def test_the_far_samples_go_to_the_device_once_per_length(gpu_training, monkeypa
 
 def test_under_compile_the_far_samples_are_a_constant_made_on_the_device(monkeypatch):
     """Traced, the distances are a constant of the graph: made on the call's device, not on the
-    host and copied (a CPU tensor in a GPU graph makes Inductor run it without CUDA graphs
-    under mode="reduce-overhead"). The same distances as eager's."""
+    host and copied inside the graph (a copy a backend may run at every call; a CPU tensor in a
+    GPU graph is what Inductor's CUDA-graph check looks for). The same distances as eager's."""
     from fastrpe.ops.linear import soe
 
     eager = soe._far_samples_on(32, 5000, torch.device("cpu"))

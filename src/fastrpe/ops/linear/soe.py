@@ -166,8 +166,8 @@ def _far_samples_on(window: int, max_len: int, device: torch.device) -> Tensor:
     training is fitted at every step, and a copy from pageable host memory at each one cannot
     be captured in a CUDA graph (and is a driver-staged copy every step)."""
     if torch.compiler.is_compiling():
-        # traced as a constant made on `device`: one made on the host and copied would be a CPU
-        # tensor in a GPU graph, which Inductor's CUDA graphs (mode="reduce-overhead") refuse
+        # traced as a constant made on `device`: one made on the host would be a CPU tensor in a
+        # GPU graph, copied inside it (ahead of time by Inductor, at every call by aot_eager)
         return _far_samples(window, max_len, device=device)
     key = (window, max_len, str(device))
     if key not in _FAR_ON_DEVICE:
