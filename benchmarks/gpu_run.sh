@@ -441,12 +441,15 @@ case "$phase" in
     warm_pid=$!
     fla_warm "${FIRST_WARM_S:-170}" first &
     fla_warm_pid=$!
-    # 0b. FLA_PROBE=1: beside them, which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one process
-    #     per variant; on 2026-11-26 its first variant was still compiling at 100 s), with
-    #     fla's own triton where FLA_ENV gives one
+    # 0b. FLA_PROBE=1 (the default with FLA_ENV): beside them, which fla kernel faults
+    #     (CUDA_LAUNCH_BLOCKING=1, one process per variant; on 2026-11-26 its first variant was
+    #     still compiling at 100 s), with fla's own triton where FLA_ENV gives one; its
+    #     autotuning beside other work is not kept (FLA_CACHE_RESULTS=0), as the warm-up's
     probe_pid=
+    [ "${#FLA_ENV[@]}" -gt 0 ] && FLA_PROBE=${FLA_PROBE-1}
     if [ -n "${FLA_PROBE:-}" ] && env "${FLA_ENV[@]}" python3 -c 'import fla' 2>/dev/null; then
-        env "${FLA_ENV[@]}" timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py > /tmp/fla_probe.log 2>&1 &
+        env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py \
+            > /tmp/fla_probe.log 2>&1 &
         probe_pid=$!
     fi
     # 1. the kernels against float64 at 4,096 (output and the three gradients) and at the bench's
