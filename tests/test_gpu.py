@@ -232,56 +232,59 @@ COMPILED_ROWS = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("tr
                  ("triton_tiled", "learned_full"))
 
 
+def _compiled_case(backend: str, family: str):
+    """`(call, q, k, v, weight)`: the bench's call of `backend` on `family` at L = 4,096 in
+    bf16, its inputs, and a fixed weight for the gradients."""
+    pos, kern, causal = make_position(family, H, L).to(DEV), _kernel("nprf"), family_causal(family)
+    q, k, v = _inputs(torch.bfloat16)
+
+    def call(q, k, v):
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
+
+    weight = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV)
+    return call, q, k, v, weight
+
+
+def _out_and_grads(out, inputs, weight) -> list:
+    return [t.float() for t in (out.detach(), *_grads(out, inputs, weight))]
+
+
+def _assert_bf16_close(got: list, want: list, what: str):
+    for a, b, name in zip(got, want, ("output", "dq", "dk", "dv")):
+        scale = b.abs().max().item()
+        err = (a - b).abs().max().item()
+        assert err <= 2e-2 * max(scale, 1e-6), f"{what} {name}: {err:.3g} (scale {scale:.3g})"
+
+
 @pytest.mark.parametrize("backend,family", COMPILED_ROWS, ids=[b for b, _ in COMPILED_ROWS])
 def test_triton_backend_compiled_by_inductor_equals_eager(backend, family):
     """`torch.compile(fullgraph=True)` with Inductor around a Triton backend (its kernels are
     custom ops in the graph, `triton_chunked.compile_opaque`; the feature maps are Inductor's):
     output and the gradients of q, k, v as eager's, to bf16's rounding, at L = 4,096."""
-    pos, kern, causal = make_position(family, H, L).to(DEV), _kernel("nprf"), family_causal(family)
-    q, k, v = _inputs(torch.bfloat16)
-
-    def call(q, k, v):
-        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
-
-    weight = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV)
-    want = call(q, k, v)
-    got = torch.compile(call, fullgraph=True, dynamic=False)(q, k, v)
-    for a, b, what in zip((got, *_grads(got, [q, k, v], weight)), (want, *_grads(want, [q, k, v], weight)),
-                          ("output", "dq", "dk", "dv")):
-        scale = b.float().abs().max().item()
-        err = (a.float() - b.float()).abs().max().item()
-        assert err <= 2e-2 * max(scale, 1e-6), f"{backend} {family} {what}: {err:.3g} (scale {scale:.3g})"
+    call, q, k, v, weight = _compiled_case(backend, family)
+    want = _out_and_grads(call(q, k, v), [q, k, v], weight)
+    got = _out_and_grads(torch.compile(call, fullgraph=True, dynamic=False)(q, k, v), [q, k, v], weight)
+    _assert_bf16_close(got, want, f"{backend} {family}")
 
 
 @pytest.mark.parametrize("backend,family", COMPILED_ROWS, ids=[b for b, _ in COMPILED_ROWS])
 def test_triton_backend_compiled_with_cuda_graphs_is_captured_and_replays_eagers_result(backend, family):
-    """mode="reduce-overhead" (the bench's COMPILE_MODE for the 4k rows if host time holds
-    them): Inductor captures the forward and the backward as CUDA graphs, logging no
-    "skipping cudagraphs" (a graph it cannot capture runs without them, silently but for that
-    line; the CPU tests find no op it refuses, tests/test_compile.py), and the replays give
-    eager's output and gradients."""
+    """mode="reduce-overhead" (the bench's `+compiled+cudagraphs` rows at 4k): Inductor
+    captures the forward and the backward as CUDA graphs, logging no "skipping cudagraphs" (a
+    graph it cannot capture runs without them, silently but for that line; the CPU tests find
+    no op it refuses, tests/test_compile.py), and the replays give eager's output and
+    gradients."""
     from fastrpe.bench import gpu
 
-    pos, kern, causal = make_position(family, H, L).to(DEV), _kernel("nprf"), family_causal(family)
-    q, k, v = _inputs(torch.bfloat16)
-
-    def call(q, k, v):
-        return fr.attention(q, k, v, kernel=kern, position=pos, causal=causal, backend=backend)
-
-    weight = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV)
-    o = call(q, k, v)
-    want = [t.float() for t in (o.detach(), *_grads(o, [q, k, v], weight))]
+    call, q, k, v, weight = _compiled_case(backend, family)
+    want = _out_and_grads(call(q, k, v), [q, k, v], weight)
     mark = gpu.cudagraph_skips_mark()
     f = torch.compile(call, fullgraph=True, dynamic=False, mode="reduce-overhead")
     for _ in range(3):  # warm-up, capture, replay
         torch.compiler.cudagraph_mark_step_begin()
-        out = f(q, k, v)
-        got = [t.float() for t in (out.detach(), *_grads(out, [q, k, v], weight))]
+        got = _out_and_grads(f(q, k, v), [q, k, v], weight)
     assert gpu.cudagraph_skips_since(mark) == {}, gpu.cudagraph_skips_since(mark)
-    for a, b, what in zip(got, want, ("output", "dq", "dk", "dv")):
-        scale = b.abs().max().item()
-        err = (a - b).abs().max().item()
-        assert err <= 2e-2 * max(scale, 1e-6), f"{backend} {family} {what}: {err:.3g} (scale {scale:.3g})"
+    _assert_bf16_close(got, want, f"{backend} {family}")
 
 
 @pytest.mark.parametrize("backend", ["soe", "triton_soe"])
