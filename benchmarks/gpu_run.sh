@@ -374,9 +374,9 @@ fla_rows() {
     [ "${#FLA_ENV[@]}" -gt 0 ] && [ "$1" -gt 40 ] || return 0
     local again=()
     [ -f "$OUT_DIR/gpu.json" ] && again=(--resume)
-    echo "${SECONDS} s used, fla's rows get $1 s" | tee -a "$OUT_DIR/gpu_fla.log"
+    echo "${SECONDS} s used, fla's rows get $1 s" | tee -a "$OUT_DIR/gpu_${phase}.log"
     env "${FLA_ENV[@]}" timeout -s INT -k 10 "$1" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --sections rows "${FLA_ROWS[@]}" \
-        --compile-mode "$COMPILE_MODE" --budget-s "$(( $1 - 30 ))" --call-cap-s 60 --out "$OUT_DIR" "${again[@]}" 2>&1 | tee -a "$OUT_DIR/gpu_fla.log"
+        --compile-mode "$COMPILE_MODE" --budget-s "$(( $1 - 30 ))" --call-cap-s 60 --out "$OUT_DIR" "${again[@]}" 2>&1 | tee -a "$OUT_DIR/gpu_${phase}.log"
 }
 
 python3 - <<'EOF'
@@ -527,4 +527,6 @@ case "$phase" in
 esac
 # printed only: a device call brings back 8 files, and --check reruns anywhere from gpu.json
 fastrpe bench --suite gpu --check "$OUT_DIR/gpu.json"
+n_out=$(find "$OUT_DIR" -type f | wc -l)
+[ "$n_out" -le 8 ] || echo "WARNING: $n_out files in $OUT_DIR, a device call brings back 8: $(ls "$OUT_DIR" | tr '\n' ' ')"
 exit 0
