@@ -288,6 +288,7 @@ SMOKE_ARGS=()
 LENGTHS=4096,65536,262144,1048576
 FLA_LENGTHS=4096,65536
 PRIORITY_LENGTHS=4096,65536
+PRIORITY_ONLY='*+compiled,*+cudagraphs,*+blocked-scan'
 PROFILE_ARGS=()
 if [ -n "${SMOKE:-}" ]; then
     SMOKE_ARGS=(--smoke)
@@ -351,7 +352,7 @@ warm_until() {
     local left=$(( $1 - SECONDS ))
     [ "$left" -gt 20 ] || return 0
     timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --warm "$2" --lengths "$LENGTHS" \
-        --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" "${SKIP_FLA[@]}" \
+        --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" "${SKIP_FLA[@]}" "${@:3}" \
         > "$OUT_DIR/gpu_warm_$2.log" 2>&1
 }
 
@@ -437,7 +438,11 @@ case "$phase" in
     # device call's timeout_s (540) included with room to spare.
     # 0. in the background, beside the tests: the compile caches for the bench's first pass,
     #    until FIRST_WARM_S s after the start at the latest
-    warm_until "${FIRST_WARM_S:-170}" first &
+    #    (resuming: the priority rows of 1c first, which would otherwise compile last, in the
+    #    middle of their own timing)
+    warm_first=()
+    [ "${#resume[@]}" -gt 0 ] && warm_first=(--warm-first "$PRIORITY_ONLY")
+    warm_until "${FIRST_WARM_S:-170}" first "${warm_first[@]}" &
     warm_pid=$!
     fla_warm "${FIRST_WARM_S:-170}" first &
     fla_warm_pid=$!
@@ -475,7 +480,7 @@ case "$phase" in
     #     +blocked-scan at 4k and 64k (STATE_SCAN's default on CUDA)
     if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         bench_until $(( SECONDS + ${PRIORITY_S:-150} )) gpu_first.log --resume --sections rows \
-            --lengths "$PRIORITY_LENGTHS" --only '*+compiled,*+cudagraphs,*+blocked-scan'
+            --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s
     fla_rows "${FLA_S:-75}"

@@ -216,3 +216,25 @@ def test_warm_starts_only_the_workers_that_have_rows(tmp_path):
     res = json.loads((tmp_path / "gpu_warm.json").read_text())
     assert [w["worker"] for w in res["workers"]] == [0, 1]
     assert all(w["returncode"] == 0 and [r["competitor"] for r in w["rows"]] == ["flex"] for w in res["workers"])
+
+
+def test_warm_first_puts_the_rows_a_resumed_run_times_first_at_the_front():
+    """gpu_run.sh's resumed `first` times +compiled, +cudagraphs and +blocked-scan before the
+    rest: its warm-up compiles those first (`--warm-first`), each group in the bench's order."""
+    cfg = gpu.GpuConfig(lengths=(gpu.L_SHORT, gpu.L_CHECK), skip=("fla-*",))
+    plain = warm_items(cfg, "first")
+    pats = ("*+compiled", "*+cudagraphs", "*+blocked-scan")
+    front = warm_items(replace(cfg, warm_first=pats), "first")
+    hit = [any(n.endswith(p[1:]) for p in pats) for _, n in front]
+    assert sorted(front, key=plain.index) == plain and any(hit) and not all(hit)
+    assert hit == sorted(hit, reverse=True)  # every priority row before every other
+    assert [it for it in front if it[1].endswith("+blocked-scan")] == [
+        it for it in plain if it[1].endswith("+blocked-scan")]
+    assert [it for it, h in zip(front, hit) if not h] == [it for it in plain if it not in front[:sum(hit)]]
+
+
+def test_warm_first_is_an_option_of_the_cli(tmp_path, capsys):
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--warm-first", "nothing-*",
+               "--out", str(tmp_path)])
+    err = capsys.readouterr()
+    assert rc == 2 and "--warm-first" in (err.out + err.err) and "matches no competitor" in (err.out + err.err)

@@ -178,6 +178,9 @@ class GpuConfig:
     #: with another triton (benchmarks/fla_site.sh), and the rest with `skip=("fla-*",)`
     only: tuple = ()
     skip: tuple = ()
+    #: the warm-up (`--warm`) compiles the rows matching these patterns first: those a resumed
+    #: run times first (gpu_run.sh's priority rows)
+    warm_first: tuple = ()
     smoke: bool = False
     device: str = "cuda"
 
@@ -1667,6 +1670,8 @@ def add_arguments(p) -> None:
                    help="comma-separated competitor name patterns (fnmatch, e.g. 'fla-*'): time only these rows")
     g.add_argument("--skip", default=None, metavar="PATTERNS",
                    help="comma-separated competitor name patterns: leave these rows to another run")
+    g.add_argument("--warm-first", default=None, metavar="PATTERNS",
+                   help="with --warm: compile the rows of these competitor patterns first")
     g.add_argument("--sections", default=None,
                    help=f"comma-separated, run in this order, from {','.join(SECTIONS)} (default: {','.join(SECTIONS)})")
 
@@ -1716,9 +1721,9 @@ def config_from_args(args) -> GpuConfig:
         if bad or not secs or len(set(secs)) != len(secs):
             raise FastRPEError(f"--sections: expected distinct names from {', '.join(SECTIONS)}, got {args.sections!r}")
         kw["sections"] = secs
-    for opt in ("only", "skip"):
+    for opt in ("only", "skip", "warm_first"):
         if getattr(args, opt, None) is not None:
-            kw[opt] = _patterns(getattr(args, opt), f"--{opt}", cfg)
+            kw[opt] = _patterns(getattr(args, opt), f"--{opt.replace('_', '-')}", cfg)
     if not isinstance(args.dtype, _Unset):
         kw["dtype"] = args.dtype
     if not isinstance(args.repeats, _UnsetInt):

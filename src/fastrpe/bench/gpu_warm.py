@@ -22,6 +22,7 @@ compiled and how long it took.
 """
 from __future__ import annotations
 
+import fnmatch
 import gc
 import json
 import os
@@ -77,14 +78,16 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
     fla) in the order the bench runs them: `which="first"`, those the criteria read (its
     passes 0 and 1, `row_pass`); `"rest"`, those of every pass; either less those in `done`
     (`(tag, competitor)` pairs, what a resumed bench skips), and those `cfg` does not time
-    (`gpu.wanted`). `auto` is left out: it would time
+    (`gpu.wanted`); the rows of `cfg.warm_first` come first. `auto` is left out: it would time
     its candidates beside the other workers, and they are the Triton and PyTorch rows anyway."""
     if which not in ("first", "rest"):
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
     names = list(registry(cfg))
-    return [(p, n) for rank in ((0, 1) if which == "first" else (0, 1, 2)) for p in problems(cfg) for n in names
-            if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n) and row_pass(p, n) == rank
-            and (p.tag(), n) not in done]
+    items = [(p, n) for rank in ((0, 1) if which == "first" else (0, 1, 2)) for p in problems(cfg) for n in names
+             if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n) and row_pass(p, n) == rank
+             and (p.tag(), n) not in done]
+    # the rows of `cfg.warm_first` before the others (stable: each group in the bench's order)
+    return sorted(items, key=lambda it: not any(fnmatch.fnmatchcase(it[1], pat) for pat in cfg.warm_first))
 
 
 def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
@@ -113,7 +116,8 @@ def run_worker(plan_path: Path, index: int) -> int:
     record (`gpu_warm_<index>.json` beside the plan) rewritten after every row."""
     spec = json.loads(plan_path.read_text())
     c = spec["config"]
-    cfg = GpuConfig(**{**c, **{k: tuple(c[k]) for k in ("lengths", "families", "sections", "only", "skip") if k in c}})
+    cfg = GpuConfig(**{**c, **{k: tuple(c[k]) for k in ("lengths", "families", "sections", "only", "skip", "warm_first")
+                               if k in c}})
     dev, dt = torch.device(cfg.device), getattr(torch, cfg.dtype)
     if dev.type == "cuda":  # the index: torch 2.11 refuses a bare "cuda" here
         torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, torch.cuda.current_device()
