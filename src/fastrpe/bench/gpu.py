@@ -722,12 +722,14 @@ _APPLIES = {
 }
 
 
+def matches(name: str, patterns) -> bool:
+    """Whether competitor `name` matches one of `patterns` (fnmatch, case kept)."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
 def wanted(cfg: GpuConfig, name: str) -> bool:
     """Whether this run times competitor `name` (`GpuConfig.only` and `.skip`)."""
-    def hit(patterns):
-        return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-
-    return (not cfg.only or hit(cfg.only)) and not hit(cfg.skip)
+    return (not cfg.only or matches(name, cfg.only)) and not matches(name, cfg.skip)
 
 
 def applies(p: Problem, name: str) -> bool:
@@ -1122,12 +1124,11 @@ def measure_again(res: dict, anchors=ANCHORS) -> int:
     `res["earlier"]`, so that a resumed run measures them again; `anchor_drift` then compares
     the two. Returns how many moved."""
     want = {tuple(a) for a in anchors}
-    moved = [r for r in res["rows"] if (r["competitor"], r["problem"]["position"], r["problem"]["L"]) in want
-             and r.get("seconds")]
-    ids = {id(r) for r in moved}
-    res["rows"] = [r for r in res["rows"] if id(r) not in ids]
-    for r in moved:
-        r["machine"] = run_versions(res, r).get("machine")  # its run's, kept with it
+    kept, moved = [], []
+    for r in res["rows"]:
+        anchor = (r["competitor"], r["problem"]["position"], r["problem"]["L"]) in want and r.get("seconds")
+        (moved if anchor else kept).append(r)
+    res["rows"] = kept
     res.setdefault("earlier", []).extend(moved)
     return len(moved)
 
@@ -1695,7 +1696,7 @@ def _patterns(s: str, what: str, cfg: GpuConfig) -> tuple:
 
     pats = tuple(x.strip() for x in s.split(",") if x.strip())
     names = list(registry(cfg))
-    bad = [x for x in pats if not any(fnmatch.fnmatchcase(n, x) for n in names)]
+    bad = [x for x in pats if not any(matches(n, (x,)) for n in names)]
     if not pats or bad:
         raise FastRPEError(f"{what}: {', '.join(map(repr, bad)) or repr(s)} matches no competitor; "
                            f"known: {', '.join(names)}")

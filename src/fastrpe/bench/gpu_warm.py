@@ -22,7 +22,6 @@ compiled and how long it took.
 """
 from __future__ import annotations
 
-import fnmatch
 import gc
 import json
 import os
@@ -42,6 +41,7 @@ from .gpu import (
     compiled_row,
     done_pairs,
     lost_elsewhere,
+    matches,
     problems,
     registry,
     retry_errors,
@@ -87,7 +87,7 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
              if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n) and row_pass(p, n) == rank
              and (p.tag(), n) not in done]
     # the rows of `cfg.warm_first` before the others (stable: each group in the bench's order)
-    return sorted(items, key=lambda it: not any(fnmatch.fnmatchcase(it[1], pat) for pat in cfg.warm_first))
+    return sorted(items, key=lambda it: not matches(it[1], cfg.warm_first))
 
 
 def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
