@@ -945,3 +945,22 @@ def test_a_graphed_row_compiles_with_reduce_overhead(monkeypatch):
                                                 torch.device("cpu"), torch.float64)
     assert isinstance(flex, str) and "--compiled-max-length" in flex
     torch._dynamo.reset()
+
+
+def test_timed_backward_call_starts_from_no_gradients():
+    """A timed forward+backward call sets its inputs' gradients to None first (a training
+    step's `zero_grad(set_to_none=True)`): two calls leave one call's gradients, and the
+    second never reads the first's (under CUDA graphs an output its replay overwrites)."""
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    seen = []
+
+    def fn(q, k, v):
+        seen.append(q.grad)
+        return (q * k * v).sum(-1)
+
+    run = gpu._closure(fn, q, k, v, backward=True)
+    run()
+    once = q.grad.clone()
+    run()
+    assert seen == [None, None]
+    torch.testing.assert_close(q.grad, once, rtol=0, atol=0)

@@ -260,9 +260,17 @@ def _closure(fn, q, k, v, backward: bool):
     keeps what it needs): each method keeps its output only as long as its own autograd
     does (SDPA, Flex and fla save it for their backward; fastrpe's Triton paths free it
     before their kernels' backward, `triton_chunked._QuotientGrad`), so the peak compares
-    like for like."""
+    like for like.
+
+    Each backward call starts from no gradients, as a training step after
+    `zero_grad(set_to_none=True)`: nothing is added to the last call's (an accumulation
+    kernel per input no method needs), and no call reads a gradient the last one left. Under
+    CUDA graphs (`+cudagraphs`) that gradient is an output of the graph's previous replay,
+    which the next replay overwrites: accumulating into it raised "accessing tensor output of
+    CUDAGraphs that has been overwritten" on the H100 (2026-11-27, `flex+cudagraphs`)."""
     def run():
         if backward:
+            q.grad = k.grad = v.grad = None
             fn(q, k, v).float().sum().backward()
             return None
         return fn(q, k, v)
