@@ -482,7 +482,7 @@ def test_blocked_state_scan_equals_the_sequential_one(monkeypatch):
 
 
 def test_scan_blocks_rule_and_bad_setting(monkeypatch):
-    assert tc.scan_blocks(1024) == (1024, 1)  # the default: sequential
+    assert tc.scan_blocks(1024) == (1024, 1)  # the default, "auto": sequential off a GPU
     monkeypatch.setattr(tc, "STATE_SCAN", "blocked")
     assert tc.scan_blocks(1024) == (32, 32) and tc.scan_blocks(16384) == (128, 128)
     assert tc.scan_blocks(15) == (15, 1)  # below BLOCKED_MIN_CHUNKS: nothing to split
@@ -491,6 +491,37 @@ def test_scan_blocks_rule_and_bad_setting(monkeypatch):
     monkeypatch.setattr(tc, "STATE_SCAN", "parallel")
     with pytest.raises(FastRPEError, match="STATE_SCAN"):
         tc.scan_blocks(64)
+
+
+def test_auto_scan_blocks_only_long_passes_that_leave_most_sms_idle(monkeypatch):
+    """STATE_SCAN's default "auto": blocked on a CUDA device from AUTO_BLOCKED_MIN_CHUNKS
+    chunks when the sequential grid fills under half the SMs (the H100's 132: triton_chunked's
+    32 programs at 64k, triton_band's 8), sequential for triton_soe's 128 programs, at 4k
+    (64 chunks), and always on the CPU (the interpreter)."""
+    monkeypatch.setattr(tc, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert tc.STATE_SCAN == "auto"
+    assert tc.scan_blocks(1024, "auto", 32, cuda) == (32, 32)
+    assert tc.scan_blocks(1024, "auto", 8, cuda) == (32, 32)
+    assert tc.scan_blocks(256, "auto", 32, cuda) == (16, 16)
+    assert tc.scan_blocks(1024, "auto", 128, cuda) == (1024, 1)
+    assert tc.scan_blocks(64, "auto", 32, cuda) == (64, 1)
+    assert tc.scan_blocks(1024, "auto", 32, torch.device("cpu")) == (1024, 1)
+    assert tc.scan_blocks(1024, "auto", None, cuda) == (1024, 1)
+    assert tc.scan_blocks(1024, "sequential", 8, cuda) == (1024, 1)
+
+
+def test_state_passes_tell_auto_their_grid(monkeypatch):
+    """Each state pass hands "auto" the size of its sequential grid: B·H·(value blocks) for
+    triton_chunked, forward and backward (here 2·3 rows, one value block)."""
+    seen = []
+    real = tc.scan_blocks
+    monkeypatch.setattr(tc, "scan_blocks", lambda N, mode=None, programs=None, device=None: seen.append(
+        (mode, programs, torch.device(device).type)) or real(N, mode, programs, device))
+    q, k, v = features_and_values(2, 3, 40, 40, 12, 10, dtype=torch.float64, device=DEV)
+    num, den, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=_gamma(3), chunk_size=16)
+    (num.sum() + den.sum()).backward()
+    assert seen == [("auto", 6, "cpu")] * 2
 
 
 @pytest.mark.parametrize("divide", [None, torch.bfloat16], ids=["num-den", "quotient"])
@@ -510,39 +541,45 @@ def test_a_backward_keeps_its_forwards_state_scan(monkeypatch):
     q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
     with tc.use_state_scan("blocked"):
         num, den, _ = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=_gamma(2), chunk_size=16)
-    assert tc.STATE_SCAN == "sequential" and calls == [False]
+    assert tc.STATE_SCAN == "auto" and calls == [False]
     (num.sum() + den.sum()).backward()
     assert calls == [False, True]
     with pytest.raises(FastRPEError, match="STATE_SCAN"), tc.use_state_scan("parallel"):
         pass
 
 
-def test_block_carries_reads_nothing_back_to_the_host(monkeypatch):
-    """The one host-side step the blocked scan adds (between its two kernel launches) makes
-    its block ends from shapes on the device and reads no tensor back: no host sync on a GPU.
-    Its carries are the recurrence's, forward and reverse."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("from_zero", [False, True], ids=["from-start", "from-zero"])
+def test_block_carries_kernel_is_the_recurrence(dtype, from_zero):
+    """The blocked scan's carries (`_block_carries`, one kernel launch per state tensor) are
+    the recurrence's, forward and reverse, step by step from the start state (or zero), with
+    a ragged last block (E = 0, 48, 96, 100) and rows that repeat two decays; and they equal
+    the closed matrix form (`block_carries_reference`, float64)."""
     BHn, NB, BF, BDV, N, G, BT, Lk = 4, 3, 2, 3, 7, 3, 16, 100
     g = torch.Generator().manual_seed(0)
-    tot, totz = torch.randn(BHn, NB, BF, BDV, generator=g), torch.randn(BHn, NB, BF, generator=g)
-    start, startz = torch.randn(BHn, BF, BDV, generator=g), torch.randn(BHn, BF, generator=g)
-    log_g = torch.log(torch.tensor([0.9, 0.99]))
-    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host sync: Tensor.{_n}"))
-    fwd = tc._block_carries(tot, totz, log_g, start, startz, N, G, BT, Lk, reverse=False)
-    rev = tc._block_carries(tot, totz, log_g, start, startz, N, G, BT, Lk, reverse=True)
-    monkeypatch.undo()
+    tot = torch.randn(BHn, NB, BF, BDV, generator=g, dtype=dtype)
+    totz = torch.randn(BHn, NB, BF, generator=g, dtype=dtype)
+    h = torch.randn(BHn, N + 1, BF, BDV, generator=g, dtype=dtype)  # the start is a chunk of it (strided rows)
+    z = torch.randn(BHn, N + 1, BF, generator=g, dtype=dtype)
+    log_g = torch.log(torch.tensor([0.9, 0.99], dtype=dtype))
     E = [min(min(b * G, N) * BT, Lk) for b in range(NB + 1)]  # 0, 48, 96, 100
-    gam = torch.tensor([0.9, 0.99]).repeat(2)[:, None, None]
-    want, c = [], start
-    for b in range(NB):  # forward: the state entering block b, step by step
-        want.append(c)
-        c = gam ** (E[b + 1] - E[b]) * c + tot[:, b]
-    assert_close(fwd[0], torch.stack(want, 1), torch.float32)
-    want, d = [None] * NB, start
-    for b in reversed(range(NB)):  # reverse: the gradient leaving block b
-        want[b] = d
-        d = gam ** (E[b + 1] - E[b]) * d + tot[:, b]
-    assert_close(rev[0], torch.stack(want, 1), torch.float32)
+    gam = torch.tensor([0.9, 0.99], dtype=dtype).repeat(2)
+    for reverse in (False, True):
+        at = N if reverse else 0
+        start, startz = (h[:, at], z[:, at]) if not from_zero else (None, None)
+        got = tc._block_carries(tot, totz, log_g, start, startz, N, G, BT, Lk, reverse=reverse)
+        s0 = (h[:, at], z[:, at]) if not from_zero else (torch.zeros_like(h[:, 0]), torch.zeros_like(z[:, 0]))
+        for i, (t, s) in enumerate(zip((tot, totz), s0)):
+            want, c = [None] * NB, s
+            decay = gam.view(-1, *[1] * (s.dim() - 1))
+            for b in (reversed(range(NB)) if reverse else range(NB)):
+                want[b] = c  # forward: the state entering block b; reverse: the gradient leaving it
+                c = decay ** (E[b + 1] - E[b]) * c + t[:, b]
+            assert got[i].dtype == dtype
+            assert_close(got[i], torch.stack(want, 1), dtype)
+        ref = tc.block_carries_reference(tot, totz, log_g, *s0, N, G, BT, Lk, reverse=reverse)
+        for a, b in zip(got, ref):
+            assert_close(a, b, dtype)
 
 
 def test_length_bucket_keeps_4k_and_64k_apart_and_nearby_lengths_together():

@@ -97,6 +97,10 @@ def all_cases():
                       (ts._soe_bwd_dcn_kernel, soe_b, dict(NB=NB, **tile, **sc))]
         if dt == "fp32":
             cases.append((tr._step_kernel, {**geo, "h_ptr": acc}, dict(BF=32, BC=64)))
+            # the blocked scan's carries (forward from a bf16 start state; reverse from zero)
+            carry = {"tot_ptr": acc, "lg_ptr": acc, "start_ptr": "bf16", "c_ptr": acc}
+            cases += [(tc._carry_kernel, carry, dict(BT=64, REVERSE=False, FROM_ZERO=False, BW=1024, ACC=A)),
+                      (tc._carry_kernel, carry, dict(BT=64, REVERSE=True, FROM_ZERO=True, BW=32, ACC=A))]
             # the layer's fused decode step: bf16 q/k/[v, 1] rows of the fused matmul, the quotient in bf16
             cases.append((tr._prf_step_kernel, {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "w_ptr": acc,
                                                 "shift_ptr": acc, "g_ptr": acc, "s_ptr": acc, "out_s_ptr": acc,
@@ -148,7 +152,7 @@ if RUN:
         print(dt, k.metadata.name, "NB=%s" % consts.get("NB", "-"), k.metadata.shared, spills(k))
 """
 
-N_COMPILED = 2 * (14 + 2 * 6) + 15
+N_COMPILED = 2 * (14 + 2 * 6) + 17
 
 
 @pytest.mark.slow

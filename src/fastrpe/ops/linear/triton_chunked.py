@@ -307,6 +307,32 @@ if HAS_TRITON:
         tl.store(den_ptr + bh * Lq + qi, den.to(den_ptr.dtype.element_ty), mask=qm & ((t + iv * BT) < BT))
 
     @triton.jit
+    def _carry_kernel(tot_ptr, lg_ptr, start_ptr, c_ptr, n_lg, s_row, W, N, G, NB, Lk, BT: tl.constexpr,
+                      REVERSE: tl.constexpr, FROM_ZERO: tl.constexpr, BW: tl.constexpr, ACC: tl.constexpr):
+        """Grid (rows, cdiv(W, BW)): the blocked scan's carries (`_block_carries`) of W numbers
+        per state, walked over the NB blocks: S_0 = start (zero if FROM_ZERO), then
+        S_{b+1} = γ^(E_{b+1} - E_b)·S_b + tot_b with E_b = min(min(b·G, N)·BT, Lk); REVERSE
+        walks b from NB-1 down. Row r decays by lg_ptr[r % n_lg]."""
+        r = tl.program_id(0).to(tl.int64)
+        w = tl.program_id(1) * BW + tl.arange(0, BW)
+        m = w < W
+        lg = tl.load(lg_ptr + r % n_lg).to(ACC)
+        if FROM_ZERO:
+            S = tl.zeros([BW], dtype=ACC)
+        else:
+            S = tl.load(start_ptr + r * s_row + w, mask=m, other=0.0).to(ACC)
+        for i in range(0, NB):
+            if REVERSE:
+                b = NB - 1 - i
+            else:
+                b = i
+            at = (r * NB + b) * W + w
+            tl.store(c_ptr + at, S.to(c_ptr.dtype.element_ty), mask=m)
+            e0 = tl.minimum(tl.minimum(b * G, N) * BT, Lk)
+            e1 = tl.minimum(tl.minimum(b * G + G, N) * BT, Lk)
+            S = S * tl.exp(lg * (e1 - e0).to(ACC)) + tl.load(tot_ptr + at, mask=m, other=0.0).to(ACC)
+
+    @triton.jit
     def _bwd_state_kernel(q_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, c_ptr, cz_ptr, H, Lq, Lk, F, Dv, N,
                           G, NB, q_offset,
                           BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
@@ -449,15 +475,24 @@ if HAS_TRITON:
 #: How the chunk-state passes (forward and backward; triton_soe's and triton_band's per term
 #: too, through `_state_pass`) run over the chunks: "sequential", one program per
 #: (batch·head, value block[, term]) walking all N chunks (triton_chunked at 64k tokens: 1,024
-#: steps in 32 programs, a quarter of an H100's SMs); "blocked", in blocks of about √N chunks walked side
-#: by side twice (their totals from zero, then the states from each block's carry), the
-#: carries from the totals by one small float64 product (`_block_carries`): √N-deep steps in
-#: √N times the programs. Both give the recurrence's states; their float32 sums differ in
-#: order. "blocked" is not yet timed on a GPU (the 2026-11-26 H100 rows ran "sequential").
-STATE_SCAN = "sequential"
-STATE_SCANS = ("sequential", "blocked")
+#: steps in 32 programs, a quarter of an H100's SMs); "blocked", in blocks of about √N chunks
+#: walked side by side twice (their totals from zero, then the states from each block's
+#: carry), the carries from the totals by one small kernel (`_block_carries`): √N-deep steps
+#: in √N times the programs, for twice the work. Both give the recurrence's states; their
+#: float32 sums differ in order. "auto" (the default) runs "blocked" on a GPU where the
+#: sequential pass would leave most SMs idle over many chunks (`auto_blocked`), else
+#: "sequential". On the H100 (2026-11-27, docs/RESULTS.md) at 64k, blocked took the two state
+#: kernels of triton_chunked's call from 2.7 to 0.9 ms of device time and triton_band's T5 call
+#: from 9.7 to 7.2 ms, while triton_soe's KERPLE-log kernels, already 128 programs, rose from
+#: 5.0 to 7.4 ms; at 4k (64 chunks) blocked was slower everywhere.
+STATE_SCAN = "auto"
+STATE_SCANS = ("auto", "sequential", "blocked")
 #: below this many chunks "blocked" runs "sequential" (nothing to split)
 BLOCKED_MIN_CHUNKS = 16
+#: "auto" runs "blocked" from this many chunks on (16k tokens in 64-token chunks) ...
+AUTO_BLOCKED_MIN_CHUNKS = 256
+#: ... where the sequential pass's programs fill under this share of the GPU's SMs
+AUTO_BLOCKED_SM_SHARE = 0.5
 
 
 @contextlib.contextmanager
@@ -472,20 +507,39 @@ def use_state_scan(mode: str):
         STATE_SCAN = before
 
 
-def scan_blocks(N: int, mode: str | None = None) -> tuple[int, int]:
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def auto_blocked(N: int, programs: int | None, device) -> bool:
+    """Whether "auto" runs a pass over `N` chunks blocked: on a CUDA device, from
+    `AUTO_BLOCKED_MIN_CHUNKS` chunks, when the sequential pass's `programs` fill under
+    `AUTO_BLOCKED_SM_SHARE` of its SMs. Elsewhere (the CPU, the interpreter) "sequential"."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or programs is None or N < AUTO_BLOCKED_MIN_CHUNKS:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return programs < AUTO_BLOCKED_SM_SHARE * _sm_count(index)
+
+
+def scan_blocks(N: int, mode: str | None = None, programs: int | None = None, device=None) -> tuple[int, int]:
     """`(G, NB)`: chunks per block and blocks for N chunks under `mode` (default
-    `STATE_SCAN`; `(N, 1)`: sequential)."""
+    `STATE_SCAN`; `(N, 1)`: sequential). "auto" decides from the sequential pass's grid size
+    `programs` and the `device` (`auto_blocked`)."""
     mode = STATE_SCAN if mode is None else mode
     if mode not in STATE_SCANS:
         raise FastRPEError(f"triton_chunked.STATE_SCAN: expected one of {STATE_SCANS}, got {mode!r}")
+    if mode == "auto":
+        mode = "blocked" if auto_blocked(N, programs, device) else "sequential"
     if mode == "sequential" or N < BLOCKED_MIN_CHUNKS:
         return N, 1
     G = max(1, round(N ** 0.5))
     return G, -(-N // G)
 
 
-def _block_carries(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor, startz: Tensor, N: int, G: int,
-                   BT: int, Lk: int, reverse: bool) -> tuple[Tensor, Tensor]:
+def block_carries_reference(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor, startz: Tensor, N: int,
+                            G: int, BT: int, Lk: int, reverse: bool) -> tuple[Tensor, Tensor]:
     """Each block's starting state from the blocks' own totals (`tot [B·H, NB, BF, BDV]`,
     `totz [B·H, NB, BF]`, each from a zero state) and the pass's start (`start`, `startz`: the
     initial state, or, `reverse`, the final state's gradient), in tot's dtype.
@@ -493,7 +547,10 @@ def _block_carries(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor, star
     With key ends `E_b = min(min(b·G, N)·T, Lk)`, the state entering block b is
     `Σ_{b'<b} γ^(E_b - E_{b'+1}) tot_{b'} + γ^(E_b) start`; in reverse, the gradient leaving
     block b is `Σ_{b'>b} γ^(E_{b'} - E_{b+1}) tot_{b'} + γ^(E_NB - E_{b+1}) start`. One product
-    in float64: a float32 one may run in TF32 (`torch.set_float32_matmul_precision`)."""
+    in float64: a float32 one may run in TF32 (`torch.set_float32_matmul_precision`).
+
+    The naive form, in PyTorch ops, that the tests hold `_block_carries` (the kernel the scan
+    runs) to: about 30 launches, which made the blocked scan host-bound on the H100."""
     BHn, NB = tot.shape[:2]
     f64 = torch.float64
     # from shapes alone, made on the device (no copy from the host)
@@ -515,15 +572,39 @@ def _block_carries(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor, star
     return out[..., :-nz].contiguous().view(tot.shape), out[..., -nz:].contiguous()
 
 
+def _block_carries(tot: Tensor, totz: Tensor, log_g: Tensor, start: Tensor | None, startz: Tensor | None, N: int,
+                   G: int, BT: int, Lk: int, reverse: bool) -> tuple[Tensor, Tensor]:
+    """`block_carries_reference`'s carries by its recurrence, one small kernel launch for the
+    states and one for the normalizer's (`_carry_kernel`: each row's NB blocks in turn,
+    √N steps), in tot's dtype; `start`/`startz` None: from zero. On the H100 (2026-11-27,
+    docs/RESULTS.md) the ~30 PyTorch ops of the matrix form took the blocked scan's call from
+    48 to 179 launches, and its ALiBi call at 64k from 5.6 ms (sequential) to 6.7 ms, though
+    its two state kernels' device time fell from 2.7 to 0.9 ms (benchmarks/gpu_profile.py)."""
+    rows, NB = tot.shape[:2]
+    lg = log_g.detach().reshape(-1).contiguous()
+    carry, carryz = torch.empty_like(tot), torch.empty_like(totz)
+    for t, s, c in ((tot, start, carry), (totz, startz, carryz)):
+        W = t[0, 0].numel()
+        BW = min(_pow2(W), 1024)
+        if s is not None and not s[0].is_contiguous():
+            raise FastRPEError("_block_carries: each row's start state must be contiguous")
+        _carry_kernel[(rows, triton.cdiv(W, BW))](t, lg, t if s is None else s, c, lg.numel(),
+                                                  0 if s is None else s.stride(0), W, N, G, NB, Lk, BT=BT,
+                                                  REVERSE=reverse, FROM_ZERO=s is None, BW=BW,
+                                                  ACC=_TL_DTYPE[t.dtype])
+    return carry, carryz
+
+
 def _state_pass(launch, h: Tensor, z: Tensor, log_g: Tensor, N: int, BT: int, Lk: int, reverse: bool,
-                mode: str, from_zero: bool = False) -> None:
+                mode: str, programs: int, from_zero: bool = False) -> None:
     """One chunk-state pass over the chunks as `mode` says (`scan_blocks`), for triton_chunked
     (`h [B·H, N+1, BF, BDV]`, one decay per head) and triton_soe (`h [B·H, K, N, BF, BDV]`, one
     decay per term): states on the third axis from the end, `log_g` repeating along the rows
     before it. `launch(blocks, h, z, c, cz, G, NB, phase)` launches the pass's kernel on
     `blocks` blocks of G chunks, states h and z, carry buffers c, cz and PHASE `phase` (0: one
-    block). The pass starts from h/z at chunk 0 (`reverse`: at N), or from zero (`from_zero`)."""
-    G, NB = scan_blocks(N, mode)
+    block). The pass starts from h/z at chunk 0 (`reverse`: at N), or from zero (`from_zero`).
+    `programs`: the size of the sequential pass's grid, which "auto" weighs (`auto_blocked`)."""
+    G, NB = scan_blocks(N, mode, programs, h.device)
     if NB == 1:
         launch(1, h, z, h, z, N, 1, 0)
         return
@@ -533,7 +614,7 @@ def _state_pass(launch, h: Tensor, z: Tensor, log_g: Tensor, N: int, BT: int, Lk
     totz = torch.empty(rows, NB, BF, dtype=acc, device=h.device)
     launch(NB, h, z, tot, totz, G, NB, 1)
     if from_zero:
-        start, startz = tot.new_zeros(rows, BF, BDV), totz.new_zeros(rows, BF)
+        start = startz = None
     else:
         at = N if reverse else 0
         start, startz = h[:, at], z[:, at]
@@ -729,7 +810,7 @@ def _chunked_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, ini
     out_bf16, quot = quotient_flags(divide, acc)
     _state_pass(lambda nb, h, z, c, cz, G, NB, phase: _fwd_state_kernel[(B * H, BDV // BVS, nb)](
         phi_k, v, log_g, h, z, c, cz, H, Lk, F, Dv, N, G, NB, BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta),
-        h, z, log_g, N, BT, Lk, reverse=False, mode=scan)
+        h, z, log_g, N, BT, Lk, reverse=False, mode=scan, programs=B * H * (BDV // BVS))
     _fwd_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, log_g, h, z, num.view(torch.int16) if out_bf16 else num,
                                            den, H, Lq, Lk, F, Dv, N, q_offset, length_bucket(N),
                                            BT=BT, BF=BF, BV=BV, BDV=BDV, STRICT=strict, **quot, **meta)
@@ -770,7 +851,8 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
     meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode, SCALED=den is not None)
     _state_pass(lambda nb, dh, dz, c, cz, G, NB, phase: _bwd_state_kernel[(B * H, BDV // BVS, nb)](
         phi_q, dnum, inv, dden, log_g, dh, dz, c, cz, H, Lq, Lk, F, Dv, N, G, NB, q_offset,
-        BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta), dh, dz, log_g, N, BT, Lk, reverse=True, mode=scan)
+        BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta), dh, dz, log_g, N, BT, Lk, reverse=True, mode=scan,
+        programs=B * H * (BDV // BVS))
     dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     dv_bf16 = dv_in_bf16(v, dt)
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)

@@ -409,7 +409,7 @@ def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
     z = torch.empty(B * H, K, N, BF, dtype=acc, device=phi_k.device)
     _state_pass(lambda nb, h, z, c, cz, G, NBK, phase: _soe_state_kernel[(B * H, BDV // BV, K * nb)](
         phi_k, v, lgk, h, z, c, cz, Lk, F, Dv, N, K, G, NBK, BT=T, BF=BF, BV=BV, BDV=BDV, PHASE=phase, **meta),
-        h, z, lgk, N, T, N * T, reverse=False, mode=scan, from_zero=True)
+        h, z, lgk, N, T, N * T, reverse=False, mode=scan, programs=B * H * (BDV // BV) * K, from_zero=True)
     return h, z
 
 
@@ -497,7 +497,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
             (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
                                          q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
                                          **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
-                                         from_zero=True)
+                                         programs=B * H * (BDV // BV) * Kg, from_zero=True)
         _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                         *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
                                           else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
