@@ -82,14 +82,14 @@ CONTEXT_LOST_EXIT = 75
 #: for over 60 s in its first call
 CRITERIA_ROWS = {
     "none": ("sdpa",),
-    "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+blocked-scan",
+    "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs",
               "fastrpe-triton_chunked+compiled+cudagraphs"),
-    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto",
+    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-auto",
                    "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
-    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+blocked-scan", "fastrpe-auto",
+    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-auto",
                      "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
-    "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+blocked-scan", "fastrpe-auto",
+    "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                 "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs"),
@@ -538,7 +538,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                   compiled: bool = False, mode: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
-    `state_scan` triton_chunked's `STATE_SCAN` (`+blocked-scan`; a backward keeps its
+    `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
     `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`, in `mode` (default:
@@ -702,10 +702,12 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
-    # the chunk-state passes in blocks side by side (triton_chunked.STATE_SCAN; untimed before)
-    for name in ("triton_chunked", "triton_soe", "triton_band"):
+    # the chunk-state passes as STATE_SCAN's "auto" does not run them at the bench's lengths
+    # (triton_chunked.auto_blocked): triton_chunked and triton_band blocked from 16k on, so
+    # their sequential twins; triton_soe sequential (its terms fill the SMs), so its blocked one
+    for name, scan in (("triton_chunked", "sequential"), ("triton_band", "sequential"), ("triton_soe", "blocked")):
         if name in BACKENDS:
-            reg[f"fastrpe-{name}+blocked-scan"] = fastrpe_setup(name, cfg, state_scan="blocked")
+            reg[f"fastrpe-{name}+{scan}-scan"] = fastrpe_setup(name, cfg, state_scan=scan)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
@@ -1123,19 +1125,48 @@ def retry_errors(rows: list[dict], cfg: GpuConfig | None = None) -> list[dict]:
 
 
 #: rows a session resuming another's JSON measures again (`measure_again`), whose old and new
-#: times tell how far two sessions' machines differ: one row of each kind, short and long
-ANCHORS = (("flex", "alibi", L_SHORT), ("fastrpe-triton_chunked", "alibi", L_CHECK))
+#: times tell how far two sessions' machines differ: one row of each kind, short and long, of
+#: code that does not change with fastrpe's (until 2026-11-27 the long one was triton_chunked's
+#: ALiBi row, which `CHANGED` now measures again for its own reason; 2026-11-26 -> 27: Flex
+#: 0.856 -> 0.990 ms, triton_chunked 5.85 -> 5.99 ms)
+ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK))
 
 
-def measure_again(res: dict, anchors=ANCHORS) -> int:
-    """Move the rows of `anchors` ((competitor, family, L)) from `res["rows"]` to
-    `res["earlier"]`, so that a resumed run measures them again; `anchor_drift` then compares
-    the two. Returns how many moved."""
+#: rows whose code changed since the last GPU session's JSON, (competitor, family) fnmatch
+#: patterns and the shortest L: a session resuming that JSON measures them again
+#: (`measure_again`), their earlier rows kept beside, which --check prints as what the change
+#: did (across two machines: read it beside the anchors' drift). 2026-11-27 (after the third
+#: H100 session): the blocked scan's carries became one kernel, and STATE_SCAN's default
+#: "auto" runs triton_chunked's and triton_band's passes blocked from 16k tokens. Only rows of
+#: runs before `CODE_EPOCH` (each run records its `code_epoch`) move: bump it with CHANGED
+CODE_EPOCH = 1
+CHANGED = (("fastrpe-triton_chunked", "*", 16384), ("fastrpe-triton_band", "*", 16384),
+           ("fastrpe-auto", "alibi", 16384), ("fastrpe-auto", "t5", 16384),
+           ("fastrpe-triton_soe+blocked-scan", "*", 0))
+
+
+def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
+    """Move the timed rows of `anchors` ((competitor, family, L)) and of `changed`
+    ((competitor pattern, family pattern, shortest L), rows of runs before `CODE_EPOCH`) from
+    `res["rows"]` to `res["earlier"]`
+    (each with `again`: "anchor" or "changed"), so that a resumed run measures them again;
+    `anchor_drift` then compares the two. Returns how many moved."""
     want = {tuple(a) for a in anchors}
     kept, moved = [], []
     for r in res["rows"]:
-        anchor = (r["competitor"], r["problem"]["position"], r["problem"]["L"]) in want and r.get("seconds")
-        (moved if anchor else kept).append(r)
+        key = (r["competitor"], r["problem"]["position"], r["problem"]["L"])
+        why = None
+        if r.get("seconds"):
+            if key in want:
+                why = "anchor"
+            elif run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and any(
+                    fnmatch.fnmatchcase(key[0], c) and fnmatch.fnmatchcase(key[1], f) and key[2] >= L
+                    for c, f, L in changed):
+                why = "changed"
+        if why:
+            moved.append({**r, "again": why})
+        else:
+            kept.append(r)
     res["rows"] = kept
     res.setdefault("earlier", []).extend(moved)
     return len(moved)
@@ -1151,7 +1182,7 @@ def anchor_drift(res: dict) -> list[dict]:
         if new is not None and new.get("seconds") and old.get("seconds"):
             out.append({"competitor": old["competitor"], "family": p["position"], "L": p["L"],
                         "earlier_ms": old["seconds"] * 1e3, "now_ms": new["seconds"] * 1e3,
-                        "ratio": new["seconds"] / old["seconds"]})
+                        "ratio": new["seconds"] / old["seconds"], "again": old.get("again", "anchor")})
     return out
 
 
@@ -1191,7 +1222,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     # another triton), with the first fla version any run had
     n_old = len(old.get("commands", [])) if old else 0
     envs = (list(old.get("envs", [])) if old else [])[:n_old]
-    envs = envs + [None] * (n_old - len(envs)) + [{**env, "machine": machine_id(),
+    envs = envs + [None] * (n_old - len(envs)) + [{**env, "machine": machine_id(), "code_epoch": CODE_EPOCH,
                                                    **({"only": list(cfg.only)} if cfg.only else {})}]
     base = next((old if e is None else e for e in envs if e is None or not e.get("only")), envs[0])
     top = {k: base.get(k) for k in env}
@@ -1626,8 +1657,10 @@ def print_check(res: dict, log=print) -> int:
         log(f"{two} of these compare rows timed on two machines (two GPU sessions): the issue asks for ratios "
             "measured in one run")
     for d in anchor_drift(res):
+        why = ("how far two sessions' machines differ" if d["again"] == "anchor"
+               else "its code changed since (gpu.CHANGED; two machines: see the anchors)")
         log(f"measured again: {d['competitor']} {d['family']} L={d['L']}: {d['earlier_ms']:.3g} ms earlier, "
-            f"{d['now_ms']:.3g} ms now ({d['ratio']:.3f}x): how far two sessions' machines differ")
+            f"{d['now_ms']:.3g} ms now ({d['ratio']:.3f}x): {why}")
     return 0 if n["fail"] == 0 and n["missing"] == 0 else 1
 
 
