@@ -1,0 +1,164 @@
+"""PRF/NPRF feature-map kernels (`fastrpe.ops.triton_prf`) over their launch choices, at the
+GPU bench's shape: positions per program (BR), warps and the projection's product precision.
+
+Why: on the H100 (2026-11-27, benchmarks/results/gpu/h100-2026-11-27-profile.json) q's and
+k's maps took 0.37 ms per forward launch and 0.31 ms per backward launch at 65,536 tokens x 8
+heads, 1.37 ms of triton_chunked's 5.6 ms ALiBi call. Each forward launch reads bf16 x
+(64 MiB) and writes float32 phi (64 MiB): about 0.04 ms at the H100's 3.35 TB/s. A 64-row
+program holds 150 registers per thread (ptxas, sm_90), three programs per SM, and multiplies
+its [64, 64] x [64, 32] projection on the CUDA cores ("ieee"); which of these holds the
+kernels 9x above their traffic is what this measures. Every variant's output is checked
+against the library's launch (the default choice) first.
+
+    python benchmarks/prf_sweep.py --out runs/gpu/prf_sweep.json          # on a GPU (~1 min)
+    python benchmarks/prf_sweep.py --device cpu --lengths 40 --configs 16:4:ieee  # interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from fastrpe import kernels
+from fastrpe.ops import triton_prf as tp
+from fastrpe.ops.linear import triton_chunked as tc
+
+#: BR:num_warps:precision, each tried in turn (the first is the library's own choice)
+CONFIGS = ("64:4:ieee", "16:4:ieee", "32:4:ieee", "128:4:ieee", "64:8:ieee", "128:8:ieee", "32:2:ieee",
+           "64:4:tf32x3", "128:8:tf32x3")
+
+
+def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: int, warps: int, precision: str):
+    B, H, L, D = x.shape
+    M, F = w.shape[-2], phi.shape[-1]
+    grid = (-(-L // BR), B * H)
+    strides = (x.stride(0), x.stride(1), x.stride(2), M * D if w.dim() == 3 else 0)
+    tiles = {"BR": BR, "BD": tc._pow2(D), "BM": tc._pow2(M), "MODE": tc.dot_mode(precision)}
+    opts = {} if tc.INTERPRETED else {"num_warps": warps}
+    if which == "fwd":
+        tp._prf_fwd_kernel[grid](x, w, shift, phi, H, L, D, M, F, *strides, int(shift.numel() > 1),
+                                 float(kern.input_scale), F ** -0.5, NORMALIZE=kern.normalize, QUERY=is_query,
+                                 TWO_SIDED=kern.two_sided, **tiles, **opts)
+    else:
+        bf16 = dx.dtype == torch.bfloat16
+        tp._prf_bwd_kernel[grid](x, w, phi, dphi, dx.view(torch.int16) if bf16 else dx, H, L, D, M, F, *strides,
+                                 float(kern.input_scale), NORMALIZE=kern.normalize, QUERY=is_query,
+                                 TWO_SIDED=kern.two_sided, DX_BF16=bf16, **tiles, **opts)
+
+
+def _time(fn, device, repeats: int) -> float:
+    fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(out)
+
+
+def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, D: int = 64, features: int = 32,
+          dtype=torch.bfloat16, log=print) -> list[dict]:
+    """One row per (config, map: query or key, direction), seconds per launch and the largest
+    difference from the first config's result."""
+    kern = kernels.get_kernel("nprf", head_dim=D, num_features=features)
+    kern = kern.to(device) if isinstance(kern, torch.nn.Module) else kern
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, H, L, D, generator=g).to(device=device, dtype=dtype)
+    w = kern.w.to(device=device, dtype=torch.float32).contiguous()
+    shift = kern.key_log_shift().to(device=device, dtype=torch.float32).reshape(-1)
+    F = kern.num_features(D)
+    dphi = torch.randn(1, H, L, F, generator=g).to(device)
+    rows, ref = [], {}
+    for spec in configs:
+        BR, warps, precision = spec.split(":")
+        BR, warps = int(BR), int(warps)
+        for is_query in (True, False):
+            phi = torch.empty(1, H, L, F, dtype=torch.float32, device=device)
+            dx = torch.empty_like(x)
+            for which in ("fwd", "bwd"):
+                if which == "bwd":  # from the library's own forward, as autograd runs it
+                    phi_in = ref[(is_query, "fwd")]
+                else:
+                    phi_in = phi
+
+                def call(which=which, phi_in=phi_in, dx=dx, is_query=is_query, BR=BR, warps=warps,
+                         precision=precision):
+                    _launch(which, x, w, shift, phi_in, dphi, dx, kern, is_query, BR, warps, precision)
+                row = {"config": spec, "BR": BR, "num_warps": warps, "precision": precision,
+                       "map": "query" if is_query else "key", "pass": which}
+                try:
+                    row["seconds"] = _time(call, device, repeats)
+                    got = (phi_in if which == "fwd" else dx).float().clone()
+                    key = (is_query, which)
+                    if key not in ref:
+                        ref[key] = got
+                    row["max_abs_diff"] = float((got - ref[key]).abs().max())
+                except Exception as e:  # noqa: BLE001 - a config that does not compile says why, the next goes on
+                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                rows.append(row)
+                head = row.get("error") or f"{row['seconds'] * 1e3:8.4f} ms  max |diff| {row['max_abs_diff']:.2e}"
+                log(f"L={L:<7d} {spec:14s} {row['map']:5s} {which}  {head}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--lengths", default="65536")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="BR:num_warps:precision, comma-separated")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="runs/gpu/prf_sweep.json")
+    args = ap.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    for c in configs:
+        parts = c.split(":")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in tc.PRECISIONS:
+            print(f"prf_sweep: --configs takes BR:num_warps:precision (precision one of {tc.PRECISIONS}), got {c!r}")
+            return 2
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("prf_sweep: needs CUDA (--device cpu runs the kernels in the interpreter, TRITON_INTERPRET=1)")
+        return 2
+    if dev.type == "cpu" and not tc.INTERPRETED:
+        print("prf_sweep: on the CPU the kernels run in Triton's interpreter: set TRITON_INTERPRET=1")
+        return 2
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.machine()}), "
+                     "Triton interpreter: not a timing", "torch": torch.__version__,
+           "command": "python benchmarks/prf_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "rows": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for L in (int(s) for s in args.lengths.split(",")):
+        res["rows"] += [{"L": L, **r} for r in sweep(dev, L, configs, args.repeats)]
+        out.write_text(json.dumps(res, indent=1))
+    ok = [r for r in res["rows"] if "seconds" in r]
+    for L in sorted({r["L"] for r in ok}):
+        tot = {}
+        for r in ok:
+            if r["L"] == L:
+                tot[r["config"]] = tot.get(r["config"], 0.0) + r["seconds"]
+        best = min(tot, key=tot.get)
+        print(f"L={L}: q and k maps, forward + backward: {configs[0]} {tot.get(configs[0], float('nan')) * 1e3:.3f} ms, "
+              f"best {best} {tot[best] * 1e3:.3f} ms")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
