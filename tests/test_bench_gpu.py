@@ -964,3 +964,25 @@ def test_timed_backward_call_starts_from_no_gradients():
     run()
     assert seen == [None, None]
     torch.testing.assert_close(q.grad, once, rtol=0, atol=0)
+
+
+def test_changed_rows_of_older_code_are_measured_again_once(capsys):
+    """`gpu.CHANGED`: a resumed session moves the timed rows whose code changed since (pattern,
+    family, from L) to `earlier`, but only rows of runs before `CODE_EPOCH`; --check prints
+    their old and new times as the change's, not the machines' drift."""
+    changed = (("fastrpe-triton_chunked", "*", 16384), ("fastrpe-auto", "alibi", 16384))
+    rows = [_row("alibi", 65536, "fastrpe-triton_chunked", 6.0, run=0),
+            _row("alibi", 4096, "fastrpe-triton_chunked", 2.0, run=0),  # shorter: unchanged
+            _row("alibi", 65536, "fastrpe-auto", 6.0, run=1),  # measured under the new code
+            _row("t5", 65536, "fastrpe-auto", 9.0, run=0),  # another family
+            _row("alibi", 65536, "fastrpe-triton_chunked+compiled", 5.0, run=0),  # another competitor
+            _row("alibi", 262144, "fastrpe-triton_chunked", None, run=0)]  # untimed: nothing to compare
+    res = {**_result(rows), "envs": [{"device": "X"}, {"device": "X", "code_epoch": gpu.CODE_EPOCH}]}
+    assert gpu.measure_again(res, anchors=(), changed=changed) == 1
+    assert [(r["competitor"], r["problem"]["L"], r["again"]) for r in res["earlier"]] == [
+        ("fastrpe-triton_chunked", 65536, "changed")]
+    assert len(res["rows"]) == len(rows) - 1
+    res["rows"].append(_row("alibi", 65536, "fastrpe-triton_chunked", 4.0, run=1))
+    [d] = gpu.anchor_drift(res)
+    assert d["again"] == "changed" and d["ratio"] == pytest.approx(4.0 / 6.0)
+    assert gpu.measure_again(res, anchors=(), changed=changed) == 0  # the new row is of the new epoch
