@@ -10,7 +10,8 @@ its [64, 64] x [64, 32] projection on the CUDA cores ("ieee"); which of these ho
 kernels 9x above their traffic is what this measures. Every variant's output is checked
 against the library's launch (the default choice) first.
 
-    python benchmarks/prf_sweep.py --out runs/gpu/prf_sweep.json          # on a GPU (~1 min)
+    python benchmarks/prf_sweep.py --warm                                 # compile only (beside other work)
+    python benchmarks/prf_sweep.py --out runs/gpu/prf_sweep.json          # then time (~15 s warm, ~1 min cold)
     python benchmarks/prf_sweep.py --device cpu --lengths 40 --configs 16:4:ieee  # interpreter
 """
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: in
 
 def _time(fn, device, repeats: int) -> float:
     fn()
+    if repeats == 0:  # --warm: compiled, not timed
+        return 0.0
     if device.type != "cuda":
         t = time.perf_counter()
         fn()
@@ -124,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="BR:num_warps:precision, comma-separated")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="runs/gpu/prf_sweep.json")
+    ap.add_argument("--warm", action="store_true",
+                    help="only compile every config (one untimed call each at L=256, the same binaries: the length "
+                         "is a runtime argument), e.g. beside the bench's warm-up; writes nothing")
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
@@ -138,6 +144,11 @@ def main(argv=None) -> int:
     if dev.type == "cpu" and not tc.INTERPRETED:
         print("prf_sweep: on the CPU the kernels run in Triton's interpreter: set TRITON_INTERPRET=1")
         return 2
+    if args.warm:
+        t = time.perf_counter()
+        sweep(dev, 256, configs, repeats=0, log=lambda *a, **k: None)
+        print(f"prf_sweep: {len(configs)} configs compiled in {time.perf_counter() - t:.1f} s")
+        return 0
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.machine()}), "
                      "Triton interpreter: not a timing", "torch": torch.__version__,
            "command": "python benchmarks/prf_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -31,6 +31,8 @@ def test_prf_sweep_configs_agree_with_the_library_launch(tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2 and all("seconds" in r for r in rows)
     assert max(r["max_abs_diff"] for r in rows) < 1e-5
     assert "best" in capsys.readouterr().out
+    assert mod.main(["--device", "cpu", "--warm", "--configs", "16:4:ieee", "--out", str(tmp_path / "no.json")]) == 0
+    assert "1 configs compiled" in capsys.readouterr().out and not (tmp_path / "no.json").exists()
 
 
 def test_prf_sweep_bad_config_is_one_line(capsys):
