@@ -28,11 +28,15 @@
 #
 # Where things land: $OUT (the device tool's output folder) or runs/gpu: gpu.json (every row,
 # device name, torch/triton/fla versions, the exact command), gpu.md (tables to paste into
-# docs/RESULTS.md, with the criteria), gpu.png (log-log time vs L), gpu_<phase>.log.
+# docs/RESULTS.md, with the criteria), gpu.png (log-log time vs L), gpu_<phase>.log (the
+# warm-ups' logs folded in), gpu_tests.log (the fla probe's log appended), gpu_profile.json,
+# gpu_warm.json, and from `first` and `rest` compile_cache.tar.xz (below): 8 files from `first`,
+# all a device call brings back.
 #
 # Before the first call, on the machine with network (repo root):
 #   grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 #   grep -qx '/.gpu_runs/' .git/info/exclude || echo '/.gpu_runs/' >> .git/info/exclude
+#   grep -qx '/.gpu_cache/' .git/info/exclude || echo '/.gpu_cache/' >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl fla-core==0.6.0
@@ -48,7 +52,7 @@
 # the timed rows, after the profile), every other row with the image's. A row that broke the
 # context under other versions is measured again (gpu.lost_elsewhere), so the carried JSON's
 # fla row runs again; each run's versions are in gpu.json's `envs`:
-#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs"], timeout_s=540)
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=540)
 #
 # A session's device time is 15 minutes (since 2026-11; it was 30), counted from the machine's
 # start (a minute or two) to its return, idle time included; a warm machine goes back after
@@ -58,7 +62,7 @@
 # measured again, gpu.ANCHORS; then +compiled and +blocked-scan first, PRIORITY_S):
 #   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-26.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
-#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs"], timeout_s=540)
+#   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=540)
 # (no kind: a first call takes an H100 if one opens within 90 s, else an H200, where the H100's
 # JSON does not resume and the run starts afresh.) Check the script here first:
 # `OUT=/tmp/smoke SMOKE=1 bash benchmarks/gpu_run.sh first` (about a minute).
@@ -74,14 +78,42 @@
 # end, FIRST_WARM_S=170 s after the start at the latest. gpu_warm.json says what each compiled
 # and how long it took: worth a line in RESULTS.md, and it sizes FIRST_WARM_S for next time.
 # `first` ends within FIRST_S=500 s of its start (FIRST_TESTS_S=100 for the tests; the bench
-# starts no new row after the rest less 85 s, and is stopped 25 s before the end), so the rows
-# measured so far come back even when the last one runs long. Then here, at once (the machine is warm for 30 s):
-#   mkdir -p .gpu_runs && cp <files_at>/gpu.json .gpu_runs/
-#   run(command="REST_S=<seconds left, less 60> bash benchmarks/gpu_run.sh rest", carry=[".fla_site", ".gpu_runs"],
-#       timeout_s=<seconds left, less 30>)
+# starts no new row after FIRST_S less PACK_S=35 less 85 s, and is stopped PACK_S + 25 s before
+# the end; the compile caches are packed from then until 15 s before the end, the --check's), so
+# the rows measured so far come back even when the last one runs long. Then here, at once (the
+# machine is warm for 30 s):
+#   mkdir -p .gpu_runs .gpu_cache && cp <files_at>/gpu.json .gpu_runs/
+#   cp <files_at>/compile_cache.tar.xz .gpu_cache/   # if it came back (the log says why not)
+#   run(command="REST_S=<seconds left, less 60> bash benchmarks/gpu_run.sh rest",
+#       carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=<seconds left, less 30>)
 # only if at least 3 minutes of device time remain; otherwise give the machine back. Locally:
 #   fastrpe bench --suite gpu --check <files_at>/gpu.json
 # With 30 minutes (if ever again): `tests` with TESTS_BUDGET=240, then `short`, then `long`.
+#
+# The compile cache (2026-11-27): on a fresh machine every process compiles from cold caches,
+# and the warm-up reached about 10 of 36 rows in 140 s in `first` and 10 of 292 in 90 s in
+# `rest`. Now every process of this script compiles into fixed folders (TRITON_CACHE_DIR and
+# TORCHINDUCTOR_CACHE_DIR under /tmp/fastrpe_compile_cache: Triton's JIT kernels, Inductor's
+# Triton kernels, which go to TRITON_CACHE_DIR when it is set, its FX graph and AOTAutograd
+# caches; fla's processes too, their triton 3.7.1 entries keyed apart by version), a carried
+# .gpu_cache/compile_cache.tar.xz is unpacked into them at the start (a few seconds), and
+# `first` and `rest` pack them into $OUT/compile_cache.tar.xz in their last PACK_S=35 s
+# (benchmarks/compile_cache.py: under 16 MiB, and under what the 64 MiB carry leaves beside
+# this tree, .fla_site's 37 MB included; everything if it fits, else without Triton's
+# intermediate stages, .source/.ttir/.ttgir/.llir/.ptx, a third of the size, with the lookup
+# files rewritten to match, else the entries this session used first; it says which in the
+# phase's log). After EVERY device call that brought it back, here:
+#   mkdir -p .gpu_cache && cp <files_at>/compile_cache.tar.xz .gpu_cache/
+# and add ".gpu_cache" to the next call's carry (it replaces the last one: the new pack holds
+# what the last one held, as far as it fits). The cache only spares compiling: each session's
+# autotuners still time their configs (Triton's stored autotuning results stay out of the
+# pack). Measured here (triton 3.9, sm_90): the 232 compilations of tests/test_triton_compile.py
+# in all six autotuner configs, about the fastrpe kernels of a `first`, pack into 4.2 MiB
+# without intermediates (46 MiB raw; 8 s on 2 cores) and 13.7 MiB with them (270 MiB raw, 27 s);
+# with Flex's, fla's and more constexpr variants a real run should come to 8-16 MiB without
+# them (past 16 MiB the least valuable entries stay out). tests/test_compile_cache.py checks the
+# round trip: a pruned pack unpacked elsewhere is a cache hit (triton 3.9, 3.7.1 and 3.6). A
+# stale pack costs nothing but its unpacking: a changed kernel has another key.
 #
 # What the second H100 session (2026-11-26, docs/RESULTS.md "Second H100 session") taught:
 # - fla-core 0.6.0's chunk_simple_gla breaks the CUDA context on this image (an illegal memory
@@ -270,6 +302,26 @@ OUT_DIR="${OUT:-runs/gpu}"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
+# The compile caches (benchmarks/compile_cache.py, "The compile cache" above): every process
+# below, fla's and the tests' included, compiles into these fixed folders (with TRITON_CACHE_DIR
+# set, Inductor keeps its Triton kernels there too), and a carried pack is unpacked into them
+# first. A warm machine's second call keeps what its first compiled. SMOKE starts from an empty
+# folder of its own. COMPILE_CACHE names another pack to unpack.
+CC_ROOT=${COMPILE_CACHE_ROOT:-/tmp/fastrpe_compile_cache}
+if [ -n "${SMOKE:-}" ] && [ -z "${COMPILE_CACHE_ROOT:-}" ]; then
+    CC_ROOT=/tmp/fastrpe_compile_cache_smoke
+    rm -rf "$CC_ROOT"
+fi
+export TRITON_CACHE_DIR="$CC_ROOT/triton" TORCHINDUCTOR_CACHE_DIR="$CC_ROOT/inductor"
+mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+CC_FILE=compile_cache.tar.xz
+CC_SINCE=$(date +%s)  # what a process reads or writes from now on counts as used by this session
+# this tree as it came (what the next call carries again, less the old pack): the pack's room
+CARRIED=$(du -sb --exclude=./.git --exclude=./.gpu_cache --exclude=__pycache__ --exclude=./runs . | cut -f1)
+python3 benchmarks/compile_cache.py unpack "${COMPILE_CACHE:-.gpu_cache/$CC_FILE}" \
+    --triton-dir "$TRITON_CACHE_DIR" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR"
+rm -f /tmp/fla_warm.log /tmp/fla_probe.log /tmp/gpu_warm_first.log /tmp/gpu_warm_rest.log  # a warm machine's last call's
+
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
@@ -353,7 +405,45 @@ warm_until() {
     [ "$left" -gt 20 ] || return 0
     timeout -s INT -k 10 "$left" "${FASTRPE[@]}" bench --suite gpu "${SMOKE_ARGS[@]}" --warm "$2" --lengths "$LENGTHS" \
         --budget-s "$(( left - 10 ))" --compile-mode "$COMPILE_MODE" --out "$OUT_DIR" "${SKIP_FLA[@]}" "${@:3}" \
-        > "$OUT_DIR/gpu_warm_$2.log" 2>&1
+        > "/tmp/gpu_warm_$2.log" 2>&1
+}
+
+# keep_log FILE LOG TITLE [LINES]: FILE (a log written outside $OUT_DIR) appended to the
+# returned $OUT_DIR/LOG under a title line, whole or its last LINES lines, and its last 12
+# lines printed (a device call brings back 8 files, and the end of its stdout only).
+keep_log() {
+    [ -f "$1" ] || return 0
+    {
+        echo "---- $3 ($1$([ -n "${4:-}" ] && echo ", its last $4 lines")) ----"
+        if [ -n "${4:-}" ]; then tail -n "$4" "$1"; else cat "$1"; fi
+        echo "---- end of $1 ----"
+    } >> "$OUT_DIR/$2"
+    tail -12 "$1"
+}
+
+# pack_cache END LOG: the compile caches into $OUT_DIR/$CC_FILE (benchmarks/compile_cache.py),
+# ending END s after the start. The file stays under 16 MiB (the most a device call brings back)
+# and under what the 64 MiB carry leaves next time beside this tree as it came (2 MiB kept for
+# gpu.json's growth): everything if it fits, else without Triton's intermediate stages, else
+# the entries this session used first. CACHE_MAX_BYTES overrides the bound.
+pack_cache() {
+    local left=$(( $1 - SECONDS )) max=$(( 16 * 1048576 - 65536 ))
+    local room=$(( 64 * 1048576 - CARRIED - 2 * 1048576 ))
+    [ "$room" -lt "$max" ] && max=$room
+    max=${CACHE_MAX_BYTES:-$max}
+    if [ "$left" -lt 8 ]; then
+        echo "compile cache: ${left} s left, not packed" | tee -a "$OUT_DIR/$2"
+        return 0
+    fi
+    if [ -n "${SMOKE:-}" ]; then  # a CPU compiles nothing else: one real Triton entry (sm_90) to pack;
+        # `rest` unpacking `first`'s pack (COMPILE_CACHE=<first's OUT>/compile_cache.tar.xz) finds it: "hit": true
+        echo "toy kernel for sm_90: $(python3 benchmarks/compile_cache_toy.py 2>&1 | tail -1)" | tee -a "$OUT_DIR/$2"
+    fi
+    echo "${SECONDS} s used, packing the compile caches ($(du -sh "$CC_ROOT" | cut -f1)) in ${left} s at most," \
+        "into at most $(( max / 1024 )) KiB" | tee -a "$OUT_DIR/$2"
+    timeout -k 3 "$left" python3 benchmarks/compile_cache.py pack --triton-dir "$TRITON_CACHE_DIR" \
+        --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" --out "$OUT_DIR/$CC_FILE" --max-bytes "$max" \
+        --deadline-s "$(( left - 4 ))" --since "$CC_SINCE" 2>&1 | tee -a "$OUT_DIR/$2"
 }
 
 # With FLA_ENV: fla's rows (FLA_ROWS: in `first` those the criteria read, in `rest` every
@@ -467,9 +557,15 @@ case "$phase" in
         -k "(float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16" \
         --junitxml=/tmp/gpu_tests.xml 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
     wait "$warm_pid" "$fla_warm_pid"  # no timing beside the compilers
-    [ -f /tmp/fla_warm.log ] && tail -5 /tmp/fla_warm.log
-    [ -n "$probe_pid" ] && wait "$probe_pid" && tee -a "$OUT_DIR/gpu_tests.log" < /tmp/fla_probe.log
-    tail -12 "$OUT_DIR/gpu_warm_first.log"
+    # the warm-ups' logs into the phase's log (a ninth file would not come back), fla's tail
+    keep_log /tmp/gpu_warm_first.log gpu_first.log "the warm-up (fastrpe bench --suite gpu --warm first)"
+    keep_log /tmp/fla_warm.log gpu_first.log "fla's warm-up (fla's processes)" 200
+    # the probe's log into gpu_tests.log whatever its exit (non-zero exactly when a variant
+    # faulted or ran out of time: the answers wanted)
+    if [ -n "$probe_pid" ]; then
+        wait "$probe_pid"
+        keep_log /tmp/fla_probe.log gpu_tests.log "fla probe (benchmarks/fla_probe.py), exit $? (0 passed, 1 a variant failed, 2 or 124 out of time)"
+    fi
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
     timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" "${PROFILE_ARGS[@]}" \
@@ -486,8 +582,11 @@ case "$phase" in
     fla_rows "${FLA_S:-75}"
     [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
-    #    host-sync check
-    bench_until "${FIRST_S:-500}" gpu_first.log "${resume[@]}" ;;
+    #    host-sync check, until PACK_S s (default 35) before the end
+    bench_until "$(( ${FIRST_S:-500} - ${PACK_S:-35} ))" gpu_first.log "${resume[@]}"
+    # 3. the compile caches packed for the next session: from the bench's end (PACK_S - 15 s
+    #    before FIRST_S at the latest) to 15 s before FIRST_S, the --check's
+    pack_cache "$(( ${FIRST_S:-500} - 15 ))" gpu_first.log ;;
   rest)
     # what `first` left (its JSON carried in .gpu_runs/), ending within REST_S s of the start;
     # the compilations of what is left first (on a fresh machine the caches are cold), for at
@@ -503,10 +602,18 @@ case "$phase" in
         fla_warm "$rest_warm" rest &
         fla_warm_pid=$!
     fi
-    warm_until "$rest_warm" rest && tail -12 "$OUT_DIR/gpu_warm_rest.log"
-    [ -n "$fla_warm_pid" ] && wait "$fla_warm_pid"
-    bench_until "$(( rest_s - fla_rest ))" gpu_rest.log --resume
-    fla_rows "$(( fla_rest < rest_s - SECONDS - 10 ? fla_rest : rest_s - SECONDS - 10 ))" ;;
+    warm_until "$rest_warm" rest
+    keep_log /tmp/gpu_warm_rest.log gpu_rest.log "the warm-up (fastrpe bench --suite gpu --warm rest)"
+    if [ -n "$fla_warm_pid" ]; then
+        wait "$fla_warm_pid"
+        keep_log /tmp/fla_warm.log gpu_rest.log "fla's warm-up (fla's processes)" 200
+    fi
+    # the bench and fla's rows until PACK_S s before the end, then the pack (as in `first`)
+    pack_s=${PACK_S:-35}
+    bench_until "$(( rest_s - fla_rest - pack_s ))" gpu_rest.log --resume
+    fla_left=$(( rest_s - pack_s - SECONDS - 20 ))
+    fla_rows "$(( fla_rest < fla_left ? fla_rest : fla_left ))"
+    pack_cache "$(( rest_s - 15 ))" gpu_rest.log ;;
   short)
     fastrpe bench --suite gpu --lengths 4096,16384,65536 --budget-s 480 --out "$OUT_DIR" "${resume[@]}" \
         2>&1 | tee "$OUT_DIR/gpu_short.log" ;;
