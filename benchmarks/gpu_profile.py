@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fastrpe.bench import gpu
 from fastrpe.bench.registry import Problem
 
-CASES = ("fastrpe-triton_chunked:alibi", "fastrpe-triton_chunked+blocked-scan:alibi", "fastrpe-triton_soe:kerple_log",
-         "fastrpe-triton_soe+blocked-scan:kerple_log", "fastrpe-triton_band:t5",
+CASES = ("fastrpe-triton_chunked:alibi", "fastrpe-triton_chunked+sequential-scan:alibi", "fastrpe-triton_soe:kerple_log",
+         "fastrpe-triton_band:t5", "fastrpe-triton_band+sequential-scan:t5",
          "fastrpe-triton_tiled:learned", "flex:alibi",
          # under torch.compile (4k only: longer lengths refuse, `compiled_max_length`); last, it compiles
          "fastrpe-triton_chunked+compiled:alibi")

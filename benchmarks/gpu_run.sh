@@ -13,7 +13,8 @@
 #                                      # 64k, 256k and 1M, then decoding, then the host-sync check
 #                                      # (resuming a carried JSON: the failed problems' and two
 #                                      # anchor rows dropped to run again, then +compiled,
-#                                      # +cudagraphs and +blocked-scan (PRIORITY_S=150), fla's
+#                                      # +cudagraphs, the scan twins and gpu.CHANGED's rows
+#                                      # (PRIORITY_S=150), the PRF sweep (PRF_S=30), fla's
 #                                      # rows (FLA_S=75, with .fla_site), then decoding and syncs
 #                                      # first; in 500 s that leaves the bench little: `rest`)
 #   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
@@ -59,8 +60,9 @@
 # 30 s idle, and none starts with under 4 minutes left. So plan ONE call, and since one call
 # measures 4k and 64k and no further, resume the last session's JSON (same GPU name only; the
 # problems where a row failed are measured again whole, gpu.retry_errors; two anchor rows are
-# measured again, gpu.ANCHORS; then +compiled and +blocked-scan first, PRIORITY_S):
-#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-26.json .gpu_runs/gpu.json
+# measured again, gpu.ANCHORS, and the rows whose code changed since, gpu.CHANGED; then those,
+# +compiled, +cudagraphs and the scan twins first, PRIORITY_S):
+#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=540)
 # (no kind: a first call takes an H100 if one opens within 90 s, else an H200, where the H100's
@@ -114,6 +116,20 @@
 # them (past 16 MiB the least valuable entries stay out). tests/test_compile_cache.py checks the
 # round trip: a pruned pack unpacked elsewhere is a cache hit (triton 3.9, 3.7.1 and 3.6). A
 # stale pack costs nothing but its unpacking: a changed kernel has another key.
+#
+# What the third H100 session (2026-11-27, docs/RESULTS.md "Third H100 session") taught, in two
+# calls (430 s `first`, 301 s `rest`, 772 s of the 900 with the machine's start):
+# - fla's chunk_simple_gla broke the CUDA context under triton 3.7.1 too; the probe's answer was
+#   lost (`wait && tee`), now kept in gpu_tests.log whatever its exit;
+# - flex+cudagraphs failed ("accessing tensor output of CUDAGraphs that has been overwritten"):
+#   the timed backward accumulated into .grad across replays; each call now starts from none;
+# - the profile (64k only: its 45 s went there) showed the state passes as the largest part of
+#   every fastrpe call, and PRF maps at 0.37 ms per forward launch, 9x their traffic: now
+#   benchmarks/prf_sweep.py times their launch choices (PRF_S=30, into gpu_profile.json);
+# - "blocked" was host-bound (179 launches, ~30 ops for the carries): the carries are one
+#   kernel now and STATE_SCAN "auto" blocks triton_chunked and triton_band from 16k tokens;
+#   gpu.CHANGED makes the resumed `first` time those rows again, first (PRIORITY_ONLY);
+# - the warm-up compiled about a third of its rows in 140 s: the compile cache (above).
 #
 # What the second H100 session (2026-11-26, docs/RESULTS.md "Second H100 session") taught:
 # - fla-core 0.6.0's chunk_simple_gla breaks the CUDA context on this image (an illegal memory
@@ -340,7 +356,10 @@ SMOKE_ARGS=()
 LENGTHS=4096,65536,262144,1048576
 FLA_LENGTHS=4096,65536
 PRIORITY_LENGTHS=4096,65536
-PRIORITY_ONLY='*+compiled,*+cudagraphs,*+blocked-scan'
+# +compiled and +cudagraphs (the 4k criteria), the scan twins (+sequential-scan, +blocked-scan)
+# and the backends gpu.CHANGED measures again (STATE_SCAN "auto" since 2026-11-27)
+PRIORITY_ONLY='*+compiled,*+cudagraphs,*-scan,fastrpe-triton_chunked,fastrpe-triton_band,fastrpe-auto'
+PRF_ARGS=()
 PROFILE_ARGS=()
 if [ -n "${SMOKE:-}" ]; then
     SMOKE_ARGS=(--smoke)
@@ -348,6 +367,7 @@ if [ -n "${SMOKE:-}" ]; then
     FLA_LENGTHS=48
     PRIORITY_LENGTHS=48,96
     PROFILE_ARGS=(--device cpu --lengths 64 --cases fastrpe-chunked:alibi)
+    PRF_ARGS=(--device cpu --lengths 20 --configs 16:4:ieee,32:2:tf32x3)
 fi
 
 # fla in processes of its own (benchmarks/fla_site.sh): .fla_site/site.tar.xz holds fla-core
@@ -505,7 +525,8 @@ resume=()
 # changed since: the 2026-11-26 run's Flex failures). Those problems' rows go before anything
 # runs (gpu.retry_errors), so that every process after, the warm-up's, fla's and the bench's,
 # sees the same rows, and no later step drops what an earlier one measured again. Two anchor
-# rows are measured again too (gpu.ANCHORS: Flex + ALiBi at 4k, triton_chunked at 64k): their
+# rows are measured again too (gpu.ANCHORS: Flex + ALiBi at 4k, SDPA at 64k), and the rows whose
+# code changed since the carried JSON (gpu.CHANGED, once per CODE_EPOCH): their
 # two times say how far this session's machine is from the last one's (--check prints them),
 # for the verdicts that set rows of two sessions against each other.
 if [ "$phase" = first ] && [ -f "$OUT_DIR/gpu.json" ]; then
@@ -515,7 +536,7 @@ res = json.load(open(sys.argv[1]))
 rows, kept = res["rows"], retry_errors(res["rows"])
 print(f"measured again: {len(rows) - len(kept)} rows of the problems where a row failed")
 res["rows"] = kept
-print(f"measured again: {measure_again(res)} anchor rows (their earlier times kept)")
+print(f"measured again: {measure_again(res)} anchor and changed rows (their earlier times kept)")
 json.dump(res, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu.json" || exit 1
 fi
 # the bench's sections in order: a resumed JSON holds the 4k and 64k rows already, so the cheap
@@ -536,6 +557,11 @@ case "$phase" in
     warm_pid=$!
     fla_warm "${FIRST_WARM_S:-170}" first &
     fla_warm_pid=$!
+    # 0a. the PRF map kernels' launch choices (benchmarks/prf_sweep.py), compiled untimed
+    prf_env=(); [ -n "${SMOKE:-}" ] && prf_env=(TRITON_INTERPRET=1)
+    env "${prf_env[@]}" timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/prf_sweep.py --warm "${PRF_ARGS[@]}" \
+        > /tmp/prf_warm.log 2>&1 &
+    prf_warm_pid=$!
     # 0b. FLA_PROBE=1 (the default with FLA_ENV): beside them, which fla kernel faults
     #     (CUDA_LAUNCH_BLOCKING=1, one process per variant; on 2026-11-26 its first variant was
     #     still compiling at 100 s), with fla's own triton where FLA_ENV gives one; its
@@ -556,7 +582,8 @@ case "$phase" in
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "(float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16" \
         --junitxml=/tmp/gpu_tests.xml 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
-    wait "$warm_pid" "$fla_warm_pid"  # no timing beside the compilers
+    wait "$warm_pid" "$fla_warm_pid" "$prf_warm_pid"  # no timing beside the compilers
+    keep_log /tmp/prf_warm.log gpu_first.log "the PRF sweep's compilations (prf_sweep.py --warm)"
     # the warm-ups' logs into the phase's log (a ninth file would not come back), fla's tail
     keep_log /tmp/gpu_warm_first.log gpu_first.log "the warm-up (fastrpe bench --suite gpu --warm first)"
     keep_log /tmp/fla_warm.log gpu_first.log "fla's warm-up (fla's processes)" 200
@@ -572,11 +599,24 @@ case "$phase" in
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     # 1c. resuming: first the rows that the last session did not reach and that the next
     #     decisions hang on, at most PRIORITY_S s (default 150; 0: none): +compiled at 4k, and
-    #     it and Flex with CUDA graphs (+cudagraphs; the 4k criteria read both pairings),
-    #     +blocked-scan at 4k and 64k (STATE_SCAN's default on CUDA)
+    #     it and Flex with CUDA graphs (+cudagraphs; the 4k criteria read both pairings), the
+    #     rows gpu.CHANGED moved (64k: STATE_SCAN "auto" now blocks triton_chunked and
+    #     triton_band there) and their +sequential-scan twins
     if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         bench_until $(( SECONDS + ${PRIORITY_S:-150} )) gpu_first.log --resume --sections rows \
             --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
+    fi
+    # 1c'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
+    #     gpu_profile.json's "prf_sweep" (a ninth file would not come back). On the H100 the maps
+    #     took 1.37 of triton_chunked's 5.6 ms ALiBi call at 64k, 9x their traffic's time: if a
+    #     choice beats the first (the library's), make it triton_prf's
+    if [ "${PRF_S:-30}" -gt 0 ]; then
+        env "${prf_env[@]}" timeout -s INT -k 5 "${PRF_S:-30}" python3 benchmarks/prf_sweep.py "${PRF_ARGS[@]}" \
+            --out /tmp/prf_sweep.json 2>&1 | tail -40 | tee -a "$OUT_DIR/gpu_first.log"
+        [ -f /tmp/prf_sweep.json ] && python3 -c 'import json, os, sys
+p = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
+p["prf_sweep"] = json.load(open(sys.argv[2]))
+json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp/prf_sweep.json
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s
     fla_rows "${FLA_S:-75}"
