@@ -567,6 +567,7 @@ case "$phase" in
     #     still compiling at 100 s), with fla's own triton where FLA_ENV gives one; its
     #     autotuning beside other work is not kept (FLA_CACHE_RESULTS=0), as the warm-up's
     probe_pid=
+    rm -f /tmp/fla_probe.log  # (a SMOKE run's earlier one)
     [ "${#FLA_ENV[@]}" -gt 0 ] && FLA_PROBE=${FLA_PROBE-1}
     if [ -n "${FLA_PROBE:-}" ] && env "${FLA_ENV[@]}" python3 -c 'import fla' 2>/dev/null; then
         env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py \
@@ -618,8 +619,13 @@ p = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
 p["prf_sweep"] = json.load(open(sys.argv[2]))
 json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp/prf_sweep.json
     fi
-    # 1d. fla's rows (with FLA_ENV), at most FLA_S s
-    fla_rows "${FLA_S:-75}"
+    # 1d. fla's rows (with FLA_ENV), at most FLA_S s; not when the probe saw the bench's own
+    #     variant fault (2026-11-26 and -27 the row broke the CUDA context, 40 s of the bench's)
+    if [ -f /tmp/fla_probe.log ] && grep -Eq '^  simple_gla K=32 \(bench\) .*(FAIL|CRASHED)' /tmp/fla_probe.log; then
+        echo "fla's rows not run: the probe's bench variant failed (gpu_tests.log)" | tee -a "$OUT_DIR/gpu_first.log"
+    else
+        fla_rows "${FLA_S:-75}"
+    fi
     [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check, until PACK_S s (default 35) before the end
