@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fastrpe import kernels
+from fastrpe.bench.runner import _time as time_call
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked as tc
 
@@ -56,23 +56,12 @@ def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: in
 
 
 def _time(fn, device, repeats: int) -> float:
-    fn()
-    if repeats == 0:  # --warm: compiled, not timed
+    """Median seconds of `fn()` after one call (CUDA events on a GPU, the bench's timer);
+    `repeats` 0 (--warm): the one call only."""
+    if repeats == 0:
+        fn()
         return 0.0
-    if device.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(out)
+    return time_call(fn, device, repeats, warmup=1, cpu_peak=False)[0]
 
 
 def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, D: int = 64, features: int = 32,
