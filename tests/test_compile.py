@@ -265,6 +265,19 @@ def test_triton_backends_compile_fullgraph_as_custom_ops(path, ran, monkeypatch)
     assert refused == [None, None], refused
 
 
+def test_triton_soe_with_kept_states_compiles_fullgraph(ran, monkeypatch):
+    """KERPLE-log's states kept for the backward (`triton_soe.SAVE_STATES_BYTES`) cross from
+    the forward's custom op to the backward's (T5's band keeps its one term's by default, in
+    the test above)."""
+    from fastrpe.ops.linear import triton_soe as ts
+
+    monkeypatch.setattr(ts, "SAVE_STATES_BYTES", 1 << 30)
+    made, real = [], ts._soe_states
+    monkeypatch.setattr(ts, "_soe_states", lambda *a: made.append(1) or real(*a))
+    test_triton_backends_compile_fullgraph_as_custom_ops("triton_soe-kerple_log", ran, monkeypatch)
+    assert len(made) == 2  # eager and compiled: one pass each, in their forwards
+
+
 @pytest.mark.parametrize("path", ["triton_chunked-alibi", "triton_soe-kerple_log"])
 def test_triton_backends_serve_many_lengths_with_two_graphs(path, monkeypatch):
     """The custom ops' shapes follow symbolic lengths (their fake functions compute the chunk

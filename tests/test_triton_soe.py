@@ -390,3 +390,54 @@ def test_soe_blocked_state_scan_matches_reference(blocked_scan, monkeypatch, B, 
     test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
     test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
     assert False in carries and True in carries  # forward states and their gradients, in blocks
+
+
+def test_saved_states_give_the_recomputed_gradients_and_spare_a_pass(monkeypatch):
+    """`SAVE_STATES_BYTES` (`use_saved_states`): a forward whose terms run in one group keeps
+    its states for the backward, which then makes none; outputs and gradients (the plan's `a`
+    and `corr` included) are the recomputing twin's to the bit, plain and as a quotient.
+    Inference keeps none, and neither do several term groups."""
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
+    plan = _plan(2, 8, 4)
+    made = []
+    real = ts._soe_states
+    monkeypatch.setattr(ts, "_soe_states", lambda *a: made.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    wn, wd = torch.randn(1, 2, 63, 10, generator=g, dtype=torch.float64), torch.randn(1, 2, 63, generator=g,
+                                                                                   dtype=torch.float64)
+    for divide in (None, torch.float64):
+        runs = {}
+        for keep in (-1, 1 << 30):
+            made.clear()
+            with ts.use_saved_states(keep):
+                num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, divide=divide)
+            grads = torch.autograd.grad((num * wn.to(DEV)).sum() + (den * wd.to(DEV)).sum(),
+                                        (q, k, v, plan.a, plan.corr))
+            runs[keep] = ((num.detach(), den.detach(), *grads), len(made))
+        assert runs[-1][1] == 2 and runs[1 << 30][1] == 1, (runs[-1][1], runs[1 << 30][1])
+        for a, b in zip(runs[-1][0], runs[1 << 30][0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    made.clear()
+    with ts.use_saved_states(1 << 30), torch.no_grad():
+        ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+    with ts.use_saved_states(1 << 30):  # a state budget of one byte: a term per launch, four groups
+        num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=1)
+    (num.sum() + den.sum()).backward()
+    assert len(made) == 1 + 4 + 4
+
+
+def test_which_calls_keep_their_states():
+    """One term (T5's band) keeps its states by default, as the geometric path keeps its own;
+    more terms only within SAVE_STATES_BYTES; -1 none; several groups none."""
+    phi = torch.empty(1, 8, 65536, 32, device="meta")
+    v = torch.empty(1, 8, 65536, 64, device="meta")
+    bf16 = torch.bfloat16
+    assert ts._keeps_states(phi, v, 1, 0, 64, 1, bf16, 0)
+    assert not ts._keeps_states(phi, v, 1, 0, 64, 1, bf16, -1)
+    assert not ts._keeps_states(phi, v, 16, 0, 64, 16, bf16, 0)
+    need = 8 * 16 * 1024 * 32 * (64 * 2 + 4)  # h in bf16, z in float32: 0.54 GB
+    assert ts._keeps_states(phi, v, 16, 0, 64, 16, bf16, need)
+    assert not ts._keeps_states(phi, v, 16, 0, 64, 16, bf16, need - 1)
+    assert not ts._keeps_states(phi, v, 16, 0, 64, 8, bf16, need)  # two groups of 8 terms
+    with pytest.raises(FastRPEError, match="max_bytes"), ts.use_saved_states(-2):
+        pass

@@ -38,6 +38,8 @@ T (BT) chunk, NB near chunks, N chunks, NS chunk groups of the gradient kernels.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -413,12 +415,53 @@ def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
     return h, z
 
 
+#: The forward keeps its states for the backward, instead of making them again there, when
+#: the call's terms run in one group (`terms_per_group`) and either there is one term (T5's
+#: band: the footprint of the geometric path's states, which triton_chunked always keeps) or
+#: the states `h, z` take at most this many bytes (0, the default: only then). The backward's
+#: state pass took 1.25 ms of triton_soe's 11.7 ms KERPLE-log call and 1.28 of triton_band's
+#: 9.25 ms T5 call (65,536 tokens, B·H = 8, bf16) on the H100 (2026-11-27,
+#: benchmarks/results/gpu/h100-2026-11-27-profile.json). KERPLE-log's 16 terms kept would be
+#: 0.54 GB per call held from forward to backward, 64 bytes per token, head and term: 2.7 times
+#: the layer's bf16 q, k and v. A training run with the memory opts in (`use_saved_states`).
+SAVE_STATES_BYTES = 0
+
+
+@contextlib.contextmanager
+def use_saved_states(max_bytes: int):
+    """`SAVE_STATES_BYTES = max_bytes` inside the block (the forward decides; its backward
+    uses what it kept); -1 keeps none, not even one term's."""
+    global SAVE_STATES_BYTES
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < -1:
+        raise FastRPEError(f"use_saved_states: max_bytes must be an int >= 0 (-1: never keep), got {max_bytes!r}")
+    before, SAVE_STATES_BYTES = SAVE_STATES_BYTES, max_bytes
+    try:
+        yield
+    finally:
+        SAVE_STATES_BYTES = before
+
+
+def _keeps_states(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int, group: int, state_dtype: torch.dtype,
+                  max_bytes: int) -> bool:
+    """Whether a forward keeps its states for the backward (`SAVE_STATES_BYTES`): one term
+    group, and one term or `h` and `z` within `max_bytes` (`max_bytes` < 0: never, for the
+    tests' recomputing twin). From shapes alone: the op's fake agrees."""
+    if max_bytes < 0:
+        return False
+    BF, BDV, _, N, groups = _soe_sizes(phi_q, v, K, q_offset, T, group)
+    if len(groups) != 1:
+        return False
+    rows = phi_q.shape[0] * phi_q.shape[1] * K * N * BF
+    return K == 1 or rows * (BDV * state_dtype.itemsize + acc_dtype(phi_q.dtype).itemsize) <= max_bytes
+
+
 def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, q_offset: int, T: int,
                  NB: int, out_dtype: torch.dtype, mode: int, state_dtype: torch.dtype, group: int,
-                 divide: torch.dtype | None, scan: str) -> tuple[Tensor, Tensor]:
-    """`(num, den)` of `_SoE`: the near field once, the far field term group by term group
-    (each group's K·N states built, read and freed before the next: memory bounded by
-    `STATE_BUDGET`)."""
+                 divide: torch.dtype | None, scan: str, keep_bytes: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(num, den, h, z)` of `_SoE`: the near field once, the far field term group by term
+    group (each group's K·N states built, read and freed before the next: memory bounded by
+    `STATE_BUDGET`); `h, z` the one group's states where `_keeps_states(..., keep_bytes)`
+    (for the backward), else None."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -429,6 +472,8 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
     den = torch.empty(B, H, Lq, dtype=den_dtype, device=dev)
     meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
     out_bf16, quot = quotient_flags(divide if fused else None, acc)
+    keep = _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes)
+    kept_h = kept_z = None
     for i, (k0, k1) in enumerate(groups):
         h, z = _soe_states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
         _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
@@ -436,31 +481,41 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
                                                H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, length_bucket(N),
                                                BT=T, BF=BF, BV=BV,
                                                BDV=BDV, NB=NB, NEAR=i == 0, ACCUM=i > 0, **quot, **meta)
+        if keep:
+            kept_h, kept_z = h, z
         del h, z
-    # the states are not kept for backward (K times the geometric path's: 8.6 GB at
-    # L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
+    # by default the states are not kept for backward (K times the geometric path's: 8.6 GB
+    # at L = 1M, B·H = 8, bf16): backward recomputes them with the light sequential pass
     if divide is not None:  # `num/den` in place of num, den saved alone (`triton_chunked._ChunkedDecay`)
-        return (num if fused else quotient(num, den, divide)), den
-    return num.to(out_dtype), den.to(out_dtype)
+        return (num if fused else quotient(num, den, divide)), den, kept_h, kept_z
+    return num.to(out_dtype), den.to(out_dtype), kept_h, kept_z
 
 
 def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group, divide,
-                      scan):
+                      scan, keep_bytes=-1):
     B, H, Lq, _ = phi_q.shape
     Dv = v.shape[3]
     if divide is None:
         num_dtype = den_dtype = out_dtype
     else:
         num_dtype, den_dtype = divide, acc_dtype(phi_q.dtype)
-    return phi_q.new_empty(B, H, Lq, Dv, dtype=num_dtype), phi_q.new_empty(B, H, Lq, dtype=den_dtype)
+    if _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes):
+        BF, BDV, _, N, _ = _soe_sizes(phi_q, v, lgk.numel(), q_offset, T, group)
+        h = phi_q.new_empty(B * H, lgk.numel(), N, BF, BDV, dtype=state_dtype)
+        z = phi_q.new_empty(B * H, lgk.numel(), N, BF, dtype=acc_dtype(phi_q.dtype))
+    else:
+        h = z = phi_q.new_empty(0)
+    return phi_q.new_empty(B, H, Lq, Dv, dtype=num_dtype), phi_q.new_empty(B, H, Lq, dtype=den_dtype), h, z
 
 
 def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, den: Tensor | None,
                   dnum: Tensor | None, dden: Tensor | None, q_offset: int, T: int, NB: int, mode: int,
-                  state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool
+                  state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool,
+                  kept_h: Tensor | None = None, kept_z: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`(dφq, dφk, dv, dcn, dwq)` of `_SoE` (dcn, dwq None unless wanted); the states are
-    made again, group by group, as the forward made them."""
+    made again, group by group, as the forward made them, unless the forward kept them
+    (`kept_h`, `kept_z`, non-empty: one group, `SAVE_STATES_BYTES`)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -481,7 +536,10 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
         flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
         # the queries' side reads the states, the keys' side their gradients: one at a time
-        h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
+        if kept_h is not None and kept_h.numel() and len(groups) == 1:
+            h, z = kept_h, kept_z
+        else:
+            h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
         dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
         _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                         H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF,
@@ -517,7 +575,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
 
 
 def _soe_backward_fake(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode, state_dtype, group,
-                       scan, want_dcn, want_dwq):
+                       scan, want_dcn, want_dwq, kept_h=None, kept_z=None):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
             cn.new_empty(cn.shape) if want_dcn else phi_q.new_empty(0),
             wq.new_empty(wq.shape) if want_dwq else phi_q.new_empty(0))
@@ -533,19 +591,20 @@ class _SoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, NB: int, out_dtype, mode: int, state_dtype,
                 group: int, divide=None):
-        num, den = _soe_forward_op(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group,
-                                   divide, _tc.STATE_SCAN)
-        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None)
+        keep_bytes = SAVE_STATES_BYTES if any(ctx.needs_input_grad[:5]) else -1  # (inference keeps none)
+        num, den, h, z = _soe_forward_op(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode,
+                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes)
+        ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None, h, z)
         ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN)
         return num, den
 
     @staticmethod
     def backward(ctx, dnum, dden):
-        phi_q, phi_k, v, cn, wq, lgk, den = ctx.saved_tensors
+        phi_q, phi_k, v, cn, wq, lgk, den, h, z = ctx.saved_tensors
         q_offset, T, NB, hdt, mode, group, scan = ctx.cfg
         want_dcn, want_dwq = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dq, dk, dv, dcn, dwq = _soe_backward_op(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode,
-                                                hdt, group, scan, want_dcn, want_dwq)
+                                                hdt, group, scan, want_dcn, want_dwq, h, z)
         return (dq, dk, dv, dcn if want_dcn else None, dwq if want_dwq else None,
                 None, None, None, None, None, None, None, None, None)
 
