@@ -357,8 +357,9 @@ LENGTHS=4096,65536,262144,1048576
 FLA_LENGTHS=4096,65536
 PRIORITY_LENGTHS=4096,65536
 # +compiled and +cudagraphs (the 4k criteria), the scan twins (+sequential-scan, +blocked-scan)
-# and the backends gpu.CHANGED measures again (STATE_SCAN "auto" since 2026-11-27)
-PRIORITY_ONLY='*+compiled,*+cudagraphs,*-scan,fastrpe-triton_chunked,fastrpe-triton_band,fastrpe-auto'
+# triton_soe with its states kept for the backward (+saved-states), and the backends gpu.CHANGED
+# measures again (STATE_SCAN "auto", triton_band keeping its states, since 2026-11-27)
+PRIORITY_ONLY='*+compiled,*+cudagraphs,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_band,fastrpe-auto'
 PRF_ARGS=()
 PROFILE_ARGS=()
 if [ -n "${SMOKE:-}" ]; then

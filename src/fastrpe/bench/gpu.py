@@ -85,9 +85,9 @@ CRITERIA_ROWS = {
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs",
               "fastrpe-triton_chunked+compiled+cudagraphs"),
-    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-auto",
+    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
                    "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
-    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-auto",
+    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
                      "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
@@ -101,6 +101,9 @@ CRITERIA_ROWS = {
 COMPILED = "+compiled"
 COMPILE_BACKEND = "inductor"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+#: the `+saved-states` rows' bound on the states triton_soe keeps for its backward
+#: (`triton_soe.SAVE_STATES_BYTES`): KERPLE-log's 16 terms take 0.54 GB at 64k (B·H = 8, bf16)
+SAVED_STATES_BYTES = 2 << 30
 COMPILED_BACKENDS = ("triton_chunked", "triton_soe", "triton_band", "triton_tiled")
 #: the suffix of the rows compiled with mode="reduce-overhead" (CUDA graphs) in a run whose
 #: compile mode is the default: Flex (`flex+cudagraphs`) and fastrpe's `+compiled` rows, up to
@@ -535,14 +538,15 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
-                  compiled: bool = False, mode: str | None = None):
+                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
     `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`, in `mode` (default:
-    `cfg.compile_mode`; `+compiled+cudagraphs`: "reduce-overhead")."""
+    `cfg.compile_mode`; `+compiled+cudagraphs`: "reduce-overhead"); `saved_states`, triton_soe's
+    `SAVE_STATES_BYTES` (`+saved-states`: the forward's states kept for the backward)."""
     mode = cfg.compile_mode if mode is None else mode
 
     def setup(p: Problem, device, dtype):
@@ -551,6 +555,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         from fastrpe.backends_triton import use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
+        from fastrpe.ops.linear.triton_soe import use_saved_states
 
         if p.position == "none":
             return "runs the positional families"
@@ -589,12 +594,16 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                     stack.enter_context(use_lowp_features(lowp_features))
                 if state_scan is not None:
                     stack.enter_context(use_state_scan(state_scan))
+                if saved_states is not None:
+                    stack.enter_context(use_saved_states(saved_states))
                 return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
 
         if lowp_features is not None:
             extra["lowp_features"] = lowp_features
         if state_scan is not None:
             extra["state_scan"] = state_scan
+        if saved_states is not None:
+            extra["saved_states_bytes"] = saved_states
         skips = cudagraph_skips_mark()
         if compiled:
             raise_recompile_limits()
@@ -708,6 +717,9 @@ def registry(cfg: GpuConfig) -> dict:
     for name, scan in (("triton_chunked", "sequential"), ("triton_band", "sequential"), ("triton_soe", "blocked")):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+{scan}-scan"] = fastrpe_setup(name, cfg, state_scan=scan)
+    # the SoE terms' states kept from forward to backward (2 GiB at most), not made again there
+    if "triton_soe" in BACKENDS:
+        reg["fastrpe-triton_soe+saved-states"] = fastrpe_setup("triton_soe", cfg, saved_states=SAVED_STATES_BYTES)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
@@ -1137,11 +1149,12 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK))
 #: (`measure_again`), their earlier rows kept beside, which --check prints as what the change
 #: did (across two machines: read it beside the anchors' drift). 2026-11-27 (after the third
 #: H100 session): the blocked scan's carries became one kernel, and STATE_SCAN's default
-#: "auto" runs triton_chunked's and triton_band's passes blocked from 16k tokens. Only rows of
+#: "auto" runs triton_chunked's and triton_band's passes blocked from 16k tokens, and
+#: triton_band (one term) keeps its states for the backward (`triton_soe.SAVE_STATES_BYTES`). Only rows of
 #: runs before `CODE_EPOCH` (each run records its `code_epoch`) move: bump it with CHANGED
 CODE_EPOCH = 1
-CHANGED = (("fastrpe-triton_chunked", "*", 16384), ("fastrpe-triton_band", "*", 16384),
-           ("fastrpe-auto", "alibi", 16384), ("fastrpe-auto", "t5", 16384),
+CHANGED = (("fastrpe-triton_chunked", "*", 16384), ("fastrpe-triton_band", "*", 0),
+           ("fastrpe-auto", "alibi", 16384), ("fastrpe-auto", "t5", 0),
            ("fastrpe-triton_soe+blocked-scan", "*", 0))
 
 
