@@ -292,3 +292,15 @@ def test_band_gpu_realistic_size_bf16():
 def test_band_kernel_is_exact_with_the_blocked_state_scan(blocked_scan, B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
     """The undecayed term's states in blocks, each from its carry: exact as before."""
     test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk)
+
+
+def test_band_keeps_its_one_terms_states_for_the_backward(monkeypatch):
+    """The band's far field is one undecayed term: its forward keeps the states for the
+    backward (`triton_soe.SAVE_STATES_BYTES`'s rule for one term, as the geometric path keeps
+    its own), so a forward and backward make them once, and the gradients are exact."""
+    from fastrpe.ops.linear import triton_soe as ts
+
+    made, real = [], ts._soe_states
+    monkeypatch.setattr(ts, "_soe_states", lambda *a: made.append(a[2].numel()) or real(*a))
+    test_band_kernel_is_exact(1, 2, 63, 63, 12, 10, 0, 8, 16)
+    assert made == [1]
