@@ -129,6 +129,8 @@
 # - "blocked" was host-bound (179 launches, ~30 ops for the carries): the carries are one
 #   kernel now and STATE_SCAN "auto" blocks triton_chunked and triton_band from 16k tokens;
 #   gpu.CHANGED makes the resumed `first` time those rows again, first (PRIORITY_ONLY);
+# - the backward's second state pass was 1.25-1.28 ms of the soe and band calls at 64k:
+#   triton_band (one term) now keeps its states, triton_soe on request (`+saved-states` rows);
 # - the warm-up compiled about a third of its rows in 140 s: the compile cache (above).
 #
 # What the second H100 session (2026-11-26, docs/RESULTS.md "Second H100 session") taught:
