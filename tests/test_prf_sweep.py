@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from fastrpe.ops.linear import triton_chunked as tc  # noqa: E402
+from fastrpe.ops.linear import triton_chunked as tc
 
 
 def _sweep():
@@ -24,7 +24,7 @@ def _sweep():
 def test_prf_sweep_configs_agree_with_the_library_launch(tmp_path, capsys):
     mod = _sweep()
     out = tmp_path / "sweep.json"
-    assert mod.CONFIGS[0] == f"{mod.tp.BLOCK_ROWS}:4:ieee"  # the first is what the library launches
+    assert mod.CONFIGS[0] == f"{mod.tp.BLOCK_ROWS}:{mod.tp.NUM_WARPS}:{mod.tp.PRECISION}"  # the library's launch
     assert mod.main(["--device", "cpu", "--lengths", "20", "--configs", "16:4:ieee,32:2:tf32x3", "--repeats", "1",
                      "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

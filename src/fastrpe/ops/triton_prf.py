@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._validate import FastRPEError
-from .linear.triton_chunked import HAS_TRITON, _pow2, dot_mode, on_device_of, triton_unavailable_reason
+from .linear.triton_chunked import HAS_TRITON, INTERPRETED, _pow2, dot_mode, on_device_of, triton_unavailable_reason
 
 if HAS_TRITON:
     import triton
@@ -123,8 +123,12 @@ if HAS_TRITON:
         _store_tile(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx, ok[:, None] & (d < D)[None, :], DX_BF16)
 
 
-#: positions per program (a power of two >= 16, `tl.dot`'s least)
+#: positions per program (a power of two >= 16, `tl.dot`'s least), warps per program and the
+#: projection's product precision (`triton_chunked.PRECISIONS`): the launch choices
+#: benchmarks/prf_sweep.py times against each other (its first config is this one)
 BLOCK_ROWS = 64
+NUM_WARPS = 4
+PRECISION = "ieee"
 
 
 def _launch_args(x: Tensor, w: Tensor, H: int):
@@ -133,7 +137,8 @@ def _launch_args(x: Tensor, w: Tensor, H: int):
     BR = BLOCK_ROWS if L > 16 else 16
     return (triton.cdiv(L, BR), B * H), (H, L, D, M), (x.stride(0), x.stride(1), x.stride(2),
                                                          M * D if w.dim() == 3 else 0), \
-        dict(BR=BR, BD=_pow2(D), BM=_pow2(M), MODE=dot_mode("ieee"))
+        {"BR": BR, "BD": _pow2(D), "BM": _pow2(M), "MODE": dot_mode(PRECISION),
+         **({} if INTERPRETED else {"num_warps": NUM_WARPS})}
 
 
 class _PRFTriton(torch.autograd.Function):
