@@ -576,13 +576,9 @@ def test_retry_errors_measures_a_failed_problem_again_whole(tmp_path, monkeypatc
 def test_gpu_profile_script_profiles_the_bench_rows_on_cpu(tmp_path):
     """benchmarks/gpu_profile.py (run by gpu_run.sh before the bench) on CPU at toy sizes: each
     case's time per call and its heaviest ops; a case that cannot run here says why."""
-    import importlib.util
-    from pathlib import Path
+    from _benchmarks import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
-    spec = importlib.util.spec_from_file_location("gpu_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("gpu_profile")
     out = tmp_path / "p.json"
     assert mod.main(["--device", "cpu", "--lengths", "48", "--calls", "1", "--cases",
                      "fastrpe-chunked:alibi,fastrpe-triton_chunked:alibi,fastrpe-triton_chunked+compiled:alibi",
@@ -688,15 +684,10 @@ def test_host_time_script_counts_the_host_side_of_each_triton_call(tmp_path, cap
     """benchmarks/host_time.py: eager host time per call of each Triton backend, kernels
     stubbed (the interpreter's launches are no-ops while it runs, and restored after), and a
     bad `--modes` refused in one line."""
-    import importlib.util
-    from pathlib import Path
-
     import triton.runtime.interpreter as interp
+    from _benchmarks import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_time.py"
-    spec = importlib.util.spec_from_file_location("host_time", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("host_time")
     run = interp.InterpretedFunction.run
     out = tmp_path / "h.json"
     assert mod.main(["--calls", "2", "--repeats", "1", "--modes", "eager", "--out", str(out)]) == 0

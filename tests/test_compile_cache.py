@@ -5,7 +5,6 @@ the second compile is a cache hit (triton's compilation listener says so, and th
 stages are made to raise; benchmarks/compile_cache_toy.py). Triton 3.9 (and 3.7, fla's) treats a group file naming a missing
 file as a miss, so the pack must rewrite the groups it prunes; the unpack must point them at
 their new folder. Skipped where this triton cannot compile for sm_90."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,15 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 def load_packer():
-    spec = importlib.util.spec_from_file_location("compile_cache", ROOT / "benchmarks" / "compile_cache.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compile_cache", register=True)  # its dataclass looks its module up
 
 
 def compile_once(cache: Path, forbid: bool = False) -> dict:

@@ -4,11 +4,9 @@ the general step (the one autograd takes); its memos follow in-place parameter u
 dtype changes; and its aten op count stays where `benchmarks/decode_ops.py` measured it."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 import fastrpe as fr
 from fastrpe import positions as P
@@ -142,11 +140,7 @@ def test_memos_follow_parameter_updates_and_dtype_changes(family, backend, kind)
 
 
 def _op_counter():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_ops.py"
-    spec = importlib.util.spec_from_file_location("decode_ops", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.count_ops
+    return load_benchmark("decode_ops").count_ops
 
 
 #: aten ops of one token's step at the GPU bench's layer shape (float32, NPRF, 32 features),

@@ -2,21 +2,16 @@
 H100 (2026-11-27) it summed every profiler event's self device time, host ops included (an
 aten op or an autograd Function carries the time of the kernels it launched), and reported a
 busy share of 1.94. Fake events in the shape of torch's FunctionEventAvg; no GPU needed."""
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _benchmarks import load_benchmark
 from torch.autograd import DeviceType
 
 
 @pytest.fixture(scope="module")
 def gpu_profile():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
-    spec = importlib.util.spec_from_file_location("gpu_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_profile")
 
 
 def ev(key, count, device_us, device_type=DeviceType.CPU, cpu_us=0.0, annotation=False):

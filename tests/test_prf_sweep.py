@@ -1,11 +1,10 @@
 """benchmarks/prf_sweep.py, the PRF map kernels' launch choices for a GPU session: every
 config's output equals the library's launch (here in the interpreter, at a toy length), and
 a bad --configs is a one-line error."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 pytest.importorskip("triton")
 
@@ -13,11 +12,7 @@ from fastrpe.ops.linear import triton_chunked as tc
 
 
 def _sweep():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prf_sweep.py"
-    spec = importlib.util.spec_from_file_location("prf_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("prf_sweep")
 
 
 @pytest.mark.skipif(not tc.INTERPRETED, reason="the CPU run needs Triton's interpreter (TRITON_INTERPRET=1)")

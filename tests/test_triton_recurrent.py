@@ -463,13 +463,9 @@ def test_fused_step_dispatches_few_ops(family, aten):
     """`benchmarks/decode_ops.py`'s count of the bench's decode layers through the fused step:
     the two matmuls, the allocations (o and the new state: two, or four with a band's window),
     views and the one Triton launch (PyTorch ops: 39, 46 and 45 launches)."""
-    import importlib.util
-    from pathlib import Path
+    from _benchmarks import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_ops.py"
-    spec = importlib.util.spec_from_file_location("decode_ops", path)
-    ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ops)
+    ops = load_benchmark("decode_ops")
     mha = _family_layer(family, 512, 8, fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
                         torch.bfloat16, W=113).eval()
     x = torch.randn(1, 9, 512).to(DEV, torch.bfloat16)
