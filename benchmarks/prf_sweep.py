@@ -34,26 +34,18 @@ from fastrpe.ops.linear import triton_chunked as tc
 
 #: BR:num_warps:precision, each tried in turn (the first is the library's own choice,
 #: triton_prf's BLOCK_ROWS, NUM_WARPS and PRECISION)
-CONFIGS = (f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "16:4:ieee", "32:4:ieee", "128:4:ieee", "64:8:ieee", "128:8:ieee", "32:2:ieee",
-           "64:4:tf32x3", "128:8:tf32x3")
+CONFIGS = (f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "16:4:ieee", "32:4:ieee", "128:4:ieee", "64:8:ieee",
+           "128:8:ieee", "32:2:ieee", "64:4:tf32x3", "128:8:tf32x3")
 
 
 def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: int, warps: int, precision: str):
-    B, H, L, D = x.shape
-    M, F = w.shape[-2], phi.shape[-1]
-    grid = (-(-L // BR), B * H)
-    strides = (x.stride(0), x.stride(1), x.stride(2), M * D if w.dim() == 3 else 0)
-    tiles = {"BR": BR, "BD": tc._pow2(D), "BM": tc._pow2(M), "MODE": tc.dot_mode(precision)}
-    opts = {} if tc.INTERPRETED else {"num_warps": warps}
+    """The library's launch (`triton_prf.prf_forward_launch` / `prf_backward_launch`) with
+    these choices."""
+    choices = {"block_rows": BR, "num_warps": warps, "precision": precision}
     if which == "fwd":
-        tp._prf_fwd_kernel[grid](x, w, shift, phi, H, L, D, M, F, *strides, int(shift.numel() > 1),
-                                 float(kern.input_scale), F ** -0.5, NORMALIZE=kern.normalize, QUERY=is_query,
-                                 TWO_SIDED=kern.two_sided, **tiles, **opts)
+        tp.prf_forward_launch(x, w, shift, phi, kern, is_query, **choices)
     else:
-        bf16 = dx.dtype == torch.bfloat16
-        tp._prf_bwd_kernel[grid](x, w, phi, dphi, dx.view(torch.int16) if bf16 else dx, H, L, D, M, F, *strides,
-                                 float(kern.input_scale), NORMALIZE=kern.normalize, QUERY=is_query,
-                                 TWO_SIDED=kern.two_sided, DX_BF16=bf16, **tiles, **opts)
+        tp.prf_backward_launch(x, w, phi, dphi, dx, kern, is_query, **choices)
 
 
 def _time(fn, device, repeats: int) -> float:

@@ -131,14 +131,41 @@ NUM_WARPS = 4
 PRECISION = "ieee"
 
 
-def _launch_args(x: Tensor, w: Tensor, H: int):
-    B, _, L, D = x.shape
+def _launch_args(x: Tensor, w: Tensor, block_rows: int | None, num_warps: int | None, precision: str | None):
+    """`(grid, dims, strides, meta)` of a launch over x's positions: `BLOCK_ROWS`, `NUM_WARPS`
+    and `PRECISION` where the choices are None (16 rows for L <= 16)."""
+    B, H, L, D = x.shape
     M = w.shape[-2]
-    BR = BLOCK_ROWS if L > 16 else 16
+    BR = block_rows or (BLOCK_ROWS if L > 16 else 16)
     return (triton.cdiv(L, BR), B * H), (H, L, D, M), (x.stride(0), x.stride(1), x.stride(2),
                                                          M * D if w.dim() == 3 else 0), \
-        {"BR": BR, "BD": _pow2(D), "BM": _pow2(M), "MODE": dot_mode(PRECISION),
-         **({} if INTERPRETED else {"num_warps": NUM_WARPS})}
+        {"BR": BR, "BD": _pow2(D), "BM": _pow2(M), "MODE": dot_mode(precision or PRECISION),
+         **({} if INTERPRETED else {"num_warps": num_warps or NUM_WARPS})}
+
+
+def prf_forward_launch(x: Tensor, w: Tensor, shift: Tensor, phi: Tensor, kern, is_query: bool, *,
+                       block_rows: int | None = None, num_warps: int | None = None,
+                       precision: str | None = None) -> None:
+    """`φ` of x (`[B, H, L, D]`) into `phi` (`[B, H, L, F]` float32) by one `_prf_fwd_kernel`
+    launch; the launch choices default to `BLOCK_ROWS`, `NUM_WARPS`, `PRECISION`
+    (benchmarks/prf_sweep.py times others)."""
+    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision)
+    F = phi.shape[-1]
+    _prf_fwd_kernel[grid](x, w, shift, phi, *dims, F, *strides, int(shift.numel() > 1), float(kern.input_scale),
+                          F ** -0.5, NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided,
+                          **meta)
+
+
+def prf_backward_launch(x: Tensor, w: Tensor, phi: Tensor, dphi: Tensor, dx: Tensor, kern, is_query: bool, *,
+                        block_rows: int | None = None, num_warps: int | None = None,
+                        precision: str | None = None) -> None:
+    """dx (`[B, H, L, D]` contiguous, x's dtype) from `dphi` by one `_prf_bwd_kernel` launch;
+    the launch choices as `prf_forward_launch`'s."""
+    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision)
+    bf16 = dx.dtype == torch.bfloat16
+    _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
+                          *dims, phi.shape[-1], *strides, float(kern.input_scale), NORMALIZE=kern.normalize,
+                          QUERY=bool(is_query), TWO_SIDED=kern.two_sided, DX_BF16=bf16, **meta)
 
 
 class _PRFTriton(torch.autograd.Function):
@@ -149,12 +176,8 @@ class _PRFTriton(torch.autograd.Function):
     @on_device_of(1)
     def forward(ctx, x: Tensor, kern, is_query: bool, w: Tensor, shift: Tensor) -> Tensor:
         B, H, L, D = x.shape
-        F = kern.num_features(D)
-        phi = torch.empty(B, H, L, F, dtype=torch.float32, device=x.device)
-        grid, dims, strides, tiles = _launch_args(x, w, H)
-        _prf_fwd_kernel[grid](x, w, shift, phi, *dims, F, *strides, int(shift.numel() > 1), float(kern.input_scale),
-                              F ** -0.5, NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided,
-                              **tiles)
+        phi = torch.empty(B, H, L, kern.num_features(D), dtype=torch.float32, device=x.device)
+        prf_forward_launch(x, w, shift, phi, kern, is_query)
         ctx.kern, ctx.is_query = kern, is_query
         ctx.save_for_backward(x, phi, w)
         return phi
@@ -168,13 +191,8 @@ class _PRFTriton(torch.autograd.Function):
             from ..kernels import _prf_input_grad
 
             return _prf_input_grad(kern, x, phi, dphi, ctx.is_query, inplace=False), None, None, None, None
-        B, H, L, D = x.shape
-        dx = torch.empty(B, H, L, D, dtype=x.dtype, device=x.device)
-        grid, dims, strides, tiles = _launch_args(x, w, H)
-        bf16 = dx.dtype == torch.bfloat16
-        _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
-                              *dims, phi.shape[-1], *strides, float(kern.input_scale), NORMALIZE=kern.normalize,
-                              QUERY=bool(ctx.is_query), TWO_SIDED=kern.two_sided, DX_BF16=bf16, **tiles)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        prf_backward_launch(x, w, phi, dphi, dx, kern, ctx.is_query)
         return dx, None, None, None, None
 
 
