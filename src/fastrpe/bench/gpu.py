@@ -1161,9 +1161,9 @@ CHANGED = (("fastrpe-triton_chunked", "*", 16384), ("fastrpe-triton_band", "*", 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
     """Move the timed rows of `anchors` ((competitor, family, L)) and of `changed`
     ((competitor pattern, family pattern, shortest L), rows of runs before `CODE_EPOCH`) from
-    `res["rows"]` to `res["earlier"]`
-    (each with `again`: "anchor" or "changed"), so that a resumed run measures them again;
-    `anchor_drift` then compares the two. Returns how many moved."""
+    `res["rows"]` to `res["earlier"]` (each with `again`: "anchor" or "changed"), so that a
+    resumed run measures them again; `anchor_drift` then compares the two. Returns how many
+    moved."""
     want = {tuple(a) for a in anchors}
     kept, moved = [], []
     for r in res["rows"]:
@@ -1173,8 +1173,7 @@ def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
             if key in want:
                 why = "anchor"
             elif run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and any(
-                    fnmatch.fnmatchcase(key[0], c) and fnmatch.fnmatchcase(key[1], f) and key[2] >= L
-                    for c, f, L in changed):
+                    matches(key[0], (c,)) and matches(key[1], (f,)) and key[2] >= L for c, f, L in changed):
                 why = "changed"
         if why:
             moved.append({**r, "again": why})
