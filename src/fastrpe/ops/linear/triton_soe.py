@@ -536,7 +536,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
         flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
         # the queries' side reads the states, the keys' side their gradients: one at a time
-        if kept_h is not None and kept_h.numel() and len(groups) == 1:
+        if kept_h is not None and kept_h.numel():  # (kept for one group only: `_keeps_states`)
             h, z = kept_h, kept_z
         else:
             h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
