@@ -117,6 +117,22 @@
 # round trip: a pruned pack unpacked elsewhere is a cache hit (triton 3.9, 3.7.1 and 3.6). A
 # stale pack costs nothing but its unpacking: a changed kernel has another key.
 #
+# Precompiled on the CPU (2026-11-27, benchmarks/precompile.py): fastrpe's own kernels for every
+# row the bench times, built here for the image (sm_90, triton 3.6.0 under Python 3.12) and
+# carried as the first call's pack, so that the warm-up and the bench find them compiled. Before
+# a session's first call, with the tree as it will be carried (a kernel's key hashes its source):
+#   python3.12 -m venv /tmp/venv312 && /tmp/venv312/bin/pip install triton==3.6.0   # once; no torch
+#   /tmp/venv312/bin/python benchmarks/precompile.py key > /tmp/triton_key_cp312.txt
+#   (a venv with torch 2.11.0+cu130 and triton 3.6.0, e.g. /tmp/venv211:)
+#   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py record --out runs/precompile/specs.json
+#   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py compile --specs runs/precompile/specs.json \
+#       --triton-key-file /tmp/triton_key_cp312.txt --triton-dir runs/precompile/triton --jobs 2 \
+#       --info .gpu_cache/precompiled.json
+#   python3 benchmarks/compile_cache.py pack --triton-dir runs/precompile/triton \
+#       --inductor-dir runs/precompile/inductor --out .gpu_cache/compile_cache.tar.xz --max-bytes 16711680
+# The script's log prints whether the pack was built for the image's triton, and gpu_warm.json
+# (each worker's `triton_compiles`) how many kernels came from the cache and which compiled.
+#
 # What the third H100 session (2026-11-27, docs/RESULTS.md "Third H100 session") taught, in two
 # calls (430 s `first`, 301 s `rest`, 772 s of the 900 with the machine's start):
 # - fla's chunk_simple_gla broke the CUDA context under triton 3.7.1 too; the probe's answer was
@@ -338,7 +354,10 @@ CC_SINCE=$(date +%s)  # what a process reads or writes from now on counts as use
 CARRIED=$(du -sb --exclude=./.git --exclude=./.gpu_cache --exclude=__pycache__ --exclude=./runs . | cut -f1)
 python3 benchmarks/compile_cache.py unpack "${COMPILE_CACHE:-.gpu_cache/$CC_FILE}" \
     --triton-dir "$TRITON_CACHE_DIR" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR"
-rm -f /tmp/fla_warm.log /tmp/fla_probe.log /tmp/gpu_warm_first.log /tmp/gpu_warm_rest.log  # a warm machine's last call's
+# a pack of fastrpe's kernels built on a CPU machine (benchmarks/precompile.py): whether it was
+# built for this image's triton (its entries hit only then; the warm-up log counts the hits)
+[ -f .gpu_cache/precompiled.json ] && python3 benchmarks/precompile.py key-hash --expect .gpu_cache/precompiled.json
+rm -f /tmp/fla_warm.log /tmp/fla_probe.log /tmp/gpu_warm_first.log /tmp/gpu_warm_rest.log /tmp/prf_sweep.json  # a warm machine's last call's
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -111,6 +111,27 @@ def _record(path: Path, rec: dict) -> None:
     atomic_write(path, json.dumps(rec, indent=1).encode())
 
 
+def watch_triton_compiles(counts: dict) -> None:
+    """Count this process's Triton compilations into `counts` (Triton's compilation listener):
+    "hits", found in the disk cache (a carried pack, or the kernels benchmarks/precompile.py
+    built on a CPU machine), "misses", built here, and the first misses' kernel names (what a
+    precompiled pack did not foresee). Inductor compiles in worker processes of its own, so
+    this sees fastrpe's and fla's own kernels. Nothing where this triton has no listener."""
+    try:
+        from triton import knobs
+        knobs.compilation.listener  # noqa: B018 - absent before triton 3.4
+    except (ImportError, AttributeError):
+        return
+    counts.update(hits=0, misses=0, missed=[])
+
+    def listen(*, src, cache_hit, **_):
+        counts["hits" if cache_hit else "misses"] += 1
+        if not cache_hit and len(counts["missed"]) < 20:
+            counts["missed"].append(str(getattr(src, "name", src))[:80])
+
+    knobs.compilation.listener = listen
+
+
 def run_worker(plan_path: Path, index: int) -> int:
     """Worker `index` of the plan at `plan_path`: each row once, forward and backward; its
     record (`gpu_warm_<index>.json` beside the plan) rewritten after every row."""
@@ -124,7 +145,9 @@ def run_worker(plan_path: Path, index: int) -> int:
                                                    if dev.index is None else dev.index)
     reg = registry(cfg)
     out = plan_path.parent / f"gpu_warm_{index}.json"
-    rec = {"worker": index, "triton_config": os.environ.get("FASTRPE_TRITON_CONFIG"), "rows": []}
+    rec = {"worker": index, "triton_config": os.environ.get("FASTRPE_TRITON_CONFIG"), "rows": [],
+           "triton_compiles": {}}
+    watch_triton_compiles(rec["triton_compiles"])
     t_start = time.perf_counter()
     for item in spec["workers"][index]:
         p, name = Problem(**item["problem"]), item["competitor"]
@@ -227,8 +250,10 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     (out / "gpu_warm.json").write_text(json.dumps(res, indent=1))
     for rec in res["workers"]:
         ran = [r for r in rec["rows"] if "skipped" not in r]
+        tc = rec.get("triton_compiles") or {}
         log(f"  worker {rec['worker']}: {len(rec['rows'])}/{rec['planned']} rows in {rec.get('seconds', 0):.0f} s "
-            f"({len(ran)} ran), exit {rec['returncode']}")
+            f"({len(ran)} ran), exit {rec['returncode']}"
+            + (f"; Triton kernels from the cache {tc['hits']}, compiled {tc['misses']}" if "hits" in tc else ""))
         for line in rec.get("log_tail", []):
             log(f"    | {line}")
     log(f"warm-up: {res['seconds']:.0f} s" + (f", workers {killed} stopped at the budget" if killed else "")
