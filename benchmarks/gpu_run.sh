@@ -548,6 +548,15 @@ sys.exit(r.get("device") != torch.cuda.get_device_name()
 fi
 resume=()
 [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)
+# `rest` times the PRF maps as `first` did on this machine: the launch `first` adopted from the
+# sweep (step 1b'), as its runs recorded it (gpu.json's envs, `prf_launch`)
+if [ "$phase" = rest ] && [ -z "${FASTRPE_PRF_LAUNCH:-}" ] && [ -f "$OUT_DIR/gpu.json" ]; then
+    pick=$(python3 -c 'import json, sys
+from fastrpe.bench.gpu import machine_id
+envs = [e for e in json.load(open(sys.argv[1])).get("envs") or [] if e and e.get("machine") == machine_id()]
+print(envs[-1].get("prf_launch", "") if envs else "")' "$OUT_DIR/gpu.json")
+    [ -n "$pick" ] && export FASTRPE_PRF_LAUNCH="$pick" && echo "PRF maps: $pick, as first's rows on this machine"
+fi
 # `first` resuming a JSON measures again, whole, each problem where a row failed (the code has
 # changed since: the 2026-11-26 run's Flex failures). Those problems' rows go before anything
 # runs (gpu.retry_errors), so that every process after, the warm-up's, fla's and the bench's,
@@ -625,6 +634,27 @@ case "$phase" in
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
     timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" "${PROFILE_ARGS[@]}" \
         --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
+    # 1b'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
+    #     gpu_profile.json's "prf_sweep" (a ninth file would not come back). On the H100 the maps
+    #     took 1.37 of triton_chunked's 5.6 ms ALiBi call at 64k, 9x their traffic's time. A choice
+    #     clearly faster than the library's, with the same results (prf_sweep.py `choose`), is
+    #     adopted for every bench row after this (FASTRPE_PRF_LAUNCH, which triton_prf reads when
+    #     imported; each run's `prf_launch` in gpu.json's envs says which): the priority rows
+    #     below measure it, and a later commit makes it triton_prf's default
+    if [ "${PRF_S:-30}" -gt 0 ]; then
+        env "${prf_env[@]}" timeout -s INT -k 5 "${PRF_S:-30}" python3 benchmarks/prf_sweep.py "${PRF_ARGS[@]}" \
+            --out /tmp/prf_sweep.json 2>&1 | tail -40 | tee -a "$OUT_DIR/gpu_first.log"
+        [ -f /tmp/prf_sweep.json ] && python3 -c 'import json, os, sys
+p = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
+p["prf_sweep"] = json.load(open(sys.argv[2]))
+json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp/prf_sweep.json
+        pick=$([ -f /tmp/prf_sweep.json ] && python3 benchmarks/prf_sweep.py --choose /tmp/prf_sweep.json)
+        if [ -n "$pick" ] && [ -z "${FASTRPE_PRF_LAUNCH:-}" ]; then
+            export FASTRPE_PRF_LAUNCH="$pick"
+            echo "PRF maps: the sweep's pick $pick is used by every row from here (FASTRPE_PRF_LAUNCH)" \
+                | tee -a "$OUT_DIR/gpu_first.log"
+        fi
+    fi
     # 1c. resuming: first the rows that the last session did not reach and that the next
     #     decisions hang on, at most PRIORITY_S s (default 150; 0: none): +compiled at 4k, and
     #     it and Flex with CUDA graphs (+cudagraphs; the 4k criteria read both pairings), the
@@ -638,18 +668,6 @@ case "$phase" in
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
         bench_until $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )) gpu_first.log --resume \
             --sections rows --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
-    fi
-    # 1c'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
-    #     gpu_profile.json's "prf_sweep" (a ninth file would not come back). On the H100 the maps
-    #     took 1.37 of triton_chunked's 5.6 ms ALiBi call at 64k, 9x their traffic's time: if a
-    #     choice beats the first (the library's), make it triton_prf's
-    if [ "${PRF_S:-30}" -gt 0 ]; then
-        env "${prf_env[@]}" timeout -s INT -k 5 "${PRF_S:-30}" python3 benchmarks/prf_sweep.py "${PRF_ARGS[@]}" \
-            --out /tmp/prf_sweep.json 2>&1 | tail -40 | tee -a "$OUT_DIR/gpu_first.log"
-        [ -f /tmp/prf_sweep.json ] && python3 -c 'import json, os, sys
-p = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
-p["prf_sweep"] = json.load(open(sys.argv[2]))
-json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp/prf_sweep.json
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s; not when the probe saw the bench's own
     #     variant fault (2026-11-26 and -27 the row broke the CUDA context, 40 s of the bench's)

@@ -153,3 +153,25 @@ def test_bench_shape_on_cuda():
         ref, ref_dx = _reference(kern, x, is_query, dphi)
         torch.testing.assert_close(phi.double(), ref, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-2, atol=1e-3)
+
+
+def test_launch_choices_from_the_environment_and_bad_ones_in_one_line():
+    """`FASTRPE_PRF_LAUNCH` (set by gpu_run.sh to the PRF sweep's pick) sets the three launch
+    choices when the module is imported; anything else than BR:num_warps:precision is a
+    one-line error."""
+    import os
+    import subprocess
+    import sys
+
+    assert triton_prf.parse_launch("128:8:tf32x3") == (128, 8, "tf32x3")
+    for bad in ("100:4:ieee", "8:4:ieee", "64:3:ieee", "64:64:ieee", "64:4:tf32", "64:4", "a:b:c"):
+        with pytest.raises(FastRPEError, match="FASTRPE_PRF_LAUNCH: expected BR:num_warps:precision"):
+            triton_prf.parse_launch(bad)
+    code = "from fastrpe.ops import triton_prf as t; print(t.launch_choice())"
+    for value, want in (("32:2:tf32x3", "32:2:tf32x3"), ("", triton_prf.launch_choice())):
+        env = {**os.environ, "FASTRPE_PRF_LAUNCH": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
+    env = {**os.environ, "FASTRPE_PRF_LAUNCH": "64:4:fast"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert out.returncode != 0 and "FASTRPE_PRF_LAUNCH: expected" in out.stderr.strip().splitlines()[-1]

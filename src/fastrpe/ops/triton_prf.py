@@ -23,11 +23,20 @@ two-sided), BR rows per program, BD/BM tile widths.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from .._validate import FastRPEError
-from .linear.triton_chunked import HAS_TRITON, INTERPRETED, _pow2, dot_mode, on_device_of, triton_unavailable_reason
+from .linear.triton_chunked import (
+    HAS_TRITON,
+    INTERPRETED,
+    _pow2,
+    dot_mode,
+    on_device_of,
+    triton_unavailable_reason,
+)
 
 if HAS_TRITON:
     import triton
@@ -125,10 +134,36 @@ if HAS_TRITON:
 
 #: positions per program (a power of two >= 16, `tl.dot`'s least), warps per program and the
 #: projection's product precision (`triton_chunked.PRECISIONS`): the launch choices
-#: benchmarks/prf_sweep.py times against each other (its first config is this one)
+#: benchmarks/prf_sweep.py times against each other (its first config is this one).
+#: `$FASTRPE_PRF_LAUNCH` ("BR:num_warps:precision", read when this module is imported) sets
+#: all three: the GPU bench's script sets it to the sweep's fastest choice for the rows it
+#: times after the sweep, so that one GPU session can both find a better launch and measure it
 BLOCK_ROWS = 64
 NUM_WARPS = 4
 PRECISION = "ieee"
+
+
+def parse_launch(spec: str) -> tuple[int, int, str]:
+    """`(BLOCK_ROWS, NUM_WARPS, PRECISION)` from "BR:num_warps:precision" (prf_sweep's
+    configs), with a one-line error for anything else."""
+    from .linear.triton_chunked import PRECISIONS
+
+    parts = spec.split(":")
+    pow2 = (lambda x: x.isdigit() and int(x) > 0 and int(x) & (int(x) - 1) == 0)
+    if (len(parts) != 3 or not pow2(parts[0]) or int(parts[0]) < 16 or not pow2(parts[1]) or int(parts[1]) > 32
+            or parts[2] not in PRECISIONS):
+        raise FastRPEError(f"FASTRPE_PRF_LAUNCH: expected BR:num_warps:precision (BR a power of two >= 16, "
+                           f"num_warps a power of two <= 32, precision one of {', '.join(PRECISIONS)}), got {spec!r}")
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
+if os.environ.get("FASTRPE_PRF_LAUNCH"):
+    BLOCK_ROWS, NUM_WARPS, PRECISION = parse_launch(os.environ["FASTRPE_PRF_LAUNCH"])
+
+
+def launch_choice() -> str:
+    """The launch choices in force, as "BR:num_warps:precision" (the GPU bench records it)."""
+    return f"{BLOCK_ROWS}:{NUM_WARPS}:{PRECISION}"
 
 
 def _launch_args(x: Tensor, w: Tensor, block_rows: int | None, num_warps: int | None, precision: str | None):
