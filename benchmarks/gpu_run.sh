@@ -9,13 +9,14 @@
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
 #                                      # (100 s) beside the compile warm-up (below), the kernel
-#                                      # profile (65 s), then every row the criteria read at 4k,
-#                                      # 64k, 256k and 1M, then decoding, then the host-sync check
-#                                      # (resuming a carried JSON: the failed problems' and two
-#                                      # anchor rows dropped to run again, then +compiled,
-#                                      # +cudagraphs, the scan twins and gpu.CHANGED's rows
-#                                      # (PRIORITY_S=150), the PRF sweep (PRF_S=30), fla's
-#                                      # rows (FLA_S=75, with .fla_site), then decoding and syncs
+#                                      # profile (65 s), the PRF sweep (PRF_S=30; its pick, if
+#                                      # any, for every row after), then every row the criteria
+#                                      # read at 4k, 64k, 256k and 1M, then decoding, then the
+#                                      # host-sync check (resuming a carried JSON: the failed
+#                                      # problems' and two anchor rows dropped to run again,
+#                                      # then +compiled, +cudagraphs, the scan twins and
+#                                      # gpu.CHANGED's rows (PRIORITY_S=150), fla's rows
+#                                      # (FLA_S=75, with .fla_site), then decoding and syncs
 #                                      # first; in 500 s that leaves the bench little: `rest`)
 #   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
 #                                      # (after a warm-up of its own: REST_WARM_S, REST_S/3 and
@@ -64,6 +65,10 @@
 # +compiled, +cudagraphs and the scan twins first, PRIORITY_S):
 #   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
+#   PYTHONPATH=src python3 benchmarks/precompile.py key-hash --expect .gpu_cache/precompiled.json
+#     # (here it says "another triton": this Python's; what matters is no "changed since" list,
+#     # else `compile` again from the kept specs, runs/precompile/*.json, about 1 s per kernel
+#     # changed, and pack; `record` again, 20 minutes, only when the bench's rows changed)
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=540)
 # (no kind: a first call takes an H100 if one opens within 90 s, else an H200, where the H100's
 # JSON does not resume and the run starts afresh.) Check the script here first:
@@ -122,11 +127,14 @@
 # carried as the first call's pack, so that the warm-up and the bench find them compiled. Before
 # a session's first call, with the tree as it will be carried (a kernel's key hashes its source):
 #   python3.12 -m venv /tmp/venv312 && /tmp/venv312/bin/pip install triton==3.6.0   # once; no torch
-#   /tmp/venv312/bin/python benchmarks/precompile.py key > /tmp/triton_key_cp312.txt
-#   (a venv with torch 2.11.0+cu130 and triton 3.6.0, e.g. /tmp/venv211:)
+#   /tmp/venv312/bin/python benchmarks/precompile.py key > runs/precompile/triton_key_cp312.txt
+#   (the image's torch and triton; once, about 3 GB: python3.11 -m venv /tmp/venv211 &&
+#   /tmp/venv211/bin/pip install torch==2.11.0 triton==3.6.0 -e .)
 #   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py record --out runs/precompile/specs.json
-#   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py compile --specs runs/precompile/specs.json \
-#       --triton-key-file /tmp/triton_key_cp312.txt --triton-dir runs/precompile/triton --jobs 2 \
+#   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py record --out runs/precompile/specs_1m.json \
+#       --families alibi,kerple_log,kerple_power,t5 --lengths 1048576 --no-prf-sweep   # 13 minutes
+#   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py compile --specs runs/precompile/specs*.json \
+#       --triton-key-file runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton --jobs 2 \
 #       --info .gpu_cache/precompiled.json
 #   python3 benchmarks/compile_cache.py pack --triton-dir runs/precompile/triton \
 #       --inductor-dir runs/precompile/inductor --out .gpu_cache/compile_cache.tar.xz --max-bytes 16711680
