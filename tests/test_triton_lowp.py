@@ -6,6 +6,10 @@ and `triton_soe` (KERPLE-log) at L = 4,096 in bf16, while the same tests passed 
 interpreter: on CUDA the backends rounded the feature maps to bf16 before the kernels, on the
 CPU they did not. Forcing the CUDA choice here reproduces that failure (dq 4.4x and 6.1x dense
 bf16's error at L = 1,024); the default now keeps the features float32 on the GPU too.
+
+`FLOAT32_PRODUCTS = "bf16x3"` multiplies those float32 features by bf16 halves (`_dot` MODE 3,
+emulated under the interpreter as MODE 4): its products carry about 16 bits, and every backend
+stays within LOWP_FACTOR of dense bf16.
 """
 import dataclasses
 
@@ -15,14 +19,31 @@ import torch
 _CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import fastrpe as fr  # noqa: E402
 from fastrpe import backends_triton as bt  # noqa: E402
 from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.api import _problem  # noqa: E402
-from fastrpe.ops.linear.triton_chunked import PRECISIONS, dot_mode, triton_unavailable_reason  # noqa: E402
+from fastrpe.ops.linear.triton_chunked import (  # noqa: E402
+    PRECISIONS,
+    _dot,
+    dot_mode,
+    triton_unavailable_reason,
+)
 from fastrpe.testing import LOWP_FACTOR  # noqa: E402
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
+
+
+@triton.jit
+def _product(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr):
+    """`a @ b` of one tile by `triton_chunked._dot` in MODE (float32 operands' DT and ACC)."""
+    m, kk, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + m[:, None] * K + kk[None, :])
+    b = tl.load(b_ptr + kk[:, None] * N + n[None, :])
+    tl.store(c_ptr + m[:, None] * N + n[None, :], _dot(a, b, tl.float32, tl.float32, MODE))
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
                                 reason=str(triton_unavailable_reason(DEV)))
 
@@ -44,15 +65,43 @@ def test_lowp_dots_policy(monkeypatch):
     with bt.use_lowp_features("bfloat16"):  # what the bench's `+bf16-features` rows run under
         assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (torch.bfloat16, "ieee")
     assert bt.LOWP_FEATURES == "float32"
+    with bt.use_float32_products("bf16x3"):  # the `+bf16x3` rows: float32 features by bf16 halves
+        assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (None, "bf16x3")
+        assert bt.lowp_dots(_problem_on("cuda", torch.float32)) == (None, "ieee")
+    assert bt.FLOAT32_PRODUCTS == "tf32x3"
     monkeypatch.setattr(bt, "LOWP_FEATURES", "fp8")
     with pytest.raises(FastRPEError, match="LOWP_FEATURES: 'float32' or 'bfloat16', got 'fp8'"):
+        bt.lowp_dots(_problem_on("cuda", torch.bfloat16))
+    monkeypatch.setattr(bt, "LOWP_FEATURES", "float32")
+    monkeypatch.setattr(bt, "FLOAT32_PRODUCTS", "tf32")
+    with pytest.raises(FastRPEError, match="FLOAT32_PRODUCTS: 'tf32x3' or 'bf16x3', got 'tf32'"):
         bt.lowp_dots(_problem_on("cuda", torch.bfloat16))
 
 
 def test_dot_mode_names_the_precisions():
-    assert PRECISIONS == ("ieee", "tf32x3")
-    with pytest.raises(FastRPEError, match="precision: one of ieee, tf32x3, got 'tf32'"):
+    assert PRECISIONS == ("ieee", "tf32x3", "bf16x3")
+    with pytest.raises(FastRPEError, match="precision: one of ieee, tf32x3, bf16x3, got 'tf32'"):
         dot_mode("tf32")
+    # the interpreter's products are exact, but bf16x3's halves are emulated there
+    assert [dot_mode(x) for x in PRECISIONS] == ([1, 1, 4] if not _CUDA else [0, 2, 3])
+
+
+@pytest.mark.skipif(_CUDA, reason="the interpreter's emulation (on CUDA the GPU tests compare against float64)")
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
+def test_bf16x3_products_carry_16_bits(b_dtype):
+    """`_dot` with MODE 4 (bf16x3, emulated): a float32 product to about 2^-16 of |a|·|b|,
+    far from bf16's rounding (2^-8) and not exact either (the halves are really taken)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(64, 16, generator=g).to(b_dtype)
+    ref = a.double() @ b.double()
+    scale = a.double().abs() @ b.double().abs()
+    err = {}
+    for mode in (1, 4):
+        c = torch.empty(32, 16)
+        _product[(1,)](a, b, c, 32, 64, 16, mode)
+        err[mode] = float(((c.double() - ref).abs() / scale).max())
+    rounded = float(((a.bfloat16().double() @ b.bfloat16().double() - ref).abs() / scale).max())
+    assert err[1] < 1e-6 < err[4] < 2.0 ** -14 < rounded / 8
 
 
 def _errors(backend, family):
@@ -74,6 +123,20 @@ def _errors(backend, family):
     err = {name: [(a.double() - r).abs().max().item() for a, r in zip(run(name, torch.bfloat16), ref)]
            for name in (backend, "dense")}
     return err[backend], err["dense"]
+
+
+@pytest.mark.parametrize("backend,family", [("triton_chunked", "alibi"), ("triton_soe", "kerple_log"),
+                                            ("triton_band", "t5"), ("triton_tiled", "learned")])
+def test_bf16x3_products_are_as_accurate_as_dense_bf16(monkeypatch, backend, family):
+    """FLOAT32_PRODUCTS = "bf16x3" (the `+bf16x3` rows, emulated under the interpreter): every
+    output and gradient within LOWP_FACTOR of dense bf16's error against float64."""
+    monkeypatch.setattr(bt, "INTERPRET_ON_CPU", not _CUDA)
+    on_cuda = bt.lowp_dots
+    monkeypatch.setattr(bt, "lowp_dots", lambda p: on_cuda(dataclasses.replace(p, device=torch.device("cuda"))))
+    monkeypatch.setattr(bt, "FLOAT32_PRODUCTS", "bf16x3")
+    fast, dense = _errors(backend, family)
+    for name, e, n in zip(("out", "dq", "dk", "dv"), fast, dense):
+        assert e <= LOWP_FACTOR * n, f"{name}: {e:.3g} vs dense bf16 {n:.3g}"
 
 
 @pytest.mark.parametrize("backend,family", [("triton_chunked", "alibi"), ("triton_soe", "kerple_log"),

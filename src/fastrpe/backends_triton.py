@@ -49,20 +49,38 @@ _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 #: of 4.4x (triton_chunked, ALiBi) and 6.1x (triton_soe, KERPLE-log) dense bf16's, over the
 #: tests' 4x. Which one `bench --suite gpu` should time by default is for the GPU to say.
 LOWP_FEATURES = "float32"
+#: How those float32 features are multiplied on the tensor cores (`triton_chunked.PRECISIONS`):
+#: "tf32x3" (default), three tf32 products, about float32's accuracy; "bf16x3", bf16 products of
+#: each operand's two bf16 halves (three, or two where the other operand is bf16 already, as bf16
+#: values and states are), 16 significant bits: half tf32x3's passes at twice the rate each, and
+#: fewer registers (ptxas, sm_90: triton_tiled's dk/dv kernel spills 24 B where tf32x3 spills
+#: 412, triton_soe's none where 188). Which one is the default is for the GPU bench's `+bf16x3`
+#: rows to say.
+FLOAT32_PRODUCTS = "tf32x3"
 
 
 _LOWP = (torch.bfloat16, torch.float16)
 
 
 @contextlib.contextmanager
-def use_lowp_features(name: str):
-    """`LOWP_FEATURES = name` inside the block, restored after it."""
-    global LOWP_FEATURES
-    before, LOWP_FEATURES = LOWP_FEATURES, name
+def _setting(name: str, value):
+    """This module's global `name` set to `value` inside the block, restored after it."""
+    g = globals()
+    before, g[name] = g[name], value
     try:
         yield
     finally:
-        LOWP_FEATURES = before
+        g[name] = before
+
+
+def use_lowp_features(name: str):
+    """`LOWP_FEATURES = name` inside the block, restored after it."""
+    return _setting("LOWP_FEATURES", name)
+
+
+def use_float32_products(name: str):
+    """`FLOAT32_PRODUCTS = name` inside the block, restored after it."""
+    return _setting("FLOAT32_PRODUCTS", name)
 
 
 def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
@@ -72,11 +90,13 @@ def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
 
     if LOWP_FEATURES not in ("float32", "bfloat16"):
         raise FastRPEError(f"fastrpe.backends_triton.LOWP_FEATURES: 'float32' or 'bfloat16', got {LOWP_FEATURES!r}")
+    if FLOAT32_PRODUCTS not in ("tf32x3", "bf16x3"):
+        raise FastRPEError(f"fastrpe.backends_triton.FLOAT32_PRODUCTS: 'tf32x3' or 'bf16x3', got {FLOAT32_PRODUCTS!r}")
     if p.device.type != "cuda" or p.dtype not in _LOWP:
         return None, "ieee"
     if LOWP_FEATURES == "bfloat16" and p.dtype == torch.bfloat16:
         return torch.bfloat16, "ieee"
-    return None, "tf32x3"
+    return None, FLOAT32_PRODUCTS
 
 
 def _state_dtype(p: Problem) -> torch.dtype | None:

@@ -114,18 +114,60 @@ def triton_route(setting: str, name: str, device: torch.device) -> bool:
 if HAS_TRITON:
 
     @triton.jit
+    def _split_bf16(x):
+        """`(hi, lo)`, both bf16, with `hi + lo` = float32 x to 16 significant bits (relative
+        error at most 2^-17): hi is x rounded, lo the rest rounded."""
+        hi = x.to(tl.bfloat16)
+        return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+    @triton.jit
+    def _bf16_product(x, y, EMULATE: tl.constexpr):
+        """float32 `x @ y` of bf16 tiles: one tensor-core pass, or (EMULATE, the interpreter,
+        whose bf16 `tl.dot` is wrong) the same exact products in float32."""
+        if EMULATE:
+            return tl.dot(x.to(tl.float32), y.to(tl.float32), out_dtype=tl.float32)
+        else:
+            return tl.dot(x, y, out_dtype=tl.float32)
+
+    @triton.jit
+    def _dot_bf16x3(a, b, EMULATE: tl.constexpr):
+        """float32 `a @ b` from bf16 products of the operands' halves (`_split_bf16`):
+        `a_lo·b_hi + a_hi·b_lo + a_hi·b_hi`, small terms first (the `a_lo·b_lo` term, 2^-16 of
+        the product, left out), or two products where one operand is bf16 already (exact: its
+        lo is 0). Each product is a bf16 pass, twice as fast as a tf32 one, so this costs 3 (or
+        2) passes where tf32x3 costs 6 (Triton does not know that a widened bf16 operand has no
+        low part). EMULATE: `_bf16_product`'s float32 stand-in (the interpreter's cast to bf16
+        truncates where the GPU's rounds to nearest: its halves hold 16 bits, not 17)."""
+        if a.dtype == tl.bfloat16:
+            b_hi, b_lo = _split_bf16(b.to(tl.float32))
+            return _bf16_product(a, b_lo, EMULATE) + _bf16_product(a, b_hi, EMULATE)
+        elif b.dtype == tl.bfloat16:
+            a_hi, a_lo = _split_bf16(a.to(tl.float32))
+            return _bf16_product(a_lo, b, EMULATE) + _bf16_product(a_hi, b, EMULATE)
+        else:
+            a_hi, a_lo = _split_bf16(a.to(tl.float32))
+            b_hi, b_lo = _split_bf16(b.to(tl.float32))
+            small = _bf16_product(a_lo, b_hi, EMULATE) + _bf16_product(a_hi, b_lo, EMULATE)
+            return small + _bf16_product(a_hi, b_hi, EMULATE)
+
+    @triton.jit
     def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """`a @ b` with operands rounded to DT and products summed in ACC. MODE (`dot_mode`):
-        1 the interpreter; 2 float32 operands by three tf32 tensor-core products; 0 the rest
-        (bf16/fp16 tensor cores, float32/float64 exactly). Two operands that are both bf16
-        (or both fp16) already, such as a bf16 output gradient against bf16 values, take one
-        tensor-core pass whatever DT: their products are exact in float32, so the three tf32
-        passes (or CUDA-core float32) would give the same sums at several times the cost."""
-        if MODE == 1:
+        1 the interpreter; 2 float32 operands by three tf32 tensor-core products; 3 float32
+        operands by bf16 products of their halves (`_dot_bf16x3`; 4 the same under the
+        interpreter, emulated); 0 the rest (bf16/fp16 tensor cores, float32/float64 exactly).
+        Two operands that are both bf16 (or both fp16) already, such as a bf16 output gradient
+        against bf16 values, take one tensor-core pass whatever DT: their products are exact in
+        float32, so the three tf32 passes (or CUDA-core float32) would give the same sums at
+        several times the cost."""
+        if (MODE == 3 or MODE == 4) and DT == tl.float32 and ACC == tl.float32 and a.dtype != tl.float16 \
+                and b.dtype != tl.float16:
+            return _dot_bf16x3(a, b, MODE == 4)
+        elif MODE == 1 or MODE == 4:
             return tl.dot(a.to(DT).to(ACC), b.to(DT).to(ACC), out_dtype=ACC)
         elif ACC == tl.float32 and a.dtype == b.dtype and (a.dtype == tl.bfloat16 or a.dtype == tl.float16):
             return tl.dot(a, b, out_dtype=ACC)
-        elif DT == tl.float32 and MODE == 2:
+        elif DT == tl.float32 and (MODE == 2 or MODE == 3):  # (an fp16 operand: bf16 halves cannot multiply it)
             return tl.dot(a.to(DT), b.to(DT), input_precision="tf32x3", out_dtype=ACC)
         elif DT == tl.float32 or DT == tl.float64:
             return tl.dot(a.to(DT), b.to(DT), input_precision="ieee", out_dtype=ACC)
@@ -683,9 +725,11 @@ def autotune_choices() -> dict[str, dict[str, str]]:
 
 
 if HAS_TRITON:
-    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "LB", "STRICT", "DIVIDE", "OUT_BF16"])
-    _bwd_dkv_kernel = _tuned(_bwd_dkv_kernel, ["F", "Dv", "LB", "STRICT", "SCALED", "DV_BF16"])
-    _bwd_dq_kernel = _tuned(_bwd_dq_kernel, ["F", "Dv", "LB", "STRICT", "SCALED"])
+    # MODE in every key: the products' precision (`dot_mode`) changes which config is fastest, and
+    # a call in another precision must time its own (tensor dtypes are in the key already)
+    _fwd_out_kernel = _tuned(_fwd_out_kernel, ["F", "Dv", "LB", "STRICT", "DIVIDE", "OUT_BF16", "MODE"])
+    _bwd_dkv_kernel = _tuned(_bwd_dkv_kernel, ["F", "Dv", "LB", "STRICT", "SCALED", "DV_BF16", "MODE"])
+    _bwd_dq_kernel = _tuned(_bwd_dq_kernel, ["F", "Dv", "LB", "STRICT", "SCALED", "MODE"])
 
 _TL_DTYPE = {}
 if HAS_TRITON:
@@ -698,16 +742,22 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 
 #: how float32 operands of `tl.dot` are multiplied on the GPU: "ieee" exactly (CUDA cores),
-#: "tf32x3" by three tf32 tensor-core products (about float32's accuracy, several times faster)
-PRECISIONS = ("ieee", "tf32x3")
+#: "tf32x3" by three tf32 tensor-core products (about float32's accuracy, several times faster),
+#: "bf16x3" by three bf16 products of the operands' halves, two where one operand is bf16
+#: already (16 significant bits, relative error about 2^-16 per product; half the passes of
+#: tf32x3 at twice the rate each; `_dot_bf16x3`)
+PRECISIONS = ("ieee", "tf32x3", "bf16x3")
 
 
 def dot_mode(precision: str) -> int:
-    """The kernels' MODE constant (`_dot`): 1 under the interpreter (which has no tensor
-    cores: products are exact, whatever `precision`), else 0 for "ieee", 2 for "tf32x3"."""
+    """The kernels' MODE constant (`_dot`): 0 for "ieee", 2 for "tf32x3", 3 for "bf16x3";
+    under the interpreter (no tensor cores: products are exact) 1, but 4 for "bf16x3", whose
+    split into bf16 halves it emulates."""
     if precision not in PRECISIONS:
         raise FastRPEError(f"precision: one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return 1 if INTERPRETED else PRECISIONS.index(precision) * 2
+    if INTERPRETED:
+        return 4 if precision == "bf16x3" else 1
+    return {"ieee": 0, "tf32x3": 2, "bf16x3": 3}[precision]
 
 
 def value_dtype(v: Tensor, dt: torch.dtype) -> torch.dtype:

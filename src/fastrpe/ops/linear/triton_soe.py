@@ -361,12 +361,12 @@ if HAS_TRITON:
 
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart;
     # LB, the length's bucket (`triton_chunked.length_bucket`)
-    _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR", "LB"]
+    _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR", "LB", "MODE"]  # (MODE: as triton_chunked's keys)
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY + ["DIVIDE", "OUT_BF16"], restore=["num_ptr", "den_ptr"])
     _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
     _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16", "LAST"],
                                  restore=["dk_ptr", "dv_ptr", "dvlo_ptr"])
-    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "LB", "SCALED"])
+    _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "LB", "SCALED", "MODE"])
 
 
 def _diagonal_sums(P: Tensor, T: int) -> Tensor:

@@ -187,9 +187,11 @@ if HAS_TRITON:
         _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
 
     # LB: the length's bucket (`triton_chunked.length_bucket` of the tiles)
-    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "LB", "CAUSAL", "DIVIDE", "OUT_BF16", "KEY_SCALE"])
-    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "LB", "CAUSAL", "SCALED", "KEY_SCALE"])
-    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "LB", "CAUSAL", "SCALED", "DV_BF16", "DB",
+    # (MODE in every key: as triton_chunked's)
+    _tiled_fwd_kernel = _tuned(_tiled_fwd_kernel, ["F", "Dv", "LB", "CAUSAL", "DIVIDE", "OUT_BF16", "KEY_SCALE",
+                                                   "MODE"])
+    _tiled_bwd_dq_kernel = _tuned(_tiled_bwd_dq_kernel, ["F", "Dv", "LB", "CAUSAL", "SCALED", "KEY_SCALE", "MODE"])
+    _tiled_bwd_dkv_kernel = _tuned(_tiled_bwd_dkv_kernel, ["F", "Dv", "LB", "CAUSAL", "SCALED", "DV_BF16", "DB", "MODE",
                                                            "KEY_SCALE"],
                                    reset=["db_ptr"])
 
