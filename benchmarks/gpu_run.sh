@@ -141,6 +141,22 @@
 # The script's log prints whether the pack was built for the image's triton, and gpu_warm.json
 # (each worker's `triton_compiles`) how many kernels came from the cache and which compiled.
 #
+# New since the third session (CPU, 2026-11-27, later), for the next one to read:
+# - the precompiled pack (above): the log's "precompiled kernels" line and gpu_warm.json's
+#   `triton_compiles` say whether the device found fastrpe's kernels compiled; if it did, the
+#   warm-up ends early and the bench gets its minutes;
+# - the PRF sweep runs before the priority rows and its pick, if any, is used from there on
+#   ("PRF maps: the sweep's pick ..." in gpu_first.log; each run's `prf_launch` in gpu.json's
+#   envs): compare the 64k ALiBi rows with the 15x criterion's 3.7 ms, then make the pick
+#   triton_prf's default (BLOCK_ROWS, NUM_WARPS, PRECISION);
+# - `+bf16x3` rows for every Triton backend (criteria rows): the float32 features multiplied by
+#   bf16 halves (`backends_triton.FLOAT32_PRODUCTS`) instead of tf32x3, half the tensor-core
+#   passes and fewer registers (ptxas, sm_90). If they beat their twins with `max_abs_err` no
+#   worse than about the bf16 rounding, make "bf16x3" the default; the PRF sweep tries it too
+#   (64:4:bf16x3, 128:8:bf16x3);
+# - triton_tiled's `+bf16-features` and `+bf16x3` rows are criteria rows: the learned tables at
+#   64k need <= Flex + table's 131 ms (triton_tiled was 282 with tf32x3 products).
+#
 # What the third H100 session (2026-11-27, docs/RESULTS.md "Third H100 session") taught, in two
 # calls (430 s `first`, 301 s `rest`, 772 s of the 900 with the machine's start):
 # - fla's chunk_simple_gla broke the CUDA context under triton 3.7.1 too; the probe's answer was

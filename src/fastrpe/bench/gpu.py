@@ -18,6 +18,8 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
   its own `not_supported_reasons`; `fastrpe-triton_*+bf16-features`: the Triton backends with
   the features rounded to bf16 (`backends_triton.LOWP_FEATURES`; the default keeps them
   float32, products by tf32x3), to weigh their speed against their error on the GPU;
+  `fastrpe-triton_*+bf16x3`: the float32 features multiplied by their bf16 halves
+  (`backends_triton.FLOAT32_PRODUCTS`: half tf32x3's tensor-core passes, 16 significant bits);
   `fastrpe-triton_*+compiled`: the same call under `torch.compile(fullgraph=True)`, as Flex
   runs (the kernels are custom ops in the graph; the feature maps and the glue are Inductor's).
 
@@ -84,24 +86,30 @@ CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs",
-              "fastrpe-triton_chunked+compiled+cudagraphs", "fastrpe-triton_chunked+bf16-features"),
+              "fastrpe-triton_chunked+compiled+cudagraphs", "fastrpe-triton_chunked+bf16-features",
+              "fastrpe-triton_chunked+bf16x3"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
-                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
+                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
+                   "fastrpe-triton_soe+bf16x3"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
-                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
+                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
+                     "fastrpe-triton_soe+bf16x3"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
-           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
+           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs",
+           "fastrpe-triton_band+bf16x3"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features"),
+                "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
+                "fastrpe-triton_tiled+bf16x3"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                      "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
-                     "fastrpe-triton_tiled+bf16-features"),
+                     "fastrpe-triton_tiled+bf16-features", "fastrpe-triton_tiled+bf16x3"),
 }
 # (`+bf16-features` for the exact families whose criteria the float32 features' tf32x3 products
 # may cost: triton_tiled's quadratic loop multiplies float32 operands by three tf32 passes, 6x
 # a bf16 pass each, and was 282 ms at 64k against Flex + table's 131 (H100, 2026-11-26/27);
 # the rows' `max_abs_err` says what the rounding costs. KERPLE's are left out: their 1e-3 is
-# judged on float32 inputs, which the bf16 features never see)
+# judged on float32 inputs, which the bf16 features never see. `+bf16x3` everywhere: the same
+# float32 features multiplied by bf16 halves, 16 significant bits, half tf32x3's passes)
 #: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
 #: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
 COMPILED = "+compiled"
@@ -544,9 +552,11 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
-                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None):
+                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
+                  float32_products: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
+    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
@@ -558,7 +568,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
-        from fastrpe.backends_triton import use_lowp_features
+        from fastrpe.backends_triton import use_float32_products, use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
         from fastrpe.ops.linear.triton_soe import use_saved_states
@@ -598,6 +608,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             with contextlib.ExitStack() as stack:
                 if lowp_features is not None:
                     stack.enter_context(use_lowp_features(lowp_features))
+                if float32_products is not None:
+                    stack.enter_context(use_float32_products(float32_products))
                 if state_scan is not None:
                     stack.enter_context(use_state_scan(state_scan))
                 if saved_states is not None:
@@ -606,6 +618,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
 
         if lowp_features is not None:
             extra["lowp_features"] = lowp_features
+        if float32_products is not None:
+            extra["float32_products"] = float32_products
         if state_scan is not None:
             extra["state_scan"] = state_scan
         if saved_states is not None:
@@ -717,6 +731,8 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
+            # the float32 features multiplied by bf16 halves (half tf32x3's tensor-core passes)
+            reg[f"fastrpe-{name}+bf16x3"] = fastrpe_setup(name, cfg, float32_products="bf16x3")
     # the chunk-state passes as STATE_SCAN's "auto" does not run them at the bench's lengths
     # (triton_chunked.auto_blocked): triton_chunked and triton_band blocked from 16k on, so
     # their sequential twins; triton_soe sequential (its terms fill the SMs), so its blocked one
