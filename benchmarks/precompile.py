@@ -172,10 +172,11 @@ def on_a_gpu():
             setattr(obj, name, value)
 
 
-def bench_rows(families, lengths, log=print) -> int:
+def bench_rows(families, lengths, log=print, only=()) -> int:
     """Each fastrpe Triton row of the GPU bench's registry (eager: a `+compiled` row runs the
-    same kernels as custom ops) once, forward and backward, on CPU tensors; the rows at
-    `accuracy_length` run their float32 accuracy calls too (the setup does). Returns rows run."""
+    same kernels as custom ops; those matching a pattern of `only`, if any) once, forward and
+    backward, on CPU tensors; the rows at `accuracy_length` run their float32 accuracy calls
+    too (the setup does). Returns rows run."""
     import torch
 
     from fastrpe.bench import gpu
@@ -183,7 +184,8 @@ def bench_rows(families, lengths, log=print) -> int:
 
     cfg = gpu.GpuConfig()
     reg = gpu.registry(cfg)
-    names = [n for n in reg if n.startswith("fastrpe-triton_") and not gpu.compiled_row(n)]
+    names = [n for n in reg if n.startswith("fastrpe-triton_") and not gpu.compiled_row(n)
+             and (not only or gpu.matches(n, only))]
     n_run = 0
     for L in lengths:
         for fam in families:
@@ -253,7 +255,7 @@ def prf_sweep_launches(L: int = 65536) -> None:
             tp.prf_backward_launch(x, w, phi, dphi, dx, kern, is_query, **choices)
 
 
-def record(out: Path, families, lengths, decode: bool, prf: bool, log=print) -> dict:
+def record(out: Path, families, lengths, decode: bool, prf: bool, log=print, only=()) -> dict:
     import torch
     import triton
 
@@ -261,7 +263,7 @@ def record(out: Path, families, lengths, decode: bool, prf: bool, log=print) -> 
     specs: dict = {}
     t0 = time.perf_counter()
     with no_gpu_driver(), recording(specs), on_a_gpu():
-        n = bench_rows(families, lengths, log)
+        n = bench_rows(families, lengths, log, only)
         if decode:
             decode_steps(log)
         if prf:
@@ -330,18 +332,13 @@ def verify(key: str, triton_dir: Path, families, lengths, log=print) -> dict:
     compilation listener. Every kernel recorded should be a hit; a miss is a launch whose
     arguments the recording did not see the same way."""
     os.environ["TRITON_CACHE_DIR"] = str(triton_dir)
-    from triton import knobs
     from triton.runtime import cache
 
+    from fastrpe.bench.gpu_warm import watch_triton_compiles
+
     cache.triton_key = lambda: key
-    counts = {"hits": 0, "misses": 0, "missed": []}
-
-    def listen(*, src, cache_hit, **_):
-        counts["hits" if cache_hit else "misses"] += 1
-        if not cache_hit and len(counts["missed"]) < 20:
-            counts["missed"].append(str(getattr(src, "name", src)))
-
-    knobs.compilation.listener = listen
+    counts: dict = {}
+    watch_triton_compiles(counts)  # as the device's warm-up workers count them
     with no_gpu_driver(), compile_only(), on_a_gpu():
         bench_rows(families, lengths, log=lambda line: None)
     log(f"verify: {counts['hits']} kernels from the cache, {counts['misses']} compiled"
@@ -407,6 +404,7 @@ def main(argv=None) -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--families", default="alibi,kerple_log,kerple_power,t5,learned,learned_full")
     r.add_argument("--lengths", default="4096,16384,65536,262144")
+    r.add_argument("--only", default="", help="comma-separated fnmatch patterns of the rows to run (default all)")
     r.add_argument("--no-decode", action="store_true")
     r.add_argument("--no-prf-sweep", action="store_true")
     v = sub.add_parser("verify", help="run rows again, compiling from --triton-dir under the key: count the hits")
@@ -449,7 +447,7 @@ def main(argv=None) -> int:
             print("precompile record: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
             return 2
         record(a.out, [f for f in a.families.split(",") if f], [int(x) for x in a.lengths.split(",") if x],
-               decode=not a.no_decode, prf=not a.no_prf_sweep)
+               decode=not a.no_decode, prf=not a.no_prf_sweep, only=tuple(x for x in a.only.split(",") if x))
         return 0
     key = a.triton_key_file.read_text()
     if a.cmd == "verify":
