@@ -59,6 +59,8 @@ def all_cases():
     for dt, mode in (("bf16", 0), ("fp32", 2), ("fp32", 3)):  # bf16 features; float32 features by tf32x3, by bf16x3
         D, A = {"bf16": tl.bfloat16, "fp32": tl.float32}[dt], tl.float32
         io = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "do_ptr", "dd_ptr", "num_ptr", "den_ptr"], dt)
+        if mode:  # float32 features multiplied on the tensor cores: a bf16 call's, whose values
+            io["v_ptr"] = "bf16"  # are read as they come (`triton_chunked.value_dtype`)
         sums = dict.fromkeys(["lg_ptr", "z_ptr", "dz_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dvlo_ptr", "cn_ptr", "wq_ptr",
                               "lgk_ptr", "p_ptr", "dwq_ptr", "g_ptr", "s_ptr", "out_s_ptr", "y_ptr", "inv_ptr",
                               "c_ptr", "cz_ptr"],
@@ -169,3 +171,49 @@ def test_every_kernel_compiles_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     print(res.stdout)
     assert len(res.stdout.splitlines()) == N_COMPILED
+
+
+PASSES = r"""
+import re, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastrpe.ops.linear.triton_chunked import _dot
+
+@triton.jit
+def product(a_ptr, b_ptr, c_ptr, MODE: tl.constexpr, DT: tl.constexpr):
+    m, n = tl.arange(0, 64), tl.arange(0, 64)
+    a = tl.load(a_ptr + m[:, None] * 64 + n[None, :])
+    b = tl.load(b_ptr + m[:, None] * 64 + n[None, :])
+    tl.store(c_ptr + m[:, None] * 64 + n[None, :], _dot(a, b, DT, tl.float32, MODE))
+
+for a, b in (("bf16", "bf16"), ("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+    for mode in (0, 2, 3):  # (DT float32: the float32 features' kernels, where the modes differ)
+        sig = {"a_ptr": "*" + a, "b_ptr": "*" + b, "c_ptr": "*fp32", "MODE": "constexpr", "DT": "constexpr"}
+        k = triton.compile(ASTSource(product, sig, constexprs={(3,): mode, (4,): tl.float32}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        print(a, b, mode, len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])))
+"""
+
+
+def test_bf16x3_takes_three_passes_two_against_bf16_one_for_two_bf16(tmp_path):
+    """`_dot`'s tensor-core passes for sm_90 (wgmma instructions in the PTX, one 64x64x64
+    product, float32 features' DT): two bf16 operands take the one bf16 pass in every mode;
+    bf16x3 (MODE 3) takes 2 against a bf16 operand and 3 for two float32 ones, where tf32x3
+    (MODE 2) takes 3 tf32 passes whichever, each of twice a bf16 pass's instructions (tf32's
+    K is 8, bf16's 16). (A MODE 3 that split a bf16 operand again doubled `do·vᵀ`'s passes.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    script = tmp_path / "passes.py"  # (triton.jit reads its function's source from a file)
+    script.write_text(PASSES)
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    if "ptxas" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("this triton install has no ptxas")
+    assert res.returncode == 0, res.stderr[-3000:]
+    n = {tuple(line.split()[:3]): int(line.split()[3]) for line in res.stdout.splitlines()}
+    one = n[("bf16", "bf16", "0")]
+    assert one > 0 and n[("bf16", "bf16", "2")] == n[("bf16", "bf16", "3")] == one
+    assert n[("fp32", "bf16", "3")] == n[("bf16", "fp32", "3")] == 2 * one
+    assert n[("fp32", "fp32", "3")] == 3 * one
+    assert n[("fp32", "fp32", "2")] == n[("fp32", "bf16", "2")] == n[("bf16", "fp32", "2")] == 6 * one
+    assert n[("fp32", "fp32", "0")] == 0  # "ieee": CUDA cores

@@ -52,10 +52,11 @@ LOWP_FEATURES = "float32"
 #: How those float32 features are multiplied on the tensor cores (`triton_chunked.PRECISIONS`):
 #: "tf32x3" (default), three tf32 products, about float32's accuracy; "bf16x3", bf16 products of
 #: each operand's two bf16 halves (three, or two where the other operand is bf16 already, as bf16
-#: values and states are), 16 significant bits: half tf32x3's passes at twice the rate each, and
-#: fewer registers (ptxas, sm_90: triton_tiled's dk/dv kernel spills 24 B where tf32x3 spills
-#: 412, triton_soe's none where 188). Which one is the default is for the GPU bench's `+bf16x3`
-#: rows to say.
+#: values and states are), 16 significant bits: a third of tf32x3's tensor-core instructions
+#: against a bf16 operand, half for two float32 ones, and less shared memory and fewer spills
+#: (ptxas, sm_90, one stage: triton_tiled's dk/dv kernel spills 120 B where tf32x3 spills 972,
+#: triton_soe's 4 where 396; results/ptxas-sm90-bf16x3.json). Which one is the default is for
+#: the GPU bench's `+bf16x3` rows to say.
 FLOAT32_PRODUCTS = "tf32x3"
 
 

@@ -137,8 +137,11 @@ if HAS_TRITON:
         lo is 0). Each product is a bf16 pass, twice as fast as a tf32 one, so this costs 3 (or
         2) passes where tf32x3 costs 6 (Triton does not know that a widened bf16 operand has no
         low part). EMULATE: `_bf16_product`'s float32 stand-in (the interpreter's cast to bf16
-        truncates where the GPU's rounds to nearest: its halves hold 16 bits, not 17)."""
-        if a.dtype == tl.bfloat16:
+        truncates where the GPU's rounds to nearest: its halves hold 16 bits, not 17). Two bf16
+        operands: one pass, exact."""
+        if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+            return _bf16_product(a, b, EMULATE)
+        elif a.dtype == tl.bfloat16:
             b_hi, b_lo = _split_bf16(b.to(tl.float32))
             return _bf16_product(a, b_lo, EMULATE) + _bf16_product(a, b_hi, EMULATE)
         elif b.dtype == tl.bfloat16:
