@@ -122,9 +122,8 @@ def recording(specs: dict):
 def on_a_gpu():
     """The host-side choices a CUDA device makes, for CPU tensors, with the kernels compiled
     (not interpreted): every Triton path accepts the CPU, bf16 problems take CUDA's dot
-    precision and chunk-state dtype (`backends_triton.lowp_dots`, `_state_dtype`), the chunk
-    scan's "auto" sees the H100's SMs, and the feature maps and decoding steps take their
-    Triton routes. Restored after."""
+    precision (`backends_triton.lowp_dots`), the chunk scan's "auto" sees the H100's SMs, and
+    the feature maps and decoding steps take their Triton routes. Restored after."""
     import torch
 
     import fastrpe.backends_triton as bt
@@ -146,13 +145,6 @@ def on_a_gpu():
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("fastrpe.") and hasattr(mod, "triton_unavailable_reason"):
-            put(mod, "triton_unavailable_reason", lambda device: None)
-    put(bt, "INTERPRET_ON_CPU", True)
-    for name in ("lowp_dots", "_state_dtype"):
-        fn = getattr(bt, name)
-        put(bt, name, lambda p, fn=fn: fn(dataclasses.replace(p, device=cuda)))
     auto_blocked = tc.auto_blocked
 
     def blocked_as_on_the_h100(N, programs, device):
@@ -160,12 +152,18 @@ def on_a_gpu():
             return auto_blocked(N, programs, device)
         return programs < tc.AUTO_BLOCKED_SM_SHARE * SM_COUNT
 
-    put(tc, "auto_blocked", blocked_as_on_the_h100)
-    put(kernels, "TRITON_FEATURES", "always")
-    put(attention, "FUSED_STEP", "always")
-    check = api.check_qkv  # the non-finite check reads CPU tensors only: not on a GPU
-    put(api, "check_qkv", lambda q, k, v, **kw: check(q, k, v, check_finite=False))
+    lowp_dots, check = bt.lowp_dots, api.check_qkv
     try:
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("fastrpe.") and hasattr(mod, "triton_unavailable_reason"):
+                put(mod, "triton_unavailable_reason", lambda device: None)
+        put(bt, "INTERPRET_ON_CPU", True)
+        put(bt, "lowp_dots", lambda p: lowp_dots(dataclasses.replace(p, device=cuda)))
+        put(tc, "auto_blocked", blocked_as_on_the_h100)
+        put(kernels, "TRITON_FEATURES", "always")
+        put(attention, "FUSED_STEP", "always")
+        # the non-finite check reads CPU tensors only: not on a GPU
+        put(api, "check_qkv", lambda q, k, v, **kw: check(q, k, v, check_finite=False))
         yield
     finally:
         for obj, name, value in reversed(saved):
@@ -181,6 +179,7 @@ def bench_rows(families, lengths, log=print, only=()) -> int:
 
     from fastrpe.bench import gpu
     from fastrpe.bench.registry import Problem
+    from fastrpe.ops.linear import triton_chunked as tc
 
     cfg = gpu.GpuConfig()
     reg = gpu.registry(cfg)
@@ -193,6 +192,10 @@ def bench_rows(families, lengths, log=print, only=()) -> int:
                         D=cfg.D, features=cfg.features, backward=True)
             for name in names:
                 t0 = time.perf_counter()
+                # the stand-in benchmarker ties every config, so an autotuner that has a choice
+                # for a key would launch only that one for a later specialization under the key
+                for tuned in tc.TUNED:
+                    tuned.cache.clear()
                 try:
                     run = reg[name](p, torch.device("cpu"), torch.bfloat16)
                     if isinstance(run, str):
@@ -330,7 +333,8 @@ def verify(key: str, triton_dir: Path, families, lengths, log=print) -> dict:
     """The rows `record` ran, again, each kernel compiled from `triton_dir` under `key` as the
     device would look it up (not launched): `{"hits", "misses", "missed"}` from Triton's
     compilation listener. Every kernel recorded should be a hit; a miss is a launch whose
-    arguments the recording did not see the same way."""
+    arguments the recording did not see the same way (and is compiled into `triton_dir`:
+    run it on a copy to keep a pack's folder as built)."""
     os.environ["TRITON_CACHE_DIR"] = str(triton_dir)
     from triton.runtime import cache
 
@@ -442,9 +446,12 @@ def main(argv=None) -> int:
                  "they will miss, the kernels compile here as before")
               + (f"; {len(stale)} kernels changed since, they compile here: {', '.join(stale)}" if stale else ""))
         return 0
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print(f"precompile {a.cmd}: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
+        return 2
     if a.cmd == "record":
-        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-            print("precompile record: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
+        if os.environ.get("FASTRPE_TRITON_CONFIG"):
+            print("precompile record: unset FASTRPE_TRITON_CONFIG (every autotuner config is recorded)")
             return 2
         record(a.out, [f for f in a.families.split(",") if f], [int(x) for x in a.lengths.split(",") if x],
                decode=not a.no_decode, prf=not a.no_prf_sweep, only=tuple(x for x in a.only.split(",") if x))
@@ -453,7 +460,7 @@ def main(argv=None) -> int:
     if a.cmd == "verify":
         counts = verify(key, a.triton_dir, [f for f in a.families.split(",") if f],
                         [int(x) for x in a.lengths.split(",") if x])
-        return 1 if counts["misses"] else 0
+        return 1 if counts["misses"] or not counts.get("hits") else 0
     info = compile_all(a.specs, key, a.triton_dir, max(1, a.jobs))
     if a.info is not None:
         a.info.parent.mkdir(parents=True, exist_ok=True)

@@ -131,10 +131,11 @@ def choose(rows: list[dict], L: int) -> tuple[str | None, dict]:
     for r in at:
         by.setdefault(r["config"], []).append(r)
     totals = {c: sum(r["seconds"] for r in rs) for c, rs in by.items()
-              if len(rs) == 4 and all("seconds" in r for r in rs)}
+              if len(rs) == 4 and all("seconds" in r and "error" not in r for r in rs)}
 
     def close(r):
-        return r["max_abs_diff"] <= ADOPT_RTOL[r["pass"]] * max(r.get("ref_max_abs", 0.0), 1e-30)
+        return ("max_abs_diff" in r
+                and r["max_abs_diff"] <= ADOPT_RTOL[r["pass"]] * max(r.get("ref_max_abs", 0.0), 1e-30))
 
     ok = {c: t for c, t in totals.items() if all(close(r) for r in by[c])}
     if first not in totals or not ok:
@@ -160,6 +161,10 @@ def main(argv=None) -> int:
         res = json.loads(Path(args.choose).read_text())
         Ls = sorted({r["L"] for r in res.get("rows", [])})
         pick, _ = choose(res.get("rows", []), Ls[-1]) if Ls else (None, {})
+        try:  # what triton_prf would refuse when imported is not offered
+            tp.parse_launch(pick or "")
+        except Exception:  # noqa: BLE001 - nothing to adopt
+            pick = None
         print(pick or "")
         return 0
     configs = [c for c in args.configs.split(",") if c]

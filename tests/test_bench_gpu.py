@@ -650,6 +650,21 @@ def test_a_compiled_row_takes_its_eager_twins_accuracy():
     assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+compiled"
 
 
+def test_precision_variants_count_only_where_no_float32_tolerance_is_judged():
+    """A `+bf16x3` or `+bf16-features` row's float32-input error would be its twin's (float32
+    calls never take its products): timed, but not counted against KERPLE's 1e-3; counted for
+    an exact family."""
+    L, acc = 65536, 65536
+    rows = [_row("kerple_log", acc, "fastrpe-triton_soe", 10.0, exact=False, max_abs_err_fp32=1e-5),
+            _row("kerple_log", acc, "fastrpe-triton_soe+bf16x3", 5.0, exact=False, max_abs_err_fp32=1e-5),
+            _row("kerple_log", acc, "fastrpe-triton_soe+bf16-features", 4.0, exact=False),
+            _row("alibi", L, "fastrpe-triton_chunked", 6.0, exact=True),
+            _row("alibi", L, "fastrpe-triton_chunked+bf16x3", 3.0, exact=True)]
+    assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe"
+    assert gpu.best_fastrpe(_result(rows), "kerple_log", L)[0] == "fastrpe-triton_soe+bf16-features"
+    assert gpu.best_fastrpe(_result(rows), "alibi", L, exact_only=True)[0] == "fastrpe-triton_chunked+bf16x3"
+
+
 def test_a_rows_after_hook_adds_what_its_calls_left_and_the_autotuners_choices(monkeypatch):
     """`run_suite` copies a closure's `after()` into its timed row (not into a refused one);
     the GPU bench uses it for each row's own new autotuner choices (`triton_chunked.TUNED`)."""

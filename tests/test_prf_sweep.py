@@ -55,6 +55,11 @@ def test_choose_adopts_a_clearly_faster_config_that_agrees(tmp_path, capsys):
     rows = _rows({lib: 1.0, "16:4:ieee": 0.2})
     del rows[-1]["seconds"]
     assert mod.choose(rows, 65536)[0] is None
+    # nor one whose result could not be compared (timed, then an error)
+    rows = _rows({lib: 1.0, "16:4:ieee": 0.2})
+    del rows[-1]["max_abs_diff"]
+    rows[-1]["error"] = "RuntimeError: ..."
+    assert mod.choose(rows, 65536)[0] is None
     f = tmp_path / "sweep.json"
     f.write_text(json.dumps({"rows": _rows({lib: 1.0, "128:8:ieee": 0.5})}))
     assert mod.main(["--choose", str(f)]) == 0 and capsys.readouterr().out.strip() == "128:8:ieee"

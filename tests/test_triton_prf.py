@@ -164,14 +164,17 @@ def test_launch_choices_from_the_environment_and_bad_ones_in_one_line():
     import sys
 
     assert triton_prf.parse_launch("128:8:tf32x3") == (128, 8, "tf32x3")
-    for bad in ("100:4:ieee", "8:4:ieee", "64:3:ieee", "64:64:ieee", "64:4:tf32", "64:4", "a:b:c"):
+    for bad in ("100:4:ieee", "8:4:ieee", "64:3:ieee", "64:64:ieee", "64:4:tf32", "64:4", "a:b:c", "²:4:ieee"):
         with pytest.raises(FastRPEError, match="FASTRPE_PRF_LAUNCH: expected BR:num_warps:precision"):
             triton_prf.parse_launch(bad)
     code = "from fastrpe.ops import triton_prf as t; print(t.launch_choice())"
-    for value, want in (("32:2:tf32x3", "32:2:tf32x3"), ("", triton_prf.launch_choice())):
-        env = {**os.environ, "FASTRPE_PRF_LAUNCH": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want
-    env = {**os.environ, "FASTRPE_PRF_LAUNCH": "64:4:fast"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+
+    def launch(**env):
+        base = {k: v for k, v in os.environ.items() if k != "FASTRPE_PRF_LAUNCH"}
+        return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                              check=False)
+
+    assert launch(FASTRPE_PRF_LAUNCH="32:2:tf32x3").stdout.strip() == "32:2:tf32x3"
+    assert launch(FASTRPE_PRF_LAUNCH="").stdout.strip() == launch().stdout.strip()  # empty: the defaults
+    out = launch(FASTRPE_PRF_LAUNCH="64:4:fast")
     assert out.returncode != 0 and "FASTRPE_PRF_LAUNCH: expected" in out.stderr.strip().splitlines()[-1]

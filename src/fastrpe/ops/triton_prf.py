@@ -149,7 +149,7 @@ def parse_launch(spec: str) -> tuple[int, int, str]:
     from .linear.triton_chunked import PRECISIONS
 
     parts = spec.split(":")
-    pow2 = (lambda x: x.isdigit() and int(x) > 0 and int(x) & (int(x) - 1) == 0)
+    pow2 = (lambda x: x.isdecimal() and x.isascii() and int(x) > 0 and int(x) & (int(x) - 1) == 0)
     if (len(parts) != 3 or not pow2(parts[0]) or int(parts[0]) < 16 or not pow2(parts[1]) or int(parts[1]) > 32
             or parts[2] not in PRECISIONS):
         raise FastRPEError(f"FASTRPE_PRF_LAUNCH: expected BR:num_warps:precision (BR a power of two >= 16, "
