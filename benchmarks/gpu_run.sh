@@ -140,6 +140,10 @@
 #       --inductor-dir runs/precompile/inductor --out .gpu_cache/compile_cache.tar.xz --max-bytes 16711680
 # The script's log prints whether the pack was built for the image's triton, and gpu_warm.json
 # (each worker's `triton_compiles`) how many kernels came from the cache and which compiled.
+# Compile into the folder you pack from: Triton's lookup files hold absolute paths, so a moved
+# folder misses everything (only compile_cache.py's pack and unpack rewrite them). `verify`
+# (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
+# runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
 # New since the third session (CPU, 2026-11-27, later), for the next one to read:
 # - the precompiled pack (above): the log's "precompiled kernels" line and gpu_warm.json's
