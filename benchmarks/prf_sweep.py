@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fastrpe import kernels
+from fastrpe._validate import FastRPEError
 from fastrpe.bench.runner import _time as time_call
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked as tc
@@ -78,8 +79,7 @@ def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, 
     dphi = torch.randn(1, H, L, F, generator=g).to(device)
     rows, ref = [], {}
     for spec in configs:
-        BR, warps, precision = spec.split(":")
-        BR, warps = int(BR), int(warps)
+        BR, warps, precision = tp.parse_launch(spec)
         for is_query in (True, False):
             phi = torch.empty(1, H, L, F, dtype=torch.float32, device=device)
             dx = torch.empty_like(x)
@@ -169,9 +169,10 @@ def main(argv=None) -> int:
         return 0
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
-        parts = c.split(":")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in tc.PRECISIONS:
-            print(f"prf_sweep: --configs takes BR:num_warps:precision (precision one of {tc.PRECISIONS}), got {c!r}")
+        try:
+            tp.parse_launch(c, "prf_sweep: --configs")
+        except FastRPEError as e:
+            print(e)
             return 2
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -1081,12 +1081,10 @@ def environment(device: torch.device) -> dict:
     env = {"device": device_name(device), **versions(), "python": platform.python_version(), "cuda": torch.version.cuda}
     if device.type == "cuda":
         env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
-    try:  # the PRF maps' launch choices (`$FASTRPE_PRF_LAUNCH`: gpu_run.sh's pick from the PRF sweep)
-        from ..ops import triton_prf
+    from ..ops import triton_prf  # (imports without triton too)
 
-        env["prf_launch"] = triton_prf.launch_choice()
-    except Exception:  # noqa: BLE001 - no triton: no Triton maps
-        pass
+    # the PRF maps' launch choices (`$FASTRPE_PRF_LAUNCH`: gpu_run.sh's pick from the PRF sweep)
+    env["prf_launch"] = triton_prf.launch_choice()
     return env
 
 

@@ -143,16 +143,16 @@ NUM_WARPS = 4
 PRECISION = "ieee"
 
 
-def parse_launch(spec: str) -> tuple[int, int, str]:
+def parse_launch(spec: str, what: str = "FASTRPE_PRF_LAUNCH") -> tuple[int, int, str]:
     """`(BLOCK_ROWS, NUM_WARPS, PRECISION)` from "BR:num_warps:precision" (prf_sweep's
-    configs), with a one-line error for anything else."""
+    configs), with a one-line error naming `what` for anything else."""
     from .linear.triton_chunked import PRECISIONS
 
     parts = spec.split(":")
     pow2 = (lambda x: x.isdecimal() and x.isascii() and int(x) > 0 and int(x) & (int(x) - 1) == 0)
     if (len(parts) != 3 or not pow2(parts[0]) or int(parts[0]) < 16 or not pow2(parts[1]) or int(parts[1]) > 32
             or parts[2] not in PRECISIONS):
-        raise FastRPEError(f"FASTRPE_PRF_LAUNCH: expected BR:num_warps:precision (BR a power of two >= 16, "
+        raise FastRPEError(f"{what}: expected BR:num_warps:precision (BR a power of two >= 16, "
                            f"num_warps a power of two <= 32, precision one of {', '.join(PRECISIONS)}), got {spec!r}")
     return int(parts[0]), int(parts[1]), parts[2]
 
