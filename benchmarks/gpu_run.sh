@@ -631,7 +631,6 @@ case "$phase" in
     #     still compiling at 100 s), with fla's own triton where FLA_ENV gives one; its
     #     autotuning beside other work is not kept (FLA_CACHE_RESULTS=0), as the warm-up's
     probe_pid=
-    rm -f /tmp/fla_probe.log  # (a SMOKE run's earlier one)
     [ "${#FLA_ENV[@]}" -gt 0 ] && FLA_PROBE=${FLA_PROBE-1}
     if [ -n "${FLA_PROBE:-}" ] && env "${FLA_ENV[@]}" python3 -c 'import fla' 2>/dev/null; then
         env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py \
