@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from _benchmarks import load_benchmark
+from _compiled import compiled_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +26,7 @@ def load_packer():
 def compile_once(cache: Path, forbid: bool = False) -> dict:
     """benchmarks/compile_cache_toy.py in a process of its own (conftest's TRITON_INTERPRET
     left out): one kernel compiled for sm_90 into `cache`, and whether it was a hit."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(cache)
+    env = compiled_env(TRITON_CACHE_DIR=str(cache))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "compile_cache_toy.py")] + (["--forbid-compile"] if forbid else [])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr[-3000:]

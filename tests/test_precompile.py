@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _compiled import compiled_env
 
 pytest.importorskip("triton")
 
@@ -27,10 +28,9 @@ def toy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 def _run(code: str, tmp_path: Path, timeout: int = 120) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT / "benchmarks"),
-                                         env.get("PYTHONPATH", "")])
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "default_cache")  # never the user's own cache
+    env = compiled_env(TRITON_CACHE_DIR=str(tmp_path / "default_cache"),  # never the user's own cache
+                       PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT / "benchmarks"),
+                                                   os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, check=False,
                        timeout=timeout, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

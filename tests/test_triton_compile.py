@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from _compiled import compiled_env
 
 pytest.importorskip("triton")
 
@@ -160,17 +161,23 @@ if RUN:
 N_COMPILED = 3 * (14 + 2 * 6) + 2 * 17
 
 
+def _compile_run(cmd: list[str], timeout: int, **env: str) -> str:
+    """stdout of `cmd` in a process that compiles (`_compiled.compiled_env`); skipped where
+    this triton has no ptxas."""
+    res = subprocess.run(cmd, env=compiled_env(**env), capture_output=True, text=True, timeout=timeout, check=False)
+    if "ptxas" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("this triton install has no ptxas")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("FASTRPE_COMPILE_CHECK") != "1",
                     reason="1.5 min of compilation: set FASTRPE_COMPILE_CHECK=1 to run")
 def test_every_kernel_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", "RUN = True\n" + SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if "ptxas" in res.stderr and "No such file" in res.stderr:
-        pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0, res.stderr[-3000:]
-    print(res.stdout)
-    assert len(res.stdout.splitlines()) == N_COMPILED
+    out = _compile_run([sys.executable, "-c", "RUN = True\n" + SCRIPT], 600)
+    print(out)
+    assert len(out.splitlines()) == N_COMPILED
 
 
 PASSES = r"""
@@ -201,16 +208,10 @@ def test_bf16x3_takes_three_passes_two_against_bf16_one_for_two_bf16(tmp_path):
     bf16x3 (MODE 3) takes 2 against a bf16 operand and 3 for two float32 ones, where tf32x3
     (MODE 2) takes 3 tf32 passes whichever, each of twice a bf16 pass's instructions (tf32's
     K is 8, bf16's 16). (A MODE 3 that split a bf16 operand again doubled `do·vᵀ`'s passes.)"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     script = tmp_path / "passes.py"  # (triton.jit reads its function's source from a file)
     script.write_text(PASSES)
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    if "ptxas" in res.stderr and "No such file" in res.stderr:
-        pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0, res.stderr[-3000:]
-    n = {tuple(line.split()[:3]): int(line.split()[3]) for line in res.stdout.splitlines()}
+    out = _compile_run([sys.executable, str(script)], 300, TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    n = {tuple(line.split()[:3]): int(line.split()[3]) for line in out.splitlines()}
     one = n[("bf16", "bf16", "0")]
     assert one > 0 and n[("bf16", "bf16", "2")] == n[("bf16", "bf16", "3")] == one
     assert n[("fp32", "bf16", "3")] == n[("bf16", "fp32", "3")] == 2 * one
