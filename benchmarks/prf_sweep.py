@@ -42,8 +42,8 @@ from fastrpe.ops.linear import triton_chunked as tc
 
 #: BR:num_warps:precision, each tried in turn (the first is the library's own choice,
 #: triton_prf's BLOCK_ROWS, NUM_WARPS and PRECISION)
-CONFIGS = (f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "16:4:ieee", "32:4:ieee", "128:4:ieee", "64:8:ieee",
-           "128:8:ieee", "32:2:ieee", "64:4:tf32x3", "128:8:tf32x3", "64:4:bf16x3", "128:8:bf16x3")
+CONFIGS = tuple(dict.fromkeys((f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "64:4:ieee", "16:4:ieee", "32:4:ieee",
+                                "128:4:ieee", "64:8:ieee", "128:8:ieee", "32:2:ieee", "64:4:tf32x3", "128:8:tf32x3")))
 
 
 def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: int, warps: int, precision: str):
