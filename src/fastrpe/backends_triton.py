@@ -55,9 +55,17 @@ LOWP_FEATURES = "float32"
 #: values and states are), 16 significant bits: a third of tf32x3's tensor-core instructions
 #: against a bf16 operand, half for two float32 ones, and less shared memory and fewer spills
 #: (ptxas, sm_90, one stage: triton_tiled's dk/dv kernel spills 120 B where tf32x3 spills 972,
-#: triton_soe's 4 where 396; results/ptxas-sm90-bf16x3.json). Which one is the default is for
-#: the GPU bench's `+bf16x3` rows to say.
+#: triton_soe's 4 where 396; results/ptxas-sm90-bf16x3.json). But on an H100 (triton 3.6.0,
+#: 2026-11-27, benchmarks/results/gpu/h100-2026-11-27b.json) the `+bf16x3` rows of triton_soe,
+#: triton_band and triton_tiled stopped with "an illegal memory access" at 4,096 tokens (each in
+#: a fresh process), which the interpreter's emulation (MODE 4) cannot show: so a CUDA call
+#: refuses "bf16x3" (`lowp_dots`) until a GPU session finds why; the CPU tests keep its
+#: arithmetic right under the interpreter.
 FLOAT32_PRODUCTS = "tf32x3"
+#: why a CUDA call refuses FLOAT32_PRODUCTS = "bf16x3"
+BF16X3_ON_CUDA = ("fastrpe.backends_triton.FLOAT32_PRODUCTS = 'bf16x3' is refused on CUDA: its triton_soe, "
+                  "triton_band and triton_tiled kernels stopped with an illegal memory access on an H100 "
+                  "(triton 3.6.0, 2026-11-27); use 'tf32x3'")
 
 
 _LOWP = (torch.bfloat16, torch.float16)
@@ -97,6 +105,8 @@ def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
         return None, "ieee"
     if LOWP_FEATURES == "bfloat16" and p.dtype == torch.bfloat16:
         return torch.bfloat16, "ieee"
+    if FLOAT32_PRODUCTS == "bf16x3":
+        raise FastRPEError(BF16X3_ON_CUDA)
     return None, FLOAT32_PRODUCTS
 
 

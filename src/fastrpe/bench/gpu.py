@@ -18,8 +18,6 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
   its own `not_supported_reasons`; `fastrpe-triton_*+bf16-features`: the Triton backends with
   the features rounded to bf16 (`backends_triton.LOWP_FEATURES`; the default keeps them
   float32, products by tf32x3), to weigh their speed against their error on the GPU;
-  `fastrpe-triton_*+bf16x3`: the float32 features multiplied by their bf16 halves
-  (`backends_triton.FLOAT32_PRODUCTS`: half tf32x3's tensor-core passes, 16 significant bits);
   `fastrpe-triton_*+compiled`: the same call under `torch.compile(fullgraph=True)`, as Flex
   runs (the kernels are custom ops in the graph; the feature maps and the glue are Inductor's).
 
@@ -86,31 +84,24 @@ CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs",
-              "fastrpe-triton_chunked+compiled+cudagraphs", "fastrpe-triton_chunked+bf16-features",
-              "fastrpe-triton_chunked+bf16x3"),
+              "fastrpe-triton_chunked+compiled+cudagraphs", "fastrpe-triton_chunked+bf16-features"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
-                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
-                   "fastrpe-triton_soe+bf16x3"),
+                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
-                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
-                     "fastrpe-triton_soe+bf16x3"),
+                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
-           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs",
-           "fastrpe-triton_band+bf16x3"),
+           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
-                "fastrpe-triton_tiled+bf16x3"),
+                "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                      "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
-                     "fastrpe-triton_tiled+bf16-features", "fastrpe-triton_tiled+bf16x3"),
+                     "fastrpe-triton_tiled+bf16-features"),
 }
 # (`+bf16-features` for the exact families whose criteria the float32 features' tf32x3 products
 # may cost: triton_tiled's quadratic loop multiplies float32 operands by three tf32 passes, 6x
 # a bf16 pass each, and was 282 ms at 64k against Flex + table's 131 (H100, 2026-11-26/27);
 # the rows' `max_abs_err` says what the rounding costs. KERPLE's are left out: their 1e-3 is
-# judged on float32 inputs, which the bf16 features never see. `+bf16x3` everywhere: the same
-# float32 features multiplied by bf16 halves, 16 significant bits, half tf32x3's passes; timed
-# for KERPLE, not counted there: see PRECISION_VARIANTS)
+# judged on float32 inputs, which the bf16 features never see)
 #: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
 #: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
 COMPILED = "+compiled"
@@ -131,7 +122,8 @@ GRAPHED = "+cudagraphs"
 #: (`backends_triton.LOWP_FEATURES`, `FLOAT32_PRODUCTS`). A float32 call keeps the default's
 #: exact products, so such a row's `max_abs_err_fp32` is its twin's, not its own: `best_fastrpe`
 #: does not count it where a tolerance is judged on float32 inputs (KERPLE's 1e-3). It is timed,
-#: and its `max_abs_err` (bf16 inputs) says what its rounding costs.
+#: and its `max_abs_err` (bf16 inputs) says what its rounding costs. (`+bf16x3` is no longer
+#: run, but the JSON of 2026-11-27 holds such rows.)
 PRECISION_VARIANTS = ("+bf16-features", "+bf16x3")
 
 
@@ -740,8 +732,8 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
-            # the float32 features multiplied by bf16 halves (half tf32x3's tensor-core passes)
-            reg[f"fastrpe-{name}+bf16x3"] = fastrpe_setup(name, cfg, float32_products="bf16x3")
+    # (no `+bf16x3` rows since 2026-11-27: FLOAT32_PRODUCTS = "bf16x3" stopped three backends
+    # with an illegal memory access on the H100, and a CUDA call refuses it, BF16X3_ON_CUDA)
     # the chunk-state passes as STATE_SCAN's "auto" does not run them at the bench's lengths
     # (triton_chunked.auto_blocked): triton_chunked and triton_band blocked from 16k on, so
     # their sequential twins; triton_soe sequential (its terms fill the SMs), so its blocked one
@@ -1175,8 +1167,12 @@ def retry_errors(rows: list[dict], cfg: GpuConfig | None = None) -> list[dict]:
 #: times tell how far two sessions' machines differ: one row of each kind, short and long, of
 #: code that does not change with fastrpe's (until 2026-11-27 the long one was triton_chunked's
 #: ALiBi row, which `CHANGED` now measures again for its own reason; 2026-11-26 -> 27: Flex
-#: 0.856 -> 0.990 ms, triton_chunked 5.85 -> 5.99 ms)
-ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK))
+#: 0.856 -> 0.990 ms, triton_chunked 5.85 -> 5.99 ms). Since the fourth session (2026-11-27,
+#: whose 64k rows were set against the third's Flex: "rows timed on two machines") also Flex at
+#: 64k on the families whose ratio criteria read it, so that with `CHANGED` each ratio's two
+#: rows come from one machine, as the issue asks.
+ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
+           *(("flex", fam, L_CHECK) for fam in ("alibi", "kerple_log", "kerple_power", "t5", "learned")))
 
 
 #: rows whose code changed since the last GPU session's JSON, (competitor, family) fnmatch
@@ -1186,11 +1182,12 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK))
 #: H100 session): the blocked scan's carries became one kernel, and STATE_SCAN's default
 #: "auto" runs triton_chunked's and triton_band's passes blocked from 16k tokens, and
 #: triton_band (one term) keeps its states for the backward (`triton_soe.SAVE_STATES_BYTES`). Only rows of
-#: runs before `CODE_EPOCH` (each run records its `code_epoch`) move: bump it with CHANGED
-CODE_EPOCH = 1
-CHANGED = (("fastrpe-triton_chunked", "*", 16384), ("fastrpe-triton_band", "*", 0),
-           ("fastrpe-auto", "alibi", 16384), ("fastrpe-auto", "t5", 0),
-           ("fastrpe-triton_soe+blocked-scan", "*", 0))
+#: runs before `CODE_EPOCH` (each run records its `code_epoch`) move: bump it with CHANGED.
+#: Epoch 2 (after the fourth session, 2026-11-27): triton_prf's products default to "tf32x3"
+#: (the fourth session's PRF sweep), which every fastrpe Triton row's feature maps run; the 4k
+#: rows (host-bound: 10-40% GPU busy) are left as they are.
+CODE_EPOCH = 2
+CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384))
 
 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
