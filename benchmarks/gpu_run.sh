@@ -8,16 +8,17 @@
 # of its budget stops cleanly, its rows saved one by one; run `rest` to go on):
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
-#                                      # (100 s) beside the compile warm-up (below), the kernel
-#                                      # profile (65 s), the PRF sweep (PRF_S=30; its pick, if
-#                                      # any, for every row after), then every row the criteria
-#                                      # read at 4k, 64k, 256k and 1M, then decoding, then the
-#                                      # host-sync check (resuming a carried JSON: the failed
-#                                      # problems' and two anchor rows dropped to run again,
-#                                      # then +compiled, +cudagraphs, the scan twins and
-#                                      # gpu.CHANGED's rows (PRIORITY_S=150), fla's rows
-#                                      # (FLA_S=75, with .fla_site), then decoding and syncs
-#                                      # first; in 500 s that leaves the bench little: `rest`)
+#                                      # (100 s) beside the compile warm-up (below); the kernel
+#                                      # profile and the PRF sweep only if asked (PROFILE_S,
+#                                      # PRF_S; its pick, if any, for every row after), then
+#                                      # every row the criteria read at 4k, 64k, 256k and 1M,
+#                                      # then decoding, then the host-sync check (resuming a
+#                                      # carried JSON: the failed problems' rows and the anchors,
+#                                      # Flex at 64k among them, dropped to run again, then the
+#                                      # 64k ratio rows and the 4k CUDA-graph pairings first,
+#                                      # PRIORITY_S=150; fla's rows (FLA_S=75, with .fla_site),
+#                                      # then decoding and syncs first; in 500 s that leaves the
+#                                      # bench little: `rest`)
 #   bash benchmarks/gpu_run.sh rest    # what `first` left: its sections, then every other row
 #                                      # (after a warm-up of its own: REST_WARM_S, REST_S/3 and
 #                                      # 120 s at most by default; fla's non-criteria rows only
@@ -63,7 +64,7 @@
 # problems where a row failed are measured again whole, gpu.retry_errors; two anchor rows are
 # measured again, gpu.ANCHORS, and the rows whose code changed since, gpu.CHANGED; then those,
 # +compiled, +cudagraphs and the scan twins first, PRIORITY_S):
-#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27.json .gpu_runs/gpu.json
+#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27b.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
 #   PYTHONPATH=src python3 benchmarks/precompile.py key-hash --expect .gpu_cache/precompiled.json
 #     # (here it says "another triton": this Python's; what matters is no "changed since" list,
@@ -145,7 +146,23 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
-# New since the third session (CPU, 2026-11-27, later), for the next one to read:
+# New since the fourth session (CPU, 2026-11-27, second session of the day), for the next to read:
+# - carry the fourth session's own pack (compiled on the H100: 1,199 kernels of triton 3.6.0 and
+#   249 of fla's 3.7.1, 15.2 MiB) as .gpu_cache/compile_cache.tar.xz; the CPU-built pack below
+#   missed every kernel (the image's triton_key() is not PyPI's cp312 wheel's: "ebc25a1b996d vs
+#   bd4757a49ddb"), so it stays out (runs/precompile/). gpu_warm.json now records the image's
+#   `triton_key`: `python3 -c "import json,sys; sys.stdout.write(json.load(open('gpu_warm.json'))
+#   ['triton_key'])" > runs/precompile/triton_key_image.txt`, then `precompile.py compile
+#   --triton-key-file runs/precompile/triton_key_image.txt` builds a pack that can hit;
+# - PRF_S and PROFILE_S default to 0 (the sweep adopted 64:4:tf32x3, now triton_prf's default;
+#   two profiles are committed): about 150 s more for the bench;
+# - resuming measures again Flex at 64k (gpu.ANCHORS) and every fastrpe Triton row from 16k
+#   (gpu.CHANGED, CODE_EPOCH 2), first (PRIORITY_LONG): each 64k ratio from one machine. Then
+#   the 4k CUDA-graph pairings (PRIORITY_ONLY), which no session has reached;
+# - no `+bf16x3` rows: a CUDA call refuses FLOAT32_PRODUCTS = "bf16x3" (illegal memory access
+#   in triton_soe, triton_band and triton_tiled, 2026-11-27).
+#
+# New since the third session (CPU, 2026-11-27, later), read by the fourth:
 # - the precompiled pack (above): the log's "precompiled kernels" line and gpu_warm.json's
 #   `triton_compiles` say whether the device found fastrpe's kernels compiled; if it did, the
 #   warm-up ends early and the bench gets its minutes;
@@ -404,14 +421,15 @@ fastrpe() { "${FASTRPE[@]}" "$@"; }
 SMOKE_ARGS=()
 LENGTHS=4096,65536,262144,1048576
 FLA_LENGTHS=4096,65536
-PRIORITY_LENGTHS=4096,65536
-# +compiled and +cudagraphs (the 4k criteria), the scan twins (+sequential-scan, +blocked-scan)
-# triton_soe with its states kept for the backward (+saved-states), and the backends gpu.CHANGED
-# measures again (STATE_SCAN "auto", triton_band keeping its states, since 2026-11-27)
-PRIORITY_ONLY='*+compiled,*+cudagraphs,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_band,fastrpe-auto'
-# of those, the 64k rows go first, in a call of their own (they compile nothing new and decide
-# the 15x and 20x criteria; within one call the bench runs the shortest length first)
-PRIORITY_LONG='*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_band,fastrpe-auto'
+PRIORITY_LENGTHS=4096
+# the 4k criteria's CUDA-graph pairings (both sides with graphs; eager, fastrpe's 4k rows are
+# 10-40% GPU busy: host time), never reached in four sessions, and +compiled
+PRIORITY_ONLY='*+compiled+cudagraphs,flex+cudagraphs,*+compiled'
+# first, in a call of their own, the 64k rows of the ratio criteria, both sides on this machine:
+# Flex (gpu.ANCHORS) and every fastrpe Triton row (gpu.CHANGED, epoch 2: the PRF products'
+# default), the rows the 15x and 20x criteria read (2026-11-27: ALiBi 14.65x, KERPLE-log 17.9x
+# against the third session's Flex); within one call the bench runs the shortest length first
+PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features'
 PRIORITY_LONG_LENGTHS=65536
 PRF_ARGS=()
 PROFILE_ARGS=()
@@ -623,9 +641,12 @@ case "$phase" in
     fla_warm_pid=$!
     # 0a. the PRF map kernels' launch choices (benchmarks/prf_sweep.py), compiled untimed
     prf_env=(); [ -n "${SMOKE:-}" ] && prf_env=(TRITON_INTERPRET=1)
-    env "${prf_env[@]}" timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/prf_sweep.py --warm "${PRF_ARGS[@]}" \
-        > /tmp/prf_warm.log 2>&1 &
-    prf_warm_pid=$!
+    prf_warm_pid=
+    if [ "${PRF_S:-0}" -gt 0 ]; then
+        env "${prf_env[@]}" timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/prf_sweep.py --warm "${PRF_ARGS[@]}" \
+            > /tmp/prf_warm.log 2>&1 &
+        prf_warm_pid=$!
+    fi
     # 0b. FLA_PROBE=1 (the default with FLA_ENV): beside them, which fla kernel faults
     #     (CUDA_LAUNCH_BLOCKING=1, one process per variant; on 2026-11-26 its first variant was
     #     still compiling at 100 s), with fla's own triton where FLA_ENV gives one; its
@@ -646,8 +667,8 @@ case "$phase" in
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "(float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16" \
         --junitxml=/tmp/gpu_tests.xml 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -60
-    wait "$warm_pid" "$fla_warm_pid" "$prf_warm_pid"  # no timing beside the compilers
-    keep_log /tmp/prf_warm.log gpu_first.log "the PRF sweep's compilations (prf_sweep.py --warm)"
+    wait "$warm_pid" "$fla_warm_pid" $prf_warm_pid  # no timing beside the compilers
+    [ -n "$prf_warm_pid" ] && keep_log /tmp/prf_warm.log gpu_first.log "the PRF sweep's compilations (prf_sweep.py --warm)"
     # the warm-ups' logs into the phase's log (a ninth file would not come back), fla's tail
     keep_log /tmp/gpu_warm_first.log gpu_first.log "the warm-up (fastrpe bench --suite gpu --warm first)"
     keep_log /tmp/fla_warm.log gpu_first.log "fla's warm-up (fla's processes)" 200
@@ -659,8 +680,12 @@ case "$phase" in
     fi
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
-    timeout -s INT -k 5 "${PROFILE_S:-65}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-65} - 20 ))" "${PROFILE_ARGS[@]}" \
-        --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
+    #     (PROFILE_S=0, the default since 2026-11-27: two sessions' profiles are committed, and the
+    #     bench needs the minute more)
+    if [ "${PROFILE_S:-0}" -gt 20 ]; then
+        timeout -s INT -k 5 "${PROFILE_S}" python3 benchmarks/gpu_profile.py --budget-s "$(( PROFILE_S - 20 ))" "${PROFILE_ARGS[@]}" \
+            --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
+    fi
     # 1b'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
     #     gpu_profile.json's "prf_sweep" (a ninth file would not come back). On the H100 the maps
     #     took 1.37 of triton_chunked's 5.6 ms ALiBi call at 64k, 9x their traffic's time. A choice
@@ -668,7 +693,8 @@ case "$phase" in
     #     adopted for every bench row after this (FASTRPE_PRF_LAUNCH, which triton_prf reads when
     #     imported; each run's `prf_launch` in gpu.json's envs says which): the priority rows
     #     below measure it, and a later commit makes it triton_prf's default
-    if [ "${PRF_S:-30}" -gt 0 ]; then
+    #     (PRF_S=0, the default since the fourth session adopted 64:4:tf32x3 as triton_prf's)
+    if [ "${PRF_S:-0}" -gt 0 ]; then
         env "${prf_env[@]}" timeout -s INT -k 5 "${PRF_S:-30}" python3 benchmarks/prf_sweep.py "${PRF_ARGS[@]}" \
             --out /tmp/prf_sweep.json 2>&1 | tail -40 | tee -a "$OUT_DIR/gpu_first.log"
         [ -f /tmp/prf_sweep.json ] && python3 -c 'import json, os, sys

@@ -152,6 +152,9 @@ def test_warm_stops_its_workers_at_the_budget(tmp_path):
     assert all(w["returncode"] != 0 and not w.get("finished") for w in res["workers"])
     assert not list(Path(res["work_dir"]).glob("gpu_warm_?.json"))  # merged into gpu_warm.json
     assert not any("log_tail" in w for w in res["workers"])  # stopped, not failed
+    # the cache key a precompiled pack must be built under (benchmarks/precompile.py)
+    triton = pytest.importorskip("triton")
+    assert res["triton_key"].startswith(triton.__version__) and len(res["triton_key"]) > 200
 
 
 def test_warm_rest_with_nothing_left_starts_no_worker(tmp_path):

@@ -185,6 +185,18 @@ def run_worker(plan_path: Path, index: int) -> int:
     return 0
 
 
+def _triton_key() -> str | None:
+    """This Python's `triton_key()`, the start of every Triton cache key: a pack of kernels
+    compiled elsewhere (benchmarks/precompile.py) hits only under the same one. On 2026-11-27
+    the H100 image's differed from PyPI's triton 3.6.0 wheel's, so the pack built here missed;
+    with this recorded, `precompile.py compile` can build for it."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return None
+    return triton_key()
+
+
 def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 150.0, log=print) -> dict:
     """Run the workers side by side until they finish or `budget_s` passes (then each is
     killed with its process group), and write `out/gpu_warm.json` from their records. The
@@ -238,7 +250,7 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
                 proc.wait()
             logf.close()
     res = {"pass": which, "budget_s": budget_s, "seconds": round(time.perf_counter() - t0, 1),
-           "killed_at_budget": killed, "work_dir": str(work), "workers": []}
+           "killed_at_budget": killed, "work_dir": str(work), "triton_key": _triton_key(), "workers": []}
     for i, (proc, _) in procs.items():
         path = work / f"gpu_warm_{i}.json"
         rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
