@@ -9,8 +9,8 @@
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
 #                                      # (100 s) beside the compile warm-up (below); the kernel
-#                                      # profile and the PRF sweep only if asked (PROFILE_S,
-#                                      # PRF_S; its pick, if any, for every row after), then
+#                                      # profile at 64k (PROFILE_S=45), the PRF sweep only if
+#                                      # asked (PRF_S; its pick, if any, for every row after), then
 #                                      # every row the criteria read at 4k, 64k, 256k and 1M,
 #                                      # then decoding, then the host-sync check (resuming a
 #                                      # carried JSON: the failed problems' rows and the anchors,
@@ -154,8 +154,9 @@
 #   `triton_key`: `python3 -c "import json,sys; sys.stdout.write(json.load(open('gpu_warm.json'))
 #   ['triton_key'])" > runs/precompile/triton_key_image.txt`, then `precompile.py compile
 #   --triton-key-file runs/precompile/triton_key_image.txt` builds a pack that can hit;
-# - PRF_S and PROFILE_S default to 0 (the sweep adopted 64:4:tf32x3, now triton_prf's default;
-#   two profiles are committed): about 150 s more for the bench;
+# - PRF_S defaults to 0 (the sweep adopted 64:4:tf32x3, now triton_prf's default) and the
+#   profile takes 45 s for three 64k cases (the FFT path's learned_full, KERPLE-log, ALiBi):
+#   about 110 s more for the bench;
 # - resuming measures again Flex at 64k (gpu.ANCHORS) and every fastrpe Triton row from 16k
 #   (gpu.CHANGED, CODE_EPOCH 2), first (PRIORITY_LONG): each 64k ratio from one machine. Then
 #   the 4k CUDA-graph pairings (PRIORITY_ONLY), which no session has reached;
@@ -432,7 +433,10 @@ PRIORITY_ONLY='*+compiled+cudagraphs,flex+cudagraphs,*+compiled'
 PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features'
 PRIORITY_LONG_LENGTHS=65536
 PRF_ARGS=()
-PROFILE_ARGS=()
+# the profile (PROFILE_S, 45 s): where the 64k time goes in the rows still short of their
+# criteria: the FFT path for a learned table over all offsets (651 ms, six criteria), KERPLE-log
+# (10.3 ms against 9.2) and ALiBi (3.77 ms against 3.69); the 4k rows' share is known (14-44%)
+PROFILE_ARGS=(--lengths 65536 --cases fastrpe-fft:learned_full,fastrpe-triton_soe+saved-states:kerple_log,fastrpe-triton_chunked:alibi)
 if [ -n "${SMOKE:-}" ]; then
     SMOKE_ARGS=(--smoke)
     LENGTHS=48,96
@@ -680,10 +684,9 @@ case "$phase" in
     fi
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
-    #     (PROFILE_S=0, the default since 2026-11-27: two sessions' profiles are committed, and the
-    #     bench needs the minute more)
-    if [ "${PROFILE_S:-0}" -gt 20 ]; then
-        timeout -s INT -k 5 "${PROFILE_S}" python3 benchmarks/gpu_profile.py --budget-s "$(( PROFILE_S - 20 ))" "${PROFILE_ARGS[@]}" \
+    #     (PROFILE_S=45 since 2026-11-27: the 64k cases of PROFILE_ARGS only; 0: none)
+    if [ "${PROFILE_S:-45}" -gt 20 ]; then
+        timeout -s INT -k 5 "${PROFILE_S:-45}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-45} - 20 ))" "${PROFILE_ARGS[@]}" \
             --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     fi
     # 1b'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
