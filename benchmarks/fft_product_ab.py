@@ -1,6 +1,8 @@
 """The FFT product (`fastrpe.ops.linear.fft.product._FFTNumDen`, forward + backward) of this
 tree against the same file at another git revision, in one process, alternating: CPU seconds
-(median of `--repeats`), and whether both give the same outputs and gradients.
+(median of `--repeats`), and whether both give the same outputs and gradients. `--op
+toeplitz`: the plain Toeplitz product (`fastrpe.ops.toeplitz.fft.toeplitz_matmul_fft`,
+FastRPB's `W·V`) of `--value-dim` channels, the same way.
 
 Why: until 2026-11-27 the product laid its channels out `[B, H, L, f·c]` and transformed
 along L, the middle axis. torch's FFTs (pocketfft here, cuFFT on a GPU) then pad the block to
@@ -10,6 +12,8 @@ leaves both out. A GPU measures the change in the bench's `fastrpe-fft` rows; th
 it where there is none.
 
     python benchmarks/fft_product_ab.py --base 9248786 --out benchmarks/results/fft_product_ab.json
+    python benchmarks/fft_product_ab.py --op toeplitz --base dfa5882 --length 65536 --blocks 0 \
+        --out benchmarks/results/fft_toeplitz_ab.json
 """
 from __future__ import annotations
 
@@ -30,14 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fastrpe.ops.linear.fft import product as current
+from fastrpe.ops.toeplitz import fft as current_toeplitz
 
-PATH = "src/fastrpe/ops/linear/fft/product.py"
+PATHS = {"product": "src/fastrpe/ops/linear/fft/product.py", "toeplitz": "src/fastrpe/ops/toeplitz/fft.py"}
 
 
-def product_at(rev: str):
-    """product.py as it was at `rev`, imported as a module of its own (its relative imports
+def product_at(rev: str, op: str = "product"):
+    """The op's file as it was at `rev`, imported as a module of its own (its relative imports
     made absolute: the rest of the package is this tree's)."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{PATH}"], check=True, capture_output=True,
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{PATHS[op]}"], check=True, capture_output=True,
                           text=True).stdout
     text = (text.replace("from ...common import", "from fastrpe.ops.common import")
             .replace("from ...toeplitz.fft import", "from fastrpe.ops.toeplitz.fft import")
@@ -53,15 +58,17 @@ def product_at(rev: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the git revision to compare with")
+    ap.add_argument("--op", choices=tuple(PATHS), default="product")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--features", type=int, default=32)
     ap.add_argument("--value-dim", type=int, default=64)
-    ap.add_argument("--blocks", default="8,32", help="features per block, comma-separated")
+    ap.add_argument("--blocks", default="8,32", help="features per block, comma-separated (toeplitz: ignored)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    base = product_at(a.base)
+    base = product_at(a.base, a.op)
+    this = current if a.op == "product" else current_toeplitz
     B, H, L, F, C = 1, a.heads, a.length, a.features, a.value_dim + 1
     g = torch.Generator().manual_seed(0)
     # features positive (as PRF's), values signed, a table over every offset; all take gradients
@@ -70,14 +77,18 @@ def main(argv=None) -> int:
     c = torch.rand(H, 2 * L - 1, generator=g).requires_grad_()
 
     def call(mod, block):
+        if a.op == "toeplitz":  # the values' C - 1 = Dv channels, a table over every offset
+            y = mod.toeplitz_matmul_fft(c, vv[..., :-1], L)
+            return (y, *torch.autograd.grad(y.sum(), (vv, c)))
         y, err = mod._FFTNumDen.apply(pq, pk, vv, c, block)
         return (y, err, *torch.autograd.grad(y.sum(), (pq, pk, vv, c)))
 
     rows = []
-    for block in (int(b) for b in a.blocks.split(",")):
+    names = ("y", "g_v", "g_c") if a.op == "toeplitz" else ("y", "err", "g_q", "g_k", "g_v", "g_c")
+    for block in ((0,) if a.op == "toeplitz" else (int(b) for b in a.blocks.split(","))):
         times = {"base": [], "this": []}
         outs = {}
-        for name, mod in (("base", base), ("this", current)) * 2:  # alternating, each warmed
+        for name, mod in (("base", base), ("this", this)) * 2:  # alternating, each warmed
             outs[name] = call(mod, block)
             for _ in range(a.repeats):
                 t0 = time.perf_counter()
@@ -85,7 +96,7 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - t0)
         diff = [float((x - y).detach().abs().max()) for x, y in zip(outs["base"], outs["this"])]
         row = {"block": block, "base_s": statistics.median(times["base"]), "this_s": statistics.median(times["this"]),
-               "max_abs_diff": dict(zip(("y", "err", "g_q", "g_k", "g_v", "g_c"), diff))}
+               "max_abs_diff": dict(zip(names, diff))}
         row["speedup"] = row["base_s"] / row["this_s"]
         rows.append(row)
         print(f"block {block:3d}: {a.base} {row['base_s']:.2f} s, this tree {row['this_s']:.2f} s "
@@ -93,7 +104,8 @@ def main(argv=None) -> int:
     if a.out:
         res = {"command": "python benchmarks/fft_product_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
-               "problem": {"B": B, "H": H, "L": L, "F": F, "C": C, "dtype": "float32"}, "base": a.base, "rows": rows}
+               "op": a.op, "problem": {"B": B, "H": H, "L": L, "F": F, "C": C, "dtype": "float32"}, "base": a.base,
+               "rows": rows}
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
 

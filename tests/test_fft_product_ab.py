@@ -26,3 +26,15 @@ def test_fft_product_ab_runs_and_agrees(tmp_path, capsys):
         # the same arithmetic in either layout, up to the round-off of the norm behind `err`
         assert all(v <= 1e-6 for v in r["max_abs_diff"].values()), r
     assert "block   1:" in capsys.readouterr().out
+
+
+def test_fft_product_ab_times_the_toeplitz_product_too(tmp_path):
+    head = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:src/fastrpe/ops/toeplitz/fft.py"],
+                          capture_output=True, check=False)
+    if head.returncode != 0:
+        pytest.skip("no git history here: the script compares with a revision")
+    out = tmp_path / "ab.json"
+    assert load_benchmark("fft_product_ab").main(["--op", "toeplitz", "--base", "HEAD", "--length", "33", "--heads", "2",
+                                                  "--value-dim", "3", "--repeats", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["max_abs_diff"]) == {"y", "g_v", "g_c"} and max(row["max_abs_diff"].values()) <= 1e-6, row

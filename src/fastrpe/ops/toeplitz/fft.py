@@ -53,9 +53,12 @@ def toeplitz_apply_spectrum(cf: Tensor, x: Tensor, Lq: int, N: int) -> Tensor:
     """Toeplitz product given the coefficient spectrum `cf: [H or B,H, N//2+1]`.
     `x: [B, H, Lk, C]` (real, FFT dtype) -> `[B, H, Lq, C]`."""
     Lk = x.shape[2]
-    xf = torch.fft.rfft(x, n=N, dim=2)  # (B, H, N//2+1, C)
-    y = torch.fft.irfft(xf * cf[..., :, None], n=N, dim=2)  # (B, H, N, C)
-    return y[:, :, Lk - 1: Lk - 1 + Lq]
+    # channel-major, so that the transforms run along the last, contiguous axis (along the
+    # middle axis the FFT copies its input to move that axis last; `linear/fft/product.py`)
+    xf = torch.fft.rfft(x.transpose(-1, -2), n=N, dim=-1)  # (B, H, C, N//2+1)
+    y = torch.fft.irfft(xf.mul_(cf[..., None, :]) if not torch.is_grad_enabled() else xf * cf[..., None, :],
+                        n=N, dim=-1)  # (B, H, C, N)
+    return y[..., Lk - 1: Lk - 1 + Lq].transpose(-1, -2)
 
 
 def toeplitz_matmul_fft(coeff: Tensor, x: Tensor, Lq: int, *, fft_dtype: torch.dtype | None = None) -> Tensor:
