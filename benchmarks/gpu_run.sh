@@ -163,7 +163,7 @@
 # - no `+bf16x3` rows: a CUDA call refuses FLOAT32_PRODUCTS = "bf16x3" (illegal memory access
 #   in triton_soe, triton_band and triton_tiled, 2026-11-27);
 # - the FFT product's channels are channel-major now (every transform along the last axis; on
-#   the CPU 1.5-2.5x the product): the profile's fastrpe-fft learned_full case and the
+#   the CPU 1.5-1.9x the product): the profile's fastrpe-fft learned_full case and the
 #   fastrpe-auto learned_full row at 64k (651 ms before) say what it did on the GPU.
 #
 # New since the third session (CPU, 2026-11-27, later), read by the fourth:

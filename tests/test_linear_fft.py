@@ -121,7 +121,7 @@ def test_feature_blocks_follow_the_budget_and_agree(causal, segments, monkeypatc
     calls, products = [], []
     orig = fftproduct._channels
     monkeypatch.setattr(fftproduct, "_channels",
-                        lambda phi, vv, N: calls.append(phi.shape[-1]) or orig(phi, vv, N))
+                        lambda a, b, N: calls.append(a.shape[-2]) or orig(a, b, N))
     orig_scaled = fftmod.causal.scaled_product
     monkeypatch.setattr(fftmod.causal, "scaled_product",
                         lambda *a: products.append((a[0].shape[2], a[1].shape[2], a[-1])) or orig_scaled(*a))
@@ -167,8 +167,8 @@ def test_a_feature_too_big_for_the_budget_goes_through_in_channel_parts(causal, 
     per_channel = fftplan._bytes_per_feature(B, H, Lq, Lk, Dv, 8) // C
     widths = []
     orig = fftproduct._channels
-    monkeypatch.setattr(fftproduct, "_channels", lambda phi, vv, N: widths.append(phi.shape[-1] * vv.shape[-1])
-                        or orig(phi, vv, N))
+    monkeypatch.setattr(fftproduct, "_channels", lambda a, b, N: widths.append(a.shape[-2] * b.shape[-2])
+                        or orig(a, b, N))
     errs, plans = [], []
     orig_scaled = fftproduct.scaled_product
     monkeypatch.setattr(fftmod.causal if causal else fftmod, "scaled_product",

@@ -14,9 +14,9 @@ feature's `Dv + 1` channels do not fit (1M tokens), its channels go through in p
 Layout: a block's channels are channel-major, `[B, H, f·c, N]`, zero-padded to the FFT's
 length, so that every transform runs along the last, contiguous axis (`_channels`): along the
 middle axis of `[B, H, L, f·c]` the FFT first copied the block twice, to pad it and to move the
-axis last (CPU, L = 8,192, H = 8, forward + backward: 1.52x faster in blocks of 8 features,
-2.53x in one block of 32, the same results to the bit; benchmarks/fft_product_ab.py,
-results/fft_product_ab.json).
+axis last (CPU, L = 8,192, H = 8, forward + backward: 1.53x faster in blocks of 8 features,
+1.89x in one block of 32, the same results to the bit; benchmarks/fft_product_ab.py,
+results/fft_product_ab.json; repeated runs on that 2-core machine varied by up to 25%).
 
 Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, C = Dv + 1
 channels per feature, N FFT length >= Lq + Lk - 1.
@@ -33,9 +33,10 @@ from ...toeplitz.fft import coeff_spectrum, fft_length
 from .scale import to_row_units
 
 
-def _channels(phi: Tensor, vv: Tensor, N: int) -> Tensor:
-    """`φ(k)_m·[v, 1]` for a block, channel-major and zero-padded to the FFT's length N:
-    `[B, H, L, f], [B, H, L, c] -> [B, H, f·c, N]`.
+def _channels(a: Tensor, b: Tensor, N: int) -> Tensor:
+    """`φ(k)_m·[v, 1]` for a block, channel-major and zero-padded to the FFT's length N, from
+    the two factors channel-major already (`_major`): `[B, H, f, L], [B, H, c, L] -> [B, H,
+    f·c, N]`.
 
     The transform's axis is last and contiguous, so the FFT takes the block as it is: along
     the middle axis of the natural `[B, H, L, f·c]` layout, torch's FFTs (cuFFT and pocketfft
@@ -44,18 +45,21 @@ def _channels(phi: Tensor, vv: Tensor, N: int) -> Tensor:
     the padded buffer, eagerly and without autograd. A graph being recorded (as a double
     backward would) takes the padding copy, and so does `torch.compile`, which cannot trace a
     strided `out=` and fuses the padding into the products itself."""
-    B, H, L, f = phi.shape
-    c = vv.shape[-1]
-    # each factor transposed into a contiguous copy first (1/c and 1/f of the products' size):
-    # the products then read and write along L in step
-    a = phi.transpose(-1, -2).contiguous()[..., :, None, :]  # (B, H, f, 1, L)
-    b = vv.transpose(-1, -2).contiguous()[..., None, :, :]  # (B, H, 1, c, L)
+    B, H, f, L = a.shape
+    c = b.shape[-2]
+    a, b = a[..., :, None, :], b[..., None, :, :]  # (B, H, f, 1, L), (B, H, 1, c, L)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return torch.nn.functional.pad(a * b, (0, N - L)).flatten(2, 3)
-    x = phi.new_empty(B, H, f, c, N)
+    x = a.new_empty(B, H, f, c, N)
     torch.mul(a, b, out=x[..., :L])
     x[..., L:].zero_()
     return x.flatten(2, 3)
+
+
+def _major(x: Tensor) -> Tensor:
+    """`[B, H, L, n] -> [B, H, n, L]`, contiguous: a factor of `_channels`, transposed once per
+    call (a block's slice of it reads along L in step with the products it makes)."""
+    return x.transpose(-1, -2).contiguous()
 
 
 def _times(spectrum: Tensor, cf: Tensor) -> Tensor:
@@ -98,9 +102,10 @@ class _FFTNumDen(torch.autograd.Function):
         # sqrt(2)·‖half spectrum‖₂ >= ‖full spectrum‖₂ (Parseval over the rfft's half)
         unit = ROUND_OFF * torch.finfo(phi_q.dtype).eps * math.sqrt(2 * math.log2(max(N, 2))) / N
         cf = cf[:, :, None, :]  # (1, H, 1, N//2+1): one spectrum per head, for every channel
+        kt, vt = _major(phi_k), _major(vv)  # (B, H, F, Lk), (B, H, C, Lk)
         for s, e, cs, ce in _blocks(F, C, block):
             fc = (e - s, ce - cs)
-            p = _times(torch.fft.rfft(_channels(phi_k[..., s:e], vv[..., cs:ce], N), dim=-1), cf)  # (B, H, f·c, N//2+1)
+            p = _times(torch.fft.rfft(_channels(kt[:, :, s:e], vt[:, :, cs:ce], N), dim=-1), cf)  # (B, H, f·c, N//2+1)
             pr = torch.view_as_real(p)  # (B, H, f·c, N//2+1, 2)
             # Σ_k |P_k|² per channel, a batched dot product (vector_norm on the complex spectrum
             # took 3.6x as long on the CPU)
@@ -129,16 +134,17 @@ class _FFTNumDen(torch.autograd.Function):
         g_v = torch.zeros_like(vv) if ctx.needs_input_grad[2] else None
         g_cf = None
         cf, cf_t = cf[:, :, None, :], cf_t[:, :, None, :]  # (1, H, 1, N//2+1)
+        kt, vt, qt, gt = _major(phi_k), _major(vv), _major(phi_q), _major(gy)  # (B, H, F or C, L)
         for s, e, cs, ce in _blocks(F, C, block):
             fc = (e - s, ce - cs)
-            xf = torch.fft.rfft(_channels(phi_k[..., s:e], vv[..., cs:ce], N), dim=-1)  # (B, H, f·c, N//2+1)
+            xf = torch.fft.rfft(_channels(kt[:, :, s:e], vt[:, :, cs:ce], N), dim=-1)  # (B, H, f·c, N//2+1)
             if g_q is not None:
                 # (the spectrum multiplied in place when the coefficients' gradient does not need it)
                 t = torch.fft.irfft(xf * cf if need_c else _times(xf, cf), n=N, dim=-1)[..., Lk - 1: Lk - 1 + Lq]
                 g_q[..., s:e] += torch.einsum("bhic,bhfci->bhif", gy[..., cs:ce], t.unflatten(2, fc))
                 del t
             # dL/d(T-product) per channel
-            zf = torch.fft.rfft(_channels(phi_q[..., s:e], gy[..., cs:ce], N), dim=-1)  # (B, H, f·c, N//2+1)
+            zf = torch.fft.rfft(_channels(qt[:, :, s:e], gt[:, :, cs:ce], N), dim=-1)  # (B, H, f·c, N//2+1)
             if need_c:
                 # dL/dc[r] = Σ_i Σ_ch z_i x_{i + r - (Lq-1)}: a cross-correlation, summed in the spectrum
                 # (xf is still the rfft of x here: with need_c nothing multiplied it in place)
