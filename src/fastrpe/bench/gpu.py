@@ -553,11 +553,9 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
-                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
-                  float32_products: str | None = None):
+                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
-    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
@@ -569,7 +567,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
-        from fastrpe.backends_triton import use_float32_products, use_lowp_features
+        from fastrpe.backends_triton import use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
         from fastrpe.ops.linear.triton_soe import use_saved_states
@@ -609,8 +607,6 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             with contextlib.ExitStack() as stack:
                 if lowp_features is not None:
                     stack.enter_context(use_lowp_features(lowp_features))
-                if float32_products is not None:
-                    stack.enter_context(use_float32_products(float32_products))
                 if state_scan is not None:
                     stack.enter_context(use_state_scan(state_scan))
                 if saved_states is not None:
@@ -619,8 +615,6 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
 
         if lowp_features is not None:
             extra["lowp_features"] = lowp_features
-        if float32_products is not None:
-            extra["float32_products"] = float32_products
         if state_scan is not None:
             extra["state_scan"] = state_scan
         if saved_states is not None:

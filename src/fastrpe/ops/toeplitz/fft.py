@@ -49,6 +49,12 @@ def coeff_spectrum(coeff: Tensor, N: int) -> Tensor:
     return torch.fft.rfft(coeff.flip(-1), n=N)
 
 
+def times_spectrum(spectrum: Tensor, cf: Tensor) -> Tensor:
+    """`spectrum·cf`, in place unless a graph is being recorded (autograd would need the
+    spectrum as it was)."""
+    return spectrum * cf if torch.is_grad_enabled() else spectrum.mul_(cf)
+
+
 def toeplitz_apply_spectrum(cf: Tensor, x: Tensor, Lq: int, N: int) -> Tensor:
     """Toeplitz product given the coefficient spectrum `cf: [H or B,H, N//2+1]`.
     `x: [B, H, Lk, C]` (real, FFT dtype) -> `[B, H, Lq, C]`."""
@@ -56,8 +62,7 @@ def toeplitz_apply_spectrum(cf: Tensor, x: Tensor, Lq: int, N: int) -> Tensor:
     # channel-major, so that the transforms run along the last, contiguous axis (along the
     # middle axis the FFT copies its input to move that axis last; `linear/fft/product.py`)
     xf = torch.fft.rfft(x.transpose(-1, -2), n=N, dim=-1)  # (B, H, C, N//2+1)
-    y = torch.fft.irfft(xf.mul_(cf[..., None, :]) if not torch.is_grad_enabled() else xf * cf[..., None, :],
-                        n=N, dim=-1)  # (B, H, C, N)
+    y = torch.fft.irfft(times_spectrum(xf, cf[..., None, :]), n=N, dim=-1)  # (B, H, C, N)
     return y[..., Lk - 1: Lk - 1 + Lq].transpose(-1, -2)
 
 
