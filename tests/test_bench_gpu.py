@@ -517,6 +517,24 @@ def test_sections_option_refuses_unknown_names_in_one_line(tmp_path, capsys):
     assert rc == 2 and "--sections" in (err.out + err.err) and "warp" in (err.out + err.err)
 
 
+def test_passes_option_runs_only_the_criteria_rows_and_refuses_others_in_one_line(tmp_path, capsys):
+    """gpu_run.sh's priority calls take the rows the criteria read (`--passes 0,1`): a
+    competitor's rows on the other families (pass 2) are left to the general call."""
+    base = ["bench", "--suite", "gpu", "--smoke", "--lengths", "40", "--families", "alibi,t5", "--sections", "rows",
+            "--only", "fastrpe-triton_band", "--out", str(tmp_path)]
+    assert main([*base, "--passes", "0,1"]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    assert {r["problem"]["position"] for r in res["rows"]} == {"t5"}  # triton_band is a criteria row of t5 only
+    assert main([*base, "--resume"]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    assert {r["problem"]["position"] for r in res["rows"]} == {"t5", "alibi"}
+    capsys.readouterr()
+    assert main([*base, "--passes", "0,3"]) == 2
+    err = capsys.readouterr()
+    msg = (err.out + err.err).strip().splitlines()
+    assert len(msg) == 1 and "--passes" in msg[0]
+
+
 def test_flex_baseline_takes_the_first_kernel_options_that_fit():
     """Compiled Flex with a table score_mod ran out of shared memory on the H100 with Inductor's
     tiles: the baseline then tries the next options in turn (FLEX_OPTIONS_CHAIN), says which
@@ -912,15 +930,23 @@ def test_check_auto_against_the_fastest_exact_backend():
 
 
 def test_rows_with_cuda_graphs_in_a_default_mode_run_and_the_4k_criterion_reads_both_pairings(monkeypatch):
-    """A run in the default compile mode also times Flex and fastrpe's +compiled rows with CUDA
-    graphs (`+cudagraphs`, mode="reduce-overhead", up to --compiled-max-length, after the eager
-    rows): the 4k criterion sets fastrpe against Flex without graphs, and any fastrpe row against
-    Flex with graphs, and passes on either; a graphed fastrpe row never meets Flex without."""
+    """A run in the default compile mode also times Flex and fastrpe with CUDA graphs
+    (`+cudagraphs`, up to --compiled-max-length: Flex's compiled call and fastrpe's eager one
+    captured, with the eager rows, and fastrpe's +compiled rows with mode="reduce-overhead",
+    after them): the 4k criterion sets fastrpe against Flex without graphs, and any fastrpe row
+    against Flex with graphs, and passes on either; a graphed fastrpe row never meets Flex
+    without."""
     reg = gpu.registry(gpu.GpuConfig())
-    assert {"flex+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs"} <= set(reg)
+    assert {"flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs", "fastrpe-triton_soe+cudagraphs",
+            "fastrpe-triton_chunked+compiled+cudagraphs"} <= set(reg)
     assert not any(n.endswith("+cudagraphs") for n in gpu.registry(gpu.GpuConfig(compile_mode="reduce-overhead")))
     p4 = Problem(position="alibi", causal=True, L=4096)
-    assert gpu.row_pass(p4, "flex+cudagraphs") == gpu.row_pass(p4, "fastrpe-triton_chunked+compiled+cudagraphs") == 1
+    assert gpu.row_pass(p4, "flex+cudagraphs") == gpu.row_pass(p4, "fastrpe-triton_chunked+cudagraphs") == 0
+    assert gpu.row_pass(p4, "fastrpe-triton_chunked+compiled+cudagraphs") == 1
+    assert gpu.base_competitor("fastrpe-triton_soe+cudagraphs") == "fastrpe-triton_soe"
+    captured = _result([_row("alibi", 4096, "flex+cudagraphs", 0.5),
+                        _row("alibi", 4096, "fastrpe-triton_chunked+cudagraphs", 0.45, exact=True)])
+    assert _status(captured, "alibi, L=4096: no slower than Flex") == "pass"
     L, crit = 4096, "alibi, L=4096: no slower than Flex"
     base = [_row("alibi", L, "flex", 0.9), _row("alibi", L, "flex+cudagraphs", 0.5),
             _row("alibi", L, "fastrpe-triton_chunked", 1.8, exact=True)]
@@ -951,6 +977,46 @@ def test_a_graphed_row_compiles_with_reduce_overhead(monkeypatch):
                                                 torch.device("cpu"), torch.float64)
     assert isinstance(flex, str) and "--compiled-max-length" in flex
     torch._dynamo.reset()
+
+
+def test_a_captured_row_needs_cuda_and_its_warm_up_leaves_no_work_for_the_timed_calls(monkeypatch):
+    """fastrpe's and Flex's `+cudagraphs` rows (`captured`) need a CUDA device (a reason, not
+    an error, elsewhere), and are left out of the warm-up's per-config rows: their call is their
+    eager twin's, whose kernels the twin compiles."""
+    from fastrpe.bench import gpu_warm
+
+    cfg = gpu.smoke_config()
+    p = Problem(position="alibi", L=48, H=2, D=16, features=8)
+    for name in ("fastrpe-triton_chunked+cudagraphs", "flex+cudagraphs"):
+        why = gpu.registry(cfg)[name](p, torch.device("cpu"), torch.float64)
+        assert isinstance(why, str) and "CUDA graphs need a CUDA device" in why
+    assert gpu_warm.tuned("fastrpe-triton_chunked") and not gpu_warm.tuned("fastrpe-triton_chunked+cudagraphs")
+    assert not gpu_warm.shared("flex+cudagraphs") and not gpu_warm.shared("fastrpe-triton_chunked+cudagraphs")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_replay_gives_the_eager_calls_gradients():
+    """`captured`: a forward+backward call replayed from a CUDA graph leaves the gradients the
+    eager call gives (each replay rewrites them), for new input values copied in place."""
+    dev = torch.device("cuda")
+    q, k, v = (torch.randn(1, 2, 256, 16, device=dev, requires_grad=True) for _ in range(3))
+    pos = fr.positions.make("alibi", 2).to(dev)
+    kern = fr.kernels.get_kernel("nprf", head_dim=16, num_features=8).to(dev)
+
+    def fn(q, k, v):
+        return fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="auto")
+
+    replay = gpu.captured(gpu._closure(fn, q, k, v, True), dev)
+    with torch.no_grad():
+        for t in (q, k, v):
+            t.mul_(0.5)
+    replay()
+    got = [t.grad.clone() for t in (q, k, v)]
+    q.grad = k.grad = v.grad = None
+    fn(q, k, v).float().sum().backward()
+    for a, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, t.grad)
 
 
 def test_timed_backward_call_starts_from_no_gradients():

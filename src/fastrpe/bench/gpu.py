@@ -83,18 +83,22 @@ CONTEXT_LOST_EXIT = 75
 CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
-              "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs",
+              "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs",
               "fastrpe-triton_chunked+compiled+cudagraphs", "fastrpe-triton_chunked+bf16-features"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
-                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
+                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
+                   "fastrpe-triton_soe+compiled+cudagraphs"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
-                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
+                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
+                     "fastrpe-triton_soe+compiled+cudagraphs"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
-           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
+           "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+cudagraphs",
+           "fastrpe-triton_band+compiled+cudagraphs"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features"),
+                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
+                "fastrpe-triton_tiled+bf16-features"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                     "flex+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
+                     "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
                      "fastrpe-triton_tiled+bf16-features"),
 }
 # (`+bf16-features` for the exact families whose criteria the float32 features' tf32x3 products
@@ -111,10 +115,15 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 #: (`triton_soe.SAVE_STATES_BYTES`): KERPLE-log's 16 terms take 0.54 GB at 64k (B·H = 8, bf16)
 SAVED_STATES_BYTES = 2 << 30
 COMPILED_BACKENDS = ("triton_chunked", "triton_soe", "triton_band", "triton_tiled")
-#: the suffix of the rows compiled with mode="reduce-overhead" (CUDA graphs) in a run whose
-#: compile mode is the default: Flex (`flex+cudagraphs`) and fastrpe's `+compiled` rows, up to
-#: `compiled_max_length`. At 4k both are partly host time; these rows give the like-with-like
-#: answer with graphs in the same run (`check` reads both pairings).
+#: the suffix of the rows replayed from CUDA graphs, up to `compiled_max_length`, in a run whose
+#: compile mode is the default: `flex+cudagraphs` and `fastrpe-<backend>+cudagraphs` capture the
+#: call as it runs in their twin rows (compiled Flex; fastrpe's eager call) and time its replay
+#: (`captured`), and fastrpe's `+compiled+cudagraphs` rows compile with mode="reduce-overhead".
+#: At 4k both sides are mostly host time eager (fastrpe's Triton rows were 14-44% GPU busy on
+#: the H100, Flex 18%); these rows give the like-with-like answer with graphs in the same run
+#: (`check` reads both pairings). Before the CPU session after the fourth H100 one,
+#: `flex+cudagraphs` compiled Flex again with mode="reduce-overhead" for every family, after
+#: the eager rows, and no session reached it.
 GRAPHED = "+cudagraphs"
 
 
@@ -128,8 +137,10 @@ PRECISION_VARIANTS = ("+bf16-features", "+bf16x3")
 
 
 def compiled_row(name: str) -> bool:
-    """A row whose call runs under `torch.compile` (it compiles for long: pass 1)."""
-    return name.endswith((COMPILED, GRAPHED))
+    """A row whose call runs under `torch.compile` (it compiles for long: pass 1). fastrpe's
+    `+cudagraphs` rows without `+compiled` capture their eager call (`captured`): nothing to
+    compile but their twin's kernels."""
+    return name.endswith((COMPILED, COMPILED + GRAPHED))
 
 
 def base_competitor(name: str) -> str:
@@ -191,6 +202,9 @@ class GpuConfig:
     #: what runs, in this order: the host-sync check, the decoding rows, the timed rows (all of
     #: them under `budget_s`: a section cut short resumes where it stopped)
     sections: tuple = SECTIONS
+    #: the passes of the rows section this run takes (`row_pass`): a priority call of
+    #: gpu_run.sh takes the criteria's rows (0, 1) and leaves the others' (2) to the general one
+    passes: tuple = (0, 1, 2)
     #: the competitors this run times: names matching one of `only` (fnmatch patterns; empty:
     #: every one) and none of `skip`. gpu_run.sh times fla's rows in a process of their own,
     #: with another triton (benchmarks/fla_site.sh), and the rest with `skip=("fla-*",)`
@@ -359,6 +373,43 @@ def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, st
 FLEX_OPTIONS_CHAIN = (None, {"num_stages": 2}, GATHER_KERNEL_OPTIONS)
 
 
+def capture_graph(fn, device: torch.device) -> torch.cuda.CUDAGraph:
+    """`fn()` captured in a CUDA graph, after three calls on a side stream (compilation,
+    autotuning and kept tables happen there, off the capture stream, as `torch.cuda.graphs`
+    asks)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def captured(run, device: torch.device):
+    """`run` (a timed call, forward and backward) replayed from one CUDA graph
+    (`capture_graph`). A replay runs the same kernels on the same
+    buffers without Python or launches: what a training step captured whole (or compiled with
+    mode="reduce-overhead") pays. The gradients are outputs of the graph, rewritten by each
+    replay. The graph's memory pool is taken at the capture, before the timed calls: such a row's
+    `peak_bytes` leaves it out. A call that synchronizes with the host, or sizes anything from
+    device values, cannot be captured: the setup raises, and the row records why."""
+    graph = capture_graph(run, device)
+
+    def replay():
+        graph.replay()
+
+    replay.graph = graph  # alive as long as the row's call
+    replay.extra = {**getattr(run, "extra", {}), "cuda_graph": "the call captured once, its replay timed "
+                    "(torch.cuda.CUDAGraph; its memory pool is not in peak_bytes)"}
+    if hasattr(run, "after"):
+        replay.after = run.after
+    return replay
+
+
 def first_that_fits(calls: list, labels: list, used: dict):
     """A call running `calls[0]`, and from then on the next of `calls` each time one fails to
     compile for want of resources ("out of resource": shared memory), any other error raised.
@@ -385,10 +436,12 @@ def _flex_refusal(e: BaseException) -> str:
     return text[i:i + 160].split("Reducing")[0].strip() if i >= 0 else text.splitlines()[0][:160]
 
 
-def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default", cap: str = "--flex-max-length"):
+def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default", cap: str = "--flex-max-length",
+               graphed: bool = False):
     """Compiled FlexAttention with the family's score_mod (and a causal block mask), in
     `compile_mode`, the mode fastrpe's `+compiled` rows run in too (like with like); not beyond
-    `max_length` (the option `cap` sets it)."""
+    `max_length` (the option `cap` sets it); `graphed`: the call replayed from a CUDA graph
+    (`captured`; `flex+cudagraphs`)."""
     def setup(p: Problem, device, dtype):
         try:
             from torch.nn.attention.flex_attention import flex_attention
@@ -398,6 +451,8 @@ def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default", cap:
             return "no positional term (see sdpa)"
         if p.L > max_length:
             return f"not run beyond L={max_length} (no criterion needs it; {cap})"
+        if graphed and device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
         if device.type != "cuda" and not smoke:
             return "needs CUDA (eager Flex on CPU is not a baseline)"
         pos = make_position(p.position, p.H, p.L).to(device)
@@ -442,7 +497,7 @@ def flex_setup(smoke: bool, max_length: int, compile_mode: str = "default", cap:
                               extra["flex_tiles"])
         run.extra = extra
         run.after = lambda: cudagraph_skips_since(skips)
-        return run
+        return captured(run, device) if graphed else run
 
     return setup
 
@@ -553,7 +608,8 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
-                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None):
+                  compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
+                  graphed: bool = False):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
@@ -561,7 +617,9 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
     `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`, in `mode` (default:
     `cfg.compile_mode`; `+compiled+cudagraphs`: "reduce-overhead"); `saved_states`, triton_soe's
-    `SAVE_STATES_BYTES` (`+saved-states`: the forward's states kept for the backward)."""
+    `SAVE_STATES_BYTES` (`+saved-states`: the forward's states kept for the backward);
+    `graphed`, the eager call replayed from a CUDA graph (`captured`; `+cudagraphs`), up to
+    `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
 
     def setup(p: Problem, device, dtype):
@@ -577,8 +635,10 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         if backend == "triton_tiled" and p.L > cfg.flex_max_length:
             # quadratic, as Flex: at 1M a forward+backward would take tens of seconds
             return f"not run beyond L={cfg.flex_max_length} (quadratic time, as Flex; --flex-max-length)"
-        if compiled and p.L > cfg.compiled_max_length:
+        if (compiled or graphed) and p.L > cfg.compiled_max_length:
             return f"not run beyond L={cfg.compiled_max_length} (--compiled-max-length)"
+        if graphed and device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
         pos = make_position(p.position, p.H, p.L).to(device)
         kern = _kernel(p, device)
         q, k, v = _qkv(p, device, dtype)
@@ -635,7 +695,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         run.extra = extra
         before = autotuned()
         run.after = lambda: {**_new_choices(before, autotuned()), **cudagraph_skips_since(skips)}
-        return run
+        return captured(run, device) if graphed else run
 
     return setup
 
@@ -741,12 +801,15 @@ def registry(cfg: GpuConfig) -> dict:
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
             reg[f"fastrpe-{name}{COMPILED}"] = fastrpe_setup(name, cfg, compiled=True)
-    # the same, and Flex, with CUDA graphs, where the run's mode has none
+    # with CUDA graphs, where the run's mode has none: Flex's compiled call and fastrpe's eager
+    # one captured and replayed (`captured`: nothing compiled again), and fastrpe's compiled with
+    # mode="reduce-overhead"
     if cfg.compile_mode == "default":
         reg[f"flex{GRAPHED}"] = flex_setup(cfg.smoke, min(cfg.flex_max_length, cfg.compiled_max_length),
-                                           "reduce-overhead", cap="--compiled-max-length")
+                                           cap="--compiled-max-length", graphed=True)
         for name in COMPILED_BACKENDS:
             if name in BACKENDS:
+                reg[f"fastrpe-{name}{GRAPHED}"] = fastrpe_setup(name, cfg, graphed=True)
                 reg[f"fastrpe-{name}{COMPILED}{GRAPHED}"] = fastrpe_setup(name, cfg, compiled=True,
                                                                           mode="reduce-overhead")
     return reg
@@ -928,15 +991,7 @@ def _graphed_step(fn, device: torch.device, cfg: GpuConfig) -> dict:
 
     try:
         with torch.no_grad():
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            graph = capture_graph(fn, device)
             sec, _ = _time(graph.replay, device, cfg.repeats, cfg.warmup, cpu_peak=False)
         return {"graph_seconds": sec}
     except Exception as e:  # noqa: BLE001 - recorded: a step that syncs or allocates dynamically cannot be captured
@@ -1128,7 +1183,7 @@ def _run_sections(cfg: GpuConfig, res: dict, dev, dt, log, over, select, save, k
             reg = registry(cfg)
             # three passes (`row_pass`): the rows the criteria read at every length, those of them
             # under torch.compile, then every other row
-            for rank in (0, 1, 2):
+            for rank in cfg.passes:
                 done = done_pairs(res["rows"])
 
                 def chosen(p, name, rank=rank, done=done):  # the budget is asked only for a row to run
@@ -1178,8 +1233,10 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: triton_band (one term) keeps its states for the backward (`triton_soe.SAVE_STATES_BYTES`). Only rows of
 #: runs before `CODE_EPOCH` (each run records its `code_epoch`) move: bump it with CHANGED.
 #: Epoch 2 (after the fourth session, 2026-11-27): triton_prf's products default to "tf32x3"
-#: (the fourth session's PRF sweep), which every fastrpe Triton row's feature maps run; the 4k
-#: rows (host-bound: 10-40% GPU busy) are left as they are.
+#: (the fourth session's PRF sweep), which every fastrpe Triton row's feature maps run, and the
+#: SoE fit takes fewer terms (KERPLE log 11 at 64k instead of 16, power 9 instead of 12: the
+#: rates' grid, `soe.RATE_LO`/`RATE_HI`); the 4k rows (host-bound: 10-40% GPU busy) are left
+#: as they are.
 CODE_EPOCH = 2
 CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384))
 
@@ -1754,6 +1811,9 @@ def add_arguments(p) -> None:
                    help="comma-separated competitor name patterns: leave these rows to another run")
     g.add_argument("--warm-first", default=None, metavar="PATTERNS",
                    help="with --warm: compile the rows of these competitor patterns first")
+    g.add_argument("--passes", default=None, metavar="0,1,2",
+                   help="the rows section's passes to run: 0 the rows the criteria read, 1 those of them "
+                        "under torch.compile, 2 every other row (default all)")
     g.add_argument("--sections", default=None,
                    help=f"comma-separated, run in this order, from {','.join(SECTIONS)} (default: {','.join(SECTIONS)})")
 
@@ -1803,6 +1863,11 @@ def config_from_args(args) -> GpuConfig:
         if bad or not secs or len(set(secs)) != len(secs):
             raise FastRPEError(f"--sections: expected distinct names from {', '.join(SECTIONS)}, got {args.sections!r}")
         kw["sections"] = secs
+    if args.passes:
+        passes = tuple(x.strip() for x in args.passes.split(",") if x.strip())
+        if not passes or any(x not in ("0", "1", "2") for x in passes) or len(set(passes)) != len(passes):
+            raise FastRPEError(f"--passes: expected distinct passes from 0,1,2, got {args.passes!r}")
+        kw["passes"] = tuple(sorted(int(x) for x in passes))
     for opt in ("only", "skip", "warm_first"):
         if getattr(args, opt, None) is not None:
             kw[opt] = _patterns(getattr(args, opt), f"--{opt.replace('_', '-')}", cfg)

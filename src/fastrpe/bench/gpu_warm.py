@@ -36,6 +36,7 @@ import torch
 
 from .gpu import (
     CONTEXT_LOST_EXIT,
+    GRAPHED,
     GpuConfig,
     applies,
     compiled_row,
@@ -63,8 +64,9 @@ MEMORY_FRACTION = 0.125
 
 def tuned(name: str) -> bool:
     """A row that runs fastrpe's autotuned Triton kernels eagerly (a `+compiled` row runs the
-    same kernels, with the same keys: its eager twin compiles them in every worker)."""
-    return name.startswith("fastrpe-triton_") and not compiled_row(name)
+    same kernels, with the same keys: its eager twin compiles them in every worker; so does a
+    `+cudagraphs` row's, whose call is its twin's captured)."""
+    return name.startswith("fastrpe-triton_") and not compiled_row(name) and not name.endswith(GRAPHED)
 
 
 def shared(name: str) -> bool:
