@@ -17,6 +17,12 @@ and that fit's weight error (`terms_table`; `--terms-only` prints it alone).
 
 Usage: python benchmarks/soe_accuracy.py [--lengths 1024,4096,16384] [--out benchmarks/results] [--terms-only]
 Writes soe_accuracy.json and prints markdown tables (docs/RESULTS.md quotes them).
+
+`--grids 0.0625:4,...` compares the rates' grids instead (`soe.RATE_LO`, `soe.RATE_HI`: the
+fastest time scale in band widths, the slowest in multiples of the term's reach): the terms a
+frozen term takes under each over `grid_cases()` at 4k to 256k tokens, and, for the GPU bench's
+two KERPLE terms at 64k, the weight errors of freely optimized rates against the grid's
+(`free_rates`): how many terms a better grid could still save. Writes soe_grids.json.
 """
 from __future__ import annotations
 
@@ -80,24 +86,136 @@ def term_cases() -> dict:
 
 #: lengths of the terms table (no attention is run: the fit and its check only)
 TERM_LENGTHS = (4096, 65536)
+#: lengths of the rate grids' comparison (`--grids`)
+GRID_LENGTHS = (4096, 16384, 65536, 262144)
+
+
+def grid_cases() -> dict:
+    """name -> a several-head term (float64) for the rate grids' comparison: KERPLE log, power
+    and 3-parameter log, 8 heads each, with the official code's random draws (seeds 0-5) and
+    the mean init, and the terms table's cases."""
+    out = {}
+    for seed in range(6):
+        for name, cls in (("log", P.KerpleLog), ("power", P.KerplePower), ("log3", P.KerpleLog3)):
+            out[f"KERPLE {name}, random draw {seed}"] = cls(8, init="random", seed=seed)
+    out.update({f"KERPLE {name}, mean init": cls(8) for name, cls in
+                (("log", P.KerpleLog), ("power", P.KerplePower), ("log3", P.KerpleLog3))})
+    return {**{k: v.double() for k, v in out.items()}, **term_cases()}
+
+
+def fewest_terms(b, target: float = SOE_MAX_WEIGHT_ERROR) -> tuple[int | None, float]:
+    """`(K, weight error)`: the fewest of `TERM_CHOICES` within `target` for the coefficients
+    `b` (a frozen term's verdict, as `soe_terms`, without its memo); K None where none is."""
+    best = float("inf")
+    for K in TERM_CHOICES:
+        err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
+        best = min(best, err)
+        if err <= target:
+            return K, err
+    return None, best
+
+
+def grids_table(grids: list[tuple[float, float]]) -> tuple[list[dict], str]:
+    """The terms each rate grid (`soe.RATE_LO`, `soe.RATE_HI`) takes over `grid_cases()` at
+    `GRID_LENGTHS`: the sum over the cases (a refused case counts none) and the refusals."""
+    from fastrpe.ops.linear import soe
+
+    cases = grid_cases()
+    rows = []
+    before = soe.RATE_LO, soe.RATE_HI
+    try:
+        for L in GRID_LENGTHS:
+            bs = {n: causal_log_coefficients(p, soe_fit_length(L)).detach() for n, p in cases.items()}
+            for lo, hi in grids:
+                soe.RATE_LO, soe.RATE_HI = lo, hi
+                for name, b in bs.items():
+                    K, err = fewest_terms(b)
+                    rows.append({"grid": [lo, hi], "L": L, "case": name, "terms": K, "weight_error": err})
+                got = [r for r in rows if r["grid"] == [lo, hi] and r["L"] == L]
+                print(f"grid W*{lo:g} .. {hi:g}*reach  L={L:7d}: {sum(r['terms'] or 0 for r in got)} terms, "
+                      f"{sum(r['terms'] is None for r in got)} refused", flush=True)
+    finally:
+        soe.RATE_LO, soe.RATE_HI = before
+    head = ["rates' time scales"] + [f"terms @ {L:,} (refused)" for L in GRID_LENGTHS] + ["terms in all"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lo, hi in grids:
+        got = [r for r in rows if r["grid"] == [lo, hi]]
+        cells = [f"W·{lo:g} to {hi:g}× the reach" + (" (now)" if (lo, hi) == before else "")]
+        for L in GRID_LENGTHS:
+            at = [r for r in got if r["L"] == L]
+            cells.append(f"{sum(r['terms'] or 0 for r in at)} ({sum(r['terms'] is None for r in at)})")
+        cells.append(str(sum(r["terms"] or 0 for r in got)))
+        out.append("| " + " | ".join(cells) + " |")
+    return rows, f"{len(cases)} terms per length\n\n" + "\n".join(out)
+
+
+def free_rates(L: int = 65536, counts=(8, 9, 10, 11, 12), steps: int = 300) -> tuple[list[dict], str]:
+    """How far the grid is from the best rates: for the GPU bench's two KERPLE terms, the K-1
+    time scales optimized freely (Adam on their logs from the grid's, `steps` steps, on a
+    smooth maximum of the heads' weight errors; the weights fitted as the backend fits them)
+    against the grid's, per number of terms. Seconds per K at 64k."""
+    names = list(term_cases())[:2]
+    rows = []
+    for name in names:
+        b = causal_log_coefficients(term_cases()[name], soe_fit_length(L)).detach()
+        c = torch.exp(b - b.amax(-1, keepdim=True))
+        W = DEFAULT_WINDOW
+        d = torch.arange(W, c.shape[-1], dtype=torch.float64)
+        for K in counts:
+            grid = soe_plan(b, num_terms=K)
+            err_grid = float(soe_weight_error(b, grid).max())
+            log_tau = torch.log(-1.0 / torch.log(grid.gamma[:-1])).requires_grad_(True)
+            opt = torch.optim.Adam([log_tau], lr=0.05)
+            best = err_grid
+            for _ in range(steps):
+                gamma = torch.cat([torch.exp(-1.0 / log_tau.exp()), torch.ones(1, dtype=torch.float64)])
+                plan = soe_plan(b, num_terms=K, gamma=gamma)
+                fitted = plan.a @ (gamma[:, None] ** d[None, :])
+                miss = torch.cat([c.new_zeros(c.shape[0], W), (fitted - c[:, W:]).abs()], -1)
+                per_head = (miss.cumsum(-1) / c.cumsum(-1)).amax(-1)
+                best = min(best, float(per_head.max()))
+                loss = torch.logsumexp(per_head * 1e5, 0) / 1e5
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            rows.append({"case": name, "L": L, "terms": K, "weight_error_grid": err_grid, "weight_error_free": best})
+            print(f"{name[:40]:40s} K={K:2d}: grid {err_grid:.1e}, free rates {best:.1e}", flush=True)
+    head = ["term", *(f"K = {K}: grid / free" for K in counts)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        at = {r["terms"]: r for r in rows if r["case"] == name}
+        out.append("| " + " | ".join([name] + [f"{at[K]['weight_error_grid']:.1e} / {at[K]['weight_error_free']:.1e}"
+                                                for K in counts]) + " |")
+    return rows, "\n".join(out)
 
 
 def terms_table() -> tuple[list[dict], str]:
     """`soe_terms` (the exponentials the backend takes, and that fit's weight error) per term
     and length, with a markdown table."""
+    from fastrpe.ops.linear.soe import TRAINING_HEADROOM
+
     rows = []
     for name, pos in term_cases().items():
         for L in TERM_LENGTHS:
-            K, err = soe_terms(pos, L)
-            rows.append({"case": name, "L": L, "terms": K, "weight_error": err,
-                         "backend_accepts": err <= SOE_MAX_WEIGHT_ERROR})
-    head = ["term"] + [f"terms (weight error) @ {L:,}" for L in TERM_LENGTHS]
+            for training in (False, True):
+                if training:  # the verdict a term in training on a GPU keeps for its next steps
+                    b = causal_log_coefficients(pos, soe_fit_length(L)).detach()
+                    K, err = fewest_terms(b, target=SOE_MAX_WEIGHT_ERROR * TRAINING_HEADROOM)
+                    if K is None:  # none has the headroom: the fewest within the limit (`soe_terms`)
+                        K, err = fewest_terms(b)
+                else:
+                    with torch.no_grad():
+                        K, err = soe_terms(pos, L)
+                rows.append({"case": name, "L": L, "training_on_gpu": training, "terms": K, "weight_error": err,
+                             "backend_accepts": K is not None and err <= SOE_MAX_WEIGHT_ERROR})
+    head = ["term"] + [f"{'in training on a GPU' if t else 'frozen'} @ {L:,}" for L in TERM_LENGTHS
+                       for t in (False, True)]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in term_cases():
-        rs = {r["L"]: r for r in rows if r["case"] == name}
-        out.append("| " + " | ".join([name] + [f"{rs[L]['terms']} ({rs[L]['weight_error']:.1e})"
-                                                + ("" if rs[L]["backend_accepts"] else ", refused")
-                                                for L in TERM_LENGTHS]) + " |")
+        rs = {(r["L"], r["training_on_gpu"]): r for r in rows if r["case"] == name}
+        out.append("| " + " | ".join([name] + [f"{rs[L, t]['terms']} ({rs[L, t]['weight_error']:.1e})"
+                                                + ("" if rs[L, t]["backend_accepts"] else ", refused")
+                                                for L in TERM_LENGTHS for t in (False, True)]) + " |")
     return rows, "\n".join(out)
 
 
@@ -117,7 +235,8 @@ def measure(name: str, pos, L: int, grad: bool, D: int, F: int) -> dict:
     kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F).double()
     fit_len = soe_fit_length(L)
     b = causal_log_coefficients(pos, fit_len)
-    K = soe_terms(pos, L)[0]  # what the backend takes (the most of TERM_CHOICES where none passes)
+    with torch.no_grad():  # what the backend takes for a frozen term, the tightest fit it accepts
+        K = soe_terms(pos, L)[0]  # (the most of TERM_CHOICES where none passes)
     plan = soe_plan(b.detach(), num_terms=K)
     fit, weight = soe_fit_error(b, num_terms=K), float(soe_weight_error(b, plan).max())
     t0 = time.perf_counter()
@@ -167,10 +286,32 @@ def main(argv=None) -> None:
     ap.add_argument("--terms-only", action="store_true",
                     help="print the terms table alone (seconds; no attention run, nothing written): run it "
                          "with PYTHONPATH=<an older checkout>/src to see an older fit's choices")
+    ap.add_argument("--grids", default=None, metavar="LO:HI,...",
+                    help="compare rate grids instead (soe.RATE_LO:RATE_HI pairs; the current grid is added): the "
+                         "terms each takes over grid_cases() at 4k-256k, and the free rates' errors at 64k; writes "
+                         "soe_grids.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if args.terms_only:
         print(terms_table()[1])
+        return
+    if args.grids is not None:
+        from fastrpe.ops.linear import soe
+
+        grids = [(soe.RATE_LO, soe.RATE_HI)]
+        grids += [g for g in (tuple(float(x) for x in p.split(":")) for p in args.grids.split(",") if p) if g not in grids]
+        rows, table = grids_table(grids)
+        free, free_table = free_rates()
+        print(table + "\n\n" + free_table)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"command": "python benchmarks/soe_accuracy.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+                "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+                "window": DEFAULT_WINDOW, "terms": f"the fewest of {TERM_CHOICES} within {SOE_MAX_WEIGHT_ERROR:g} (frozen)",
+                "lengths": list(GRID_LENGTHS), "rows": rows, "markdown": table, "free_rates": free,
+                "free_markdown": free_table}
+        (out / "soe_grids.json").write_text(json.dumps(meta, indent=1))
+        print(f"wrote {out / 'soe_grids.json'}")
         return
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []

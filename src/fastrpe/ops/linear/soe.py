@@ -70,19 +70,32 @@ FIT_FLOOR_NATS = 20.0
 def soe_rates(window: int, max_len: int, num_terms: int, dtype=torch.float64, device=None,
               scale: Tensor | None = None) -> Tensor:
     """`[K]` rates: γ = 1 (a constant tail) and K-1 time scales `τ` (`γ = e^(-1/τ)`)
-    log-spaced from `window/16` to `4·scale` (`scale`: default `max_len`; a 0-dim tensor,
-    `live_distance`, where the term dies out sooner): a faster rate is below e^-16 over the
-    whole far field `d >= window`, so it could only fit noise, and a slower one than the
-    term's own reach only spreads the grid thin (the GPU bench's KERPLE power, whose p = 0.5
-    head dies out by d ≈ 1,600, needs 24 terms at 64k with the grid up to 4·65,536 and 12
-    with it up to its reach, both with `fit_soe`'s weights)."""
-    lo = math.log(max(1.0, window / 16))
+    log-spaced from `RATE_LO·window` to `RATE_HI·scale` (`scale`: default `max_len`; a 0-dim
+    tensor, `live_distance`, where the term dies out sooner).
+
+    Where the grid's ends sit decides how many terms a fit needs (`TERM_CHOICES`). Time scales
+    optimized freely for the GPU bench's KERPLE log and power at 64k came out nearly log-spaced
+    from about W/3 to about the term's reach, not from W/16 to 4x the reach: a faster rate is
+    e^-16 down by the end of the exact band, so it fits only the far field's first distances,
+    and one slower than the reach only spreads the grid thin where the constant term already
+    serves. Over 26 KERPLE terms (log, power, log3; random and mean inits, 8 heads) at 4k, 16k,
+    64k and 256k, W/4 to 0.75x the reach took 1,229 terms in all against 1,534 for W/16 to 4x;
+    the bench's KERPLE log at 64k takes 11 instead of 15, its power 9 instead of 12, where
+    free rates would take 10 and 8 or fewer (`benchmarks/soe_accuracy.py --grids`,
+    docs/RESULTS.md "The rates' grid")."""
+    lo = math.log(max(1.0, RATE_LO * window))
     if scale is None:
         scale = torch.tensor(float(max(max_len, window)), dtype=dtype, device=device)
-    hi = torch.log(4.0 * scale.to(dtype=dtype, device=device))
+    hi = torch.log(RATE_HI * scale.to(dtype=dtype, device=device))
     frac = torch.linspace(0.0, 1.0, num_terms - 1, dtype=dtype, device=device)
     tau = torch.exp(lo + (hi - lo) * frac)
     return torch.cat([torch.exp(-1.0 / tau), torch.ones(1, dtype=dtype, device=device)])
+
+
+#: the fastest and slowest time scales of the rates' grid, as multiples of the band width and
+#: of the term's reach (`soe_rates`)
+RATE_LO = 0.25
+RATE_HI = 0.75
 
 
 def live_distance(b: Tensor, window: int) -> Tensor:
@@ -234,19 +247,22 @@ def causal_log_coefficients(position, length: int) -> Tensor:
     return position.log_coefficients(length, 1, 0).flip(-1)
 
 
-def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_TERMS) -> SoEPlan:
-    """Fit the far field of `b: [H, N]` (`b(-d)`, `d = 0..N-1`; N is the fit length)."""
+def soe_plan(b: Tensor, window: int = DEFAULT_WINDOW, num_terms: int = DEFAULT_TERMS,
+             gamma: Tensor | None = None) -> SoEPlan:
+    """Fit the far field of `b: [H, N]` (`b(-d)`, `d = 0..N-1`; N is the fit length) on the
+    rates `gamma: [num_terms]` (float64; default `soe_rates`' grid)."""
     H, N = b.shape
     dev = b.device
     shift = b.detach().amax(-1).to(torch.float64)  # (H,)
     b = (b - shift[:, None]).to(torch.float64)
     W = min(window, N)
-    gamma = soe_rates(W, N, num_terms, device=dev, scale=live_distance(b.detach(), W))  # (K,) float64
+    if gamma is None:
+        gamma = soe_rates(W, N, num_terms, device=dev, scale=live_distance(b.detach(), W))  # (K,) float64
     if N > W:
         rs = _far_samples_on(W, N, dev)
         a = fit_soe(b, rs, gamma)  # (H, K)
     else:
-        a = torch.zeros(H, num_terms, dtype=torch.float64, device=dev)
+        a = torch.zeros(H, gamma.numel(), dtype=torch.float64, device=dev)
     dW = torch.arange(W, device=dev, dtype=torch.float64)
     fitted = (a[:, None, :] * gamma[None, None, :] ** dW[None, :, None]).sum(-1)  # (H, W)
     return SoEPlan(gamma, a, torch.exp(b[:, :W]) - fitted, W, N, shift)
@@ -273,7 +289,9 @@ def soe_weight_error(b: Tensor, plan: SoEPlan | None = None) -> Tensor:
         if N <= W:
             return c.new_zeros(c.shape[0])
         d = torch.arange(W, N, dtype=torch.float64, device=c.device)
-        fitted = (plan.a[:, None, :] * plan.gamma[None, None, :] ** d[None, :, None]).sum(-1)  # (H, N-W)
+        # the rates' powers once for every head, then one product: `[H, N-W, K]` terms would be 1 GiB
+        # of float64 at a 1M-token fit with 16 terms, built once per number of terms tried
+        fitted = plan.a @ (plan.gamma[:, None] ** d[None, :])  # (H, N-W)
         miss = torch.cat([c.new_zeros(c.shape[0], W), (fitted - c[:, W:]).abs()], -1)
         ratio = miss.cumsum(-1) / c.cumsum(-1).clamp_min(torch.finfo(torch.float64).tiny)
         return ratio.amax(-1)
@@ -287,11 +305,22 @@ def soe_fit_length(length: int) -> int:
 
 #: the numbers of exponentials tried, fewest first: a fit takes the first whose weight error
 #: is within SOE_MAX_WEIGHT_ERROR (each is tried: the ridge-regularized fit's error need not
-#: fall with K). The GPU bench's KERPLE power (r1 = 0.5, p = 0.5..1.5) takes 12 at 64k (9.1e-5),
-#: its KERPLE log 16 (2.1e-5) (`python benchmarks/soe_accuracy.py --terms-only`)
-TERM_CHOICES = (12, DEFAULT_TERMS, 24, 32)
+#: fall with K). Every count from 6 to 16: each term is a state the fused kernel carries, about
+#: 0.2 ms of the KERPLE calls' 9.5-10.3 ms at 64k on the H100 (12 and 16 terms, 2026-11-27),
+#: and 12 or 16 alone made a term that fits with 9 or 11 pay for 12 or 16. The GPU bench's
+#: KERPLE power (r1 = 0.5, p = 0.5..1.5) takes 9 at 64k, its KERPLE log 11
+#: (`python benchmarks/soe_accuracy.py --terms-only`)
+TERM_CHOICES = (*range(6, DEFAULT_TERMS + 1), 20, 24, 32)
 
-#: position -> {(fit length, device, parameter state): (terms, weight error)}: the verdict reads
+#: a term in training on a GPU takes the fewest terms within this share of SOE_MAX_WEIGHT_ERROR:
+#: its verdict's count serves the steps after it (`_checked_on_the_gpu`), each a new term fitted
+#: with that count and checked against the whole limit, and a count that fits the verdict's
+#: state just within the limit failed a few steps later (then a warning and a verdict again).
+#: Elsewhere each parameter state has a verdict of its own, and a call with autograd on or off
+#: takes the same count (the same outputs)
+TRAINING_HEADROOM = 0.25
+
+#: position -> {(fit length, device, parameter state, on the GPU in training): (terms, weight error)}: the verdict reads
 #: the error on the host (a GPU stream sync), so a frozen term pays it on its first call only
 _VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -344,7 +373,8 @@ def _read_fit_checks() -> None:
 
 def soe_terms(position, length: int) -> tuple[int, float]:
     """`(K, weight error)`: the fewest exponentials in `TERM_CHOICES` that fit `position` for
-    rows up to `length` within SOE_MAX_WEIGHT_ERROR (the most if none does; the error says so).
+    rows up to `length` within SOE_MAX_WEIGHT_ERROR (the most if none does; the error says so),
+    or, for a term in training on a GPU, within `TRAINING_HEADROOM` of it (if any count is).
     Once per parameter state; under torch.compile, without reading anything: the eager
     verdict if there is one, else `(DEFAULT_TERMS, nan)` (`soe_assert_fit` checks in the graph).
     A term in training on a GPU keeps its latest verdict while the GPU's checks of each call's
@@ -363,17 +393,22 @@ def soe_terms(position, length: int) -> tuple[int, float]:
         if latest is not None:
             return latest
 
+    target = SOE_MAX_WEIGHT_ERROR * (TRAINING_HEADROOM if gpu_checked else 1.0)
+
     @torch.no_grad()
     def verdict():
         b = causal_log_coefficients(position, fit_length).detach()
+        within = None  # the fewest within the limit, where none is within the target
         for K in TERM_CHOICES:
             err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
-            if err <= SOE_MAX_WEIGHT_ERROR:
-                break
-        return K, err
+            if err <= target:
+                return K, err
+            if within is None and err <= SOE_MAX_WEIGHT_ERROR:
+                within = K, err
+        return within or (K, err)
 
     # parameters in training: every step is a new state, the oldest go
-    v = kept(_VERDICTS, position, _state_key(position, fit_length), verdict, entries=16)
+    v = kept(_VERDICTS, position, (*_state_key(position, fit_length), gpu_checked), verdict, entries=16)
     if gpu_checked and v[1] <= SOE_MAX_WEIGHT_ERROR:  # a refusal is not kept: a later state may fit
         _LATEST.setdefault(position, {})[fit_length] = v
     return v
