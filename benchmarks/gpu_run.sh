@@ -146,6 +146,27 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the CPU session after the fourth (2026-11-27, third session of the day; no GPU):
+# - the 4k CUDA-graph pairings no longer compile anything: `flex+cudagraphs` captures the
+#   compiled Flex call of the `flex` row and `fastrpe-triton_{chunked,soe,band,tiled}+cudagraphs`
+#   their eager call (gpu.captured: three calls on a side stream, one captured, its replay timed),
+#   in the bench's pass 0, first in PRIORITY_ONLY. GPU test: tests/test_bench_gpu.py::
+#   test_captured_replay_gives_the_eager_calls_gradients. If a capture fails, the row says why
+#   (a host sync or a device-sized allocation in the call: worth fixing, as a user capturing a
+#   training step would hit it too);
+# - the decaying terms' 1M rows (60 ms and 8 GiB) get a call of their own after the 4k one
+#   (PRIORITY_1M, PRIORITY_1M_S=120), and at the start of `rest` if `first` left them;
+# - the priority calls run only the rows the criteria read (`--passes 0,1`): before, their
+#   `--only` patterns went on to every family's rows of those competitors (pass 2) while their
+#   window lasted, `+compiled` ones (a compile each) included;
+# - the SoE fit takes fewer terms: the rates' grid runs from W/4 to 0.75x the term's reach
+#   (was W/16 to 4x) and every count from 6 to 16 is tried: the bench's KERPLE log takes 11 at
+#   64k (was 16), its power 9 (was 12), within the same 1e-4 check (docs/RESULTS.md, "The rates'
+#   grid"). At about 0.2 ms per term (16 vs 12 terms: 10.33 vs 9.47 ms), KERPLE-log's row should
+#   come to about 9.3 ms (the 20x needs 9.2 against the third session's Flex): compare the
+#   `+saved-states` rows. A new term count is a new autotuner key (the tuned kernels time their
+#   configs once more);
+#
 # New since the fourth session (CPU, 2026-11-27, second session of the day), for the next to read:
 # - carry the fourth session's own pack (compiled on the H100: 1,199 kernels of triton 3.6.0 and
 #   249 of fla's 3.7.1, 15.2 MiB) as .gpu_cache/compile_cache.tar.xz; the CPU-built pack below
@@ -427,14 +448,21 @@ LENGTHS=4096,65536,262144,1048576
 FLA_LENGTHS=4096,65536
 PRIORITY_LENGTHS=4096
 # the 4k criteria's CUDA-graph pairings (both sides with graphs; eager, fastrpe's 4k rows are
-# 10-40% GPU busy: host time), never reached in four sessions, and +compiled
-PRIORITY_ONLY='*+compiled+cudagraphs,flex+cudagraphs,*+compiled'
+# 10-40% GPU busy: host time), never reached in four sessions: first (the bench's pass 0) Flex's
+# compiled call and fastrpe's eager one captured and replayed (gpu.captured: nothing compiled
+# that the 4k rows have not), then +compiled, with and without mode="reduce-overhead"
+PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+compiled'
 # first, in a call of their own, the 64k rows of the ratio criteria, both sides on this machine:
 # Flex (gpu.ANCHORS) and every fastrpe Triton row (gpu.CHANGED, epoch 2: the PRF products'
 # default), the rows the 15x and 20x criteria read (2026-11-27: ALiBi 14.65x, KERPLE-log 17.9x
 # against the third session's Flex); within one call the bench runs the shortest length first
 PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features'
 PRIORITY_LONG_LENGTHS=65536
+# then the 1M rows of the decaying terms (forward+backward within 60 ms and 8 GiB), which no
+# session reached (the general pass runs the learned tables' 262k rows, seconds per call, first):
+# their kernels are the 64k rows' (nothing to compile), a few seconds each
+PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states,fastrpe-triton_soe'
+PRIORITY_1M_LENGTHS=1048576
 PRF_ARGS=()
 # the profile (PROFILE_S, 45 s): where the 64k time goes in the rows still short of their
 # criteria: the FFT path for a learned table over all offsets (651 ms, six criteria), KERPLE-log
@@ -446,6 +474,7 @@ if [ -n "${SMOKE:-}" ]; then
     FLA_LENGTHS=48
     PRIORITY_LENGTHS=48,96
     PRIORITY_LONG_LENGTHS=96
+    PRIORITY_1M_LENGTHS=96
     PROFILE_ARGS=(--device cpu --lengths 64 --cases fastrpe-chunked:alibi)
     PRF_ARGS=(--device cpu --lengths 20 --configs 16:4:ieee,32:2:tf32x3)
 fi
@@ -722,11 +751,13 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     #     64k ones first, in a call of their own
     if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         priority_end=$(( SECONDS + ${PRIORITY_S:-150} ))
-        bench_until "$priority_end" gpu_first.log --resume --sections rows \
+        bench_until "$priority_end" gpu_first.log --resume --sections rows --passes 0,1 \
             --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_LONG"
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
         bench_until $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )) gpu_first.log --resume \
-            --sections rows --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
+            --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
+        bench_until $(( SECONDS + ${PRIORITY_1M_S:-120} )) gpu_first.log --resume --sections rows --passes 0,1 \
+            --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s; not when the probe saw the bench's own
     #     variant fault (2026-11-26 and -27 the row broke the CUDA context, 40 s of the bench's)
@@ -764,8 +795,11 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
         wait "$fla_warm_pid"
         keep_log /tmp/fla_warm.log gpu_rest.log "fla's warm-up (fla's processes)" 200
     fi
-    # the bench and fla's rows until PACK_S s before the end, then the pack (as in `first`)
+    # the bench and fla's rows until PACK_S s before the end, then the pack (as in `first`);
+    # first the decaying terms' 1M rows, if `first` left them (the general pass reaches them last)
     pack_s=${PACK_S:-35}
+    bench_until $(( SECONDS + ${PRIORITY_1M_S:-120} )) gpu_rest.log --resume --sections rows --passes 0,1 \
+        --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
     bench_until "$(( rest_s - fla_rest - pack_s ))" gpu_rest.log --resume
     fla_left=$(( rest_s - pack_s - SECONDS - 20 ))
     fla_rows "$(( fla_rest < fla_left ? fla_rest : fla_left ))"
