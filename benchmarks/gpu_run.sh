@@ -153,7 +153,11 @@
 #   in the bench's pass 0, first in PRIORITY_ONLY. GPU test: tests/test_bench_gpu.py::
 #   test_captured_replay_gives_the_eager_calls_gradients. If a capture fails, the row says why
 #   (a host sync or a device-sized allocation in the call: worth fixing, as a user capturing a
-#   training step would hit it too);
+#   training step would hit it too). Beside them, captured twins that only a replay can favour:
+#   `fastrpe-triton_{chunked,band,soe}+blocked-scan+cudagraphs` (at 4k the sequential state
+#   passes were 0.17 of triton_chunked's 0.36 ms of GPU time: 64 steps in 8 programs) and
+#   `fastrpe-triton_tiled+bf16-features+cudagraphs`; if a blocked twin wins, STATE_SCAN "auto"
+#   could block under capture too;
 # - the decaying terms' 1M rows (60 ms and 8 GiB) get a call of their own after the 4k one
 #   (PRIORITY_1M, PRIORITY_1M_S=120), and at the start of `rest` if `first` left them;
 # - the priority calls run only the rows the criteria read (`--passes 0,1`): before, their

@@ -938,7 +938,9 @@ def test_rows_with_cuda_graphs_in_a_default_mode_run_and_the_4k_criterion_reads_
     without."""
     reg = gpu.registry(gpu.GpuConfig())
     assert {"flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs", "fastrpe-triton_soe+cudagraphs",
+            "fastrpe-triton_chunked+blocked-scan+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
             "fastrpe-triton_chunked+compiled+cudagraphs"} <= set(reg)
+    assert gpu.row_pass(Problem(position="t5", causal=True, L=4096), "fastrpe-triton_band+blocked-scan+cudagraphs") == 0
     assert not any(n.endswith("+cudagraphs") for n in gpu.registry(gpu.GpuConfig(compile_mode="reduce-overhead")))
     p4 = Problem(position="alibi", causal=True, L=4096)
     assert gpu.row_pass(p4, "flex+cudagraphs") == gpu.row_pass(p4, "fastrpe-triton_chunked+cudagraphs") == 0

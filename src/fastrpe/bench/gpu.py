@@ -84,21 +84,23 @@ CRITERIA_ROWS = {
     "none": ("sdpa",),
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs",
-              "fastrpe-triton_chunked+compiled+cudagraphs", "fastrpe-triton_chunked+bf16-features"),
+              "fastrpe-triton_chunked+blocked-scan+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs",
+              "fastrpe-triton_chunked+bf16-features"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
                    "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
-                   "fastrpe-triton_soe+compiled+cudagraphs"),
+                   "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
                      "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
-                     "fastrpe-triton_soe+compiled+cudagraphs"),
+                     "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+cudagraphs",
-           "fastrpe-triton_band+compiled+cudagraphs"),
+           "fastrpe-triton_band+blocked-scan+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
-                "fastrpe-triton_tiled+bf16-features"),
+                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
+                "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                     "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+compiled+cudagraphs",
+                     "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
+                     "fastrpe-triton_tiled+compiled+cudagraphs",
                      "fastrpe-triton_tiled+bf16-features"),
 }
 # (`+bf16-features` for the exact families whose criteria the float32 features' tf32x3 products
@@ -812,6 +814,19 @@ def registry(cfg: GpuConfig) -> dict:
                 reg[f"fastrpe-{name}{GRAPHED}"] = fastrpe_setup(name, cfg, graphed=True)
                 reg[f"fastrpe-{name}{COMPILED}{GRAPHED}"] = fastrpe_setup(name, cfg, compiled=True,
                                                                           mode="reduce-overhead")
+        # what a replay's device time may gain where launches cost nothing: the chunk-state
+        # passes blocked at 4k (64 chunks; STATE_SCAN "auto" blocks from 16k, where the eager
+        # calls were timed: at 4k their sequential passes were 0.17 of triton_chunked's 0.36 ms
+        # of GPU time, 64 steps in 8 programs, H100 2026-11-27b profile), and triton_tiled's
+        # features in bf16 (its 1.79 ms at 4k were 3x Flex's busy time, in tf32x3 products)
+        for name in ("triton_chunked", "triton_band", "triton_soe"):
+            if name in BACKENDS:
+                reg[f"fastrpe-{name}+blocked-scan{GRAPHED}"] = fastrpe_setup(name, cfg, state_scan="blocked",
+                                                                              graphed=True)
+        if "triton_tiled" in BACKENDS:
+            reg[f"fastrpe-triton_tiled+bf16-features{GRAPHED}"] = fastrpe_setup("triton_tiled", cfg,
+                                                                                 lowp_features="bfloat16",
+                                                                                 graphed=True)
     return reg
 
 
