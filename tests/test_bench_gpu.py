@@ -996,6 +996,27 @@ def test_a_captured_row_needs_cuda_and_its_warm_up_leaves_no_work_for_the_timed_
     assert not gpu_warm.shared("flex+cudagraphs") and not gpu_warm.shared("fastrpe-triton_chunked+cudagraphs")
 
 
+def test_a_call_that_cannot_be_captured_is_a_refusal_and_its_own_errors_stay_errors(monkeypatch):
+    """`captured`: a capture that fails (a host sync in the call, say) gives the row a reason,
+    not an error (a resumed run would measure the problem's other rows again for an error); an
+    error of the call itself, in its warm-up calls, is raised."""
+    monkeypatch.setattr(gpu, "_warm_on_side_stream", lambda fn, device: fn())
+
+    def no_capture(fn, device, warm=True):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(gpu, "capture_graph", no_capture)
+    why = gpu.captured(lambda: None, torch.device("cpu"))
+    assert isinstance(why, str) and why == ("could not be captured in a CUDA graph: RuntimeError: "
+                                            "operation not permitted when stream is capturing")
+
+    def broken():
+        raise ValueError("the call's own")
+
+    with pytest.raises(ValueError, match="the call's own"):
+        gpu.captured(broken, torch.device("cpu"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_replay_gives_the_eager_calls_gradients():

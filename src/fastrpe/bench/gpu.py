@@ -375,16 +375,22 @@ def causal_block_mask(L: int, device, compiled: bool = True) -> tuple[object, st
 FLEX_OPTIONS_CHAIN = (None, {"num_stages": 2}, GATHER_KERNEL_OPTIONS)
 
 
-def capture_graph(fn, device: torch.device) -> torch.cuda.CUDAGraph:
-    """`fn()` captured in a CUDA graph, after three calls on a side stream (compilation,
-    autotuning and kept tables happen there, off the capture stream, as `torch.cuda.graphs`
-    asks)."""
+def _warm_on_side_stream(fn, device: torch.device, calls: int = 3) -> None:
+    """`calls` calls of `fn` on a side stream: compilation, autotuning and kept tables happen
+    there, off the capture stream, as `torch.cuda.graphs` asks before a capture."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(calls):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
+
+
+def capture_graph(fn, device: torch.device, warm: bool = True) -> torch.cuda.CUDAGraph:
+    """`fn()` captured in a CUDA graph, after three calls on a side stream (`warm`;
+    `_warm_on_side_stream`)."""
+    if warm:
+        _warm_on_side_stream(fn, device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -398,8 +404,19 @@ def captured(run, device: torch.device):
     mode="reduce-overhead") pays. The gradients are outputs of the graph, rewritten by each
     replay. The graph's memory pool is taken at the capture, before the timed calls: such a row's
     `peak_bytes` leaves it out. A call that synchronizes with the host, or sizes anything from
-    device values, cannot be captured: the setup raises, and the row records why."""
-    graph = capture_graph(run, device)
+    device values, cannot be captured: then the reason, which the row records as a refusal
+    (not an error: a resumed run does not measure the problem's other rows again for it)."""
+    from .runner import _first_line
+
+    _warm_on_side_stream(run, device)  # an error here is the call's own: the row records it
+    try:
+        graph = capture_graph(run, device, warm=False)
+    except Exception as e:  # noqa: BLE001 - recorded: the row says why the call cannot be captured
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - a broken context: the next row's error says so
+            pass
+        return f"could not be captured in a CUDA graph: {_first_line(e)}"
 
     def replay():
         graph.replay()
