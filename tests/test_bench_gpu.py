@@ -1007,8 +1007,8 @@ def test_a_call_that_cannot_be_captured_is_a_refusal_and_its_own_errors_stay_err
 
     monkeypatch.setattr(gpu, "capture_graph", no_capture)
     why = gpu.captured(lambda: None, torch.device("cpu"))
-    assert isinstance(why, str) and why == ("could not be captured in a CUDA graph: RuntimeError: "
-                                            "operation not permitted when stream is capturing")
+    assert isinstance(why, str) and why.startswith("could not be captured in a CUDA graph: RuntimeError: "
+                                                   "operation not permitted when stream is capturing")
 
     def broken():
         raise ValueError("the call's own")

@@ -412,11 +412,12 @@ def captured(run, device: torch.device):
     try:
         graph = capture_graph(run, device, warm=False)
     except Exception as e:  # noqa: BLE001 - recorded: the row says why the call cannot be captured
+        why = f"could not be captured in a CUDA graph: {_first_line(e)}"
         try:
             torch.cuda.synchronize(device)
-        except Exception:  # noqa: BLE001 - a broken context: the next row's error says so
-            pass
-        return f"could not be captured in a CUDA graph: {_first_line(e)}"
+        except Exception as after:  # noqa: BLE001 - a broken context: said, and the next row's error says so too
+            why += f" (and then {_first_line(after)})"
+        return why
 
     def replay():
         graph.replay()
