@@ -753,15 +753,21 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     #     rows gpu.CHANGED moved (64k: STATE_SCAN "auto" now blocks triton_chunked and
     #     triton_band there) and their +sequential-scan twins, triton_soe's +saved-states; the
     #     64k ones first, in a call of their own
+    #     Every window ends by the general pass's end (FIRST_S less PACK_S) at the latest: the
+    #     windows' sum (150 + 150 + 120 + FLA_S) exceeds what is left after the warm-up and the
+    #     profile, and a `first` past the device call's timeout would lose its pack and --check;
+    #     what a window cannot start, `rest` runs (its general pass takes the 4k rows first)
+    first_end=$(( ${FIRST_S:-500} - ${PACK_S:-35} ))
+    capped() { echo $(( $1 < first_end ? $1 : first_end )); }
     if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
-        priority_end=$(( SECONDS + ${PRIORITY_S:-150} ))
+        priority_end=$(capped $(( SECONDS + ${PRIORITY_S:-150} )))
         bench_until "$priority_end" gpu_first.log --resume --sections rows --passes 0,1 \
             --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_LONG"
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
-        bench_until $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )) gpu_first.log --resume \
-            --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
-        bench_until $(( SECONDS + ${PRIORITY_1M_S:-120} )) gpu_first.log --resume --sections rows --passes 0,1 \
-            --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
+        bench_until "$(capped $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )))" gpu_first.log \
+            --resume --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
+        bench_until "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log --resume --sections rows \
+            --passes 0,1 --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s; not when the probe saw the bench's own
     #     variant fault (2026-11-26 and -27 the row broke the CUDA context, 40 s of the bench's)
@@ -769,7 +775,8 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     if [ -z "${SMOKE:-}" ] && [ -f /tmp/fla_probe.log ] && grep -Eq '^  simple_gla K=32 \(bench\) .*(FAIL|CRASHED)' /tmp/fla_probe.log; then
         echo "fla's rows not run: the probe's bench variant failed (gpu_tests.log)" | tee -a "$OUT_DIR/gpu_first.log"
     else
-        fla_rows "${FLA_S:-75}"
+        fla_left=$(( first_end - SECONDS ))
+        fla_rows "$(( ${FLA_S:-75} < fla_left ? ${FLA_S:-75} : fla_left ))"
     fi
     [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
@@ -802,7 +809,8 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     # the bench and fla's rows until PACK_S s before the end, then the pack (as in `first`);
     # first the decaying terms' 1M rows, if `first` left them (the general pass reaches them last)
     pack_s=${PACK_S:-35}
-    bench_until $(( SECONDS + ${PRIORITY_1M_S:-120} )) gpu_rest.log --resume --sections rows --passes 0,1 \
+    rest_1m=$(( SECONDS + ${PRIORITY_1M_S:-120} )) rest_end=$(( rest_s - fla_rest - pack_s ))
+    bench_until $(( rest_1m < rest_end ? rest_1m : rest_end )) gpu_rest.log --resume --sections rows --passes 0,1 \
         --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
     bench_until "$(( rest_s - fla_rest - pack_s ))" gpu_rest.log --resume
     fla_left=$(( rest_s - pack_s - SECONDS - 20 ))
