@@ -169,7 +169,10 @@
 #   grid"). At about 0.2 ms per term (16 vs 12 terms: 10.33 vs 9.47 ms), KERPLE-log's row should
 #   come to about 9.3 ms (the 20x needs 9.2 against the third session's Flex): compare the
 #   `+saved-states` rows. A new term count is a new autotuner key (the tuned kernels time their
-#   configs once more);
+#   configs once more). New criteria rows `fastrpe-triton_soe+saved-states+blocked-scan` (in
+#   PRIORITY_LONG through '*-scan'): with 11 terms the sequential state pass is 88 programs
+#   over 1,024 chunks; if the blocked twin is the faster, STATE_SCAN "auto"'s SM share
+#   (AUTO_BLOCKED_SM_SHARE) should count it;
 #
 # New since the fourth session (CPU, 2026-11-27, second session of the day), for the next to read:
 # - carry the fourth session's own pack (compiled on the H100: 1,199 kernels of triton 3.6.0 and

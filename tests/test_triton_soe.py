@@ -426,6 +426,12 @@ def test_saved_states_give_the_recomputed_gradients_and_spare_a_pass(monkeypatch
     assert len(made) == 1 + 4 + 4
 
 
+def test_saved_states_in_blocks_give_the_recomputed_gradients(blocked_scan, monkeypatch):
+    """The kept states of a blocked scan (the GPU bench's `+saved-states+blocked-scan` rows)
+    are every chunk's, as the backward's recomputation would make them: the same to the bit."""
+    test_saved_states_give_the_recomputed_gradients_and_spare_a_pass(monkeypatch)
+
+
 def test_which_calls_keep_their_states():
     """One term (T5's band) keeps its states by default, as the geometric path keeps its own;
     more terms only within SAVE_STATES_BYTES; -1 none; several groups none."""

@@ -86,10 +86,12 @@ CRITERIA_ROWS = {
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs",
               "fastrpe-triton_chunked+blocked-scan+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs",
               "fastrpe-triton_chunked+bf16-features"),
-    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
+    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
+                   "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
                    "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
                    "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
-    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states", "fastrpe-auto",
+    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
+                     "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
                      "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
                      "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
@@ -817,6 +819,11 @@ def registry(cfg: GpuConfig) -> dict:
     # the SoE terms' states kept from forward to backward (2 GiB at most), not made again there
     if "triton_soe" in BACKENDS:
         reg["fastrpe-triton_soe+saved-states"] = fastrpe_setup("triton_soe", cfg, saved_states=SAVED_STATES_BYTES)
+        # and their passes blocked: with 11 terms (KERPLE log at 64k, 9 for power) the sequential
+        # pass is 88 programs walking 1,024 chunks (STATE_SCAN "auto" blocks under 66 on an H100);
+        # with 16 the blocked kernels took longer on the device (7.4 vs 5.0 ms, third session)
+        reg["fastrpe-triton_soe+saved-states+blocked-scan"] = fastrpe_setup(
+            "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, state_scan="blocked")
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
