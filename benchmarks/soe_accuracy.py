@@ -38,8 +38,8 @@ import torch
 import fastrpe as fr
 from fastrpe import positions as P
 from fastrpe.ops.linear.soe import (DEFAULT_WINDOW, SOE_FIT_LENGTH, SOE_MAX_WEIGHT_ERROR, TERM_CHOICES,
-                                   causal_log_coefficients, soe_fit_error, soe_fit_length, soe_plan, soe_terms,
-                                   soe_weight_error)
+                                   causal_log_coefficients, fewest_terms, soe_fit_error, soe_fit_length, soe_plan,
+                                   soe_terms, soe_weight_error, weight_error_of)
 
 
 def _table(values) -> P.LearnedTable:
@@ -103,18 +103,6 @@ def grid_cases() -> dict:
     return {**{k: v.double() for k, v in out.items()}, **term_cases()}
 
 
-def fewest_terms(b, target: float = SOE_MAX_WEIGHT_ERROR) -> tuple[int | None, float]:
-    """`(K, weight error)`: the fewest of `TERM_CHOICES` within `target` for the coefficients
-    `b` (a frozen term's verdict, as `soe_terms`, without its memo); K None where none is."""
-    best = float("inf")
-    for K in TERM_CHOICES:
-        err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
-        best = min(best, err)
-        if err <= target:
-            return K, err
-    return None, best
-
-
 def grids_table(grids: list[tuple[float, float]]) -> tuple[list[dict], str]:
     """The terms each rate grid (`soe.RATE_LO`, `soe.RATE_HI`) takes over `grid_cases()` at
     `GRID_LENGTHS`: the sum over the cases (a refused case counts none) and the refusals."""
@@ -129,8 +117,9 @@ def grids_table(grids: list[tuple[float, float]]) -> tuple[list[dict], str]:
             for lo, hi in grids:
                 soe.RATE_LO, soe.RATE_HI = lo, hi
                 for name, b in bs.items():
-                    K, err = fewest_terms(b)
-                    rows.append({"grid": [lo, hi], "L": L, "case": name, "terms": K, "weight_error": err})
+                    K, err = fewest_terms(b)  # a frozen term's verdict; K None where it is a refusal
+                    rows.append({"grid": [lo, hi], "L": L, "case": name,
+                                 "terms": K if err <= SOE_MAX_WEIGHT_ERROR else None, "weight_error": err})
                 got = [r for r in rows if r["grid"] == [lo, hi] and r["L"] == L]
                 print(f"grid W*{lo:g} .. {hi:g}*reach  L={L:7d}: {sum(r['terms'] or 0 for r in got)} terms, "
                       f"{sum(r['terms'] is None for r in got)} refused", flush=True)
@@ -159,8 +148,6 @@ def free_rates(L: int = 65536, counts=(8, 9, 10, 11, 12), steps: int = 300) -> t
     for name in names:
         b = causal_log_coefficients(term_cases()[name], soe_fit_length(L)).detach()
         c = torch.exp(b - b.amax(-1, keepdim=True))
-        W = DEFAULT_WINDOW
-        d = torch.arange(W, c.shape[-1], dtype=torch.float64)
         for K in counts:
             grid = soe_plan(b, num_terms=K)
             err_grid = float(soe_weight_error(b, grid).max())
@@ -169,11 +156,8 @@ def free_rates(L: int = 65536, counts=(8, 9, 10, 11, 12), steps: int = 300) -> t
             best = err_grid
             for _ in range(steps):
                 gamma = torch.cat([torch.exp(-1.0 / log_tau.exp()), torch.ones(1, dtype=torch.float64)])
-                plan = soe_plan(b, num_terms=K, gamma=gamma)
-                fitted = plan.a @ (gamma[:, None] ** d[None, :])
-                miss = torch.cat([c.new_zeros(c.shape[0], W), (fitted - c[:, W:]).abs()], -1)
-                per_head = (miss.cumsum(-1) / c.cumsum(-1)).amax(-1)
-                best = min(best, float(per_head.max()))
+                per_head = weight_error_of(c, soe_plan(b, num_terms=K, gamma=gamma))
+                best = min(best, float(per_head.detach().max()))
                 loss = torch.logsumexp(per_head * 1e5, 0) / 1e5
                 opt.zero_grad()
                 loss.backward()
@@ -199,15 +183,13 @@ def terms_table() -> tuple[list[dict], str]:
         for L in TERM_LENGTHS:
             for training in (False, True):
                 if training:  # the verdict a term in training on a GPU keeps for its next steps
-                    b = causal_log_coefficients(pos, soe_fit_length(L)).detach()
-                    K, err = fewest_terms(b, target=SOE_MAX_WEIGHT_ERROR * TRAINING_HEADROOM)
-                    if K is None:  # none has the headroom: the fewest within the limit (`soe_terms`)
-                        K, err = fewest_terms(b)
+                    K, err = fewest_terms(causal_log_coefficients(pos, soe_fit_length(L)),
+                                          SOE_MAX_WEIGHT_ERROR * TRAINING_HEADROOM)
                 else:
                     with torch.no_grad():
                         K, err = soe_terms(pos, L)
                 rows.append({"case": name, "L": L, "training_on_gpu": training, "terms": K, "weight_error": err,
-                             "backend_accepts": K is not None and err <= SOE_MAX_WEIGHT_ERROR})
+                             "backend_accepts": err <= SOE_MAX_WEIGHT_ERROR})
     head = ["term"] + [f"{'in training on a GPU' if t else 'frozen'} @ {L:,}" for L in TERM_LENGTHS
                        for t in (False, True)]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -276,6 +258,13 @@ def markdown(rows: list[dict], lengths: list[int]) -> str:
     return "\n".join(out)
 
 
+def _meta(argv) -> dict:
+    """The command, machine and band width every JSON of this script records."""
+    return {"command": "python benchmarks/soe_accuracy.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+            "window": DEFAULT_WINDOW}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1024,4096,16384")
@@ -305,9 +294,7 @@ def main(argv=None) -> None:
         print(table + "\n\n" + free_table)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"command": "python benchmarks/soe_accuracy.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-                "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-                "window": DEFAULT_WINDOW, "terms": f"the fewest of {TERM_CHOICES} within {SOE_MAX_WEIGHT_ERROR:g} (frozen)",
+        meta = {**_meta(argv), "terms": f"the fewest of {TERM_CHOICES} within {SOE_MAX_WEIGHT_ERROR:g} (frozen)",
                 "lengths": list(GRID_LENGTHS), "rows": rows, "markdown": table, "free_rates": free,
                 "free_markdown": free_table}
         (out / "soe_grids.json").write_text(json.dumps(meta, indent=1))
@@ -328,9 +315,7 @@ def main(argv=None) -> None:
     print(term_table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/soe_accuracy.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-            "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-            "window": DEFAULT_WINDOW, "terms": f"soe_terms: the fewest of {TERM_CHOICES} within {SOE_MAX_WEIGHT_ERROR:g}", "fit_length_min": SOE_FIT_LENGTH,
+    meta = {**_meta(argv), "terms": f"soe_terms: the fewest of {TERM_CHOICES} within {SOE_MAX_WEIGHT_ERROR:g}", "fit_length_min": SOE_FIT_LENGTH,
             "dim": args.dim, "features": args.features, "kernel": "nprf", "dtype": "float64", "rows": rows,
             "markdown": table, "term_rows": term_rows, "term_markdown": term_table}
     (out / "soe_accuracy.json").write_text(json.dumps(meta, indent=1))

@@ -1002,10 +1002,10 @@ def test_a_call_that_cannot_be_captured_is_a_refusal_and_its_own_errors_stay_err
     error of the call itself, in its warm-up calls, is raised."""
     monkeypatch.setattr(gpu, "_warm_on_side_stream", lambda fn, device: fn())
 
-    def no_capture(fn, device, warm=True):
+    def no_capture(fn):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
-    monkeypatch.setattr(gpu, "capture_graph", no_capture)
+    monkeypatch.setattr(gpu, "_capture", no_capture)
     why = gpu.captured(lambda: None, torch.device("cpu"))
     assert isinstance(why, str) and why.startswith("could not be captured in a CUDA graph: RuntimeError: "
                                                    "operation not permitted when stream is capturing")

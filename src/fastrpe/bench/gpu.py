@@ -388,20 +388,23 @@ def _warm_on_side_stream(fn, device: torch.device, calls: int = 3) -> None:
     torch.cuda.current_stream(device).wait_stream(side)
 
 
-def capture_graph(fn, device: torch.device, warm: bool = True) -> torch.cuda.CUDAGraph:
-    """`fn()` captured in a CUDA graph, after three calls on a side stream (`warm`;
-    `_warm_on_side_stream`)."""
-    if warm:
-        _warm_on_side_stream(fn, device)
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    """One call of `fn` captured in a CUDA graph (after `_warm_on_side_stream`)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     return graph
 
 
+def capture_graph(fn, device: torch.device) -> torch.cuda.CUDAGraph:
+    """`fn()` captured in a CUDA graph, after three calls on a side stream."""
+    _warm_on_side_stream(fn, device)
+    return _capture(fn)
+
+
 def captured(run, device: torch.device):
-    """`run` (a timed call, forward and backward) replayed from one CUDA graph
-    (`capture_graph`). A replay runs the same kernels on the same
+    """`run` (a timed call, forward and backward) replayed from one CUDA graph, captured as
+    `capture_graph` does. A replay runs the same kernels on the same
     buffers without Python or launches: what a training step captured whole (or compiled with
     mode="reduce-overhead") pays. The gradients are outputs of the graph, rewritten by each
     replay. The graph's memory pool is taken at the capture, before the timed calls: such a row's
@@ -412,7 +415,7 @@ def captured(run, device: torch.device):
 
     _warm_on_side_stream(run, device)  # an error here is the call's own: the row records it
     try:
-        graph = capture_graph(run, device, warm=False)
+        graph = _capture(run)
     except Exception as e:  # noqa: BLE001 - recorded: the row says why the call cannot be captured
         why = f"could not be captured in a CUDA graph: {_first_line(e)}"
         try:

@@ -284,17 +284,23 @@ def soe_weight_error(b: Tensor, plan: SoEPlan | None = None) -> Tensor:
     with torch.no_grad():
         plan = soe_plan(b.detach()) if plan is None else plan
         bb = b.detach().to(torch.float64)
-        c = torch.exp(bb - bb.amax(-1, keepdim=True))  # (H, N)
-        N, W = c.shape[-1], plan.window
-        if N <= W:
-            return c.new_zeros(c.shape[0])
-        d = torch.arange(W, N, dtype=torch.float64, device=c.device)
-        # the rates' powers once for every head, then one product: `[H, N-W, K]` terms would be 1 GiB
-        # of float64 at a 1M-token fit with 16 terms, built once per number of terms tried
-        fitted = plan.a @ (plan.gamma[:, None] ** d[None, :])  # (H, N-W)
-        miss = torch.cat([c.new_zeros(c.shape[0], W), (fitted - c[:, W:]).abs()], -1)
-        ratio = miss.cumsum(-1) / c.cumsum(-1).clamp_min(torch.finfo(torch.float64).tiny)
-        return ratio.amax(-1)
+        return weight_error_of(torch.exp(bb - bb.amax(-1, keepdim=True)), plan)
+
+
+def weight_error_of(c: Tensor, plan: SoEPlan) -> Tensor:
+    """`soe_weight_error`'s `[H]` for the normalized coefficients `c: [H, N]` (float64, max 1),
+    differentiable in the plan's rates and weights (a study of the rates optimizes it:
+    `benchmarks/soe_accuracy.py --grids`)."""
+    N, W = c.shape[-1], plan.window
+    if N <= W:
+        return c.new_zeros(c.shape[0])
+    d = torch.arange(W, N, dtype=torch.float64, device=c.device)
+    # the rates' powers once for every head, then one product: `[H, N-W, K]` terms would be 1 GiB
+    # of float64 at a 1M-token fit with 16 terms, built once per number of terms tried
+    fitted = plan.a @ (plan.gamma[:, None] ** d[None, :])  # (H, N-W)
+    miss = torch.cat([c.new_zeros(c.shape[0], W), (fitted - c[:, W:]).abs()], -1)
+    ratio = miss.cumsum(-1) / c.cumsum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    return ratio.amax(-1)
 
 
 def soe_fit_length(length: int) -> int:
@@ -319,6 +325,23 @@ TERM_CHOICES = (*range(6, DEFAULT_TERMS + 1), 20, 24, 32)
 #: Elsewhere each parameter state has a verdict of its own, and a call with autograd on or off
 #: takes the same count (the same outputs)
 TRAINING_HEADROOM = 0.25
+
+
+def fewest_terms(b: Tensor, target: float = SOE_MAX_WEIGHT_ERROR) -> tuple[int, float]:
+    """`(K, weight error)` for the log-coefficients `b: [H, N]` (`b(-d)`): the fewest of
+    `TERM_CHOICES` whose fit misplaces at most `target` of a row's weight; where none does, the
+    fewest within SOE_MAX_WEIGHT_ERROR; where none does either, the most, with its error (a
+    refusal). The verdict of `soe_terms`, without its memo."""
+    with torch.no_grad():
+        b = b.detach()
+        within = None  # the fewest within the limit, where none is within the target
+        for K in TERM_CHOICES:
+            err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
+            if err <= target:
+                return K, err
+            if within is None and err <= SOE_MAX_WEIGHT_ERROR:
+                within = K, err
+        return within or (K, err)
 
 #: position -> {(fit length, device, parameter state, on the GPU in training): (terms, weight error)}: the verdict reads
 #: the error on the host (a GPU stream sync), so a frozen term pays it on its first call only
@@ -397,15 +420,7 @@ def soe_terms(position, length: int) -> tuple[int, float]:
 
     @torch.no_grad()
     def verdict():
-        b = causal_log_coefficients(position, fit_length).detach()
-        within = None  # the fewest within the limit, where none is within the target
-        for K in TERM_CHOICES:
-            err = float(soe_weight_error(b, soe_plan(b, num_terms=K)).max())
-            if err <= target:
-                return K, err
-            if within is None and err <= SOE_MAX_WEIGHT_ERROR:
-                within = K, err
-        return within or (K, err)
+        return fewest_terms(causal_log_coefficients(position, fit_length), target)
 
     # parameters in training: every step is a new state, the oldest go
     v = kept(_VERDICTS, position, (*_state_key(position, fit_length), gpu_checked), verdict, entries=16)
