@@ -43,6 +43,25 @@ def compile_for_h100(kernel, ptr_types, consts, num_warps=8, num_stages=1):
     # one stage: the autotuner's smallest shared-memory config (it also tries 2 and 3)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
+def hopper_trans_stores(k):
+    # 16-bit tensors stored to shared memory from a transposed product's layout (`#linear` in
+    # the TTGIR): what Triton 3.4-3.7.0 miscompiles on Hopper (triton_chunked.HOPPER_TRANS_NOTE)
+    return len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<[^>]*x(?:bf16|f16), #linear\d*>", k.asm["ttgir"]))
+
+# the pattern itself, for the check's control: dot(trans(dot(a, b) rounded to bf16), c)
+@triton.jit
+def _trans_of_product(a_ptr, c_ptr, o_ptr):
+    r = tl.arange(0, 64)
+    a = tl.load(a_ptr + r[:, None] * 64 + r[None, :])
+    c = tl.load(c_ptr + r[:, None] * 64 + r[None, :])
+    p = tl.dot(a, tl.trans(a)).to(tl.bfloat16)
+    tl.store(o_ptr + r[:, None] * 64 + r[None, :], tl.dot(tl.trans(p), c))
+
+def control():
+    sig = {"a_ptr": "*bf16", "c_ptr": "*bf16", "o_ptr": "*fp32"}
+    return triton.compile(ASTSource(_trans_of_product, sig, constexprs={}), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+
 def spills(k):
     # registers and spilled bytes as ptxas reports them (informative: spills are slow, not wrong)
     if PTXAS is None:
@@ -150,11 +169,23 @@ def all_cases():
     return out
 
 if RUN:
+    assert hopper_trans_stores(control()) > 0  # the check below sees the pattern
     for dt, kernel, types, consts in all_cases():
         k = compile_for_h100(kernel, types, consts)
         assert k.metadata.shared <= 227 * 1024, (dt, k.metadata.name, consts.get("NB"), k.metadata.shared)
+        assert hopper_trans_stores(k) == 0, (dt, consts.get("MODE"), k.metadata.name, consts.get("NB"))
         print(dt, "MODE=%s" % consts.get("MODE", "-"), k.metadata.name, "NB=%s" % consts.get("NB", "-"),
               k.metadata.shared, spills(k))
+
+if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features (MODE 0) and bf16x3 (3)
+    print("control", hopper_trans_stores(control()))
+    seen = set()
+    for dt, kernel, types, consts in all_cases():
+        fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
+        if "dkv" in fn.__name__ and consts.get("MODE") in (0, 3) and (fn.__name__, consts["MODE"]) not in seen:
+            seen.add((fn.__name__, consts["MODE"]))  # the first case of each (soe's: its near field)
+            k = compile_for_h100(kernel, types, consts, num_warps=4)
+            print(dt, consts["MODE"], k.metadata.name, consts.get("NB"), hopper_trans_stores(k))
 """
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3) and the float32 modes' extras
@@ -174,10 +205,32 @@ def _compile_run(cmd: list[str], timeout: int, **env: str) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("FASTRPE_COMPILE_CHECK") != "1",
                     reason="1.5 min of compilation: set FASTRPE_COMPILE_CHECK=1 to run")
-def test_every_kernel_compiles_for_sm90():
-    out = _compile_run([sys.executable, "-c", "RUN = True\n" + SCRIPT], 600)
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    script = tmp_path / "every.py"  # (triton.jit reads its function's source from a file)
+    script.write_text("RUN, TRANS = True, False\n" + SCRIPT)
+    out = _compile_run([sys.executable, str(script)], 600)
     print(out)
     assert len(out.splitlines()) == N_COMPILED
+
+
+def test_no_key_tile_kernel_stores_a_transposed_product_in_16_bits(tmp_path):
+    """No gradient kernel feeds `tl.dot` a transposed product rounded to 16 bits, the pattern
+    Triton 3.4-3.7.0 miscompiles on Hopper (`triton_chunked.HOPPER_TRANS_NOTE`; the H100's
+    illegal memory accesses in bf16x3 and wrong gradients with bf16 features): the sm_90 TTGIR
+    of each key-tile kernel (chunked, soe near and far, tiled) in the two 16-bit modes has no
+    shared-memory store of a 16-bit `#linear` tensor, while a kernel written with the pattern
+    has one (so the check sees it). Every kernel in every mode: FASTRPE_COMPILE_CHECK=1."""
+    script = tmp_path / "trans.py"  # (triton.jit reads its function's source from a file)
+    script.write_text("RUN, TRANS = False, True\n" + SCRIPT)
+    out = _compile_run([sys.executable, str(script)], 300, TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    lines = [line.split() for line in out.splitlines()]
+    assert lines[0][0] == "control" and int(lines[0][1]) > 0, out
+    kernels = lines[1:]
+    assert {(x[0], x[1], x[2]) for x in kernels} >= {("bf16", "0", "_bwd_dkv_kernel"), ("fp32", "3", "_bwd_dkv_kernel"),
+                                                     ("bf16", "0", "_soe_bwd_dkv_kernel"),
+                                                     ("fp32", "3", "_soe_bwd_dkv_kernel"),
+                                                     ("fp32", "3", "_tiled_bwd_dkv_kernel")}, out
+    assert all(x[-1] == "0" for x in kernels), out
 
 
 PASSES = r"""

@@ -111,6 +111,21 @@ def triton_route(setting: str, name: str, device: torch.device) -> bool:
     return device_route(setting, name, device) and triton_unavailable_reason(device) is None
 
 
+#: Why no kernel here feeds `tl.dot` a `tl.trans` of another product's result: Triton 3.4.0 to
+#: 3.7.0 on Hopper (sm_90) miscompiles that operand once it is rounded to 16 bits (the shared-
+#: memory store of the transposed accumulator layout, `#linear` in the TTGIR, is emitted as
+#: `stmatrix`): wrong values or an illegal memory access. flash-linear-attention's issue #640
+#: traced its wrong `dk` on H100/H20 to the same pattern, fixed in Triton 3.7.1; torch 2.8 to
+#: 2.11 pin 3.4.0 to 3.6.0 (the H100 sessions ran torch 2.11 with 3.6.0). Our three key-tile
+#: gradient kernels had it (`dk += trans(dA) @ q`) wherever an operand is rounded to 16 bits —
+#: bf16 features and "bf16x3" products, never "tf32x3" — which is where the H100 stopped with
+#: an illegal memory access (bf16x3: triton_soe, triton_band, triton_tiled) and where the first
+#: session's float64 comparisons failed (bf16 features: triton_chunked, triton_soe). They now
+#: form each key-major tile as such (`dot(k, trans(q))`, a transposed load, not a transposed
+#: product); tests/test_triton_compile.py checks every kernel's TTGIR for the pattern.
+HOPPER_TRANS_NOTE = "fla-org/flash-linear-attention#640; Triton >= 3.7.1 fixes it"
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -426,10 +441,12 @@ if HAS_TRITON:
     @triton.jit
     def _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv, q_offset,
                      BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, STRICT: tl.constexpr,
-                     DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
+                     DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
+                     KEY_MAJOR: tl.constexpr = False):
         """What both gradient kernels read of chunk n: φk `[BT, BF]`, v and do `[BT, BDV]`, dd
-        and the rows' factor inv `[BT, 1]`, the decays `D [BT, BT]` within the chunk, and
-        `dA = (dy·[v, 1]) ⊙ D` (dy = inv·do, dd)."""
+        and the rows' factor inv `[BT]`, the decays `D [BT, BT]` within the chunk (query
+        t, key s), and `dA = (dy·[v, 1]) ⊙ D` (dy = inv·do, dd). KEY_MAJOR: D and dA
+        transposed (key s, query t), each formed as such (`HOPPER_TRANS_NOTE`)."""
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
@@ -443,14 +460,21 @@ if HAS_TRITON:
         v = tl.load(v_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], mask=km[:, None] & cm, other=0.0)
         do = tl.load(do_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], mask=qm[:, None] & cm, other=0.0)
         dd = tl.load(dd_ptr + bh * Lq + qi, mask=qm, other=0.0).to(ACC)
-        inv = _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)[:, None]
-        d = t[:, None] - t[None, :]
+        inv = _row_inv(inv_ptr + bh * Lq, qi, qm, ACC, SCALED)
+        if KEY_MAJOR:
+            d = t[None, :] - t[:, None]
+        else:
+            d = t[:, None] - t[None, :]  # query minus key
         if STRICT:
             keep = d > 0
         else:
             keep = d >= 0
         D = tl.where(keep, tl.exp(lg * tl.maximum(d, 0).to(ACC)), 0.0)  # (BT, BT)
-        dA = (inv * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D  # dy·[v, 1] within the chunk
+        # dy·[v, 1] within the chunk
+        if KEY_MAJOR:
+            dA = (inv[None, :] * _dot(v, tl.trans(do), DT, ACC, MODE) + dd[None, :]) * D
+        else:
+            dA = (inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * D
         return k, v, do, dd, inv, D, dA
 
     @triton.jit(do_not_specialize=["LB"])
@@ -465,8 +489,9 @@ if HAS_TRITON:
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
-        k, v, do, dd, inv, D, dA = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
-                                                q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED)
+        # key-major: dAᵀ and Aᵀ formed as such (`HOPPER_TRANS_NOTE`)
+        k, v, do, dd, inv, Dkm, dAT = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
+                                                   q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED, True)
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
@@ -482,10 +507,9 @@ if HAS_TRITON:
         dz = tl.load(dz_ptr + off + f)
         e_n = tl.minimum(n * BT + BT, Lk)
         kdec = tl.where(pos < e_n, tl.exp(lg * (e_n - 1 - pos).to(ACC)), 0.0)
-        A = _dot(q, tl.trans(k), DT, ACC, MODE) * D
-        dk = _dot(tl.trans(dA), q, DT, ACC, MODE) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE)
-                                                                        + dz[None, :])
-        dv = _dot(tl.trans(A * inv), do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
+        AT = _dot(k, tl.trans(q), DT, ACC, MODE) * Dkm
+        dk = _dot(dAT, q, DT, ACC, MODE) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE) + dz[None, :])
+        dv = _dot(AT * inv[None, :], do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, km[:, None] & cm, DV_BF16)
 
@@ -512,7 +536,7 @@ if HAS_TRITON:
         S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])  # (BF, BDV)
         z = tl.load(z_ptr + off + f)
         qdec = tl.exp(lg * (pos - tl.minimum(n * BT, Lk) + 1).to(ACC))
-        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv * _dot(do, tl.trans(S), DT, ACC, MODE)
+        dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv[:, None] * _dot(do, tl.trans(S), DT, ACC, MODE)
                                                               + dd[:, None] * z[None, :])
         tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
 

@@ -319,7 +319,8 @@ if HAS_TRITON:
         dk = tl.zeros([BT, BF], dtype=ACC)
         dv = tl.zeros([BT, BDV], dtype=ACC)
         if NEAR:
-            d0 = t[:, None] - t[None, :]
+            # key-major tiles [key u, query s], each product formed as such (`HOPPER_TRANS_NOTE`)
+            d0t = t[None, :] - t[:, None]  # s - u
             qb, dob, ivb, ddb = q_ptr + bh * Lq * F, do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
             for j in tl.static_range(NB):  # query chunk n + j
                 qi = pos + j * BT - q_offset
@@ -327,11 +328,11 @@ if HAS_TRITON:
                 qj = _load_rows(qb, qi, qm, f, F, F).to(ACC)
                 doj = _load_rows(dob, qi, qm, c, Dv, Dv)
                 ddj = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
-                invj = _row_inv(ivb, qi, qm, ACC, SCALED)[:, None]
-                M = _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC)  # [query s, key u]
-                G = invj * _dot(doj, tl.trans(vn), DT, ACC, MODE) + ddj[:, None]
-                dk += _dot(tl.trans(G * M), qj, DT, ACC, MODE)
-                dv += _dot(tl.trans(_dot(qj, tl.trans(kn), DT, ACC, MODE) * (M * invj)), doj, DT, ACC, MODE)
+                invj = _row_inv(ivb, qi, qm, ACC, SCALED)[None, :]
+                MT = _near_table(cn_ptr, hh, d0t, j, BT, NB).to(ACC)  # [key u, query s]
+                GT = invj * _dot(vn, tl.trans(doj), DT, ACC, MODE) + ddj[None, :]
+                dk += _dot(GT * MT, qj, DT, ACC, MODE)
+                dv += _dot(_dot(kn, tl.trans(qj), DT, ACC, MODE) * (MT * invj), doj, DT, ACC, MODE)
         # far field
         for kk in range(K):
             lg = tl.load(lgk_ptr + kk).to(ACC)

@@ -64,6 +64,19 @@ if HAS_TRITON:
             b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)[None, :]
         return b
 
+    @triton.jit
+    def _log_weights_t(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL: tl.constexpr,
+                       KEY_SCALE: tl.constexpr, ACC: tl.constexpr):
+        """`_log_weights` key-major: `[len(j), len(i)]`, the same entries transposed (read as
+        such, not a `tl.trans` of the query-major tile: see `_tiled_bwd_dkv_kernel`)."""
+        ok = jok[:, None] & iok[None, :]
+        if CAUSAL:
+            ok = ok & (j[:, None] <= q_offset + i[None, :])
+        b = tl.load(lc_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
+        if KEY_SCALE:
+            b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)[:, None]
+        return b
+
     @triton.jit(do_not_specialize=["LB"])
     def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
                           LB,
@@ -174,15 +187,18 @@ if HAS_TRITON:
             inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
             dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
             m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
-            w = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
-                                    ACC) - m[:, None])
-            A = _dot(q, tl.trans(k), DT, ACC, MODE)
-            dA = (inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]) * w
-            dk += _dot(tl.trans(dA), q, DT, ACC, MODE)
-            dv += _dot(tl.trans(A * w * inv[:, None]), do, DT, ACC, MODE)
+            # key-major `[BN, BM]` tiles, each product formed as such: a `tl.trans` of a product
+            # rounded to 16 bits for the next one is what Triton 3.4-3.7.0 miscompiles on Hopper
+            # (`HOPPER_TRANS_NOTE` in triton_chunked.py)
+            wT = tl.exp(_log_weights_t(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
+                                       ACC) - m[None, :])
+            AT = _dot(k, tl.trans(q), DT, ACC, MODE)
+            dAT = (inv[None, :] * _dot(v, tl.trans(do), DT, ACC, MODE) + dd[None, :]) * wT
+            dk += _dot(dAT, q, DT, ACC, MODE)
+            dv += _dot(AT * wT * inv[None, :], do, DT, ACC, MODE)
             if DB:
-                ok = iok[:, None] & jok[None, :]
-                tl.atomic_add(db_ptr + hh * R + (j[None, :] - i[:, None] + Lq - 1), A * dA, mask=ok)
+                ok = jok[:, None] & iok[None, :]
+                tl.atomic_add(db_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), AT * dAT, mask=ok)
         tl.store(dk_ptr + bh * Lk * F + j[:, None] * F + f[None, :], dk, mask=jok[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
 
