@@ -44,10 +44,13 @@ _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 #: "float32" (default): the features stay float32 (as the other backends keep them) and each
 #: product runs as three tf32 tensor-core products, about float32's accuracy.
 #: "bfloat16": features and values rounded to bf16 for one tensor-core product (the fastest).
-#: That rounding is what failed the first H100 run's float64 comparison at L = 4,096
-#: (tests/test_gpu.py); the same rounding under the interpreter at L = 1,024 gives dq an error
-#: of 4.4x (triton_chunked, ALiBi) and 6.1x (triton_soe, KERPLE-log) dense bf16's, over the
-#: tests' 4x. Which one `bench --suite gpu` should time by default is for the GPU to say.
+#: The first H100 run's float64 comparison at L = 4,096 (tests/test_gpu.py) failed in this mode
+#: for triton_chunked (ALiBi) and triton_soe (KERPLE-log), the two backends whose key-tile
+#: gradient kernels then fed `tl.dot` a transposed product rounded to bf16, which the H100's
+#: Triton (3.6.0) miscompiles (`triton_chunked.HOPPER_TRANS_NOTE`; no kernel does since). The
+#: rounding alone, under the interpreter at L = 1,024, gives dq an error of 4.4x (triton_chunked)
+#: and 6.1x (triton_soe) dense bf16's, over the tests' 4x. Which one `bench --suite gpu` should
+#: time by default is for the GPU to say (`test_sixteen_bit_products_match_float64_at_4096`).
 LOWP_FEATURES = "float32"
 #: How those float32 features are multiplied on the tensor cores (`triton_chunked.PRECISIONS`):
 #: "tf32x3" (default), three tf32 products, about float32's accuracy; "bf16x3", bf16 products of
@@ -55,17 +58,15 @@ LOWP_FEATURES = "float32"
 #: values and states are), 16 significant bits: a third of tf32x3's tensor-core instructions
 #: against a bf16 operand, half for two float32 ones, and less shared memory and fewer spills
 #: (ptxas, sm_90, one stage: triton_tiled's dk/dv kernel spills 120 B where tf32x3 spills 972,
-#: triton_soe's 4 where 396; results/ptxas-sm90-bf16x3.json). But on an H100 (triton 3.6.0,
+#: triton_soe's 4 where 396; results/ptxas-sm90-bf16x3.json). On an H100 (triton 3.6.0,
 #: 2026-11-27, benchmarks/results/gpu/h100-2026-11-27b.json) the `+bf16x3` rows of triton_soe,
-#: triton_band and triton_tiled stopped with "an illegal memory access" at 4,096 tokens (each in
-#: a fresh process), which the interpreter's emulation (MODE 4) cannot show: so a CUDA call
-#: refuses "bf16x3" (`lowp_dots`) until a GPU session finds why; the CPU tests keep its
-#: arithmetic right under the interpreter.
+#: triton_band and triton_tiled stopped with "an illegal memory access" at 4,096 tokens: their
+#: key-tile gradient kernels rounded a transposed product to bf16 halves for the next product,
+#: the pattern Triton 3.4-3.7.0 miscompiles on Hopper (`triton_chunked.HOPPER_TRANS_NOTE`). They
+#: form that tile directly now, and tests/test_triton_compile.py checks the sm_90 code for the
+#: pattern; no GPU has run "bf16x3" since, so the default stays "tf32x3" until the GPU tests
+#: and the bench's `+bf16x3` rows have.
 FLOAT32_PRODUCTS = "tf32x3"
-#: why a CUDA call refuses FLOAT32_PRODUCTS = "bf16x3"
-BF16X3_ON_CUDA = ("fastrpe.backends_triton.FLOAT32_PRODUCTS = 'bf16x3' is refused on CUDA: its triton_soe, "
-                  "triton_band and triton_tiled kernels stopped with an illegal memory access on an H100 "
-                  "(triton 3.6.0, 2026-11-27); use 'tf32x3'")
 
 
 _LOWP = (torch.bfloat16, torch.float16)
@@ -105,8 +106,6 @@ def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
         return None, "ieee"
     if LOWP_FEATURES == "bfloat16" and p.dtype == torch.bfloat16:
         return torch.bfloat16, "ieee"
-    if FLOAT32_PRODUCTS == "bf16x3":
-        raise FastRPEError(BF16X3_ON_CUDA)
     return None, FLOAT32_PRODUCTS
 
 
