@@ -146,6 +146,23 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the CPU session of 2026-11-27 (fourth of the day; no GPU), for the next to read first:
+# - the illegal memory accesses of the `+bf16x3` rows (triton_soe, triton_band, triton_tiled)
+#   and, likely, the first session's float64 failures with bf16 features (triton_chunked,
+#   triton_soe) have a cause: their key-tile gradient kernels fed `tl.dot` a transposed product
+#   rounded to 16 bits, which Triton 3.4-3.7.0 miscompiles on Hopper (fla's issue #640; fixed
+#   in 3.7.1; the image's torch 2.11 pins 3.6.0). The kernels now form those tiles directly
+#   (triton_chunked.HOPPER_TRANS_NOTE); tests/test_triton_compile.py finds the pattern in no
+#   kernel's sm_90 TTGIR. So "bf16x3" is no longer refused on CUDA, the bench has `+bf16x3` rows
+#   again (4k and 64k in the priority calls), and gpu.CODE_EPOCH 3 times the bf16-features rows
+#   again. Worth a look in the GPU tests: tests/test_gpu.py::test_sixteen_bit_products_match_
+#   float64_at_4096 (both 16-bit modes, the four Triton backends); if they pass and the rows are
+#   faster, FLOAT32_PRODUCTS = "bf16x3" may become the default. Counted on paper for
+#   triton_tiled (forward and backward, one 64x64 tile pair, in bf16 tensor-core passes of
+#   K = 32): 64 in tf32x3, 30 in bf16x3, 14 for Flex's bf16 (its 64k row: 279 ms against
+#   Flex's 131, so bf16x3 may bring it about even, not past);
+#   the three changed kernels are not in the carried compile pack (a few seconds each to build);
+#
 # New since the CPU session after the fourth (2026-11-27, third session of the day; no GPU):
 # - the 4k CUDA-graph pairings no longer compile anything: `flex+cudagraphs` captures the
 #   compiled Flex call of the `flex` row and `fastrpe-triton_{chunked,soe,band,tiled}+cudagraphs`
@@ -458,12 +475,14 @@ PRIORITY_LENGTHS=4096
 # 10-40% GPU busy: host time), never reached in four sessions: first (the bench's pass 0) Flex's
 # compiled call and fastrpe's eager one captured and replayed (gpu.captured: nothing compiled
 # that the 4k rows have not), then +compiled, with and without mode="reduce-overhead"
-PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+compiled'
+# (and the `+bf16x3` rows: float32 features by bf16 halves, stopped by a Triton miscompile in
+# 2026-11-27's session that the kernels no longer give it)
+PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+bf16x3,*+compiled'
 # first, in a call of their own, the 64k rows of the ratio criteria, both sides on this machine:
 # Flex (gpu.ANCHORS) and every fastrpe Triton row (gpu.CHANGED, epoch 2: the PRF products'
 # default), the rows the 15x and 20x criteria read (2026-11-27: ALiBi 14.65x, KERPLE-log 17.9x
 # against the third session's Flex); within one call the bench runs the shortest length first
-PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features'
+PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3'
 PRIORITY_LONG_LENGTHS=65536
 # then the 1M rows of the decaying terms (forward+backward within 60 ms and 8 GiB), which no
 # session reached (the general pass runs the learned tables' 262k rows, seconds per call, first):

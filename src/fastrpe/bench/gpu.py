@@ -85,31 +85,40 @@ CRITERIA_ROWS = {
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs",
               "fastrpe-triton_chunked+blocked-scan+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs",
-              "fastrpe-triton_chunked+bf16-features"),
+              "fastrpe-triton_chunked+bf16-features", "fastrpe-triton_chunked+bf16x3"),
     "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
                    "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
                    "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
-                   "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
+                   "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
+                   "fastrpe-triton_soe+bf16x3"),
     "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
                      "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
                      "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
-                     "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs"),
+                     "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
+                   "fastrpe-triton_soe+bf16x3"),
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+cudagraphs",
-           "fastrpe-triton_band+blocked-scan+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs"),
+           "fastrpe-triton_band+blocked-scan+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs",
+           "fastrpe-triton_band+bf16x3"),
     "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                 "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
-                "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features"),
+                "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
+                "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs"),
     "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                      "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
                      "fastrpe-triton_tiled+compiled+cudagraphs",
-                     "fastrpe-triton_tiled+bf16-features"),
+                     "fastrpe-triton_tiled+bf16-features", "fastrpe-triton_tiled+bf16x3",
+                     "fastrpe-triton_tiled+bf16x3+cudagraphs"),
 }
 # (`+bf16-features` for the exact families whose criteria the float32 features' tf32x3 products
 # may cost: triton_tiled's quadratic loop multiplies float32 operands by three tf32 passes, 6x
 # a bf16 pass each, and was 282 ms at 64k against Flex + table's 131 (H100, 2026-11-26/27);
 # the rows' `max_abs_err` says what the rounding costs. KERPLE's are left out: their 1e-3 is
-# judged on float32 inputs, which the bf16 features never see)
+# judged on float32 inputs, which the bf16 features never see. `+bf16x3` everywhere: the same
+# float32 features multiplied by bf16 halves, 16 significant bits, a third to a half of tf32x3's
+# tensor-core passes; stopped by a Triton miscompile on the H100 of 2026-11-27 that the kernels
+# no longer give it (`triton_chunked.HOPPER_TRANS_NOTE`); timed for KERPLE, not counted there:
+# see PRECISION_VARIANTS)
 #: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
 #: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
 COMPILED = "+compiled"
@@ -135,8 +144,7 @@ GRAPHED = "+cudagraphs"
 #: (`backends_triton.LOWP_FEATURES`, `FLOAT32_PRODUCTS`). A float32 call keeps the default's
 #: exact products, so such a row's `max_abs_err_fp32` is its twin's, not its own: `best_fastrpe`
 #: does not count it where a tolerance is judged on float32 inputs (KERPLE's 1e-3). It is timed,
-#: and its `max_abs_err` (bf16 inputs) says what its rounding costs. (`+bf16x3` is no longer
-#: run, but the JSON of 2026-11-27 holds such rows.)
+#: and its `max_abs_err` (bf16 inputs) says what its rounding costs.
 PRECISION_VARIANTS = ("+bf16-features", "+bf16x3")
 
 
@@ -634,9 +642,10 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
                   compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
-                  graphed: bool = False):
+                  graphed: bool = False, float32_products: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
+    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
@@ -650,7 +659,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
-        from fastrpe.backends_triton import use_lowp_features
+        from fastrpe.backends_triton import use_float32_products, use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
         from fastrpe.ops.linear.triton_soe import use_saved_states
@@ -692,6 +701,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             with contextlib.ExitStack() as stack:
                 if lowp_features is not None:
                     stack.enter_context(use_lowp_features(lowp_features))
+                if float32_products is not None:
+                    stack.enter_context(use_float32_products(float32_products))
                 if state_scan is not None:
                     stack.enter_context(use_state_scan(state_scan))
                 if saved_states is not None:
@@ -700,6 +711,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
 
         if lowp_features is not None:
             extra["lowp_features"] = lowp_features
+        if float32_products is not None:
+            extra["float32_products"] = float32_products
         if state_scan is not None:
             extra["state_scan"] = state_scan
         if saved_states is not None:
@@ -811,8 +824,8 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
-    # (no `+bf16x3` rows since 2026-11-27: FLOAT32_PRODUCTS = "bf16x3" stopped three backends
-    # with an illegal memory access on the H100, and a CUDA call refuses it, BF16X3_ON_CUDA)
+            # the float32 features multiplied by bf16 halves (a third to a half of tf32x3's passes)
+            reg[f"fastrpe-{name}+bf16x3"] = fastrpe_setup(name, cfg, float32_products="bf16x3")
     # the chunk-state passes as STATE_SCAN's "auto" does not run them at the bench's lengths
     # (triton_chunked.auto_blocked): triton_chunked and triton_band blocked from 16k on, so
     # their sequential twins; triton_soe sequential (its terms fill the SMs), so its blocked one
@@ -855,6 +868,8 @@ def registry(cfg: GpuConfig) -> dict:
             reg[f"fastrpe-triton_tiled+bf16-features{GRAPHED}"] = fastrpe_setup("triton_tiled", cfg,
                                                                                  lowp_features="bfloat16",
                                                                                  graphed=True)
+            reg[f"fastrpe-triton_tiled+bf16x3{GRAPHED}"] = fastrpe_setup("triton_tiled", cfg,
+                                                                          float32_products="bf16x3", graphed=True)
     return reg
 
 
@@ -1279,9 +1294,12 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: (the fourth session's PRF sweep), which every fastrpe Triton row's feature maps run, and the
 #: SoE fit takes fewer terms (KERPLE log 11 at 64k instead of 16, power 9 instead of 12: the
 #: rates' grid, `soe.RATE_LO`/`RATE_HI`); the 4k rows (host-bound: 10-40% GPU busy) are left
-#: as they are.
-CODE_EPOCH = 2
-CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384))
+#: as they are. Epoch 3 (a CPU session after, 2026-11-27): the key-tile gradient kernels of
+#: triton_chunked, triton_soe/band and triton_tiled form their key-major tiles directly
+#: (`triton_chunked.HOPPER_TRANS_NOTE`), so the `+bf16-features` rows, which those kernels'
+#: miscompile on the H100 made wrong, are measured again at every length.
+CODE_EPOCH = 3
+CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384), ("fastrpe-triton_*+bf16-features*", "*", 0))
 
 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
