@@ -69,13 +69,16 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, W, chunk
 ]
 
 
+@pytest.mark.parametrize("precision", ["ieee", "bf16x3"], ids=["transposed", "key-major"])
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,W,chunk", CASES)
-def test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
-    """float64: output and every gradient, the table's included, to round-off."""
+def test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk, precision):
+    """float64: output and every gradient, the table's included, to round-off, in both forms of
+    the key-chunk gradient kernel ("bf16x3" selects the key-major one, which 16-bit operands
+    take; float64 operands are multiplied exactly in every mode)."""
     q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
     tab = _table(H, W)
     got = _true(*tb.kernelized_num_den_triton_band(q, k, v, _log_coeff(tab, Lq, Lk, q_offset), window=W,
-                                                   q_offset=q_offset, chunk_size=chunk))
+                                                   q_offset=q_offset, chunk_size=chunk, precision=precision))
     want = reference(q, k, v, tab, q_offset)
     for a, b in zip(got, want):
         assert_close(a, b.detach())
@@ -291,7 +294,7 @@ def test_band_gpu_realistic_size_bf16():
                                                        "decode-Lq5-Lk60-off55", "queries-past-keys")])
 def test_band_kernel_is_exact_with_the_blocked_state_scan(blocked_scan, B, H, Lq, Lk, F, Dv, q_offset, W, chunk):
     """The undecayed term's states in blocks, each from its carry: exact as before."""
-    test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk)
+    test_band_kernel_is_exact(B, H, Lq, Lk, F, Dv, q_offset, W, chunk, "ieee")
 
 
 def test_band_keeps_its_one_terms_states_for_the_backward(monkeypatch):
@@ -302,5 +305,5 @@ def test_band_keeps_its_one_terms_states_for_the_backward(monkeypatch):
 
     made, real = [], ts._soe_states
     monkeypatch.setattr(ts, "_soe_states", lambda *a: made.append(a[2].numel()) or real(*a))
-    test_band_kernel_is_exact(1, 2, 63, 63, 12, 10, 0, 8, 16)
+    test_band_kernel_is_exact(1, 2, 63, 63, 12, 10, 0, 8, 16, "ieee")
     assert made == [1]

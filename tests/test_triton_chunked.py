@@ -66,13 +66,22 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, chunk
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+#: the two forms of the key-chunk gradient kernel: its transposed products (float32 and float64
+#: operands), and its key-major tiles (16-bit operands, `triton_chunked.HOPPER_TRANS_NOTE`),
+#: which "bf16x3" selects; float64 operands are multiplied exactly in every mode, so both are
+#: checked to float64's round-off
+FORMS = [(torch.float64, "ieee"), (torch.float64, "bf16x3"), (torch.float32, "ieee")]
+FORM_IDS = ["f64", "f64-key-major", "f32"]
+
+
+@pytest.mark.parametrize("dtype,precision", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
-def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
+def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype, precision):
     q, k, v, s0 = features_and_values(B, H, Lq, Lk, F, Dv, dtype=dtype, device=DEV, state=True)
     gamma = _gamma(H)
     num, den, ls, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset,
-                                                               chunk_size=chunk, initial_state=s0, return_state=True)
+                                                               chunk_size=chunk, initial_state=s0, return_state=True,
+                                                               precision=precision)
     assert not ls.any()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().double().requires_grad_()
@@ -85,9 +94,9 @@ def test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
         assert_close(a, b, dtype, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("dtype,precision", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,chunk", CASES)
-def test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype):
+def test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype, precision):
     """`divide=`: the kernels' backward reads the quotient's gradient and scales it by 1/den
     itself, den's gradient comes from `_QuotientGrad`; output, den, final state and every
     gradient (initial state's and γ's included, through den too) as Eq. 10's `num/den` and
@@ -95,7 +104,8 @@ def test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype)
     q, k, v, s0 = features_and_values(B, H, Lq, Lk, F, Dv, dtype=dtype, device=DEV, state=True)
     gamma = _gamma(H)
     out, den, _, state = tc.kernelized_num_den_triton_chunked(q, k, v, gamma=gamma, q_offset=q_offset, chunk_size=chunk,
-                                                              initial_state=s0, return_state=True, divide=dtype)
+                                                              initial_state=s0, return_state=True, divide=dtype,
+                                                              precision=precision)
     assert out.dtype == dtype
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     g64, s64 = gamma.detach().clone().requires_grad_(), s0.detach().double().requires_grad_()
@@ -457,8 +467,8 @@ def test_blocked_state_scan_matches_reference(blocked_scan, B, H, Lq, Lk, F, Dv,
     with the initial state in and the final state out, in both passes."""
     N = -(-max(Lk, q_offset + Lq) // chunk)
     assert tc.scan_blocks(N)[1] >= 2
-    test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype)
-    test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype)
+    test_causal_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype, "ieee")
+    test_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, chunk, dtype, "ieee")
 
 
 def test_blocked_state_scan_equals_the_sequential_one(monkeypatch):

@@ -67,12 +67,16 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk, state budget (None: d
 ]
 
 
+# (the key-chunk gradient kernel's two forms: transposed products for 32- and 64-bit operands,
+# key-major tiles for 16-bit ones, `triton_chunked.HOPPER_TRANS_NOTE`, which "bf16x3" selects;
+# float64 operands are multiplied exactly in every mode)
+@pytest.mark.parametrize("precision", ["ieee", "bf16x3"], ids=["transposed", "key-major"])
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", CASES)
-def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget):
+def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget, precision):
     q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
     plan = _plan(H, window, 4)
     num, den, ls = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
-                                                   state_budget=budget)
+                                                   state_budget=budget, precision=precision)
     assert not ls.any()
     rn, rd = reference(q, k, v, plan, q_offset)
     assert_close(num, rn.detach())
@@ -387,7 +391,7 @@ def test_soe_blocked_state_scan_matches_reference(blocked_scan, monkeypatch, B, 
 
     carries, real = [], tc._block_carries
     monkeypatch.setattr(tc, "_block_carries", lambda *a: carries.append(a[-1]) or real(*a))
-    test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
+    test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget, "ieee")
     test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
     assert False in carries and True in carries  # forward states and their gradients, in blocks
 

@@ -120,9 +120,12 @@ def triton_route(setting: str, name: str, device: torch.device) -> bool:
 #: gradient kernels had it (`dk += trans(dA) @ q`) wherever an operand is rounded to 16 bits —
 #: bf16 features and "bf16x3" products, never "tf32x3" — which is where the H100 stopped with
 #: an illegal memory access (bf16x3: triton_soe, triton_band, triton_tiled) and where the first
-#: session's float64 comparisons failed (bf16 features: triton_chunked, triton_soe). They now
-#: form each key-major tile as such (`dot(k, trans(q))`, a transposed load, not a transposed
-#: product); tests/test_triton_compile.py checks every kernel's TTGIR for the pattern.
+#: session's float64 comparisons failed (bf16 features: triton_chunked, triton_soe). Where an
+#: operand is rounded to 16 bits they now form each key-major tile as such (`dot(k, trans(q))`,
+#: a transposed load, not a transposed product); triton_chunked's and triton_soe's keep the
+#: transposed products for 32-bit operands (tf32x3), which spill half as much there (the
+#: interpreter runs both forms: float32 features, and bf16 features or emulated bf16x3).
+#: tests/test_triton_compile.py checks every kernel's sm_90 TTGIR for the pattern.
 HOPPER_TRANS_NOTE = "fla-org/flash-linear-attention#640; Triton >= 3.7.1 fixes it"
 
 
@@ -489,9 +492,10 @@ if HAS_TRITON:
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         lg = tl.load(lg_ptr + bh % H).to(ACC)
-        # key-major: dAᵀ and Aᵀ formed as such (`HOPPER_TRANS_NOTE`)
-        k, v, do, dd, inv, Dkm, dAT = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
-                                                   q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED, True)
+        # 16-bit operands: dAᵀ and Aᵀ formed key-major (`HOPPER_TRANS_NOTE`)
+        KEY_MAJOR: tl.constexpr = DT == tl.bfloat16 or DT == tl.float16 or MODE >= 3
+        k, v, do, dd, inv, D, dA = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
+                                                q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED, KEY_MAJOR)
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
         c = tl.arange(0, BDV)
@@ -507,9 +511,14 @@ if HAS_TRITON:
         dz = tl.load(dz_ptr + off + f)
         e_n = tl.minimum(n * BT + BT, Lk)
         kdec = tl.where(pos < e_n, tl.exp(lg * (e_n - 1 - pos).to(ACC)), 0.0)
-        AT = _dot(k, tl.trans(q), DT, ACC, MODE) * Dkm
-        dk = _dot(dAT, q, DT, ACC, MODE) + kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE) + dz[None, :])
-        dv = _dot(AT * inv[None, :], do, DT, ACC, MODE) + _dot(k * kdec[:, None], dS, DT, ACC, MODE)
+        if KEY_MAJOR:
+            dk = _dot(dA, q, DT, ACC, MODE)
+            dv = _dot(_dot(k, tl.trans(q), DT, ACC, MODE) * D * inv[None, :], do, DT, ACC, MODE)
+        else:  # transposed products, fewer spills (tf32x3, 4 warps: 260 B against 792 key-major)
+            dk = _dot(tl.trans(dA), q, DT, ACC, MODE)
+            dv = _dot(tl.trans(_dot(q, tl.trans(k), DT, ACC, MODE) * D * inv[:, None]), do, DT, ACC, MODE)
+        dk += kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE) + dz[None, :])
+        dv += _dot(k * kdec[:, None], dS, DT, ACC, MODE)
         tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, km[:, None] & cm, DV_BF16)
 
