@@ -162,6 +162,9 @@
 #   K = 32): 64 in tf32x3, 30 in bf16x3, 14 for Flex's bf16 (its 64k row: 279 ms against
 #   Flex's 131, so bf16x3 may bring it about even, not past);
 #   the three changed kernels are not in the carried compile pack (a few seconds each to build);
+# - triton_tiled's causal forward and dq kernels take their query tiles heaviest first (a tile's
+#   work grows with its index; at 4k, 512 programs are about two waves): its 4k rows are timed
+#   again (CODE_EPOCH 3), the profile's `_tiled_*` times at 4k were 0.50 + 0.25 ms (fwd, dq);
 #
 # New since the CPU session after the fourth (2026-11-27, third session of the day; no GPU):
 # - the 4k CUDA-graph pairings no longer compile anything: `flex+cudagraphs` captures the

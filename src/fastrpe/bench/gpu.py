@@ -1297,9 +1297,12 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: as they are. Epoch 3 (a CPU session after, 2026-11-27): the key-tile gradient kernels of
 #: triton_chunked, triton_soe/band and triton_tiled form their key-major tiles directly
 #: (`triton_chunked.HOPPER_TRANS_NOTE`), so the `+bf16-features` rows, which those kernels'
-#: miscompile on the H100 made wrong, are measured again at every length.
+#: miscompile on the H100 made wrong, are measured again at every length; and triton_tiled's
+#: causal query tiles start heaviest first (`triton_tiled._query_tile`), which 4k's two waves of
+#: programs should feel most, so its rows too.
 CODE_EPOCH = 3
-CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384), ("fastrpe-triton_*+bf16-features*", "*", 0))
+CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384), ("fastrpe-triton_*+bf16-features*", "*", 0),
+           ("fastrpe-triton_tiled*", "*", 0), ("fastrpe-auto", "learned*", 0))
 
 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
