@@ -159,8 +159,14 @@
 #   float64_at_4096 (both 16-bit modes, the four Triton backends); if they pass and the rows are
 #   faster, FLOAT32_PRODUCTS = "bf16x3" may become the default. Counted on paper for
 #   triton_tiled (forward and backward, one 64x64 tile pair, in bf16 tensor-core passes of
-#   K = 32): 64 in tf32x3, 30 in bf16x3, 14 for Flex's bf16 (its 64k row: 279 ms against
-#   Flex's 131, so bf16x3 may bring it about even, not past);
+#   K = 32): 64 in tf32x3 as timed (279 ms at 64k against Flex's 131), 56 now (below), 30 in
+#   bf16x3, 14 for Flex's bf16: bf16x3 may bring it about even, not past;
+# - tf32x3 (the default) multiplies a float32 operand by a bf16 one (values, bf16 states, the
+#   output gradient) in two tf32 products, not three: the bf16 operand is exact in tf32, so
+#   Triton's third product was of its zero low half (triton_chunked._dot_tf32x2; sm_90 PTX: 16
+#   wgmma for a 64x64x64 product, was 24; tests/test_triton_compile.py). Most of
+#   triton_chunked's and triton_soe's products are of this kind: their 64k rows should gain
+#   (ALiBi needs 3.69 ms for 15x, was 3.77);
 #   the three changed kernels are not in the carried compile pack (a few seconds each to build);
 # - triton_tiled's causal forward and dq kernels take their query tiles heaviest first (a tile's
 #   work grows with its index; at 4k, 512 programs are about two waves): its 4k rows are timed

@@ -32,6 +32,7 @@ from fastrpe.api import _problem  # noqa: E402
 from fastrpe.ops.linear.triton_chunked import (  # noqa: E402
     PRECISIONS,
     _dot,
+    _split_tf32,
     dot_mode,
     triton_unavailable_reason,
 )
@@ -106,6 +107,42 @@ def test_bf16x3_products_carry_16_bits(b_dtype):
         err[mode] = float(((c.double() - ref).abs() / scale).max())
     rounded = float(((a.bfloat16().double() @ b.bfloat16().double() - ref).abs() / scale).max())
     assert err[1] < 1e-6 < err[4] < 2.0 ** -14 < rounded / 8
+
+
+@triton.jit
+def _tf32_halves(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    """`triton_chunked._split_tf32` of N values."""
+    i = tl.arange(0, N)
+    hi, lo = _split_tf32(tl.load(x_ptr + i))
+    tl.store(hi_ptr + i, hi)
+    tl.store(lo_ptr + i, lo)
+
+
+@pytest.mark.skipif(_CUDA, reason="the interpreter runs the split (the PTX test counts the GPU's passes)")
+def test_tf32x2_halves_are_exact_and_keep_tf32x3s_accuracy():
+    """`_dot`'s two tf32 products against a bf16 operand (MODE 2, `_dot_tf32x2`): the float32
+    operand's halves sum to it exactly, hi holds tf32's 10 explicit bits (rounded to nearest:
+    lo within 2^-11 of |x|), and with lo as the tensor cores read it (tf32: its low 13 bits
+    dropped) the product is within 2^-21 of |a|·|b|, as tf32x3's (one tf32 rounding of bf16's
+    operand would cost 2^-11). Negative, tiny and huge values included."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.logspace(-30, 30, 4096)
+    x[::2] = -x[::2]
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    _tf32_halves[(1,)](x, hi, lo, 4096)
+    assert torch.equal(hi + lo, x)
+    assert not (hi.view(torch.int32) & 0x1FFF).any()
+    assert ((lo.abs() <= 2.0 ** -11 * x.abs()) | (lo == 0)).all()
+    a = torch.randn(32, 64, generator=g)
+    b = torch.randn(64, 16, generator=g).bfloat16().double()
+    a_hi, a_lo = torch.empty_like(a), torch.empty_like(a)
+    _tf32_halves[(1,)](a.flatten(), a_hi.view(-1), a_lo.view(-1), 2048)
+    tf32 = (lambda t: (t.view(torch.int32) & -0x2000).view(torch.float32))  # what an MMA reads of a float32
+    got = tf32(a_lo).double() @ b + tf32(a_hi).double() @ b
+    scale = a.double().abs() @ b.abs()
+    err = float(((got - a.double() @ b).abs() / scale).max())
+    one_pass = float(((tf32(a).double() @ b - a.double() @ b).abs() / scale).max())
+    assert err < 2.0 ** -21 < 2.0 ** -13 < one_pass
 
 
 def _errors(backend, family):

@@ -42,7 +42,8 @@ _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 #: How the kernels multiply a bf16/fp16 problem's feature maps on the GPU.
 #: "float32" (default): the features stay float32 (as the other backends keep them) and each
-#: product runs as three tf32 tensor-core products, about float32's accuracy.
+#: product runs as three tf32 tensor-core products (two against a bf16 operand), about float32's
+#: accuracy.
 #: "bfloat16": features and values rounded to bf16 for one tensor-core product (the fastest).
 #: The first H100 run's float64 comparison at L = 4,096 (tests/test_gpu.py) failed in this mode
 #: for triton_chunked (ALiBi) and triton_soe (KERPLE-log), the two backends whose key-tile
@@ -53,10 +54,11 @@ _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 #: time by default is for the GPU to say (`test_sixteen_bit_products_match_float64_at_4096`).
 LOWP_FEATURES = "float32"
 #: How those float32 features are multiplied on the tensor cores (`triton_chunked.PRECISIONS`):
-#: "tf32x3" (default), three tf32 products, about float32's accuracy; "bf16x3", bf16 products of
-#: each operand's two bf16 halves (three, or two where the other operand is bf16 already, as bf16
-#: values and states are), 16 significant bits: a third of tf32x3's tensor-core instructions
-#: against a bf16 operand, half for two float32 ones, and less shared memory and fewer spills
+#: "tf32x3" (default), three tf32 products, two against a bf16 operand (`_dot_tf32x2`), about
+#: float32's accuracy; "bf16x3", bf16 products of each operand's two bf16 halves (three, or two
+#: where the other operand is bf16 already, as bf16 values and states are), 16 significant bits:
+#: half of tf32x3's tensor-core instructions (a third against a bf16 operand until tf32x3 took
+#: two products there, 2026-11-27), and less shared memory and fewer spills
 #: (ptxas, sm_90, one stage: triton_tiled's dk/dv kernel spills 120 B where tf32x3 spills 972,
 #: triton_soe's 4 where 396; results/ptxas-sm90-bf16x3.json). On an H100 (triton 3.6.0,
 #: 2026-11-27, benchmarks/results/gpu/h100-2026-11-27b.json) the `+bf16x3` rows of triton_soe,

@@ -115,8 +115,8 @@ CRITERIA_ROWS = {
 # a bf16 pass each, and was 282 ms at 64k against Flex + table's 131 (H100, 2026-11-26/27);
 # the rows' `max_abs_err` says what the rounding costs. KERPLE's are left out: their 1e-3 is
 # judged on float32 inputs, which the bf16 features never see. `+bf16x3` everywhere: the same
-# float32 features multiplied by bf16 halves, 16 significant bits, a third to a half of tf32x3's
-# tensor-core passes; stopped by a Triton miscompile on the H100 of 2026-11-27 that the kernels
+# float32 features multiplied by bf16 halves, 16 significant bits, half of tf32x3's tensor-core
+# passes; stopped by a Triton miscompile on the H100 of 2026-11-27 that the kernels
 # no longer give it (`triton_chunked.HOPPER_TRANS_NOTE`); timed for KERPLE, not counted there:
 # see PRECISION_VARIANTS)
 #: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
@@ -824,7 +824,7 @@ def registry(cfg: GpuConfig) -> dict:
     for name in ("triton_chunked", "triton_soe", "triton_band", "triton_tiled"):
         if name in BACKENDS:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
-            # the float32 features multiplied by bf16 halves (a third to a half of tf32x3's passes)
+            # the float32 features multiplied by bf16 halves (half of tf32x3's passes)
             reg[f"fastrpe-{name}+bf16x3"] = fastrpe_setup(name, cfg, float32_products="bf16x3")
     # the chunk-state passes as STATE_SCAN's "auto" does not run them at the bench's lengths
     # (triton_chunked.auto_blocked): triton_chunked and triton_band blocked from 16k on, so
@@ -1299,7 +1299,9 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: (`triton_chunked.HOPPER_TRANS_NOTE`), so the `+bf16-features` rows, which those kernels'
 #: miscompile on the H100 made wrong, are measured again at every length; and triton_tiled's
 #: causal query tiles start heaviest first (`triton_tiled._query_tile`), which 4k's two waves of
-#: programs should feel most, so its rows too.
+#: programs should feel most, so its rows too; and tf32x3 takes two tf32 products, not three,
+#: against a bf16 operand (`triton_chunked._dot_tf32x2`: values, states, output gradients), in
+#: every Triton row from 16k (the 4k rows are host time).
 CODE_EPOCH = 3
 CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384), ("fastrpe-triton_*+bf16-features*", "*", 0),
            ("fastrpe-triton_tiled*", "*", 0), ("fastrpe-auto", "learned*", 0))

@@ -172,15 +172,41 @@ if HAS_TRITON:
             return small + _bf16_product(a_hi, b_hi, EMULATE)
 
     @triton.jit
+    def _split_tf32(x):
+        """`(hi, lo)`, both float32, `hi + lo = x` exactly: hi is x rounded to tf32's 10
+        explicit bits (to nearest, ties away from zero, as the tensor cores' own conversion),
+        lo the rest, at most 2^-11 of |x|."""
+        hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+        return hi, x - hi
+
+    @triton.jit
+    def _dot_tf32x2(a, b, ACC: tl.constexpr):
+        """float32 `a @ b` where one operand is bf16 or fp16 (exact in tf32): two tf32
+        tensor-core products, the other operand's halves (`_split_tf32`) against it, the small
+        one first. "tf32x3" takes three (Triton splits both operands, and the 16-bit one's small
+        half is 0): the same sums to tf32x3's accuracy, a product of the small half against a
+        zero left out."""
+        if a.dtype == tl.float32:
+            hi, lo = _split_tf32(a)
+            bb = b.to(tl.float32)
+            return (tl.dot(lo, bb, input_precision="tf32", out_dtype=ACC)
+                    + tl.dot(hi, bb, input_precision="tf32", out_dtype=ACC))
+        else:
+            hi, lo = _split_tf32(b)
+            aa = a.to(tl.float32)
+            return (tl.dot(aa, lo, input_precision="tf32", out_dtype=ACC)
+                    + tl.dot(aa, hi, input_precision="tf32", out_dtype=ACC))
+
+    @triton.jit
     def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
         """`a @ b` with operands rounded to DT and products summed in ACC. MODE (`dot_mode`):
-        1 the interpreter; 2 float32 operands by three tf32 tensor-core products; 3 float32
-        operands by bf16 products of their halves (`_dot_bf16x3`; 4 the same under the
-        interpreter, emulated); 0 the rest (bf16/fp16 tensor cores, float32/float64 exactly).
-        Two operands that are both bf16 (or both fp16) already, such as a bf16 output gradient
-        against bf16 values, take one tensor-core pass whatever DT: their products are exact in
-        float32, so the three tf32 passes (or CUDA-core float32) would give the same sums at
-        several times the cost."""
+        1 the interpreter; 2 float32 operands by three tf32 tensor-core products, two against a
+        bf16 or fp16 operand (`_dot_tf32x2`); 3 float32 operands by bf16 products of their
+        halves (`_dot_bf16x3`; 4 the same under the interpreter, emulated); 0 the rest (bf16/fp16
+        tensor cores, float32/float64 exactly). Two operands that are both bf16 (or both fp16)
+        already, such as a bf16 output gradient against bf16 values, take one tensor-core pass
+        whatever DT: their products are exact in float32, so the three tf32 passes (or CUDA-core
+        float32) would give the same sums at several times the cost."""
         if (MODE == 3 or MODE == 4) and DT == tl.float32 and ACC == tl.float32 and a.dtype != tl.float16 \
                 and b.dtype != tl.float16:
             return _dot_bf16x3(a, b, MODE == 4)
@@ -188,6 +214,10 @@ if HAS_TRITON:
             return tl.dot(a.to(DT).to(ACC), b.to(DT).to(ACC), out_dtype=ACC)
         elif ACC == tl.float32 and a.dtype == b.dtype and (a.dtype == tl.bfloat16 or a.dtype == tl.float16):
             return tl.dot(a, b, out_dtype=ACC)
+        elif DT == tl.float32 and (MODE == 2 or MODE == 3) and ACC == tl.float32 and (
+                (a.dtype == tl.float32 and (b.dtype == tl.bfloat16 or b.dtype == tl.float16))
+                or (b.dtype == tl.float32 and (a.dtype == tl.bfloat16 or a.dtype == tl.float16))):
+            return _dot_tf32x2(a, b, ACC)
         elif DT == tl.float32 and (MODE == 2 or MODE == 3):  # (an fp16 operand: bf16 halves cannot multiply it)
             return tl.dot(a.to(DT), b.to(DT), input_precision="tf32x3", out_dtype=ACC)
         elif DT == tl.float32 or DT == tl.float64:
@@ -778,10 +808,11 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 
 #: how float32 operands of `tl.dot` are multiplied on the GPU: "ieee" exactly (CUDA cores),
-#: "tf32x3" by three tf32 tensor-core products (about float32's accuracy, several times faster),
-#: "bf16x3" by three bf16 products of the operands' halves, two where one operand is bf16
-#: already (16 significant bits, relative error about 2^-16 per product; half the passes of
-#: tf32x3 at twice the rate each; `_dot_bf16x3`)
+#: "tf32x3" by three tf32 tensor-core products, two where one operand is bf16 or fp16 already
+#: (`_dot_tf32x2`; about float32's accuracy, several times faster), "bf16x3" by three bf16
+#: products of the operands' halves, two where one operand is bf16 already (16 significant bits,
+#: relative error about 2^-16 per product; as many passes as tf32x3 at twice the rate each
+#: against a bf16 operand, half as many for two float32 ones; `_dot_bf16x3`)
 PRECISIONS = ("ieee", "tf32x3", "bf16x3")
 
 
