@@ -173,9 +173,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_tf32(x):
-        """`(hi, lo)`, both float32, `hi + lo = x` exactly: hi is x rounded to tf32's 10
-        explicit bits (to nearest, ties away from zero, as the tensor cores' own conversion),
-        lo the rest, at most 2^-11 of |x|."""
+        """`(hi, lo)`, both float32, `hi + lo = x` exactly (x finite): hi is x rounded to tf32's
+        10 explicit bits (to nearest, ties away from zero, as Triton's own tf32x3 split,
+        `cvt.rna.tf32.f32`), lo the rest, at most 2^-11 of |x|."""
         hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
         return hi, x - hi
 
@@ -185,17 +185,20 @@ if HAS_TRITON:
         tensor-core products, the other operand's halves (`_split_tf32`) against it, the small
         one first. "tf32x3" takes three (Triton splits both operands, and the 16-bit one's small
         half is 0): the same sums to tf32x3's accuracy, a product of the small half against a
-        zero left out."""
+        zero left out. As Triton's, a NaN of the small product (an infinite operand's halves:
+        `inf - inf`) is dropped, so that the big one gives the infinity."""
         if a.dtype == tl.float32:
             hi, lo = _split_tf32(a)
             bb = b.to(tl.float32)
-            return (tl.dot(lo, bb, input_precision="tf32", out_dtype=ACC)
-                    + tl.dot(hi, bb, input_precision="tf32", out_dtype=ACC))
+            small = tl.dot(lo, bb, input_precision="tf32", out_dtype=ACC)
+            x, y = hi, bb
         else:
             hi, lo = _split_tf32(b)
             aa = a.to(tl.float32)
-            return (tl.dot(aa, lo, input_precision="tf32", out_dtype=ACC)
-                    + tl.dot(aa, hi, input_precision="tf32", out_dtype=ACC))
+            small = tl.dot(aa, lo, input_precision="tf32", out_dtype=ACC)
+            x, y = aa, hi
+        small = tl.where(small != small, 0.0, small)
+        return tl.dot(x, y, acc=small, input_precision="tf32", out_dtype=ACC)
 
     @triton.jit
     def _dot(a, b, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
