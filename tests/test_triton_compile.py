@@ -217,7 +217,7 @@ def test_no_key_tile_kernel_stores_a_transposed_product_in_16_bits(tmp_path):
     """No gradient kernel feeds `tl.dot` a transposed product rounded to 16 bits, the pattern
     Triton 3.4-3.7.0 miscompiles on Hopper (`triton_chunked.HOPPER_TRANS_NOTE`; the H100's
     illegal memory accesses in bf16x3 and wrong gradients with bf16 features): the sm_90 TTGIR
-    of each key-tile kernel (chunked, soe near and far, tiled) in the two 16-bit modes has no
+    of each key-tile kernel (chunked, soe's with its near field, tiled) in the two 16-bit modes has no
     shared-memory store of a 16-bit `#linear` tensor, while a kernel written with the pattern
     has one (so the check sees it). Every kernel in every mode: FASTRPE_COMPILE_CHECK=1."""
     script = tmp_path / "trans.py"  # (triton.jit reads its function's source from a file)
