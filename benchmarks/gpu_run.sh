@@ -167,7 +167,10 @@
 #   wgmma for a 64x64x64 product, was 24; tests/test_triton_compile.py). Most of
 #   triton_chunked's and triton_soe's products are of this kind: their 64k rows should gain
 #   (ALiBi needs 3.69 ms for 15x, was 3.77);
-#   the three changed kernels are not in the carried compile pack (a few seconds each to build);
+# - sessions start from a fresh checkout, without the ignored .gpu_runs/, .fla_site/ and
+#   .gpu_cache/: copy the JSON and run fla_site.sh again (below, "Before the first call"); the
+#   fourth session's compile pack is gone, and most kernels changed since anyway (the two items
+#   above), so the warm-up compiles them;
 # - triton_tiled's causal forward and dq kernels take their query tiles heaviest first (a tile's
 #   work grows with its index; at 4k, 512 programs are about two waves): its 4k rows are timed
 #   again (CODE_EPOCH 3), the profile's `_tiled_*` times at 4k were 0.50 + 0.25 ms (fwd, dq);
