@@ -52,29 +52,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL: tl.constexpr,
-                     KEY_SCALE: tl.constexpr, ACC: tl.constexpr):
+                     KEY_SCALE: tl.constexpr, ACC: tl.constexpr, KEY_MAJOR: tl.constexpr = False):
         """`[len(i), len(j)]` log-weights `b(j - q_offset - i)` of head hh (KEY_SCALE: plus each
         key's log-scale `s[bh, j]`), `-inf` outside the call (and, CAUSAL, for keys after the
-        query)."""
-        ok = iok[:, None] & jok[None, :]
+        query). KEY_MAJOR: `[len(j), len(i)]`, the same entries transposed, read as such, not a
+        `tl.trans` of the query-major tile (see `_tiled_bwd_dkv_kernel`)."""
+        if KEY_MAJOR:
+            i, j, iok, jok = i[None, :], j[:, None], iok[None, :], jok[:, None]
+        else:
+            i, j, iok, jok = i[:, None], j[None, :], iok[:, None], jok[None, :]
+        ok = iok & jok
         if CAUSAL:
-            ok = ok & (j[None, :] <= q_offset + i[:, None])
-        b = tl.load(lc_ptr + hh * R + (j[None, :] - i[:, None] + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
+            ok = ok & (j <= q_offset + i)
+        b = tl.load(lc_ptr + hh * R + (j - i + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
         if KEY_SCALE:
-            b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)[None, :]
-        return b
-
-    @triton.jit
-    def _log_weights_t(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL: tl.constexpr,
-                       KEY_SCALE: tl.constexpr, ACC: tl.constexpr):
-        """`_log_weights` key-major: `[len(j), len(i)]`, the same entries transposed (read as
-        such, not a `tl.trans` of the query-major tile: see `_tiled_bwd_dkv_kernel`)."""
-        ok = jok[:, None] & iok[None, :]
-        if CAUSAL:
-            ok = ok & (j[:, None] <= q_offset + i[None, :])
-        b = tl.load(lc_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
-        if KEY_SCALE:
-            b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)[:, None]
+            b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)
         return b
 
     @triton.jit
@@ -201,8 +193,8 @@ if HAS_TRITON:
             inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
             dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
             m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
-            wT = tl.exp(_log_weights_t(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
-                                       ACC) - m[None, :])
+            wT = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
+                                     ACC, True) - m[None, :])
             AT = _dot(k, tl.trans(q), DT, ACC, MODE)
             dAT = (inv[None, :] * _dot(v, tl.trans(do), DT, ACC, MODE) + dd[None, :]) * wT
             dk += _dot(dAT, q, DT, ACC, MODE)
