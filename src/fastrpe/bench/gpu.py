@@ -76,6 +76,17 @@ L_SHORT, L_CHECK, L_LONG, L_MAX = 4096, 65536, 262144, 1048576
 #: `fastrpe bench --suite gpu` exits with this when a row broke the CUDA context: run it again
 #: with --resume (benchmarks/gpu_run.sh does, while its time lasts)
 CONTEXT_LOST_EXIT = 75
+#: the rows of KERPLE log's and power's criteria (the same backends)
+_KERPLE_ROWS = ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
+                "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
+                "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
+                "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
+                "fastrpe-triton_soe+bf16x3")
+#: the rows of the learned tables' criteria, causal and not
+_TABLE_ROWS = ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
+               "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
+               "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
+               "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs")
 #: the competitors `check` reads, per family (SDPA: the ratios' ceiling). The suite runs these
 #: first, at the lengths `reads` names, and the rest after: the first H100 call spent its budget
 #: on two rows of 4,096 tokens, and fla's chunk_linear_attn, which no criterion reads, autotuned
@@ -86,29 +97,14 @@ CRITERIA_ROWS = {
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs",
               "fastrpe-triton_chunked+blocked-scan+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs",
               "fastrpe-triton_chunked+bf16-features", "fastrpe-triton_chunked+bf16x3"),
-    "kerple_log": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
-                   "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
-                   "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
-                   "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
-                   "fastrpe-triton_soe+bf16x3"),
-    "kerple_power": ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
-                     "fastrpe-triton_soe+saved-states+blocked-scan", "fastrpe-auto",
-                     "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
-                     "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
-                   "fastrpe-triton_soe+bf16x3"),
+    "kerple_log": _KERPLE_ROWS,
+    "kerple_power": _KERPLE_ROWS,
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+cudagraphs",
            "fastrpe-triton_band+blocked-scan+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs",
            "fastrpe-triton_band+bf16x3"),
-    "learned": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
-                "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
-                "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs"),
-    "learned_full": ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
-                     "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
-                     "fastrpe-triton_tiled+compiled+cudagraphs",
-                     "fastrpe-triton_tiled+bf16-features", "fastrpe-triton_tiled+bf16x3",
-                     "fastrpe-triton_tiled+bf16x3+cudagraphs"),
+    "learned": _TABLE_ROWS,
+    "learned_full": _TABLE_ROWS,
 }
 # (`+bf16-features` for the exact families whose criteria the float32 features' tf32x3 products
 # may cost: triton_tiled's quadratic loop multiplies float32 operands by three tf32 passes, 6x
