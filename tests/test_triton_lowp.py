@@ -32,7 +32,6 @@ from fastrpe.api import _problem  # noqa: E402
 from fastrpe.ops.linear.triton_chunked import (  # noqa: E402
     PRECISIONS,
     _dot,
-    _dot_tf32x2,
     _split_tf32,
     dot_mode,
     triton_unavailable_reason,
@@ -119,20 +118,12 @@ def _tf32_halves(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
     tl.store(lo_ptr + i, lo)
 
 
-@triton.jit
-def _tf32x2_product(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
-    """`triton_chunked._dot_tf32x2` of one tile (one operand bf16)."""
-    m, kk, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
-    a = tl.load(a_ptr + m[:, None] * K + kk[None, :])
-    b = tl.load(b_ptr + kk[:, None] * N + n[None, :])
-    tl.store(c_ptr + m[:, None] * N + n[None, :], _dot_tf32x2(a, b, tl.float32))
-
-
 @pytest.mark.skipif(_CUDA, reason="the interpreter's exact products (on a GPU the float64 tests judge the real ones)")
 @pytest.mark.parametrize("bf16_side", ["left", "right"])
 def test_tf32x2_puts_each_half_on_its_side(bf16_side):
-    """`_dot_tf32x2` with either operand the bf16 one: `a @ b` (the interpreter's tf32 products
-    are exact float32 ones, so this checks which half meets which operand)."""
+    """`_dot` in MODE 2 (tf32x3) with either operand the bf16 one takes `_dot_tf32x2`: `a @ b`
+    (the interpreter's tf32 products are exact float32 ones, so this checks which half meets
+    which operand)."""
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(32, 64, generator=g), torch.randn(64, 16, generator=g)
     if bf16_side == "left":
@@ -140,7 +131,7 @@ def test_tf32x2_puts_each_half_on_its_side(bf16_side):
     else:
         b = b.bfloat16()
     c = torch.empty(32, 16)
-    _tf32x2_product[(1,)](a, b, c, 32, 64, 16)
+    _product[(1,)](a, b, c, 32, 64, 16, 2)
     ref = a.double() @ b.double()
     assert float(((c.double() - ref).abs() / (a.double().abs() @ b.double().abs())).max()) < 1e-6
 
