@@ -65,6 +65,11 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, causal
     (2, 2, 70, 90, 12, 10, 20, True),  # Lq != Lk with a q_offset
     (2, 2, 70, 90, 12, 10, 0, False),  # not causal, Lq != Lk
     (1, 2, 129, 65, 8, 16, 5, False),  # more queries than keys
+    # interior tile pairs (read without masks) beside edge ones: a q_offset that is no multiple
+    # of the tile, and lengths that are (every tile full, only the diagonal's pairs masked)
+    (1, 2, 130, 200, 12, 10, 70, True),
+    (1, 1, 192, 192, 8, 16, 0, True),
+    (1, 1, 128, 192, 8, 16, 0, False),
 ]
 
 

@@ -52,22 +52,47 @@ if HAS_TRITON:
 
     @triton.jit
     def _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL: tl.constexpr,
-                     KEY_SCALE: tl.constexpr, ACC: tl.constexpr, KEY_MAJOR: tl.constexpr = False):
+                     KEY_SCALE: tl.constexpr, ACC: tl.constexpr, KEY_MAJOR: tl.constexpr = False,
+                     EDGE: tl.constexpr = True):
         """`[len(i), len(j)]` log-weights `b(j - q_offset - i)` of head hh (KEY_SCALE: plus each
         key's log-scale `s[bh, j]`), `-inf` outside the call (and, CAUSAL, for keys after the
         query). KEY_MAJOR: `[len(j), len(i)]`, the same entries transposed, read as such, not a
-        `tl.trans` of the query-major tile (see `_tiled_bwd_dkv_kernel`)."""
+        `tl.trans` of the query-major tile (see `_tiled_bwd_dkv_kernel`). EDGE=False: an interior
+        tile pair (`_interior`), every query and key in the call and every key visible, read
+        without a mask."""
         if KEY_MAJOR:
             i, j, iok, jok = i[None, :], j[:, None], iok[None, :], jok[:, None]
         else:
             i, j, iok, jok = i[:, None], j[None, :], iok[:, None], jok[None, :]
-        ok = iok & jok
-        if CAUSAL:
-            ok = ok & (j <= q_offset + i)
-        b = tl.load(lc_ptr + hh * R + (j - i + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
-        if KEY_SCALE:
-            b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)
+        if EDGE:
+            ok = iok & jok
+            if CAUSAL:
+                ok = ok & (j <= q_offset + i)
+            b = tl.load(lc_ptr + hh * R + (j - i + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
+            if KEY_SCALE:
+                b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)
+        else:
+            b = tl.load(lc_ptr + hh * R + (j - i + Lq - 1)).to(ACC)
+            if KEY_SCALE:
+                b = b + tl.load(ks_ptr + bh * Lk + j).to(ACC)
         return b
+
+    @triton.jit
+    def _interior(lo, hi, first, n, BT: tl.constexpr, full):
+        """`(a, b)`: the tiles `[a, b)` of the walk `[lo, hi)` (steps of BT) whose pairs with this
+        program's tile are interior: the walk's tiles from `first` on (the first whose pairs see
+        every key), short of the last partial one (`n` rows in all); none unless this program's
+        own tile is `full`. Each loop takes an interior pair without masks (EDGE=False), the
+        others with: at 64k tokens and causal, 1,023 in 1,024 of a tile's pairs are interior.
+        Per iteration on sm_90 (triton 3.6.0, the H100 image's; benchmarks/tile_bodies.py) that
+        is 6-8% fewer SASS instructions with tf32x3, 12-20% with bf16 features (under triton
+        3.9.0 only in the dk/dv kernel). One loop with a branch, not three loops: with three, the
+        dk/dv kernel spilled 3,728 B with tf32x3; with the branch 992, before 876."""
+        b = tl.minimum(hi, n // BT * BT)
+        a = tl.minimum(tl.maximum(lo, tl.cdiv(tl.maximum(first, 0), BT) * BT), b)
+        if not full:
+            a = b
+        return a, b
 
     @triton.jit
     def _query_tile(Lq, BM: tl.constexpr, CAUSAL: tl.constexpr):
@@ -79,6 +104,81 @@ if HAS_TRITON:
         if CAUSAL:
             return tl.cdiv(Lq, BM) - 1 - tl.program_id(0)
         return tl.program_id(0)
+
+    @triton.jit
+    def _key_walk(i0, Lq, Lk, q_offset, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
+        """`(hi, a, b)` of the query tile from row i0 (forward and dq): its key tiles are
+        `[0, hi)`, the interior ones `[a, b)` (`_interior`: a prefix, up to the last tile that
+        every row of a full query tile sees whole)."""
+        hi = Lk
+        seen = Lk
+        if CAUSAL:
+            hi = tl.minimum(Lk, q_offset + i0 + BM)
+            seen = tl.minimum(Lk, q_offset + i0 + 1)  # what the tile's first row sees
+        a, b = _interior(0, hi, 0, seen, BN, i0 + BM <= Lq)
+        return hi, a, b
+
+    @triton.jit
+    def _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk, F, Dv, R, q_offset,
+                  BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
+        """The forward's sums after the key tile from j0 (`(acc, den, m)`, m the running maximum)."""
+        j = j0 + tl.arange(0, BN)
+        jok = j < Lk
+        k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
+        v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
+        b = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
+                         False, EDGE)
+        m_new = tl.maximum(m, tl.max(b, 1))
+        alpha = tl.exp(m - m_new)
+        P = _dot(q, tl.trans(k), DT, ACC, MODE) * tl.exp(b - m_new[:, None])
+        acc = acc * alpha[:, None] + _dot(P, v, DT, ACC, MODE)
+        den = den * alpha + tl.sum(P, 1)
+        return acc, den, m_new
+
+    @triton.jit
+    def _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R, q_offset,
+                 BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                 KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
+        """The key tile from j0's share of dφq."""
+        j = j0 + tl.arange(0, BN)
+        jok = j < Lk
+        k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
+        v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
+        w = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
+                                False, EDGE) - m[:, None])
+        G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
+        return _dot(G * w, k, DT, ACC, MODE)
+
+    @triton.jit
+    def _dkv_step(q_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f, c, k, v, dk, dv,
+                  Lq, Lk, F, Dv, R, q_offset, BM: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr,
+                  ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr, DB: tl.constexpr,
+                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
+        """`(dk, dv)` after the query tile from i0, in key-major `[BN, BM]` tiles, each product
+        formed as such, never a `tl.trans` of a product (`HOPPER_TRANS_NOTE` in triton_chunked.py;
+        with tf32x3, sm_90 ptxas spilled no more than for the transposed products: 956 B against
+        968 at 4 warps, 804 against 972 at 8)."""
+        i = i0 + tl.arange(0, BM)
+        iok = i < Lq
+        q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
+        do = _load_rows(do_ptr + bh * Lq * Dv, i, iok, c, Dv, Dv)
+        inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
+        dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
+        m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
+        wT = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
+                                 True, EDGE) - m[None, :])
+        AT = _dot(k, tl.trans(q), DT, ACC, MODE)
+        dAT = (inv[None, :] * _dot(v, tl.trans(do), DT, ACC, MODE) + dd[None, :]) * wT
+        dk += _dot(dAT, q, DT, ACC, MODE)
+        dv += _dot(AT * wT * inv[None, :], do, DT, ACC, MODE)
+        if DB:
+            if EDGE:
+                ok = jok[:, None] & iok[None, :]
+                tl.atomic_add(db_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), AT * dAT, mask=ok)
+            else:
+                tl.atomic_add(db_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), AT * dAT)
+        return dk, dv
 
     @triton.jit(do_not_specialize=["LB"])
     def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
@@ -101,21 +201,14 @@ if HAS_TRITON:
         acc = tl.zeros([BM, BDV], dtype=ACC)
         den = tl.zeros([BM], dtype=ACC)
         m = tl.full([BM], _NEG, dtype=ACC)
-        hi = Lk
-        if CAUSAL:
-            hi = tl.minimum(Lk, q_offset + im * BM + BM)
+        hi, a, b = _key_walk(im * BM, Lq, Lk, q_offset, BM, BN, CAUSAL)
         for j0 in range(0, hi, BN):
-            j = j0 + tl.arange(0, BN)
-            jok = j < Lk
-            k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
-            v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
-            b = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC)
-            m_new = tl.maximum(m, tl.max(b, 1))
-            alpha = tl.exp(m - m_new)
-            P = _dot(q, tl.trans(k), DT, ACC, MODE) * tl.exp(b - m_new[:, None])
-            acc = acc * alpha[:, None] + _dot(P, v, DT, ACC, MODE)
-            den = den * alpha + tl.sum(P, 1)
-            m = m_new
+            if (j0 >= a) & (j0 < b):
+                acc, den, m = _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk,
+                                        F, Dv, R, q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False)
+            else:
+                acc, den, m = _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk,
+                                        F, Dv, R, q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True)
         if DIVIDE:
             acc = _divide_rows(acc, den, THR)
         _store_tile(num_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], acc, iok[:, None] & cm, OUT_BF16)
@@ -144,18 +237,14 @@ if HAS_TRITON:
         dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
         m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
         dq = tl.zeros([BM, BF], dtype=ACC)
-        hi = Lk
-        if CAUSAL:
-            hi = tl.minimum(Lk, q_offset + im * BM + BM)
+        hi, a, b = _key_walk(im * BM, Lq, Lk, q_offset, BM, BN, CAUSAL)
         for j0 in range(0, hi, BN):
-            j = j0 + tl.arange(0, BN)
-            jok = j < Lk
-            k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
-            v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
-            w = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
-                                    ACC) - m[:, None])
-            G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
-            dq += _dot(G * w, k, DT, ACC, MODE)
+            if (j0 >= a) & (j0 < b):
+                dq += _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
+                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False)
+            else:
+                dq += _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
+                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True)
         tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & (f[None, :] < F))
 
     @triton.jit(do_not_specialize=["LB"])
@@ -179,29 +268,21 @@ if HAS_TRITON:
         v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
         dk = tl.zeros([BN, BF], dtype=ACC)
         dv = tl.zeros([BN, BDV], dtype=ACC)
-        # key-major `[BN, BM]` tiles, each product formed as such, never a `tl.trans` of a product
-        # (`HOPPER_TRANS_NOTE` in triton_chunked.py; with tf32x3, sm_90 ptxas spills no more than
-        # for the transposed products: 956 B against 968 at 4 warps, 804 against 972 at 8)
         lo = 0
-        if CAUSAL:  # the first query tile with a query at or after the tile's first key
-            lo = tl.maximum(jn * BN - q_offset, 0) // BM * BM
+        first = 0
+        if CAUSAL:  # the first query tile with a query at or after the tile's first key; the
+            lo = tl.maximum(jn * BN - q_offset, 0) // BM * BM  # first whose queries see all its keys
+            first = jn * BN + BN - 1 - q_offset
+        a, b = _interior(lo, Lq, first, Lq, BM, jn * BN + BN <= Lk)
         for i0 in range(lo, Lq, BM):
-            i = i0 + tl.arange(0, BM)
-            iok = i < Lq
-            q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
-            do = _load_rows(do_ptr + bh * Lq * Dv, i, iok, c, Dv, Dv)
-            inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
-            dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
-            m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
-            wT = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE,
-                                     ACC, True) - m[None, :])
-            AT = _dot(k, tl.trans(q), DT, ACC, MODE)
-            dAT = (inv[None, :] * _dot(v, tl.trans(do), DT, ACC, MODE) + dd[None, :]) * wT
-            dk += _dot(dAT, q, DT, ACC, MODE)
-            dv += _dot(AT * wT * inv[None, :], do, DT, ACC, MODE)
-            if DB:
-                ok = jok[:, None] & iok[None, :]
-                tl.atomic_add(db_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), AT * dAT, mask=ok)
+            if (i0 >= a) & (i0 < b):
+                dk, dv = _dkv_step(q_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f,
+                                   c, k, v, dk, dv, Lq, Lk, F, Dv, R, q_offset, BM, CAUSAL, DT, ACC, MODE, SCALED, DB,
+                                   KEY_SCALE, False)
+            else:
+                dk, dv = _dkv_step(q_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f,
+                                   c, k, v, dk, dv, Lq, Lk, F, Dv, R, q_offset, BM, CAUSAL, DT, ACC, MODE, SCALED, DB,
+                                   KEY_SCALE, True)
         tl.store(dk_ptr + bh * Lk * F + j[:, None] * F + f[None, :], dk, mask=jok[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
 

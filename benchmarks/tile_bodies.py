@@ -1,0 +1,169 @@
+"""What one tile pair costs in triton_tiled's loops on Hopper (sm_90), counted without a GPU:
+the SASS instructions of a loop iteration, edge tile pairs (masked: the call's borders and the
+causal diagonal) against interior ones (read without masks), with each kernel's registers and
+spills as ptxas reports them.
+
+Why: at 64k tokens and causal, 1,023 of every 1,024 tile pairs of a query tile's walk are
+interior, and every one of them paid for the masks of a 64x64 tile until `_interior` split
+them off. A kernel whose loop is mostly instruction issue (the bf16-feature loops have 6-12
+tensor-core instructions among 500-900 per iteration) should feel the difference; the H100
+says whether it does (the bench's triton_tiled rows).
+
+How: the kernels are compiled as a 64k bf16 call launches them (every pointer 16-byte aligned;
+L, F = 32, Dv = 64 and q_offset multiples of 16; 4 warps, the H100 autotuner's pick, one
+stage), in the three feature modes of tests/test_triton_compile.py (bf16 features; float32
+features by tf32x3; by bf16x3). Each kernel three ways: as shipped, and with its loop's branch
+fixed to the edge body (every tile masked: the kernel before `_interior`, the same registers
+and spills) or to the interior one (wrong results; counted only), from a rewritten copy of
+ops/linear/triton_tiled.py. An iteration's SASS is the instructions between the loop's head
+and its backward branch (cuobjdump, from the triton install).
+
+    python benchmarks/tile_bodies.py --out benchmarks/results/tile_bodies.json   # triton 3.6.0
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+#: the branch each kernel's loop takes per tile pair (forward and dq walk keys, dkv queries)
+BRANCHES = ("if (j0 >= a) & (j0 < b):", "if (i0 >= a) & (i0 < b):")
+#: the ints a 64k bf16 call passes that are multiples of 16 (Triton marks them so at launch)
+ALIGNED_INTS = {"Lq", "Lk", "F", "Dv", "q_offset"}
+
+
+def _sibling(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tiled_variant(body: str | None):
+    """ops/linear/triton_tiled.py as shipped (None), or with every loop's branch fixed to the
+    "edge" or the "interior" body, imported from a copy (triton.jit reads a kernel's source
+    from its file)."""
+    from fastrpe.ops.linear import triton_tiled
+
+    if body is None:
+        return triton_tiled
+    src = Path(triton_tiled.__file__).read_text()
+    for cond in BRANCHES:
+        assert src.count(cond) == (2 if cond.startswith("if (j0") else 1), f"{cond!r}: the loops changed"
+        src = src.replace(cond, "if True:" if body == "interior" else "if False:")
+    src = src.replace("from ..._validate", "from fastrpe._validate").replace("from .triton_chunked",
+                                                                             "from fastrpe.ops.linear.triton_chunked")
+    path = Path(tempfile.mkdtemp()) / f"triton_tiled_{body}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_as_launched(kernel, ptr_types: dict, consts: dict, num_warps: int = 4):
+    """`kernel` compiled for sm_90 with a launch's divisibility attributes (ALIGNED_INTS)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
+    unset = inspect.Parameter.empty
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not unset}, **consts}
+    sig = {n: "constexpr" if n in consts else "*" + ptr_types[n] if n.endswith("_ptr") else "i32"
+           for n in fn.arg_names}
+    attrs = {(idx,): [["tt.divisibility", 16]] for idx, n in enumerate(fn.arg_names)
+             if n not in consts and (n.endswith("_ptr") or n in ALIGNED_INTS)}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+
+
+def loop_sass(k) -> dict:
+    """The SASS of `k`'s loops (instructions between a branch target and a later branch back to
+    it): instructions, and local-memory stores and loads (spills) among them."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    at = {a: n for n, (a, _) in enumerate(ins)}
+    loop = set()
+    for n, (_, text) in enumerate(ins):
+        m = re.search(r"BRA.*?(0x[0-9a-f]+)", text)
+        if m and at.get(int(m.group(1), 16), n) < n:
+            loop.update(range(at[int(m.group(1), 16)], n + 1))
+    return {"loop_sass": len(loop), "loop_local": sum(1 for n in loop if re.search(r"\b(STL|LDL)", ins[n][1]))}
+
+
+def cases():
+    """(features, MODE, kernel name, pointer types, constexprs): test_triton_compile's tiled
+    cases (float32 features, tf32x3 and bf16x3) and the same with bf16 features (MODE 0)."""
+    import triton.language as tl
+
+    mod = _sibling("hopper_trans").cases_module()
+    out = []
+    for dt, kernel, types, consts in mod.all_cases():
+        fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
+        if not fn.__name__.startswith("_tiled") or consts.get("KEY_SCALE"):
+            continue
+        out.append((dt, consts["MODE"], fn.__name__, types, consts))
+        if consts["MODE"] == 2:
+            out.append(("bf16", 0, fn.__name__, {**types, "q_ptr": "bf16", "k_ptr": "bf16"},
+                        {**consts, "DT": tl.bfloat16, "MODE": 0}))
+    return sorted(out, key=lambda c: (c[2], c[1]))
+
+
+def measure(kernels: str = "", modes: tuple[int, ...] = (0, 2, 3), log=print) -> list[dict]:
+    spills = _sibling("hopper_trans").cases_module().spills
+    mods = {v: tiled_variant(None if v == "shipped" else v) for v in ("shipped", "edge", "interior")}
+    rows = []
+    for dt, mode, name, types, consts in cases():
+        if kernels not in name or mode not in modes:
+            continue
+        row = {"kernel": name, "features": dt, "MODE": mode}
+        for v, mod in mods.items():
+            k = compile_as_launched(getattr(mod, name), types, consts)
+            regs, spilled = spills(k).replace(" regs,", "").replace(" B spilled", "").split()
+            row[v] = {"registers": int(regs), "spilled_bytes": int(spilled), "shared_bytes": k.metadata.shared,
+                      **loop_sass(k)}
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default="", help="only kernels whose name contains this (default: all three)")
+    ap.add_argument("--modes", default="0,2,3", help="feature modes (`_dot`'s MODE): 0 bf16 features, 2 float32 by "
+                    "tf32x3, 3 float32 by bf16x3")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    import triton
+
+    rows = measure(a.kernels, tuple(int(m) for m in a.modes.split(",")))
+    if a.out:
+        meta = {"command": " ".join(["python benchmarks/tile_bodies.py", *(argv if argv is not None else sys.argv[1:])]),
+                "triton": triton.__version__, "python": platform.python_version(),
+                "machine": f"{platform.machine()}, no GPU (sm_90 by triton's ptxas)",
+                "fastrpe_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
+                                                 cwd=HERE).stdout.strip(),
+                "config": {"num_warps": 4, "num_stages": 1, "aligned_ints": sorted(ALIGNED_INTS)}}
+        a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
