@@ -146,6 +146,16 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the CPU session of 2026-11-27 (fifth of the day; no GPU), for the next to read first:
+# - triton_tiled takes its interior tile pairs (1,023 in 1,024 of a 64k causal walk) without the
+#   masks of a 64x64 tile (`_interior`): per iteration 6-8% fewer SASS instructions with tf32x3,
+#   12-20% with bf16 features, under the image's triton 3.6.0 (benchmarks/tile_bodies.py;
+#   docs/RESULTS.md "triton_tiled's interior tile pairs without masks"). Its rows at every length
+#   are timed again anyway (CODE_EPOCH 3, never run on a GPU yet). The learned criteria (64k: 279
+#   ms against Flex's 131; 4k: 1.79 ms of GPU time against 0.37) most likely turn on the
+#   `+bf16-features` rows: read tests/test_gpu.py::test_sixteen_bit_products_match_float64_at_4096
+#   first, then those rows beside the tf32x3 ones;
+#
 # New since the CPU session of 2026-11-27 (fourth of the day; no GPU), for the next to read first:
 # - the illegal memory accesses of the `+bf16x3` rows (triton_soe, triton_band, triton_tiled)
 #   and, likely, the first session's float64 failures with bf16 features (triton_chunked,
