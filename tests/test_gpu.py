@@ -16,7 +16,7 @@ import fastrpe as fr
 from fastrpe.bench.gpu import SOFTMAX_ONLY_BACKENDS, _watch_syncs, family_causal, make_position
 from fastrpe.dispatch import BACKENDS
 from fastrpe.ops.linear.fft import static_schedule
-from fastrpe.testing import LOWP_FACTOR
+from fastrpe.testing import LOWP_FACTOR, TRITON_CASES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -62,13 +62,8 @@ def _err(a, ref):
     return (a.double() - ref.double()).abs().max().item()
 
 
-#: each Triton backend with a family it runs
-LOWP_CASES = [("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"),
-              ("triton_tiled", "learned")]
-
-
 @pytest.mark.parametrize("mode", ["bf16x3", "bf16-features"])
-@pytest.mark.parametrize("backend,family", LOWP_CASES, ids=[b for b, _ in LOWP_CASES])
+@pytest.mark.parametrize("backend,family", TRITON_CASES, ids=[b for b, _ in TRITON_CASES])
 def test_sixteen_bit_products_match_float64_at_4096(backend, family, mode):
     """The two opt-in 16-bit modes of the Triton backends, whose key-tile gradient kernels once
     fed `tl.dot` a transposed product rounded to 16 bits, which Triton 3.4-3.7.0 miscompiles on

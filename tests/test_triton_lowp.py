@@ -36,7 +36,7 @@ from fastrpe.ops.linear.triton_chunked import (  # noqa: E402
     dot_mode,
     triton_unavailable_reason,
 )
-from fastrpe.testing import LOWP_FACTOR  # noqa: E402
+from fastrpe.testing import LOWP_FACTOR, TRITON_CASES  # noqa: E402
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
 
@@ -184,8 +184,7 @@ def _errors(backend, family):
     return err[backend], err["dense"]
 
 
-@pytest.mark.parametrize("backend,family", [("triton_chunked", "alibi"), ("triton_soe", "kerple_log"),
-                                            ("triton_band", "t5"), ("triton_tiled", "learned")])
+@pytest.mark.parametrize("backend,family", TRITON_CASES)
 def test_bf16x3_products_are_as_accurate_as_dense_bf16(monkeypatch, backend, family):
     """The kernels' bf16x3 products (emulated under the interpreter, run on a GPU): every output
     and gradient within LOWP_FACTOR of dense bf16's error against float64."""

@@ -20,6 +20,10 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 #: fast-vs-float64 error may be this many times the naive-vs-float64 error.
 LOWP_FACTOR = 4.0
 
+#: each Triton backend with a family it runs (the low-precision checks: interpreted, and on a GPU)
+TRITON_CASES = (("triton_chunked", "alibi"), ("triton_soe", "kerple_log"), ("triton_band", "t5"),
+                ("triton_tiled", "learned"))
+
 
 def tol(dtype: torch.dtype) -> dict:
     atol, rtol = TOLERANCES[dtype]
