@@ -573,6 +573,12 @@ bench_until() {
     done
 }
 
+# rows_1m END LOG: the decaying terms' 1M rows (PRIORITY_1M), those a resumed JSON lacks, until
+# END: in `first` after the 4k and 64k priority rows, in `rest` first (if `first` left them)
+rows_1m() {
+    bench_until "$1" "$2" --resume --sections rows --passes 0,1 --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
+}
+
 # warm_until END PASS: compile what the bench's PASS (first|rest) runs, one process per Triton
 # autotuner config side by side (fastrpe.bench.gpu_warm), ending END s after this script
 # started; it times nothing, and the bench starts only after it (gpu_warm.json: what each
@@ -811,8 +817,7 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
         bench_until "$(capped $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )))" gpu_first.log \
             --resume --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
-        bench_until "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log --resume --sections rows \
-            --passes 0,1 --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
+        rows_1m "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log
     fi
     # 1d. fla's rows (with FLA_ENV), at most FLA_S s; not when the probe saw the bench's own
     #     variant fault (2026-11-26 and -27 the row broke the CUDA context, 40 s of the bench's)
@@ -855,8 +860,7 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     # first the decaying terms' 1M rows, if `first` left them (the general pass reaches them last)
     pack_s=${PACK_S:-35}
     rest_1m=$(( SECONDS + ${PRIORITY_1M_S:-120} )) rest_end=$(( rest_s - fla_rest - pack_s ))
-    bench_until $(( rest_1m < rest_end ? rest_1m : rest_end )) gpu_rest.log --resume --sections rows --passes 0,1 \
-        --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
+    rows_1m $(( rest_1m < rest_end ? rest_1m : rest_end )) gpu_rest.log
     bench_until "$(( rest_s - fla_rest - pack_s ))" gpu_rest.log --resume
     fla_left=$(( rest_s - pack_s - SECONDS - 20 ))
     fla_rows "$(( fla_rest < fla_left ? fla_rest : fla_left ))"
