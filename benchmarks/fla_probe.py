@@ -23,11 +23,14 @@ import subprocess
 import sys
 import time
 
-#: (name, competitor, family, features K): the bench's rows, then K = D = 64
+#: (name, competitor, family, features K, environment): the bench's rows (fla's oversized tiles
+#: pruned, `gpu.prune_fla_oversized_tiles`), the first again with fla's own configs, then
+#: K = D = 64
 VARIANTS = [
-    ("simple_gla K=32 (bench)", "fla-chunk_simple_gla", "alibi", 32),
-    ("linear_attn K=32 (bench)", "fla-chunk_linear_attn", "none", 32),
-    ("simple_gla K=64", "fla-chunk_simple_gla", "alibi", 64),
+    ("simple_gla K=32 (bench)", "fla-chunk_simple_gla", "alibi", 32, {}),
+    ("linear_attn K=32 (bench)", "fla-chunk_linear_attn", "none", 32, {}),
+    ("simple_gla K=32 fla's tiles", "fla-chunk_simple_gla", "alibi", 32, {"FASTRPE_FLA_PRUNE": "0"}),
+    ("simple_gla K=64", "fla-chunk_simple_gla", "alibi", 64, {}),
 ]
 
 
@@ -53,6 +56,7 @@ def child(competitor: str, family: str, features: int, L: int) -> int:
         if isinstance(fn, str):
             print("SKIP", fn, flush=True)
             return 0
+        print("fla's oversized tiles pruned in:", ", ".join(fn.extra.get("fla_pruned") or ["none"]), flush=True)
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -92,11 +96,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stopped)
     signal.signal(signal.SIGINT, stopped)
     rc = 0
-    for name, competitor, family, k in VARIANTS:
-        print(f"== {name}: {competitor} {family} K={k} (CUDA_LAUNCH_BLOCKING=1, at most {cap:.0f} s)", flush=True)
+    for name, competitor, family, k, extra in VARIANTS:
+        print(f"== {name}: {competitor} {family} K={k} {extra or ''}(CUDA_LAUNCH_BLOCKING=1, at most {cap:.0f} s)",
+              flush=True)
         t0 = time.perf_counter()
         # the child's stdout and stderr are this process's: nothing is held back in a pipe
-        proc = subprocess.Popen([sys.executable, __file__, "--child", competitor, family, str(k)], env=env)
+        proc = subprocess.Popen([sys.executable, __file__, "--child", competitor, family, str(k)], env={**env, **extra})
         now.update(name=name, t0=t0, proc=proc)
         try:
             code = proc.wait(timeout=cap)

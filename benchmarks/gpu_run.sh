@@ -155,6 +155,16 @@
 #   ms against Flex's 131; 4k: 1.79 ms of GPU time against 0.37) most likely turn on the
 #   `+bf16-features` rows: read tests/test_gpu.py::test_sixteen_bit_products_match_float64_at_4096
 #   first, then those rows beside the tf32x3 ones;
+# - fla's rows: a lead for the illegal memory access of chunk_simple_gla (2026-11-26, -27). fla-core
+#   0.6.0's chunk_fwd_kernel_o offers (BK, BV) = (128, 128), (64, 64), (32, 32) at 3 stages on
+#   Hopper, and chunk_h's kernels 32 and 64; the bench's K = 32 features (V = 64) make the wider
+#   tiles cover their dimension in one loop iteration, which fla's own #989 (after 0.6.0) found to
+#   fault on H100 (Triton's pipelined block-pointer loads prefetch a tile past the tensor) and
+#   pruned in its GLA backward. The bench now applies fla's rule to those three kernels
+#   (gpu.prune_fla_oversized_tiles; rows record `fla_pruned`; FASTRPE_FLA_PRUNE=0 keeps fla's
+#   own), and the probe runs the bench's variant pruned, then "simple_gla K=32 fla's tiles"
+#   unpruned: if only the unpruned one faults, that was it. Fewer configs also compile faster
+#   (the fourth session's probe was still compiling at 100 s);
 #
 # New since the CPU session of 2026-11-27 (fourth of the day; no GPU), for the next to read first:
 # - the illegal memory accesses of the `+bf16x3` rows (triton_soe, triton_band, triton_tiled)

@@ -1081,3 +1081,47 @@ def test_changed_rows_of_older_code_are_measured_again_once(capsys):
     [d] = gpu.anchor_drift(res)
     assert d["again"] == "changed" and d["ratio"] == pytest.approx(4.0 / 6.0)
     assert gpu.measure_again(res, anchors=(), changed=changed) == 0  # the new row is of the new epoch
+
+
+def test_fla_tiles_as_large_as_their_dimension_are_pruned_as_fla_prunes_its_gla_backward(monkeypatch):
+    """`gpu.fla_tile_prune`: fla's rule from its #989 (a BK/BV tile kept only below K/V, or the
+    smallest offered), here for the bench's K = 32 features and V = 64; and
+    `prune_fla_oversized_tiles` puts it on the tiled autotuners of a module (under
+    `triton.heuristics`, as fla's chunk_o), not on one without tiles nor over a pruner of the
+    kernel's own, naming the same ones again."""
+    import sys
+    import types
+
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+
+    def cfgs(pairs):
+        return [triton.Config({"BK": bk, "BV": bv}, num_warps=4, num_stages=3) for bk, bv in pairs]
+
+    offered = cfgs([(128, 128), (64, 64), (32, 32)])  # fla-core 0.6.0's chunk_fwd_kernel_o on Hopper
+    assert [(c.kwargs["BK"], c.kwargs["BV"]) for c in gpu.fla_tile_prune(offered, {}, K=32, V=64)] == [(32, 32)]
+    both = cfgs([(32, 64), (64, 32), (32, 32), (64, 128)])
+    assert [(c.kwargs["BK"], c.kwargs["BV"]) for c in gpu.fla_tile_prune(both, {"K": 128}, V=128)] == [
+        (32, 64), (64, 32), (32, 32)]
+    assert gpu.fla_tile_prune(offered, {}) == offered  # dimensions unknown: all kept
+    plain = [triton.Config({}, num_warps=w) for w in (2, 4)]
+    assert gpu.fla_tile_prune(plain, {}, K=32, V=64) == plain
+
+    @triton.jit
+    def body(x, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        pass
+
+    def own(configs, nargs, **kw):
+        return configs
+
+    mod = types.ModuleType("fake_fla_chunk_o")
+    mod.tiled = triton.heuristics({"BK": lambda a: 32})(triton.autotune(configs=offered, key=["K"])(body))
+    mod.untiled = triton.autotune(configs=plain, key=[])(body)
+    mod.pruned = triton.autotune(configs=offered, key=["K"], prune_configs_by={"early_config_prune": own})(body)
+    monkeypatch.setitem(sys.modules, "fake_fla_chunk_o", mod)
+    assert gpu.prune_fla_oversized_tiles(("fake_fla_chunk_o", "no_such_fla_module")) == ["fake_fla_chunk_o.tiled"]
+    assert mod.tiled.fn.early_config_prune is gpu.fla_tile_prune and mod.untiled.early_config_prune is None
+    assert mod.pruned.early_config_prune is own
+    assert gpu.prune_fla_oversized_tiles(("fake_fla_chunk_o",)) == ["fake_fla_chunk_o.tiled"]
+    monkeypatch.setenv(gpu.FLA_PRUNE_ENV, "0")
+    assert gpu.prune_fla_oversized_tiles(("fake_fla_chunk_o",)) == []

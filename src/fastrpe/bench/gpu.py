@@ -11,7 +11,9 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
 * `fla-chunk_simple_gla`: flash-linear-attention's chunked geometric decay (ALiBi's
   `log γ = -m` per head as `g_gamma`, no normalizer), on `alibi`;
   `fla-chunk_linear_attn`: its normalized linear attention without a decay, on `none`
-  (fla takes raw `[B, T, H, K]` tensors of width K = 32: no feature map is charged to it);
+  (fla takes raw `[B, T, H, K]` tensors of width K = 32: no feature map is charged to it;
+  its autotuners do not try K/V tiles as wide as K/V or wider, as fla prunes its own GLA
+  backward: `prune_fla_oversized_tiles`, recorded in the rows' `fla_pruned`);
 * `fastrpe-<backend>` for every backend in `fastrpe.dispatch.BACKENDS` (registered when the
   suite starts, so backends added later appear by themselves) and `fastrpe-auto`, through
   `fastrpe.attention(..., backend=...)`; a backend that refuses the call is recorded with
@@ -550,6 +552,61 @@ def fla_version() -> str | None:
         return None
 
 
+#: fla's modules whose autotuned kernels tile K and V (`BK`, `BV` configs): chunk_simple_gla's and
+#: chunk_linear_attn's forward output and chunk-state kernels
+FLA_TILED_MODULES = ("fla.ops.common.chunk_o", "fla.ops.common.chunk_h")
+#: "0" keeps fla's own configs (`prune_fla_oversized_tiles`)
+FLA_PRUNE_ENV = "FASTRPE_FLA_PRUNE"
+
+
+def fla_tile_prune(configs, nargs, **kwargs):
+    """fla's own rule for its GLA backward (fla-org/flash-linear-attention#989, after fla-core
+    0.6.0): a config keeps a `BK` (`BV`) tile only if it is below K (V) or the smallest offered,
+    because a tile the size of the dimension or larger leaves the loop over it one iteration,
+    and Triton's pipelined block-pointer loads then read a tile past the tensor (an illegal
+    memory access on H100 even with boundary checks). All configs if none is left."""
+    args = {**(nargs or {}), **kwargs}
+    keep = list(configs)
+    for tile, dim in (("BK", "K"), ("BV", "V")):
+        sizes = [c.kwargs[tile] for c in keep if tile in c.kwargs]
+        if not sizes or not isinstance(args.get(dim), int):
+            continue
+        keep = [c for c in keep if tile not in c.kwargs or c.kwargs[tile] < args[dim] or c.kwargs[tile] == min(sizes)]
+    return keep or list(configs)
+
+
+def prune_fla_oversized_tiles(modules: tuple[str, ...] = FLA_TILED_MODULES) -> list[str]:
+    """`fla_tile_prune` on the autotuned kernels of `modules` that offer `BK`/`BV` configs and
+    have no pruning of their own (again: the same); returns their names (a row's `fla_pruned`).
+    Why: fla-core 0.6.0's `chunk_fwd_kernel_o` offers BK = BV = 128 and 64 at three pipeline
+    stages on Hopper, and the bench's fla rows take K = 32 features (V = 64), where those
+    tiles cover the whole dimension in one iteration: the case fla's #989 traced to illegal
+    memory accesses on H100. chunk_simple_gla broke the CUDA context there on 2026-11-26 (triton
+    3.6) and -27 (3.7.1), at 4,096 tokens, in a kernel not yet named. A pruned config is one
+    whose tile is mostly padding at K = 32, so the autotuner loses little; `FASTRPE_FLA_PRUNE=0`
+    keeps fla's own (the probe's unpruned variant)."""
+    import os
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    if os.environ.get(FLA_PRUNE_ENV, "1") == "0":
+        return []
+    done = []
+    # the modules fla's entry points imported (another fla's layout: none, nothing pruned)
+    for name, mod in ((n, sys.modules.get(n)) for n in modules):
+        for attr, obj in (vars(mod) if mod is not None else {}).items():
+            while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                obj = obj.fn  # under `triton.heuristics`, as fla's kernels are
+            if not isinstance(obj, Autotuner) or not any("BK" in c.kwargs or "BV" in c.kwargs for c in obj.configs):
+                continue
+            if obj.early_config_prune is None:
+                obj.early_config_prune = fla_tile_prune
+            if obj.early_config_prune is fla_tile_prune:
+                done.append(f"{name.rsplit('.', 1)[-1]}.{attr}")
+    return done
+
+
 def _fla_import(name: str):
     """(function, None) or (None, why not)."""
     try:
@@ -577,7 +634,8 @@ def fla_simple_gla_setup(p: Problem, device, dtype):
     g_gamma = -torch.tensor(alibi_slopes(p.H), dtype=torch.float32, device=device)  # log γ_h per step
     q, k, v = _qkv(p, device, dtype, layout="blhd", k_width=p.features)
     run = _closure(lambda q, k, v: f(q, k, v, g_gamma=g_gamma, scale=p.features ** -0.5)[0], q, k, v, p.backward)
-    run.extra = {"layout": "[B, T, H, K]", "K": p.features, "note": "geometric decay (ALiBi slopes), no normalizer"}
+    run.extra = {"layout": "[B, T, H, K]", "K": p.features, "note": "geometric decay (ALiBi slopes), no normalizer",
+                 "fla_pruned": prune_fla_oversized_tiles()}
     return run
 
 
@@ -592,7 +650,8 @@ def fla_linear_attn_setup(p: Problem, device, dtype):
         return "fla's Triton kernels need CUDA"
     q, k, v = _qkv(p, device, dtype, layout="blhd", k_width=p.features)
     run = _closure(lambda q, k, v: f(q, k, v, scale=p.features ** -0.5, normalize=True)[0], q, k, v, p.backward)
-    run.extra = {"layout": "[B, T, H, K]", "K": p.features, "note": "normalized, no positional term"}
+    run.extra = {"layout": "[B, T, H, K]", "K": p.features, "note": "normalized, no positional term",
+                 "fla_pruned": prune_fla_oversized_tiles()}
     return run
 
 
