@@ -119,16 +119,26 @@ if HAS_TRITON:
         return hi, a, b
 
     @triton.jit
-    def _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk, F, Dv, R, q_offset,
-                  BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
-        """The forward's sums after the key tile from j0 (`(acc, den, m)`, m the running maximum)."""
+    def _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset,
+                  BN: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr, KEY_SCALE: tl.constexpr,
+                  EDGE: tl.constexpr):
+        """`(φk, v, b)` of the key tile from j0 for the query rows i (forward and dq): its features
+        in ACC, its values as stored, and the log-weights of the pairs (`_log_weights`)."""
         j = j0 + tl.arange(0, BN)
         jok = j < Lk
         k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
         v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
         b = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
                          False, EDGE)
+        return k, v, b
+
+    @triton.jit
+    def _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk, F, Dv, R, q_offset,
+                  BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
+        """The forward's sums after the key tile from j0 (`(acc, den, m)`, m the running maximum)."""
+        k, v, b = _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset, BN,
+                            CAUSAL, ACC, KEY_SCALE, EDGE)
         m_new = tl.maximum(m, tl.max(b, 1))
         alpha = tl.exp(m - m_new)
         P = _dot(q, tl.trans(k), DT, ACC, MODE) * tl.exp(b - m_new[:, None])
@@ -141,12 +151,9 @@ if HAS_TRITON:
                  BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
         """The key tile from j0's share of dφq."""
-        j = j0 + tl.arange(0, BN)
-        jok = j < Lk
-        k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
-        v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
-        w = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
-                                False, EDGE) - m[:, None])
+        k, v, b = _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset, BN,
+                            CAUSAL, ACC, KEY_SCALE, EDGE)
+        w = tl.exp(b - m[:, None])
         G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
         return _dot(G * w, k, DT, ACC, MODE)
 
