@@ -9,10 +9,10 @@ them off. A kernel whose loop is mostly instruction issue (the bf16-feature loop
 tensor-core instructions among 500-900 per iteration) should feel the difference; the H100
 says whether it does (the bench's triton_tiled rows).
 
-How: the kernels are compiled as a 64k bf16 call launches them (every pointer 16-byte aligned;
-L, F = 32, Dv = 64 and q_offset multiples of 16; 4 warps, the H100 autotuner's pick, one
-stage), in the three feature modes of tests/test_triton_compile.py (bf16 features; float32
-features by tf32x3; by bf16x3). Each kernel three ways: as shipped, and with its loop's branch
+How: the kernels are compiled as the bench launches them (tests/test_triton_compile.py's
+`compile_for_h100`: every pointer 16-byte aligned, L, F = 32, Dv = 64 and q_offset multiples of
+16; here at 4 warps, the H100 autotuner's pick, and one stage), in its three feature modes
+(bf16 features; float32 features by tf32x3; by bf16x3). Each kernel three ways: as shipped, and with its loop's branch
 fixed to the edge body (every tile masked: the kernel before `_interior`, the same registers
 and spills) or to the interior one (wrong results; counted only), from a rewritten copy of
 ops/linear/triton_tiled.py. An iteration's SASS is the instructions between the loop's head
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import platform
@@ -37,8 +36,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 #: the branch each kernel's loop takes per tile pair (forward and dq walk keys, dkv queries)
 BRANCHES = ("if (j0 >= a) & (j0 < b):", "if (i0 >= a) & (i0 < b):")
-#: the ints a 64k bf16 call passes that are multiples of 16 (Triton marks them so at launch)
-ALIGNED_INTS = {"Lq", "Lk", "F", "Dv", "q_offset"}
 
 
 def _sibling(name: str):
@@ -70,23 +67,6 @@ def tiled_variant(body: str | None):
     return mod
 
 
-def compile_as_launched(kernel, ptr_types: dict, consts: dict, num_warps: int = 4):
-    """`kernel` compiled for sm_90 with a launch's divisibility attributes (ALIGNED_INTS)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
-    unset = inspect.Parameter.empty
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not unset}, **consts}
-    sig = {n: "constexpr" if n in consts else "*" + ptr_types[n] if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}
-    attrs = {(idx,): [["tt.divisibility", 16]] for idx, n in enumerate(fn.arg_names)
-             if n not in consts and (n.endswith("_ptr") or n in ALIGNED_INTS)}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
-
-
 def loop_sass(k) -> dict:
     """The SASS of `k`'s loops (instructions between a branch target and a later branch back to
     it): instructions, and local-memory stores and loads (spills) among them."""
@@ -108,14 +88,13 @@ def loop_sass(k) -> dict:
     return {"loop_sass": len(loop), "loop_local": sum(1 for n in loop if re.search(r"\b(STL|LDL)", ins[n][1]))}
 
 
-def cases():
+def cases(compiled):
     """(features, MODE, kernel name, pointer types, constexprs): test_triton_compile's tiled
     cases (float32 features, tf32x3 and bf16x3) and the same with bf16 features (MODE 0)."""
     import triton.language as tl
 
-    mod = _sibling("hopper_trans").cases_module()
     out = []
-    for dt, kernel, types, consts in mod.all_cases():
+    for dt, kernel, types, consts in compiled.all_cases():
         fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
         if not fn.__name__.startswith("_tiled") or consts.get("KEY_SCALE"):
             continue
@@ -126,17 +105,17 @@ def cases():
     return sorted(out, key=lambda c: (c[2], c[1]))
 
 
-def measure(kernels: str = "", modes: tuple[int, ...] = (0, 2, 3), log=print) -> list[dict]:
-    spills = _sibling("hopper_trans").cases_module().spills
+def measure(compiled, kernels: str = "", modes: tuple[int, ...] = (0, 2, 3), log=print) -> list[dict]:
+    """`compiled`: tests/test_triton_compile.py's script as a module (`hopper_trans.cases_module`)."""
     mods = {v: tiled_variant(None if v == "shipped" else v) for v in ("shipped", "edge", "interior")}
     rows = []
-    for dt, mode, name, types, consts in cases():
+    for dt, mode, name, types, consts in cases(compiled):
         if kernels not in name or mode not in modes:
             continue
         row = {"kernel": name, "features": dt, "MODE": mode}
         for v, mod in mods.items():
-            k = compile_as_launched(getattr(mod, name), types, consts)
-            regs, spilled = spills(k).replace(" regs,", "").replace(" B spilled", "").split()
+            k = compiled.compile_for_h100(getattr(mod, name), types, consts, num_warps=4)
+            regs, spilled = compiled.spills(k).replace(" regs,", "").replace(" B spilled", "").split()
             row[v] = {"registers": int(regs), "spilled_bytes": int(spilled), "shared_bytes": k.metadata.shared,
                       **loop_sass(k)}
         rows.append(row)
@@ -153,14 +132,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import triton
 
-    rows = measure(a.kernels, tuple(int(m) for m in a.modes.split(",")))
+    compiled = _sibling("hopper_trans").cases_module()
+    rows = measure(compiled, a.kernels, tuple(int(m) for m in a.modes.split(",")))
     if a.out:
         meta = {"command": " ".join(["python benchmarks/tile_bodies.py", *(argv if argv is not None else sys.argv[1:])]),
                 "triton": triton.__version__, "python": platform.python_version(),
                 "machine": f"{platform.machine()}, no GPU (sm_90 by triton's ptxas)",
                 "fastrpe_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                                                  cwd=HERE).stdout.strip(),
-                "config": {"num_warps": 4, "num_stages": 1, "aligned_ints": sorted(ALIGNED_INTS)}}
+                "config": {"num_warps": 4, "num_stages": 1,
+                           "aligned_ints": list(compiled.ALIGNED_INTS)}}
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 

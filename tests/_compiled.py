@@ -5,6 +5,9 @@ process of their own."""
 from __future__ import annotations
 
 import os
+import subprocess
+
+import pytest
 
 
 def compiled_env(**extra: str) -> dict[str, str]:
@@ -13,3 +16,13 @@ def compiled_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(extra)
     return env
+
+
+def compile_run(cmd: list[str], timeout: int, **env: str) -> str:
+    """stdout of `cmd` in a process that compiles (`compiled_env(**env)`); the test is skipped
+    where this triton has no ptxas, and fails with the process's stderr where it fails."""
+    res = subprocess.run(cmd, env=compiled_env(**env), capture_output=True, text=True, timeout=timeout, check=False)
+    if "ptxas" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("this triton install has no ptxas")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
