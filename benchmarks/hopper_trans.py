@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 def cases_module():
     """tests/test_triton_compile.py's SCRIPT as a module (triton.jit reads its kernels' source
-    from a file): `all_cases`, `compile_for_h100`, `spills`, `hopper_trans_stores`."""
+    from a file): `all_cases`, `compile_for_h100`, `ptxas_counts`, `hopper_trans_stores`."""
     src = (HERE.parent / "tests" / "test_triton_compile.py").read_text()
     script = src.split('SCRIPT = r"""', 1)[1].split('"""', 1)[0]
     path = Path(tempfile.mkdtemp()) / "triton_compile_cases.py"
@@ -47,10 +47,10 @@ def measure(kernels: str, warps: tuple[int, ...]) -> list[dict]:
             continue
         for nw in warps:
             k = mod.compile_for_h100(kernel, types, consts, num_warps=nw)
-            regs, spilled = mod.spills(k).replace(" regs,", "").replace(" B spilled", "").split()
+            regs, spilled = mod.ptxas_counts(k)
             rows.append({"features": dt, "MODE": consts.get("MODE"), "kernel": fn.__name__, "NB": consts.get("NB"),
                          "NEAR": consts.get("NEAR"), "num_warps": nw, "shared_bytes": k.metadata.shared,
-                         "registers": int(regs), "spilled_bytes": int(spilled),
+                         "registers": regs, "spilled_bytes": spilled,
                          "hopper_trans_stores": mod.hopper_trans_stores(k)})
             print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -115,8 +115,8 @@ def measure(compiled, kernels: str = "", modes: tuple[int, ...] = (0, 2, 3), log
         row = {"kernel": name, "features": dt, "MODE": mode}
         for v, mod in mods.items():
             k = compiled.compile_for_h100(getattr(mod, name), types, consts, num_warps=4)
-            regs, spilled = compiled.spills(k).replace(" regs,", "").replace(" B spilled", "").split()
-            row[v] = {"registers": int(regs), "spilled_bytes": int(spilled), "shared_bytes": k.metadata.shared,
+            regs, spilled = compiled.ptxas_counts(k)
+            row[v] = {"registers": regs, "spilled_bytes": spilled, "shared_bytes": k.metadata.shared,
                       **loop_sass(k)}
         rows.append(row)
         log(json.dumps(row))
@@ -135,11 +135,13 @@ def main(argv=None) -> int:
     compiled = _sibling("hopper_trans").cases_module()
     rows = measure(compiled, a.kernels, tuple(int(m) for m in a.modes.split(",")))
     if a.out:
+        # (benchmarks/ is this script's sys.path[0]; imported after the compilations, as it sets
+        # TRITON_INTERPRET, as hopper_trans.py does)
+        from decode_ops import source_commit
         meta = {"command": " ".join(["python benchmarks/tile_bodies.py", *(argv if argv is not None else sys.argv[1:])]),
                 "triton": triton.__version__, "python": platform.python_version(),
                 "machine": f"{platform.machine()}, no GPU (sm_90 by triton's ptxas)",
-                "fastrpe_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
-                                                 cwd=HERE).stdout.strip(),
+                "fastrpe_commit": source_commit(),
                 "config": {"num_warps": 4, "num_stages": 1,
                            "aligned_ints": list(compiled.ALIGNED_INTS)}}
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -69,15 +69,20 @@ def control():
     return triton.compile(ASTSource(_trans_of_product, sig, constexprs={}), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})
 
-def spills(k):
-    # registers and spilled bytes as ptxas reports them (informative: spills are slow, not wrong)
+def ptxas_counts(k):
+    # (registers, spilled bytes) as ptxas reports them, None where it says nothing (no ptxas)
+    # (informative: spills are slow, not wrong)
     if PTXAS is None:
-        return "?"
+        return None, None
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
     r, sp = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
-    return f"{r.group(1) if r else '?'} regs, {sp.group(1) if sp else '?'} B spilled"
+    return (int(r.group(1)) if r else None), (int(sp.group(1)) if sp else None)
+
+def spills(k):
+    regs, spilled = ptxas_counts(k)
+    return f"{'?' if regs is None else regs} regs, {'?' if spilled is None else spilled} B spilled"
 
 def all_cases():
     # (features dtype, kernel, pointer types, constexprs) of each compilation, as the backends
