@@ -561,7 +561,8 @@ FLA_PRUNE_ENV = "FASTRPE_FLA_PRUNE"
 
 def fla_tile_prune(configs, nargs, **kwargs):
     """fla's own rule for its GLA backward (fla-org/flash-linear-attention#989, after fla-core
-    0.6.0): a config keeps a `BK` (`BV`) tile only if it is below K (V) or the smallest offered,
+    0.6.0): a config keeps a `BK` (`BV`) tile only if it is below K (V) or the smallest offered
+    (for BV: the smallest among the configs the BK rule kept, so that one is always left),
     because a tile the size of the dimension or larger leaves the loop over it one iteration,
     and Triton's pipelined block-pointer loads then read a tile past the tensor (an illegal
     memory access on H100 even with boundary checks). All configs if none is left."""

@@ -165,7 +165,8 @@ if HAS_TRITON:
         """`(dk, dv)` after the query tile from i0, in key-major `[BN, BM]` tiles, each product
         formed as such, never a `tl.trans` of a product (`HOPPER_TRANS_NOTE` in triton_chunked.py;
         with tf32x3, sm_90 ptxas spilled no more than for the transposed products: 956 B against
-        968 at 4 warps, 804 against 972 at 8)."""
+        968 at 4 warps, 804 against 972 at 8, compiled without a launch's alignment; as launched,
+        benchmarks/results/tile_bodies.json)."""
         i = i0 + tl.arange(0, BM)
         iok = i < Lq
         q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
