@@ -1,7 +1,8 @@
 """What one tile pair costs in triton_tiled's loops on Hopper (sm_90), counted without a GPU:
 the SASS instructions of a loop iteration, edge tile pairs (masked: the call's borders and the
-causal diagonal) against interior ones (read without masks), with each kernel's registers and
-spills as ptxas reports them.
+causal diagonal) against interior ones (read without masks), each with its weights by an
+exponential per pair ("exp") or from the call's table `exp(b - top)` ("table",
+`triton_tiled.exp_table`), with each kernel's registers and spills as ptxas reports them.
 
 Why: at 64k tokens and causal, 1,023 of every 1,024 tile pairs of a query tile's walk are
 interior, and every one of them paid for the masks of a 64x64 tile until `_interior` split
@@ -14,8 +15,8 @@ How: the kernels are compiled as the bench launches them (tests/test_triton_comp
 16; here at 4 warps, the H100 autotuner's pick, and one stage), in its three feature modes
 (bf16 features; float32 features by tf32x3; by bf16x3). Each kernel three ways: as shipped, and with its loop's branch
 fixed to the edge body (every tile masked: the kernel before `_interior`, the same registers
-and spills) or to the interior one (wrong results; counted only), from a rewritten copy of
-ops/linear/triton_tiled.py. An iteration's SASS is the instructions between the loop's head
+and spills) or to the interior one (wrong results; counted only), and its head's weights fixed to
+one source (`WEIGHTS`), from a rewritten copy of ops/linear/triton_tiled.py. An iteration's SASS is the instructions between the loop's head
 and its backward branch (cuobjdump, from the triton install).
 
     python benchmarks/tile_bodies.py --out benchmarks/results/tile_bodies.json   # triton 3.6.0
@@ -36,6 +37,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 #: the branch each kernel's loop takes per tile pair (forward and dq walk keys, dkv queries)
 BRANCHES = ("if (j0 >= a) & (j0 < b):", "if (i0 >= a) & (i0 < b):")
+#: where each kernel reads its head's choice: the weights from the table, or by exponentials
+WEIGHTS = "fast = tl.load(fast_ptr + hh) != 0"
+#: the variants measured: as shipped, then (body, weights) fixed
+VARIANTS = ("shipped", "edge-exp", "interior-exp", "edge-table", "interior-table")
 
 
 def _sibling(name: str):
@@ -45,21 +50,25 @@ def _sibling(name: str):
     return mod
 
 
-def tiled_variant(body: str | None):
-    """ops/linear/triton_tiled.py as shipped (None), or with every loop's branch fixed to the
-    "edge" or the "interior" body, imported from a copy (triton.jit reads a kernel's source
-    from its file)."""
+def tiled_variant(variant: str):
+    """ops/linear/triton_tiled.py as shipped ("shipped"), or with every loop's branch fixed to
+    the "edge" or the "interior" body and every head's weights to the "exp" or the "table" walk
+    ("interior-table", ...), imported from a copy (triton.jit reads a kernel's source from its
+    file)."""
     from fastrpe.ops.linear import triton_tiled
 
-    if body is None:
+    if variant == "shipped":
         return triton_tiled
+    body, weights = variant.split("-")
     src = Path(triton_tiled.__file__).read_text()
     for cond in BRANCHES:
         assert src.count(cond) == (2 if cond.startswith("if (j0") else 1), f"{cond!r}: the loops changed"
         src = src.replace(cond, "if True:" if body == "interior" else "if False:")
+    assert src.count(WEIGHTS) == 1, f"{WEIGHTS!r}: the kernels changed"
+    src = src.replace(WEIGHTS, f"fast = tl.full((), {int(weights == 'table')}, tl.int32) != 0")
     src = src.replace("from ..._validate", "from fastrpe._validate").replace("from .triton_chunked",
                                                                              "from fastrpe.ops.linear.triton_chunked")
-    path = Path(tempfile.mkdtemp()) / f"triton_tiled_{body}.py"
+    path = Path(tempfile.mkdtemp()) / f"triton_tiled_{body}_{weights}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
@@ -90,13 +99,14 @@ def loop_sass(k) -> dict:
 
 def cases(compiled):
     """(features, MODE, kernel name, pointer types, constexprs): test_triton_compile's tiled
-    cases (float32 features, tf32x3 and bf16x3) and the same with bf16 features (MODE 0)."""
+    cases (float32 features, tf32x3 and bf16x3; with the table, `ETAB`) and the same with bf16
+    features (MODE 0)."""
     import triton.language as tl
 
     out = []
     for dt, kernel, types, consts in compiled.all_cases():
         fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
-        if not fn.__name__.startswith("_tiled") or consts.get("KEY_SCALE"):
+        if not fn.__name__.startswith("_tiled") or not consts.get("ETAB"):
             continue
         out.append((dt, consts["MODE"], fn.__name__, types, consts))
         if consts["MODE"] == 2:
@@ -107,7 +117,7 @@ def cases(compiled):
 
 def measure(compiled, kernels: str = "", modes: tuple[int, ...] = (0, 2, 3), log=print) -> list[dict]:
     """`compiled`: tests/test_triton_compile.py's script as a module (`hopper_trans.cases_module`)."""
-    mods = {v: tiled_variant(None if v == "shipped" else v) for v in ("shipped", "edge", "interior")}
+    mods = {v: tiled_variant(v) for v in VARIANTS}
     rows = []
     for dt, mode, name, types, consts in cases(compiled):
         if kernels not in name or mode not in modes:

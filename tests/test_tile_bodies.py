@@ -1,5 +1,6 @@
 """benchmarks/tile_bodies.py: triton_tiled's loop iterations compiled for sm_90, an interior
-tile pair's (read without masks) against an edge one's. In a process of its own (this one
+tile pair's (read without masks) against an edge one's, each with its weights by exponentials
+and from the call's table (`triton_tiled.exp_table`). In a process of its own (this one
 interprets the kernels: `_compiled.compile_run`), for the key-tile gradient kernel, whose
 iterations the masks cost most (Triton 3.6.0 and 3.9.0 alike: in the forward and dq kernels
 3.9.0 gives both bodies about the same length)."""
@@ -24,10 +25,13 @@ def test_an_interior_iteration_is_shorter_than_an_edge_one(tmp_path):
     # bf16 features (0) and float32 features by bf16x3 (3); tf32x3 (2) compiles longest
     assert sorted(r["MODE"] for r in rows) == [0, 3]
     for r in rows:
-        edge, inner, shipped = r["edge"], r["interior"], r["shipped"]
-        # the masks of a 64x64 tile and their compares are gone from an interior iteration
-        assert 0 < inner["loop_sass"] < edge["loop_sass"], r
-        # the shipped loop holds both bodies, and the kernel fits the registers it has
-        assert shipped["loop_sass"] > max(edge["loop_sass"], inner["loop_sass"]), r
+        n = {v: r[v]["loop_sass"] for v in ("edge-exp", "interior-exp", "edge-table", "interior-table")}
+        # the masks of a 64x64 tile and their compares are gone from an interior iteration, and
+        # an exponential per pair from an iteration that reads the table
+        assert 0 < n["interior-exp"] < n["edge-exp"] and 0 < n["interior-table"] < n["edge-table"], r
+        assert n["interior-table"] < n["interior-exp"] and n["edge-table"] < n["edge-exp"], r
+        # the shipped loop holds every body, and the kernel fits the registers it has
+        shipped = r["shipped"]
+        assert shipped["loop_sass"] > max(n.values()), r
         assert 0 < shipped["registers"] <= 255 and shipped["shared_bytes"] > 0, r
     assert got["meta"]["triton"] and got["meta"]["config"]["num_warps"] == 4

@@ -8,7 +8,7 @@ config) and ptxas' register and spill counts are printed (`-s` shows them): at a
 chunk the float32-feature `_soe_bwd_dkv` needed 295 KB in every config, which is why the
 near field now spans several 64-token chunks instead.
 
-112 compilations (the bf16 features, and the float32 ones by tf32x3 and by bf16x3): 85 s on 2
+113 compilations (the bf16 features, and the float32 ones by tf32x3 and by bf16x3): 85 s on 2
 cores with a cold Triton cache under triton 3.6.0 (results/ptxas-sm90-bf16x3.json), over the
 suite's 30-s budget per test: it runs when FASTRPE_COMPILE_CHECK=1 is set, e.g.
 `FASTRPE_COMPILE_CHECK=1 python -m pytest -q -s tests/test_triton_compile.py`."""
@@ -160,15 +160,20 @@ def all_cases():
                           dict(NB=2, NEAR=False, ACCUM=True, DV_BF16=True, LAST=False, **tile, **sc)))
             # a table over all offsets in tiles (triton_tiled), as the composition runs it: float32
             # features, bf16 v and output gradient, the bf16 quotient written as bits
+            # (each head's weights from the call's table `exp(b - top)` where its span allows, ETAB)
             tl_io = {**io, **sums, "q_ptr": acc, "k_ptr": acc, "v_ptr": "bf16", "lc_ptr": acc, "ks_ptr": acc, "m_ptr": acc,
-                     "db_ptr": acc, "do_ptr": "bf16"}
+                     "db_ptr": acc, "do_ptr": "bf16", "et_ptr": acc, "top_ptr": acc, "fast_ptr": "i32", "span": acc}
             tiles2 = dict(BM=64, BN=64, BF=32, BDV=64, CAUSAL=True, **m)
             cases += [(tt._tiled_fwd_kernel, {**tl_io, "num_ptr": "i16", "den_ptr": acc},
-                       dict(DIVIDE=True, THR=1e-31, OUT_BF16=True, **tiles2)),
-                      (tt._tiled_bwd_dq_kernel, tl_io, dict(SCALED=True, **tiles2)),
-                      (tt._tiled_bwd_dkv_kernel, {**tl_io, "dv_ptr": "i16"}, dict(SCALED=True, DV_BF16=True, **tiles2)),
-                      # causal SIKF: keys stabilized one by one (their log-scale read per key tile)
+                       dict(DIVIDE=True, THR=1e-31, OUT_BF16=True, ETAB=True, **tiles2)),
+                      (tt._tiled_bwd_dq_kernel, tl_io, dict(SCALED=True, ETAB=True, **tiles2)),
+                      (tt._tiled_bwd_dkv_kernel, {**tl_io, "dv_ptr": "i16"},
+                       dict(SCALED=True, DV_BF16=True, ETAB=True, **tiles2)),
+                      # causal SIKF: keys stabilized one by one (their log-scale read per key tile; no table)
                       (tt._tiled_fwd_kernel, tl_io, dict(KEY_SCALE=True, **tiles2))]
+            if mode == 2:  # the table itself (`exp_table`), float32
+                cases.append((tt._exp_table_kernel, {"lc_ptr": acc, "e_ptr": acc, "top_ptr": acc, "fast_ptr": "i32",
+                                                     "span": acc}, dict(BR=1024, ACC=A)))
             # the fused decode step of a full band (T5) and of a sum of exponentials (KERPLE-log), as
             # `_prf_step_kernel`'s: bf16 q/k/[v, 1] rows, float32 states and windows, the quotient in bf16
             win = {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "o_ptr": "i16",
@@ -201,7 +206,7 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 """
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3) and the float32 modes' extras
-N_COMPILED = 3 * (14 + 2 * 6) + 2 * 17
+N_COMPILED = 3 * (14 + 2 * 6) + 2 * 17 + 1
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from fastrpe.testing import (assert_close, assert_lowp_close, features_and_value
                              weighted_grads)
 
 DEV = torch.device("cuda" if _CUDA else "cpu")
+EXP_SPAN = tt.EXP_TABLE_SPAN
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEV) is not None,
                                 reason=str(triton_unavailable_reason(DEV)))
 
@@ -73,8 +74,16 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, causal
 ]
 
 
+@pytest.fixture(params=["table", "exponentials"])
+def weights(request, monkeypatch):
+    """Both ways the kernels weigh a pair: from the call's table `exp(b - top)` (`exp_table`,
+    the default for a table of moderate span) and by an exponential per pair."""
+    monkeypatch.setattr(tt, "EXP_TABLE", request.param == "table")
+    return request.param
+
+
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,causal", CASES)
-def test_tiled_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, causal):
+def test_tiled_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, causal, weights):
     """float64: num, den, log_scale and the gradients of φq, φk, v and the table."""
     q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, device=DEV)
     lc = _table(H, Lq + Lk - 1)
@@ -86,7 +95,7 @@ def test_tiled_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_quotient_and_padding_match_reference(causal):
+def test_quotient_and_padding_match_reference(causal, weights):
     """`divide=`: the quotient in place of num, a padded batch row, and a table with `-inf`
     entries (coefficient 0), gradients through the quotient included."""
     B, H, Lq, Lk, F, Dv = 2, 2, 70, 70, 12, 10
@@ -115,6 +124,50 @@ def test_a_row_that_sees_nothing_is_zero():
     assert torch.equal(ls, torch.zeros_like(ls))
     for g in weighted_grads([num, den], (q, k, v, lc)):
         assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_steep_heads_take_the_exponentials_in_the_same_launch(causal, dtype):
+    """One launch, three heads: a moderate table (weights from `exp_table`), a ramp spanning more
+    than `EXP_TABLE_SPAN` (exponentials: relative to the ramp's top, the weights of a row whose own
+    maximum is far below it would underflow in the table), and
+    a head with `-inf` entries around a moderate span. Each head's flag is as said, and sums,
+    log-scales and gradients are the reference's."""
+    H, Lq, Lk = 3, 130, 130
+    q, k, v = features_and_values(1, H, Lq, Lk, 12, 10, device=DEV)
+    r = torch.arange(-(Lq - 1), Lk, dtype=torch.float64)
+    steep = 2.0 * EXP_SPAN[dtype] / (Lq - 1)
+    lc = torch.stack([3.0 * torch.randn(Lq + Lk - 1, generator=torch.Generator().manual_seed(7),
+                                        dtype=torch.float64),
+                      steep * r.abs(),  # largest far away: a causal row's own maximum is far below it
+                      torch.where(r.long() % 5 == 0, float("-inf"), torch.cos(r))]).to(DEV)
+    lc = lc.requires_grad_()
+    _, top, fast = tt.exp_table(lc.detach().to(dtype), causal, Lq, 0)
+    assert fast.tolist() == [1, 0, 1]
+    assert_close(top[1], torch.tensor(steep * (Lq - 1), dtype=dtype, device=DEV))
+    cast = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, lc)]
+    got = tt.kernelized_num_den_triton_tiled(*cast, causal=causal)
+    want = reference(*cast, causal=causal)
+    for name, a, b in zip(("num", "den", "log_scale"), got, want):
+        assert_close(a, b, msg=name)
+    _assert_grads_close(got[:2], want[:2], cast)
+
+
+def test_a_row_that_sees_nothing_beside_a_table_far_above_zero():
+    """The first query sees only a `-inf` entry (log-scale 0) while the table's top is 800: its
+    factor `exp(top - m)` would overflow float64; capped, its weights stay 0 and nothing is NaN."""
+    q, k, v = features_and_values(1, 1, 70, 70, 4, 3, device=DEV)
+    lc = torch.full((1, 139), 800.0, dtype=torch.float64) + torch.rand(1, 139, dtype=torch.float64,
+                                                                         generator=torch.Generator().manual_seed(1))
+    lc[0, 69] = float("-inf")  # r = 0: all the first query sees
+    lc = lc.to(DEV).requires_grad_()
+    got = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=True)
+    want = reference(q, k, v, lc, causal=True)
+    assert torch.equal(got[1][..., 0], torch.zeros_like(got[1][..., 0]))
+    for name, a, b in zip(("num", "den", "log_scale"), got, want):
+        assert_close(a, b, msg=name)
+    _assert_grads_close(got[:2], want[:2], (q, k, v, lc))
 
 
 def test_causal_never_reads_the_future():

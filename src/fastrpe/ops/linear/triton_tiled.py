@@ -25,6 +25,17 @@ the saved `m`; with `G_ij = inv_i (do_i·v_j) + dd_i` (do the quotient's or num'
 `_numerator_grads`), `dφq = (G∘w) φk`, `dφk = (G∘w)ᵀ φq`, `dv = (A∘w∘inv)ᵀ do`, and the table's
 gradient `db(r) = Σ_{r_ij = r} A_ij w_ij G_ij` by atomic adds (only when b takes one).
 
+Without an exponential per pair: `w_ij = exp(b_d - m_i) = exp(b_d - top)·exp(top - m_i)` with
+`top` the head's largest `b`. One launch per call makes the table `e = exp(b - top)` (`exp_table`:
+2L entries per head), and the pairs read their weights from it as they read b; each row's
+factor `exp(top - m_i)` goes into its inv and dd once (`_table_rows`), and the forward keeps the
+running maximum of the weights (`m_i = top + log` of it at the end). Exact to rounding where every
+weight and every factor is a normal float: the head's finite `b` span at most `EXP_TABLE_SPAN`
+(80 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
+each program reads its head's flag, so no host synchronization decides it. At 64x64 tile pairs
+that takes 13-36% of an interior iteration's SASS with bf16 features (sm_90,
+benchmarks/tile_bodies.py).
+
 Memory: O(L) (the inputs, den and m); time: O(Lq·Lk·(F + Dv)), half of it when causal.
 
 Notation: B batch, H heads, Lq/Lk lengths, F features, Dv value width, R = Lq + Lk - 1
@@ -53,13 +64,14 @@ if HAS_TRITON:
     @triton.jit
     def _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL: tl.constexpr,
                      KEY_SCALE: tl.constexpr, ACC: tl.constexpr, KEY_MAJOR: tl.constexpr = False,
-                     EDGE: tl.constexpr = True):
+                     EDGE: tl.constexpr = True, fill=float("-inf")):
         """`[len(i), len(j)]` log-weights `b(j - q_offset - i)` of head hh (KEY_SCALE: plus each
         key's log-scale `s[bh, j]`), `-inf` outside the call (and, CAUSAL, for keys after the
         query). KEY_MAJOR: `[len(j), len(i)]`, the same entries transposed, read as such, not a
         `tl.trans` of the query-major tile (see `_tiled_bwd_dkv_kernel`). EDGE=False: an interior
         tile pair (`_interior`), every query and key in the call and every key visible, read
-        without a mask."""
+        without a mask. lc_ptr may be the call's weight table `exp(b - top)` (`exp_table`; never
+        with KEY_SCALE), read as such, with `fill` (0) outside."""
         if KEY_MAJOR:
             i, j, iok, jok = i[None, :], j[:, None], iok[None, :], jok[:, None]
         else:
@@ -68,7 +80,7 @@ if HAS_TRITON:
             ok = iok & jok
             if CAUSAL:
                 ok = ok & (j <= q_offset + i)
-            b = tl.load(lc_ptr + hh * R + (j - i + Lq - 1), mask=ok, other=float("-inf")).to(ACC)
+            b = tl.load(lc_ptr + hh * R + (j - i + Lq - 1), mask=ok, other=fill).to(ACC)
             if KEY_SCALE:
                 b = b + tl.load(ks_ptr + bh * Lk + j, mask=jok, other=float("-inf")).to(ACC)
         else:
@@ -121,27 +133,36 @@ if HAS_TRITON:
     @triton.jit
     def _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset,
                   BN: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr, KEY_SCALE: tl.constexpr,
-                  EDGE: tl.constexpr):
+                  EDGE: tl.constexpr, fill):
         """`(φk, v, b)` of the key tile from j0 for the query rows i (forward and dq): its features
-        in ACC, its values as stored, and the log-weights of the pairs (`_log_weights`)."""
+        in ACC, its values as stored, and the log-weights of the pairs (`_log_weights`; from the
+        weight table, their weights)."""
         j = j0 + tl.arange(0, BN)
         jok = j < Lk
         k = _load_rows(k_ptr + bh * Lk * F, j, jok, f, F, F).to(ACC)
         v = _load_rows(v_ptr + bh * Lk * Dv, j, jok, c, Dv, Dv)
         b = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
-                         False, EDGE)
+                         False, EDGE, fill)
         return k, v, b
 
     @triton.jit
     def _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk, F, Dv, R, q_offset,
                   BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
-        """The forward's sums after the key tile from j0 (`(acc, den, m)`, m the running maximum)."""
+                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr, fast, fill):
+        """The forward's sums after the key tile from j0 (`(acc, den, m)`, m the running maximum
+        of b; `fast` (lc_ptr the weight table): of the weights `exp(b - top)`, which divide by
+        it, with no exponential per pair)."""
         k, v, b = _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset, BN,
-                            CAUSAL, ACC, KEY_SCALE, EDGE)
+                            CAUSAL, ACC, KEY_SCALE, EDGE, fill)
         m_new = tl.maximum(m, tl.max(b, 1))
-        alpha = tl.exp(m - m_new)
-        P = _dot(q, tl.trans(k), DT, ACC, MODE) * tl.exp(b - m_new[:, None])
+        if fast:  # weights so far 0: m = 0 (nothing to rescale, nothing to weigh)
+            seen = m_new > 0
+            alpha = tl.where(seen, m / tl.where(seen, m_new, 1.0), 1.0)
+            w = b * tl.where(seen, 1.0 / tl.where(seen, m_new, 1.0), 0.0)[:, None]
+        else:
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(b - m_new[:, None])
+        P = _dot(q, tl.trans(k), DT, ACC, MODE) * w
         acc = acc * alpha[:, None] + _dot(P, v, DT, ACC, MODE)
         den = den * alpha + tl.sum(P, 1)
         return acc, den, m_new
@@ -149,11 +170,13 @@ if HAS_TRITON:
     @triton.jit
     def _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R, q_offset,
                  BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                 KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
-        """The key tile from j0's share of dφq."""
-        k, v, b = _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset, BN,
-                            CAUSAL, ACC, KEY_SCALE, EDGE)
-        w = tl.exp(b - m[:, None])
+                 KEY_SCALE: tl.constexpr, EDGE: tl.constexpr, fast, fill):
+        """The key tile from j0's share of dφq (`fast`: weights from the table, inv and dd scaled
+        by each row's `exp(top - m)` already, `_table_rows`)."""
+        k, v, w = _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset, BN,
+                            CAUSAL, ACC, KEY_SCALE, EDGE, fill)
+        if not fast:
+            w = tl.exp(w - m[:, None])
         G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
         return _dot(G * w, k, DT, ACC, MODE)
 
@@ -161,12 +184,13 @@ if HAS_TRITON:
     def _dkv_step(q_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f, c, k, v, dk, dv,
                   Lq, Lk, F, Dv, R, q_offset, BM: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr,
                   ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr, DB: tl.constexpr,
-                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr):
+                  KEY_SCALE: tl.constexpr, EDGE: tl.constexpr, fast, fill, top, span):
         """`(dk, dv)` after the query tile from i0, in key-major `[BN, BM]` tiles, each product
         formed as such, never a `tl.trans` of a product (`HOPPER_TRANS_NOTE` in triton_chunked.py;
         with tf32x3, sm_90 ptxas spilled no more than for the transposed products: 956 B against
         968 at 4 warps, 804 against 972 at 8, compiled without a launch's alignment; as launched,
-        benchmarks/results/tile_bodies.json)."""
+        benchmarks/results/tile_bodies.json). `fast`: the weights from the table, the query tile's
+        inv and dd scaled by `exp(top - m)` (`_table_rows`)."""
         i = i0 + tl.arange(0, BM)
         iok = i < Lq
         q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
@@ -174,8 +198,12 @@ if HAS_TRITON:
         inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
         dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
         m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
-        wT = tl.exp(_log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC,
-                                 True, EDGE) - m[None, :])
+        wT = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC, True,
+                          EDGE, fill)
+        if fast:
+            inv, dd = _table_rows(inv, dd, m, top, span)
+        else:
+            wT = tl.exp(wT - m[None, :])
         AT = _dot(k, tl.trans(q), DT, ACC, MODE)
         dAT = (inv[None, :] * _dot(v, tl.trans(do), DT, ACC, MODE) + dd[None, :]) * wT
         dk += _dot(dAT, q, DT, ACC, MODE)
@@ -188,15 +216,64 @@ if HAS_TRITON:
                 tl.atomic_add(db_ptr + hh * R + (j[:, None] - i[None, :] + Lq - 1), AT * dAT)
         return dk, dv
 
+    @triton.jit
+    def _head_weights(lc_ptr, et_ptr, top_ptr, fast_ptr, hh, ACC: tl.constexpr, ETAB: tl.constexpr):
+        """`(tab, fill, fast, top)` of head hh: ETAB (the call made `exp_table`) and the head's
+        span within it, its weight table, 0 outside, and top; else its log-coefficients, -inf
+        outside (fast False, top 0)."""
+        tab, fill, fast, top = lc_ptr, float("-inf"), False, 0.0
+        if ETAB:
+            fast = tl.load(fast_ptr + hh) != 0
+            top = tl.load(top_ptr + hh).to(ACC)
+            fill = tl.where(fast, 0.0, float("-inf"))
+            if fast:
+                tab = et_ptr
+        return tab, fill, fast, top
+
+    @triton.jit
+    def _table_rows(inv, dd, m, top, span):
+        """A query tile's inv and dd times each row's `exp(top - m)`: what turns the table's
+        weights `exp(b - top)` into the row's `exp(b - m)`, once per row instead of an
+        exponential per pair. Capped at `exp(span)`: a row that sees nothing has m = 0 and only
+        zero weights; every other row's m is within span of top (`exp_table`)."""
+        s = tl.exp(tl.minimum(top - m, span))
+        return inv * s, dd * s
+
+    @triton.jit
+    def _exp_table_kernel(lc_ptr, e_ptr, top_ptr, fast_ptr, R, RU, span, BR: tl.constexpr, ACC: tl.constexpr):
+        """Grid (H,): head hh's weight table over the offsets a call reads (`[0, RU)` of R):
+        `top`, its largest finite log-coefficient (0 if none), `e = exp(b - top)` (0 from RU on),
+        and `fast`: whether its finite entries span at most `span`, so that every weight and every
+        row's factor `exp(top - m)` is a normal float (`exp_table`)."""
+        hh = tl.program_id(0).to(tl.int64)
+        hi = tl.full([BR], float("-inf"), ACC)
+        lo = tl.full([BR], float("inf"), ACC)
+        for r0 in range(0, RU, BR):
+            r = r0 + tl.arange(0, BR)
+            x = tl.load(lc_ptr + hh * R + r, mask=r < RU, other=float("-inf")).to(ACC)
+            hi = tl.maximum(hi, x)
+            lo = tl.minimum(lo, tl.where(x > float("-inf"), x, float("inf")))
+        top = tl.max(hi, 0)
+        top = tl.where(top > float("-inf"), top, 0.0)
+        fast = (top - tl.min(lo, 0)) <= span  # nothing finite: -inf
+        for r0 in range(0, R, BR):
+            r = r0 + tl.arange(0, BR)
+            x = tl.load(lc_ptr + hh * R + r, mask=r < RU, other=float("-inf")).to(ACC)
+            tl.store(e_ptr + hh * R + r, tl.exp(x - top), mask=r < R)
+        tl.store(top_ptr + hh, top)
+        tl.store(fast_ptr + hh, fast.to(tl.int32))
+
     @triton.jit(do_not_specialize=["LB"])
-    def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, num_ptr, den_ptr, m_ptr, H, Lq, Lk, F, Dv, R, q_offset,
-                          LB,
+    def _tiled_fwd_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, et_ptr, top_ptr, fast_ptr, num_ptr, den_ptr, m_ptr,
+                          H, Lq, Lk, F, Dv, R, q_offset, LB,
                           BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                           CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                           DIVIDE: tl.constexpr = False, THR: tl.constexpr = 0.0, OUT_BF16: tl.constexpr = False,
-                          KEY_SCALE: tl.constexpr = False):
+                          KEY_SCALE: tl.constexpr = False, ETAB: tl.constexpr = False):
         """Grid (cdiv(Lq, BM), B·H): num (or, DIVIDE, the quotient; OUT_BF16: into the int16 view
-        of a bf16 output), den and the rows' log-scale m of one query tile."""
+        of a bf16 output), den and the rows' log-scale m of one query tile. ETAB: a head whose
+        `fast` is set reads its weights from the table et `exp(b - top)` (`exp_table`), its
+        running maximum that of the weights, and m = top + log of it."""
         im = _query_tile(Lq, BM, CAUSAL)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -209,14 +286,19 @@ if HAS_TRITON:
         acc = tl.zeros([BM, BDV], dtype=ACC)
         den = tl.zeros([BM], dtype=ACC)
         m = tl.full([BM], _NEG, dtype=ACC)
+        tab, fill, fast, top = _head_weights(lc_ptr, et_ptr, top_ptr, fast_ptr, hh, ACC, ETAB)
+        if fast:  # the running maximum of the weights, from 0
+            m = tl.zeros([BM], dtype=ACC)
         hi, a, b = _key_walk(im * BM, Lq, Lk, q_offset, BM, BN, CAUSAL)
         for j0 in range(0, hi, BN):
             if (j0 >= a) & (j0 < b):
-                acc, den, m = _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk,
-                                        F, Dv, R, q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False)
+                acc, den, m = _fwd_step(q, k_ptr, v_ptr, tab, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk,
+                                        F, Dv, R, q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False, fast, fill)
             else:
-                acc, den, m = _fwd_step(q, k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk,
-                                        F, Dv, R, q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True)
+                acc, den, m = _fwd_step(q, k_ptr, v_ptr, tab, ks_ptr, hh, bh, i, iok, j0, f, c, acc, den, m, Lq, Lk,
+                                        F, Dv, R, q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True, fast, fill)
+        if fast:  # back to the largest b; _NEG where the row sees nothing
+            m = tl.where(m > 0, top + tl.log(tl.where(m > 0, m, 1.0)), _NEG)
         if DIVIDE:
             acc = _divide_rows(acc, den, THR)
         _store_tile(num_ptr + bh * Lq * Dv + i[:, None] * Dv + c[None, :], acc, iok[:, None] & cm, OUT_BF16)
@@ -226,13 +308,14 @@ if HAS_TRITON:
         tl.store(m_ptr + bh * Lq + i, tl.where(m > 0.5 * _NEG, m, 0.0), mask=iok)
 
     @triton.jit(do_not_specialize=["LB"])
-    def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dq_ptr,
-                             H, Lq, Lk, F, Dv, R, q_offset, LB,
+    def _tiled_bwd_dq_kernel(k_ptr, v_ptr, lc_ptr, ks_ptr, et_ptr, top_ptr, fast_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr,
+                             dq_ptr, H, Lq, Lk, F, Dv, R, q_offset, span, LB,
                              BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                              CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                             SCALED: tl.constexpr, KEY_SCALE: tl.constexpr = False):
+                             SCALED: tl.constexpr, KEY_SCALE: tl.constexpr = False, ETAB: tl.constexpr = False):
         """Grid (cdiv(Lq, BM), B·H): dφq of one query tile. SCALED: do is the quotient's
-        gradient, its rows scaled by inv (`_row_inv`)."""
+        gradient, its rows scaled by inv (`_row_inv`). ETAB: as the forward's, the weights of a
+        `fast` head from the table, each row's factor in inv and dd (`_table_rows`)."""
         im = _query_tile(Lq, BM, CAUSAL)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -244,26 +327,30 @@ if HAS_TRITON:
         inv = _row_inv(inv_ptr + bh * Lq, i, iok, ACC, SCALED)
         dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
         m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
+        tab, fill, fast, top = _head_weights(lc_ptr, et_ptr, top_ptr, fast_ptr, hh, ACC, ETAB)
+        if fast:
+            inv, dd = _table_rows(inv, dd, m, top, span)
         dq = tl.zeros([BM, BF], dtype=ACC)
         hi, a, b = _key_walk(im * BM, Lq, Lk, q_offset, BM, BN, CAUSAL)
         for j0 in range(0, hi, BN):
             if (j0 >= a) & (j0 < b):
-                dq += _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
-                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False)
+                dq += _dq_step(k_ptr, v_ptr, tab, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
+                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False, fast, fill)
             else:
-                dq += _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
-                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True)
+                dq += _dq_step(k_ptr, v_ptr, tab, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
+                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True, fast, fill)
         tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & (f[None, :] < F))
 
     @triton.jit(do_not_specialize=["LB"])
-    def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, dk_ptr, dv_ptr,
-                              db_ptr, H, Lq, Lk, F, Dv, R, q_offset, LB,
+    def _tiled_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, lc_ptr, ks_ptr, et_ptr, top_ptr, fast_ptr, do_ptr, inv_ptr, dd_ptr,
+                              m_ptr, dk_ptr, dv_ptr, db_ptr, H, Lq, Lk, F, Dv, R, q_offset, span, LB,
                               BM: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                               CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
                               SCALED: tl.constexpr, DV_BF16: tl.constexpr = False, DB: tl.constexpr = False,
-                              KEY_SCALE: tl.constexpr = False):
+                              KEY_SCALE: tl.constexpr = False, ETAB: tl.constexpr = False):
         """Grid (cdiv(Lk, BN), B·H): dφk and dv of one key tile (DV_BF16: dv_ptr is the int16
-        view of a bf16 dv); DB: the table's gradient added to db_ptr `[H, R]` (atomics in ACC)."""
+        view of a bf16 dv); DB: the table's gradient added to db_ptr `[H, R]` (atomics in ACC).
+        ETAB: as the forward's (`_table_rows` per query tile)."""
         jn = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -282,15 +369,16 @@ if HAS_TRITON:
             lo = tl.maximum(jn * BN - q_offset, 0) // BM * BM  # first whose queries see all its keys
             first = jn * BN + BN - 1 - q_offset
         a, b = _interior(lo, Lq, first, Lq, BM, jn * BN + BN <= Lk)
+        tab, fill, fast, top = _head_weights(lc_ptr, et_ptr, top_ptr, fast_ptr, hh, ACC, ETAB)
         for i0 in range(lo, Lq, BM):
             if (i0 >= a) & (i0 < b):
-                dk, dv = _dkv_step(q_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f,
+                dk, dv = _dkv_step(q_ptr, tab, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f,
                                    c, k, v, dk, dv, Lq, Lk, F, Dv, R, q_offset, BM, CAUSAL, DT, ACC, MODE, SCALED, DB,
-                                   KEY_SCALE, False)
+                                   KEY_SCALE, False, fast, fill, top, span)
             else:
-                dk, dv = _dkv_step(q_ptr, lc_ptr, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f,
+                dk, dv = _dkv_step(q_ptr, tab, ks_ptr, do_ptr, inv_ptr, dd_ptr, m_ptr, db_ptr, hh, bh, j, jok, i0, f,
                                    c, k, v, dk, dv, Lq, Lk, F, Dv, R, q_offset, BM, CAUSAL, DT, ACC, MODE, SCALED, DB,
-                                   KEY_SCALE, True)
+                                   KEY_SCALE, True, fast, fill, top, span)
         tl.store(dk_ptr + bh * Lk * F + j[:, None] * F + f[None, :], dk, mask=jok[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + j[:, None] * Dv + c[None, :], dv, jok[:, None] & cm, DV_BF16)
 
@@ -312,17 +400,53 @@ def _tiles_bucket(Lq: int, Lk: int) -> int:
     return length_bucket(triton.cdiv(max(Lq, Lk), TILE))
 
 
-def _tiled_meta(phi_q: Tensor, v: Tensor, causal: bool, mode: int, key_scale: bool) -> dict:
+#: Whether the kernels may read a call's weights from a table `exp(b - top)` made once per head
+#: and call (`exp_table`), in place of an exponential per tile pair: at 64x64 pairs, each thread's
+#: exponentials and running maximum were about a quarter to a third of an interior iteration's
+#: SASS (bf16 features, sm_90; benchmarks/tile_bodies.py). Each row's factor `exp(top - m)` is
+#: applied once per row (`_table_rows`), and the forward keeps the running maximum of the
+#: weights instead of their logarithms. Never with keys' own log-scales (causal SIKF).
+EXP_TABLE = True
+#: A head takes the table only if its finite log-coefficients (over the offsets the call reads)
+#: span at most this many nats in the accumulation dtype: every weight `exp(b - top)` and every
+#: row's factor is then a normal float, and the weights equal `exp(b - m)` to rounding. A head
+#: that spans more (steep tables: ALiBi-like slopes over long ranges) takes the exponentials, in
+#: the same launch (the kernels read each head's `fast` flag: no host synchronization).
+EXP_TABLE_SPAN = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def _takes_table(ks: Tensor | None) -> bool:
+    """Whether a call builds the weight table (`EXP_TABLE`, and no keys' log-scales)."""
+    return EXP_TABLE and ks is None
+
+
+def exp_table(lc: Tensor, causal: bool, Lq: int, q_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`(e [H, R], top [H], fast [H] int32)` of the log-coefficients `lc [H, R]` (in the
+    accumulation dtype) by one launch of `_exp_table_kernel`, over the offsets the call reads
+    (causal: `r <= 0`, the first `Lq + q_offset` entries): each head's largest finite `b` (0 if
+    none), `exp(b - top)`, and whether its finite entries span at most `EXP_TABLE_SPAN`."""
+    H, R = lc.shape
+    e = torch.empty_like(lc)
+    top = torch.empty(H, dtype=lc.dtype, device=lc.device)
+    fast = torch.empty(H, dtype=torch.int32, device=lc.device)
+    _exp_table_kernel[(H,)](lc, e, top, fast, R, min(R, Lq + q_offset) if causal else R,
+                            EXP_TABLE_SPAN[lc.dtype], BR=min(1024, _pow2(R)), ACC=_TL_DTYPE[lc.dtype])
+    return e, top, fast
+
+
+def _tiled_meta(phi_q: Tensor, v: Tensor, causal: bool, mode: int, key_scale: bool, etab: bool = False) -> dict:
     """The tiles and flags every tiled kernel takes."""
     dt = phi_q.dtype
     return dict(BM=TILE, BN=TILE, BF=_pow2(phi_q.shape[3]), BDV=_pow2(v.shape[3]), CAUSAL=causal, DT=_TL_DTYPE[dt],
-                ACC=_TL_DTYPE[acc_dtype(dt)], MODE=mode, KEY_SCALE=key_scale)
+                ACC=_TL_DTYPE[acc_dtype(dt)], MODE=mode, KEY_SCALE=key_scale, ETAB=etab)
 
 
 def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, q_offset: int,
                    causal: bool, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """`(num or the quotient, den, m)` of `_Tiled`."""
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`(num or the quotient, den, m, e, top, fast)` of `_Tiled` (the last three `exp_table`'s,
+    which the backward reads again; None unless `_takes_table`, an empty tensor from the custom
+    op: `compile_opaque`)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, acc = phi_q.device, acc_dtype(phi_q.dtype)
@@ -330,51 +454,65 @@ def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tens
     den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
     m = torch.empty(B, H, Lq, dtype=acc, device=dev)
     out_bf16, quot = quotient_flags(divide, acc)
+    e, top, fast = exp_table(lc, causal, Lq, q_offset) if _takes_table(ks) else (None, None, None)
     _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc, lc if ks is None else ks,
+                                                      *_table_args(lc, e, top, fast),
                                                       num.view(torch.int16) if out_bf16 else num, den, m,
                                                       H, Lq, Lk, F, Dv, Lq + Lk - 1, q_offset,
                                                       _tiles_bucket(Lq, Lk), **quot,
-                                                      **_tiled_meta(phi_q, v, causal, mode, ks is not None))
-    return num, den, m
+                                                      **_tiled_meta(phi_q, v, causal, mode, ks is not None, e is not None))
+    return num, den, m, e, top, fast
+
+
+def _table_args(lc: Tensor, e: Tensor | None, top: Tensor | None, fast: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernels' `(et_ptr, top_ptr, fast_ptr)`: `exp_table`'s, or lc three times (never read
+    without ETAB)."""
+    return (lc, lc, lc) if e is None or e.numel() == 0 else (e, top, fast)
 
 
 def _tiled_forward_fake(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode, divide):
     B, H, Lq, _ = phi_q.shape
     acc = acc_dtype(phi_q.dtype)
+    table = ((lc.new_empty(lc.shape), lc.new_empty(H), lc.new_empty(H, dtype=torch.int32)) if _takes_table(ks)
+             else (phi_q.new_empty(0),) * 3)
     return (phi_q.new_empty(B, H, Lq, v.shape[3], dtype=out_dtype if divide is None else divide),
             phi_q.new_empty(B, H, Lq, dtype=out_dtype if divide is None else acc),
-            phi_q.new_empty(B, H, Lq, dtype=acc))
+            phi_q.new_empty(B, H, Lq, dtype=acc), *table)
 
 
 def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, m: Tensor,
-                    den: Tensor | None, dnum: Tensor | None, dden: Tensor | None, q_offset: int, causal: bool,
-                    mode: int, want_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(dφq, dφk, dv, db)` of `_Tiled` (db, the table's gradient, None unless `want_db`)."""
+                    den: Tensor | None, e: Tensor, top: Tensor, fast: Tensor, dnum: Tensor | None,
+                    dden: Tensor | None, q_offset: int, causal: bool, mode: int, want_db: bool
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dφq, dφk, dv, db)` of `_Tiled` (db, the table's gradient, None unless `want_db`; e, top,
+    fast: the forward's `exp_table`, or empty)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt, R = phi_q.device, phi_q.dtype, lc.shape[1]
     acc = acc_dtype(dt)
-    meta = dict(_tiled_meta(phi_q, v, causal, mode, ks is not None), SCALED=den is not None)
+    meta = dict(_tiled_meta(phi_q, v, causal, mode, ks is not None, e.numel() > 0), SCALED=den is not None)
+    table = _table_args(lc, e, top, fast)
+    span = EXP_TABLE_SPAN[acc]
     ks = lc if ks is None else ks
     dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-    _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, ks, dnum, inv, dd, m, dq,
-                                                         H, Lq, Lk, F, Dv, R, q_offset, _tiles_bucket(Lq, Lk),
+    _tiled_bwd_dq_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_k, v, lc, ks, *table, dnum, inv, dd, m, dq,
+                                                         H, Lq, Lk, F, Dv, R, q_offset, span, _tiles_bucket(Lq, Lk),
                                                          **meta)
     dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     dv_bf16 = dv_in_bf16(v, dt)
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
     # (without it, a placeholder that is never touched: the autotuner zeroes db_ptr's tensor)
     db = torch.zeros(H, R, dtype=acc, device=dev) if want_db else torch.zeros(1, dtype=acc, device=dev)
-    _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, ks, dnum, inv, dd, m, dk,
+    _tiled_bwd_dkv_kernel[(triton.cdiv(Lk, TILE), B * H)](phi_q, phi_k, v, lc, ks, *table, dnum, inv, dd, m, dk,
                                                           dv.view(torch.int16) if dv_bf16 else dv, db,
-                                                          H, Lq, Lk, F, Dv, R, q_offset, _tiles_bucket(Lq, Lk),
+                                                          H, Lq, Lk, F, Dv, R, q_offset, span, _tiles_bucket(Lq, Lk),
                                                           DV_BF16=dv_bf16,
                                                           DB=want_db, **meta)
     return dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if want_db else None
 
 
-def _tiled_backward_fake(phi_q, phi_k, v, lc, ks, m, den, dnum, dden, q_offset, causal, mode, want_db):
+def _tiled_backward_fake(phi_q, phi_k, v, lc, ks, m, den, e, top, fast, dnum, dden, q_offset, causal, mode, want_db):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
             lc.new_empty(lc.shape) if want_db else phi_q.new_empty(0))
 
@@ -389,19 +527,22 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, lc, ks, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
-        num, den, m = _tiled_forward_op(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode, divide)
-        ctx.save_for_backward(phi_q, phi_k, v, lc, ks, m, den if divide is not None else None)
+        num, den, m, e, top, fast = _tiled_forward_op(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode,
+                                                      divide)
+        ctx.save_for_backward(phi_q, phi_k, v, lc, ks, m, den if divide is not None else None, e, top, fast)
         ctx.cfg = (q_offset, causal, mode)
         ctx.mark_non_differentiable(m)
         return num, den, m
 
     @staticmethod
     def backward(ctx, dnum, dden, dm):
-        phi_q, phi_k, v, lc, ks, m, den = ctx.saved_tensors
+        phi_q, phi_k, v, lc, ks, m, den, e, top, fast = ctx.saved_tensors
         q_offset, causal, mode = ctx.cfg
         want_db = ctx.needs_input_grad[3]
-        dq, dk, dv, db = _tiled_backward_op(phi_q, phi_k, v, lc, ks, m, den, dnum, dden, q_offset, causal, mode,
-                                            want_db)
+        if e is None:  # eagerly the forward's None (no table); under compile an empty tensor
+            e = top = fast = phi_q.new_empty(0)
+        dq, dk, dv, db = _tiled_backward_op(phi_q, phi_k, v, lc, ks, m, den, e, top, fast, dnum, dden, q_offset,
+                                            causal, mode, want_db)
         return dq, dk, dv, db if want_db else None, None, None, None, None, None, None
 
 
