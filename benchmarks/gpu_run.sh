@@ -146,7 +146,17 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
-# New since the CPU session of 2026-11-27 (fifth of the day; no GPU), for the next to read first:
+# New since the CPU session of 2026-11-27 (sixth of the day; no GPU), for the next to read first:
+# - triton_tiled reads each pair's weight from a per-call table `exp(b - top)` (one more launch a
+#   call, `triton_tiled.exp_table`) instead of an exponential per pair, for every head whose
+#   table spans at most 80 nats (the bench's learned tables do: N(0, 1) entries); each row's
+#   factor `exp(top - m)` goes into its inv and dd once. Per interior iteration under the image's
+#   triton 3.6.0, bf16 features: dk/dv 738 -> 642 SASS instructions, dq 528 -> 337, forward
+#   654 -> 539 (tf32x3: -8/-19/-9%); the tf32x3 dk/dv kernel spills 760 B (was 992). Its rows
+#   are timed again anyway (CODE_EPOCH 3); the learned criteria read `+bf16-features` first
+#   (docs/RESULTS.md, "triton_tiled's weights from a table");
+#
+# New since the CPU session of 2026-11-27 (fifth of the day; no GPU), read by none yet:
 # - triton_tiled takes its interior tile pairs (1,023 in 1,024 of a 64k causal walk) without the
 #   masks of a 64x64 tile (`_interior`): per iteration 6-8% fewer SASS instructions with tf32x3,
 #   12-20% with bf16 features, under the image's triton 3.6.0 (benchmarks/tile_bodies.py;

@@ -1357,8 +1357,10 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: causal query tiles start heaviest first (`triton_tiled._query_tile`), which 4k's two waves of
 #: programs should feel most, so its rows too; and tf32x3 takes two tf32 products, not three,
 #: against a bf16 operand (`triton_chunked._dot_tf32x2`: values, states, output gradients), in
-#: every Triton row from 16k (the 4k rows are host time). Still epoch 3 (no GPU has run it; a
-#: later CPU session): triton_tiled takes its interior tile pairs without masks (`_interior`).
+#: every Triton row from 16k (the 4k rows are host time). Still epoch 3 (no GPU has run it;
+#: later CPU sessions): triton_tiled takes its interior tile pairs without masks (`_interior`),
+#: and its weights from a per-call table `exp(b - top)`, not an exponential per pair
+#: (`triton_tiled.exp_table`); its rows are in CHANGED at every length already.
 CODE_EPOCH = 3
 CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384), ("fastrpe-triton_*+bf16-features*", "*", 0),
            ("fastrpe-triton_tiled*", "*", 0), ("fastrpe-auto", "learned*", 0))
