@@ -1,5 +1,6 @@
 """Each Triton kernel compiled for Hopper (sm_90) without a GPU: its shared memory, ptxas'
-registers and spills, and the stores that Triton 3.4-3.7.0 miscompiles there (a transposed
+registers and spills, its SASS instructions (cuobjdump's, all of the kernel's), and the
+stores that Triton 3.4-3.7.0 miscompiles there (a transposed
 product rounded to 16 bits and stored to shared memory for the next `tl.dot`: a 16-bit
 `#linear` `local_alloc` in the TTGIR; `triton_chunked.HOPPER_TRANS_NOTE`).
 
@@ -18,6 +19,8 @@ import importlib.util
 import json
 import os
 import platform
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +41,22 @@ def cases_module():
     return mod
 
 
+def sass(k) -> list[tuple[int, str]]:
+    """The SASS instructions of compiled kernel `k`, in order, as (address, text) (cuobjdump,
+    from the triton install)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in out.splitlines()) if m]
+
+
 def measure(kernels: str, warps: tuple[int, ...]) -> list[dict]:
     mod = cases_module()
     rows = []
@@ -50,7 +69,7 @@ def measure(kernels: str, warps: tuple[int, ...]) -> list[dict]:
             regs, spilled = mod.ptxas_counts(k)
             rows.append({"features": dt, "MODE": consts.get("MODE"), "kernel": fn.__name__, "NB": consts.get("NB"),
                          "NEAR": consts.get("NEAR"), "num_warps": nw, "shared_bytes": k.metadata.shared,
-                         "registers": regs, "spilled_bytes": spilled,
+                         "registers": regs, "spilled_bytes": spilled, "sass_instructions": len(sass(k)),
                          "hopper_trans_stores": mod.hopper_trans_stores(k)})
             print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -24,12 +24,11 @@ and its backward branch (cuobjdump, from the triton install).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
-import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +42,7 @@ WEIGHTS = "fast = tl.load(fast_ptr + hh) != 0"
 VARIANTS = ("shipped", "edge-exp", "interior-exp", "edge-table", "interior-table")
 
 
+@functools.cache
 def _sibling(name: str):
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -79,15 +79,7 @@ def tiled_variant(variant: str):
 def loop_sass(k) -> dict:
     """The SASS of `k`'s loops (instructions between a branch target and a later branch back to
     it): instructions, and local-memory stores and loads (spills) among them."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    ins = _sibling("hopper_trans").sass(k)
     at = {a: n for n, (a, _) in enumerate(ins)}
     loop = set()
     for n, (_, text) in enumerate(ins):

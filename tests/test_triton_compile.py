@@ -33,7 +33,9 @@ PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN
 
 # the ints that are multiples of 16 in the bench's launches (4k to 1M tokens, F = 32, D = Dv = 64,
 # q_offset 0), which Triton marks so at a launch, as it does every 16-byte aligned pointer
-ALIGNED_INTS = ("D", "Dv", "F", "L", "Lk", "Lq", "N", "q_offset")
+# (the PRF maps' M, x's strides and w's head stride too: D = 64, M = 32 or 16, a [B, H, L, D] or
+# head-split view)
+ALIGNED_INTS = ("D", "Dv", "F", "L", "Lk", "Lq", "N", "q_offset", "M", "sxb", "sxh", "sxl", "swh")
 
 def compile_for_h100(kernel, ptr_types, consts, num_warps=8, num_stages=1):
     fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel

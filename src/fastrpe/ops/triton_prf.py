@@ -49,7 +49,8 @@ if HAS_TRITON:
                   BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
                   MODE: tl.constexpr):
         """One tile of rows: `(rows, ok, x̂ [BR, BD], ‖x‖ clamped [BR], w [BM, BD], e₀₊ [BR, BM],
-        ‖xs‖²/2 [BR])`, in float32."""
+        ‖xs‖²/2 [BR])`, in float32. Per row, not per entry: the normalization's reciprocal (one
+        division a row, then products) and ‖xs‖² from ‖x‖² (one reduction over D, not two)."""
         b, h = bh // H, bh % H
         # int64: r·sxl overflows int32 on a head-split view (sxl = H·D) once L·H·D >= 2^31
         r = (r0 + tl.arange(0, BR)).to(tl.int64)
@@ -57,14 +58,16 @@ if HAS_TRITON:
         ok = r < L
         x = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
                     other=0.0).to(tl.float32)
-        nrm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)
+        sq = tl.sum(x * x, 1)
+        nrm = tl.maximum(tl.sqrt(sq), 1e-12)
         if NORMALIZE:
-            x = x / nrm[:, None]
+            inv = 1.0 / nrm
+            x = x * inv[:, None]
+            sq = sq * (inv * inv)
         w = tl.load(w_ptr + h * swh + m[:, None] * D + d[None, :], mask=(m < M)[:, None] & (d < D)[None, :],
                     other=0.0).to(tl.float32)
-        xs = x * scale
-        wx = _dot(xs, tl.trans(w), tl.float32, tl.float32, MODE)  # (BR, BM)
-        half = tl.sum(xs * xs, 1) / 2
+        wx = _dot(x * scale, tl.trans(w), tl.float32, tl.float32, MODE)  # (BR, BM)
+        half = sq * (scale * scale / 2)
         return r, ok, x, nrm, w, wx, half
 
     @triton.jit
@@ -128,7 +131,7 @@ if HAS_TRITON:
         dx = _dot(dwx, w, tl.float32, tl.float32, MODE) * scale - (scale * scale) * xh * sde[:, None]  # (BR, BD)
         if NORMALIZE:  # the radial part goes, unless ‖x‖ was clamped
             radial = tl.where(nrm > 1e-12, tl.sum(xh * dx, 1), 0.0)
-            dx = (dx - xh * radial[:, None]) / nrm[:, None]
+            dx = (dx - xh * radial[:, None]) * (1.0 / nrm)[:, None]
         _store_tile(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx, ok[:, None] & (d < D)[None, :], DX_BF16)
 
 
