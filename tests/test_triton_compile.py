@@ -143,10 +143,11 @@ def all_cases():
                                                 "shift_ptr": acc, "g_ptr": acc, "s_ptr": acc, "out_s_ptr": acc,
                                                 "o_ptr": "i16", "scale": acc, "inv_sqrt_f": acc, "tiny": acc},
                           dict(BD=64, BF=32, BC=128, NORMALIZE=True, HAS_G=True, O_BF16=True)))
-            # NPRF's map of bf16 q (a query: its own maximum, found again in backward)
+            # NPRF's map of bf16 q (a query: its own maximum, found again in backward), its product
+            # by tf32x3 (triton_prf.PRECISION, the GPU's default) and by bf16x3 (the sweep's other)
             prf = {"x_ptr": "bf16", "w_ptr": acc, "shift_ptr": acc, "phi_ptr": acc, "dphi_ptr": acc, "dx_ptr": "i16",
                    "scale": acc, "inv_sqrt_f": acc}
-            tiles = dict(BR=64, BD=64, BM=32, NORMALIZE=True, QUERY=True, TWO_SIDED=False, MODE=0)
+            tiles = dict(BR=64, BD=64, BM=32, NORMALIZE=True, QUERY=True, TWO_SIDED=False, MODE=mode)
             cases += [(tp._prf_fwd_kernel, prf, tiles), (tp._prf_bwd_kernel, prf, dict(DX_BF16=True, **tiles))]
             qdd = {"do_ptr": "bf16", "o_ptr": "bf16", "den_ptr": acc, "inv_ptr": acc, "dd_ptr": acc}
             cases += [(tc._quotient_dd_kernel, qdd, dict(BR=64, BC=64, ACC=A, THR=1e-31, DD=True)),
