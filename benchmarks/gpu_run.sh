@@ -155,6 +155,10 @@
 #   654 -> 539 (tf32x3: -8/-19/-9%); the tf32x3 dk/dv kernel spills 760 B (was 992). Its rows
 #   are timed again anyway (CODE_EPOCH 3); the learned criteria read `+bf16-features` first
 #   (docs/RESULTS.md, "triton_tiled's weights from a table");
+# - the PRF maps divide once per row and reduce over D once (tf32x3 at 4 warps, as launched:
+#   forward 1,192 -> 1,064 SASS instructions, backward 2,392 -> 2,184; docs/RESULTS.md, "The PRF
+#   maps per row"). Every fastrpe row runs them (0.75 ms of the 64k ALiBi call's 3.77, 2026-11-27);
+#   PRF_S=30 would time them against the sweep's other launches, if the minutes allow;
 #
 # New since the CPU session of 2026-11-27 (fifth of the day; no GPU), read by none yet:
 # - triton_tiled takes its interior tile pairs (1,023 in 1,024 of a 64k causal walk) without the
