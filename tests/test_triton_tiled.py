@@ -170,6 +170,31 @@ def test_a_row_that_sees_nothing_beside_a_table_far_above_zero():
     _assert_grads_close(got[:2], want[:2], (q, k, v, lc))
 
 
+def test_float32_table_near_its_span_with_small_features():
+    """float32, a head whose table spans just under `EXP_TABLE_SPAN` (so it takes the table),
+    the first queries' own maxima far below its top, and features of 1e-3 (a den under 1e-4):
+    the output and every gradient within `LOWP_FACTOR` of the dense float32 path's own error
+    against float64 (each weight's exponent is rounded at the span's scale, not the row's)."""
+    g = features_and_values(1, 1, 130, 130, 8, 6, device=DEV)
+    r = torch.arange(-129, 130, dtype=torch.float64)
+    lc = (0.99 * EXP_SPAN[torch.float32] / 129 * r.abs())[None].to(DEV)  # largest far away
+    base = (1e-3 * g[0], 1e-3 * g[1], g[2], lc)
+    assert tt.exp_table(lc.float(), True, 130, 0)[2].tolist() == [1]
+    runs = []
+    for dtype, fn in ((torch.float32, "triton"), (torch.float32, "dense"), (torch.float64, "dense")):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in base]
+        if fn == "triton":
+            out = tt.kernelized_num_den_triton_tiled(*leaves, causal=True, divide=dtype)[0]
+        else:
+            out = quotient_reference(*reference(*leaves, causal=True)[:2])
+        runs.append((out, weighted_grads([out], leaves)))
+    (o, gs), (on, gn), (o64, g64) = runs
+    assert reference(*(t.detach().float() for t in base), causal=True)[1][0, 0, 0] < 1e-4
+    assert_lowp_close(o, on, o64.detach(), msg="out")
+    for name, a, n, w in zip(("dq", "dk", "dv", "dtable"), gs, gn, g64):
+        assert_lowp_close(a, n, w, msg=name)
+
+
 def test_causal_never_reads_the_future():
     """Changing keys, values and table entries after a query (r > 0) changes nothing of
     its outputs or of its gradients to the past."""

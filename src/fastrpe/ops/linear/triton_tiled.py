@@ -28,10 +28,10 @@ gradient `db(r) = Σ_{r_ij = r} A_ij w_ij G_ij` by atomic adds (only when b take
 Without an exponential per pair: `w_ij = exp(b_d - m_i) = exp(b_d - top)·exp(top - m_i)` with
 `top` the head's largest `b`. One launch per call makes the table `e = exp(b - top)` (`exp_table`:
 2L entries per head), and the pairs read their weights from it as they read b; each row's
-factor `exp(top - m_i)` goes into its inv and dd once (`_table_rows`), and the forward keeps the
-running maximum of the weights (`m_i = top + log` of it at the end). Exact to rounding where every
-weight and every factor is a normal float: the head's finite `b` span at most `EXP_TABLE_SPAN`
-(80 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
+factor `exp(top - m_i)` is one exponential per row and a product per pair (`_row_factor`), and
+the forward keeps the running maximum of the weights (`m_i = top + log` of it at the end). Exact to rounding where every
+weight and every factor is a normal float and the rounding of their exponents stays small: the
+head's finite `b` span at most `EXP_TABLE_SPAN` (20 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
 each program reads its head's flag, so no host synchronization decides it. At 64x64 tile pairs
 that takes 13-36% of an interior iteration's SASS with bf16 features (sm_90,
 benchmarks/tile_bodies.py).
@@ -170,12 +170,14 @@ if HAS_TRITON:
     @triton.jit
     def _dq_step(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R, q_offset,
                  BN: tl.constexpr, CAUSAL: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                 KEY_SCALE: tl.constexpr, EDGE: tl.constexpr, fast, fill):
-        """The key tile from j0's share of dφq (`fast`: weights from the table, inv and dd scaled
-        by each row's `exp(top - m)` already, `_table_rows`)."""
+                 KEY_SCALE: tl.constexpr, EDGE: tl.constexpr, fast, fill, s):
+        """The key tile from j0's share of dφq (`fast`: weights from the table times each row's
+        factor s, `_row_factor`)."""
         k, v, w = _key_tile(k_ptr, v_ptr, lc_ptr, ks_ptr, hh, bh, i, iok, j0, f, c, Lq, Lk, F, Dv, R, q_offset, BN,
                             CAUSAL, ACC, KEY_SCALE, EDGE, fill)
-        if not fast:
+        if fast:
+            w = w * s[:, None]
+        else:
             w = tl.exp(w - m[:, None])
         G = inv[:, None] * _dot(do, tl.trans(v), DT, ACC, MODE) + dd[:, None]
         return _dot(G * w, k, DT, ACC, MODE)
@@ -189,8 +191,8 @@ if HAS_TRITON:
         formed as such, never a `tl.trans` of a product (`HOPPER_TRANS_NOTE` in triton_chunked.py;
         with tf32x3, sm_90 ptxas spilled no more than for the transposed products: 956 B against
         968 at 4 warps, 804 against 972 at 8, compiled without a launch's alignment; as launched,
-        benchmarks/results/tile_bodies.json). `fast`: the weights from the table, the query tile's
-        inv and dd scaled by `exp(top - m)` (`_table_rows`)."""
+        benchmarks/results/tile_bodies.json). `fast`: the weights from the table, each query row's
+        factor in its inv and dd (`_row_factor`)."""
         i = i0 + tl.arange(0, BM)
         iok = i < Lq
         q = _load_rows(q_ptr + bh * Lq * F, i, iok, f, F, F).to(ACC)
@@ -200,8 +202,9 @@ if HAS_TRITON:
         m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
         wT = _log_weights(lc_ptr, ks_ptr, hh, bh, i, j, iok, jok, Lq, Lk, R, q_offset, CAUSAL, KEY_SCALE, ACC, True,
                           EDGE, fill)
-        if fast:
-            inv, dd = _table_rows(inv, dd, m, top, span)
+        if fast:  # the factor in the query rows' inv and dd (`_row_factor` says when that overflows)
+            s = _row_factor(m, top, span)
+            inv, dd = inv * s, dd * s
         else:
             wT = tl.exp(wT - m[None, :])
         AT = _dot(k, tl.trans(q), DT, ACC, MODE)
@@ -231,13 +234,18 @@ if HAS_TRITON:
         return tab, fill, fast, top
 
     @triton.jit
-    def _table_rows(inv, dd, m, top, span):
-        """A query tile's inv and dd times each row's `exp(top - m)`: what turns the table's
-        weights `exp(b - top)` into the row's `exp(b - m)`, once per row instead of an
-        exponential per pair. Capped at `exp(span)`: a row that sees nothing has m = 0 and only
-        zero weights; every other row's m is within span of top (`exp_table`)."""
-        s = tl.exp(tl.minimum(top - m, span))
-        return inv * s, dd * s
+    def _row_factor(m, top, span):
+        """Each query row's `exp(top - m)`, which turns the table's weights `exp(b - top)` into
+        the row's `exp(b - m)`: one exponential per row, a product per pair. Capped at
+        `exp(span)`: a row that sees nothing has m = 0 and only zero weights; every other row's m
+        is within span of top (`exp_table`). dq applies it to the weights, whose products with it
+        are at most 1. dk/dv folds it into the query rows' inv and dd, where a product per pair
+        (the factor broadcast into its key-major tiles) cost more than the exponentials saved
+        (benchmarks/tile_bodies.py: 805 SASS instructions per bf16 iteration against 738 with
+        exponentials, 642 folded). Folded, `inv·exp(top - m)` overflows float32 for a row whose
+        den is under about 1.4e-30 at the largest factor, e^20: its dk and dv contributions
+        turn inf or NaN where the exponentials gave finite ones."""
+        return tl.exp(tl.minimum(top - m, span))
 
     @triton.jit
     def _exp_table_kernel(lc_ptr, e_ptr, top_ptr, fast_ptr, R, RU, span, BR: tl.constexpr, ACC: tl.constexpr):
@@ -315,7 +323,7 @@ if HAS_TRITON:
                              SCALED: tl.constexpr, KEY_SCALE: tl.constexpr = False, ETAB: tl.constexpr = False):
         """Grid (cdiv(Lq, BM), B·H): dφq of one query tile. SCALED: do is the quotient's
         gradient, its rows scaled by inv (`_row_inv`). ETAB: as the forward's, the weights of a
-        `fast` head from the table, each row's factor in inv and dd (`_table_rows`)."""
+        `fast` head from the table, times each row's factor (`_row_factor`)."""
         im = _query_tile(Lq, BM, CAUSAL)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -328,17 +336,16 @@ if HAS_TRITON:
         dd = tl.load(dd_ptr + bh * Lq + i, mask=iok, other=0.0).to(ACC)
         m = tl.load(m_ptr + bh * Lq + i, mask=iok, other=0.0)
         tab, fill, fast, top = _head_weights(lc_ptr, et_ptr, top_ptr, fast_ptr, hh, ACC, ETAB)
-        if fast:
-            inv, dd = _table_rows(inv, dd, m, top, span)
+        s = _row_factor(m, top, span)
         dq = tl.zeros([BM, BF], dtype=ACC)
         hi, a, b = _key_walk(im * BM, Lq, Lk, q_offset, BM, BN, CAUSAL)
         for j0 in range(0, hi, BN):
             if (j0 >= a) & (j0 < b):
                 dq += _dq_step(k_ptr, v_ptr, tab, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
-                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False, fast, fill)
+                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, False, fast, fill, s)
             else:
                 dq += _dq_step(k_ptr, v_ptr, tab, ks_ptr, hh, bh, i, iok, j0, f, c, do, inv, dd, m, Lq, Lk, F, Dv, R,
-                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True, fast, fill)
+                               q_offset, BN, CAUSAL, DT, ACC, MODE, KEY_SCALE, True, fast, fill, s)
         tl.store(dq_ptr + bh * Lq * F + i[:, None] * F + f[None, :], dq, mask=iok[:, None] & (f[None, :] < F))
 
     @triton.jit(do_not_specialize=["LB"])
@@ -350,7 +357,7 @@ if HAS_TRITON:
                               KEY_SCALE: tl.constexpr = False, ETAB: tl.constexpr = False):
         """Grid (cdiv(Lk, BN), B·H): dφk and dv of one key tile (DV_BF16: dv_ptr is the int16
         view of a bf16 dv); DB: the table's gradient added to db_ptr `[H, R]` (atomics in ACC).
-        ETAB: as the forward's (`_table_rows` per query tile)."""
+        ETAB: as the forward's (`_row_factor` per query tile)."""
         jn = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -404,15 +411,19 @@ def _tiles_bucket(Lq: int, Lk: int) -> int:
 #: and call (`exp_table`), in place of an exponential per tile pair: at 64x64 pairs, each thread's
 #: exponentials and running maximum were about a quarter to a third of an interior iteration's
 #: SASS (bf16 features, sm_90; benchmarks/tile_bodies.py). Each row's factor `exp(top - m)` is
-#: applied once per row (`_table_rows`), and the forward keeps the running maximum of the
+#: one exponential per row and a product per pair (`_row_factor`), and the forward keeps the running maximum of the
 #: weights instead of their logarithms. Never with keys' own log-scales (causal SIKF).
 EXP_TABLE = True
 #: A head takes the table only if its finite log-coefficients (over the offsets the call reads)
-#: span at most this many nats in the accumulation dtype: every weight `exp(b - top)` and every
-#: row's factor is then a normal float, and the weights equal `exp(b - m)` to rounding. A head
+#: span at most this many nats in the accumulation dtype. Every weight `exp(b - top)` and every
+#: row's factor is then a normal float, but each is the exponential of a number up to the span
+#: in size, rounded: a weight near its row's maximum errs by about span·2^-24 in float32 where
+#: `exp(b - m)` errs by an ulp. Hence a small span, 20, in float32 (tests/test_triton_tiled.py
+#: holds a float32 call just under it to the dense float32 path's own error against float64, as
+#: the low-precision tests do), 700 in float64. The bench's N(0, 1) tables span about 9. A head
 #: that spans more (steep tables: ALiBi-like slopes over long ranges) takes the exponentials, in
 #: the same launch (the kernels read each head's `fast` flag: no host synchronization).
-EXP_TABLE_SPAN = {torch.float32: 80.0, torch.float64: 700.0}
+EXP_TABLE_SPAN = {torch.float32: 20.0, torch.float64: 700.0}
 
 
 def _takes_table(ks: Tensor | None) -> bool:
