@@ -30,8 +30,8 @@ Without an exponential per pair: `w_ij = exp(b_d - m_i) = exp(b_d - top)·exp(to
 2L entries per head), and the pairs read their weights from it as they read b; each row's
 factor `exp(top - m_i)` is one exponential per row and a product per pair (`_row_factor`), and
 the forward keeps the running maximum of the weights (`m_i = top + log` of it at the end). Exact to rounding where every
-weight and every factor is a normal float and the rounding of their exponents stays small: the
-head's finite `b` span at most `EXP_TABLE_SPAN` (20 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
+weight and every factor is a normal float with room to spare: the head's finite `b` span at most
+`EXP_TABLE_SPAN` (20 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
 each program reads its head's flag, so no host synchronization decides it. At 64x64 tile pairs
 that takes 13-36% of an interior iteration's SASS with bf16 features (sm_90,
 benchmarks/tile_bodies.py).
@@ -243,8 +243,8 @@ if HAS_TRITON:
         (the factor broadcast into its key-major tiles) cost more than the exponentials saved
         (benchmarks/tile_bodies.py: 805 SASS instructions per bf16 iteration against 738 with
         exponentials, 642 folded). Folded, `inv·exp(top - m)` overflows float32 for a row whose
-        den is under about 1.4e-30 at the largest factor, e^20: its dk and dv contributions
-        turn inf or NaN where the exponentials gave finite ones."""
+        den is under about 1.4e-30 at the largest factor, e^20 (`EXP_TABLE_SPAN`): its dk and dv
+        contributions turn inf or NaN where the exponentials gave finite ones."""
         return tl.exp(tl.minimum(top - m, span))
 
     @triton.jit
@@ -415,33 +415,41 @@ def _tiles_bucket(Lq: int, Lk: int) -> int:
 #: weights instead of their logarithms. Never with keys' own log-scales (causal SIKF).
 EXP_TABLE = True
 #: A head takes the table only if its finite log-coefficients (over the offsets the call reads)
-#: span at most this many nats in the accumulation dtype. Every weight `exp(b - top)` and every
-#: row's factor is then a normal float, but each is the exponential of a number up to the span
-#: in size, rounded: a weight near its row's maximum errs by about span·2^-24 in float32 where
-#: `exp(b - m)` errs by an ulp. Hence a small span, 20, in float32 (tests/test_triton_tiled.py
-#: holds a float32 call just under it to the dense float32 path's own error against float64, as
-#: the low-precision tests do), 700 in float64. The bench's N(0, 1) tables span about 9. A head
-#: that spans more (steep tables: ALiBi-like slopes over long ranges) takes the exponentials, in
-#: the same launch (the kernels read each head's `fast` flag: no host synchronization).
+#: span at most this many nats in the accumulation dtype: every weight `exp(b - top)` and every
+#: row's factor `exp(top - m)` is then a normal float. The dk/dv kernel folds the factor into the
+#: query rows' `inv = 1/den` (`_row_factor`), which overflows float32 where den is under
+#: `exp(span)/3.4e38`: at 77 nats and features of 1e-3 its gradients came out NaN. At 20 that
+#: takes a den under 1.4e-30. Each weight is also the exponential of a rounded number as large
+#: as the span (`exp(b - m)`'s is as large as the row's own spread): up to 60 nats the float32
+#: errors stayed within 2x the dense float32 path's (benchmarks/table_span.py). 700 in float64.
+#: The bench's N(0, 1) tables span about 9. A head that spans more (steep tables: ALiBi-like
+#: slopes over long ranges) takes the exponentials, in the same launch (the kernels read each
+#: head's `fast` flag: no host synchronization). Read once per call (`table_span`).
 EXP_TABLE_SPAN = {torch.float32: 20.0, torch.float64: 700.0}
 
 
-def _takes_table(ks: Tensor | None) -> bool:
-    """Whether a call builds the weight table (`EXP_TABLE`, and no keys' log-scales)."""
-    return EXP_TABLE and ks is None
+def table_span(dtype: torch.dtype, ks: Tensor | None) -> float:
+    """A call's span for the weight table (`EXP_TABLE_SPAN` of its accumulation dtype), or -1
+    for none (`EXP_TABLE` off, or keys with their own log-scales). Read once per call, in the
+    forward: its backward caps the row factors with the same number whatever the module
+    constants say by then."""
+    return EXP_TABLE_SPAN[acc_dtype(dtype)] if EXP_TABLE and ks is None else -1.0
 
 
-def exp_table(lc: Tensor, causal: bool, Lq: int, q_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+def exp_table(lc: Tensor, causal: bool, Lq: int, q_offset: int, span: float | None = None
+              ) -> tuple[Tensor, Tensor, Tensor]:
     """`(e [H, R], top [H], fast [H] int32)` of the log-coefficients `lc [H, R]` (in the
     accumulation dtype) by one launch of `_exp_table_kernel`, over the offsets the call reads
     (causal: `r <= 0`, the first `Lq + q_offset` entries): each head's largest finite `b` (0 if
-    none), `exp(b - top)`, and whether its finite entries span at most `EXP_TABLE_SPAN`."""
+    none), `exp(b - top)`, and whether its finite entries span at most `span` (default
+    `EXP_TABLE_SPAN`)."""
+    span = EXP_TABLE_SPAN[lc.dtype] if span is None else span
     H, R = lc.shape
     e = torch.empty_like(lc)
     top = torch.empty(H, dtype=lc.dtype, device=lc.device)
     fast = torch.empty(H, dtype=torch.int32, device=lc.device)
-    _exp_table_kernel[(H,)](lc, e, top, fast, R, min(R, Lq + q_offset) if causal else R,
-                            EXP_TABLE_SPAN[lc.dtype], BR=min(1024, _pow2(R)), ACC=_TL_DTYPE[lc.dtype])
+    _exp_table_kernel[(H,)](lc, e, top, fast, R, min(R, Lq + q_offset) if causal else R, span,
+                            BR=min(1024, _pow2(R)), ACC=_TL_DTYPE[lc.dtype])
     return e, top, fast
 
 
@@ -453,11 +461,11 @@ def _tiled_meta(phi_q: Tensor, v: Tensor, causal: bool, mode: int, key_scale: bo
 
 
 def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, q_offset: int,
-                   causal: bool, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None
+                   causal: bool, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None, span: float
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`(num or the quotient, den, m, e, top, fast)` of `_Tiled` (the last three `exp_table`'s,
-    which the backward reads again; None unless `_takes_table`, an empty tensor from the custom
-    op: `compile_opaque`)."""
+    """`(num or the quotient, den, m, e, top, fast)` of `_Tiled` (the last three `exp_table`'s
+    at `span`, which the backward reads again; None for a span below 0 (`table_span`), an empty
+    tensor from the custom op: `compile_opaque`)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, acc = phi_q.device, acc_dtype(phi_q.dtype)
@@ -465,7 +473,7 @@ def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tens
     den = torch.empty(B, H, Lq, dtype=out_dtype if divide is None else acc, device=dev)
     m = torch.empty(B, H, Lq, dtype=acc, device=dev)
     out_bf16, quot = quotient_flags(divide, acc)
-    e, top, fast = exp_table(lc, causal, Lq, q_offset) if _takes_table(ks) else (None, None, None)
+    e, top, fast = exp_table(lc, causal, Lq, q_offset, span) if span >= 0 else (None, None, None)
     _tiled_fwd_kernel[(triton.cdiv(Lq, TILE), B * H)](phi_q, phi_k, v, lc, lc if ks is None else ks,
                                                       *_table_args(lc, e, top, fast),
                                                       num.view(torch.int16) if out_bf16 else num, den, m,
@@ -481,10 +489,10 @@ def _table_args(lc: Tensor, e: Tensor | None, top: Tensor | None, fast: Tensor |
     return (lc, lc, lc) if e is None or e.numel() == 0 else (e, top, fast)
 
 
-def _tiled_forward_fake(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode, divide):
+def _tiled_forward_fake(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode, divide, span):
     B, H, Lq, _ = phi_q.shape
     acc = acc_dtype(phi_q.dtype)
-    table = ((lc.new_empty(lc.shape), lc.new_empty(H), lc.new_empty(H, dtype=torch.int32)) if _takes_table(ks)
+    table = ((lc.new_empty(lc.shape), lc.new_empty(H), lc.new_empty(H, dtype=torch.int32)) if span >= 0
              else (phi_q.new_empty(0),) * 3)
     return (phi_q.new_empty(B, H, Lq, v.shape[3], dtype=out_dtype if divide is None else divide),
             phi_q.new_empty(B, H, Lq, dtype=out_dtype if divide is None else acc),
@@ -493,17 +501,17 @@ def _tiled_forward_fake(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mo
 
 def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tensor | None, m: Tensor,
                     den: Tensor | None, e: Tensor, top: Tensor, fast: Tensor, dnum: Tensor | None,
-                    dden: Tensor | None, q_offset: int, causal: bool, mode: int, want_db: bool
+                    dden: Tensor | None, q_offset: int, causal: bool, mode: int, want_db: bool, span: float
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`(dφq, dφk, dv, db)` of `_Tiled` (db, the table's gradient, None unless `want_db`; e, top,
-    fast: the forward's `exp_table`, or empty)."""
+    fast: the forward's `exp_table`, or empty; span: the forward's, the row factors' cap)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt, R = phi_q.device, phi_q.dtype, lc.shape[1]
     acc = acc_dtype(dt)
     meta = dict(_tiled_meta(phi_q, v, causal, mode, ks is not None, e.numel() > 0), SCALED=den is not None)
     table = _table_args(lc, e, top, fast)
-    span = EXP_TABLE_SPAN[acc]
+    span = max(span, 0.0)
     ks = lc if ks is None else ks
     dnum, inv, dd = _numerator_grads(dnum, dden, den, (B, H, Lq, Dv), dt, dev)
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
@@ -523,7 +531,8 @@ def _tiled_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Ten
     return dq.to(dt), dk.to(dt), dv.to(v.dtype), db.to(lc.dtype) if want_db else None
 
 
-def _tiled_backward_fake(phi_q, phi_k, v, lc, ks, m, den, e, top, fast, dnum, dden, q_offset, causal, mode, want_db):
+def _tiled_backward_fake(phi_q, phi_k, v, lc, ks, m, den, e, top, fast, dnum, dden, q_offset, causal, mode, want_db,
+                         span):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
             lc.new_empty(lc.shape) if want_db else phi_q.new_empty(0))
 
@@ -538,22 +547,23 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, lc, ks, q_offset: int, causal: bool, out_dtype, mode: int, divide=None):
+        span = table_span(phi_q.dtype, ks)
         num, den, m, e, top, fast = _tiled_forward_op(phi_q, phi_k, v, lc, ks, q_offset, causal, out_dtype, mode,
-                                                      divide)
+                                                      divide, span)
         ctx.save_for_backward(phi_q, phi_k, v, lc, ks, m, den if divide is not None else None, e, top, fast)
-        ctx.cfg = (q_offset, causal, mode)
+        ctx.cfg = (q_offset, causal, mode, span)
         ctx.mark_non_differentiable(m)
         return num, den, m
 
     @staticmethod
     def backward(ctx, dnum, dden, dm):
         phi_q, phi_k, v, lc, ks, m, den, e, top, fast = ctx.saved_tensors
-        q_offset, causal, mode = ctx.cfg
+        q_offset, causal, mode, span = ctx.cfg
         want_db = ctx.needs_input_grad[3]
         if e is None:  # eagerly the forward's None (no table); under compile an empty tensor
             e = top = fast = phi_q.new_empty(0)
         dq, dk, dv, db = _tiled_backward_op(phi_q, phi_k, v, lc, ks, m, den, e, top, fast, dnum, dden, q_offset,
-                                            causal, mode, want_db)
+                                            causal, mode, want_db, span)
         return dq, dk, dv, db if want_db else None, None, None, None, None, None, None
 
 
