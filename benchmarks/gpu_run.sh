@@ -149,10 +149,10 @@
 # New since the CPU session of 2026-11-27 (sixth of the day; no GPU), for the next to read first:
 # - triton_tiled reads each pair's weight from a per-call table `exp(b - top)` (one more launch a
 #   call, `triton_tiled.exp_table`) instead of an exponential per pair, for every head whose
-#   table spans at most 80 nats (the bench's learned tables do: N(0, 1) entries); each row's
-#   factor `exp(top - m)` goes into its inv and dd once. Per interior iteration under the image's
-#   triton 3.6.0, bf16 features: dk/dv 738 -> 642 SASS instructions, dq 528 -> 337, forward
-#   654 -> 539 (tf32x3: -8/-19/-9%); the tf32x3 dk/dv kernel spills 760 B (was 992). Its rows
+#   table spans at most 20 nats in float32 (the bench's learned tables do: N(0, 1) entries);
+#   each row's factor `exp(top - m)` is one exponential per row. Per interior iteration under
+#   the image's triton 3.6.0, bf16 features: dk/dv 738 -> 642 SASS instructions, dq 528 -> 367,
+#   forward 654 -> 539 (tf32x3: -8/-16/-9%); the tf32x3 dk/dv kernel spills 760 B (was 992). Its rows
 #   are timed again anyway (CODE_EPOCH 3); the learned criteria read `+bf16-features` first
 #   (docs/RESULTS.md, "triton_tiled's weights from a table");
 # - the PRF maps divide once per row and reduce over D once (tf32x3 at 4 warps, as launched:

@@ -33,7 +33,7 @@ the forward keeps the running maximum of the weights (`m_i = top + log` of it at
 weight and every factor is a normal float with room to spare: the head's finite `b` span at most
 `EXP_TABLE_SPAN` (20 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
 each program reads its head's flag, so no host synchronization decides it. At 64x64 tile pairs
-that takes 13-36% of an interior iteration's SASS with bf16 features (sm_90,
+that takes 13-30% of an interior iteration's SASS with bf16 features (sm_90,
 benchmarks/tile_bodies.py).
 
 Memory: O(L) (the inputs, den and m); time: O(Lq·Lk·(F + Dv)), half of it when causal.
