@@ -335,23 +335,40 @@ def test_backend_is_exact_and_refused_on_cpu_without_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_tiled_gpu_realistic_size_bf16():
+def test_tiled_gpu_realistic_size_bf16(monkeypatch):
     """L = 4096, H = 8, F = 32, Dv = 64, a table over every offset, causal and not, bf16 values
-    and float32 features by tf32x3 on the GPU, against the float64 reference."""
+    and float32 features by tf32x3 on the GPU, against the float64 reference. Heads 0-5 take the
+    weight table (`exp_table`), heads 6-7 (a ramp of 41 nats) the exponentials, in one launch:
+    the compiled kernels' branch on each head's flag. First the table against the exponentials
+    everywhere (`EXP_TABLE` off; the same kernels otherwise), then both against the dense float32
+    path. (The kernels' backward reads the bf16 quotient, as flash attention reads its bf16
+    output, where the dense path keeps float32: under the interpreter at L = 256 that put dq at
+    4.2x the dense path's error, either way of weighing; `LOWP_FACTOR` is 4.)"""
     if not _CUDA:
         pytest.skip("needs CUDA")
     for causal in (True, False):
         q, k, v = features_and_values(1, 8, 4096, 4096, 32, 64, dtype=torch.float32, device=DEV)
         v = v.detach().bfloat16().requires_grad_()
-        lc = _table(8, 8191, dtype=torch.float32)
-        out, _, _ = tt.kernelized_num_den_triton_tiled(q, k, v, lc, causal=causal, divide=torch.bfloat16,
-                                                       precision="tf32x3")
+        lc = _table(8, 8191, dtype=torch.float32).detach()
+        lc[6:] = 0.01 * torch.arange(-4095, 4096, device=DEV).abs().float()
+        lc.requires_grad_()
+        assert tt.exp_table(lc.detach(), causal, 4096, 0)[2].tolist() == [1] * 6 + [0] * 2
         q64, k64, v64, lc64 = (t.detach().double().requires_grad_() for t in (q, k, v, lc))
         r64 = quotient_reference(*reference(q64, k64, v64, lc64, causal=causal)[:2])
+        want = weighted_grads((r64,), (q64, k64, v64))
+        runs = {}
+        for weights in ("table", "exponentials"):
+            monkeypatch.setattr(tt, "EXP_TABLE", weights == "table")
+            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, lc))
+            out = tt.kernelized_num_den_triton_tiled(*leaves, causal=causal, divide=torch.bfloat16,
+                                                     precision="tf32x3")[0]
+            runs[weights] = (out, weighted_grads((out,), leaves[:3]))
+        (out, got), (oe, ge) = runs["table"], runs["exponentials"]
+        for name, a, e, r in zip(("out", "dq", "dk", "dv"), (out, *got), (oe, *ge), (r64, *want)):
+            assert_lowp_close(a, e, r.detach(), msg=f"{name}, table against exponentials")
         ql, kl, vl, lcl = (t.detach().clone().requires_grad_() for t in (q, k, v, lc))
         rl = quotient_reference(*reference(ql, kl, vl.float(), lcl, causal=causal)[:2]).bfloat16()
         assert_lowp_close(out, rl, r64.detach(), msg="out")
-        got, lowp, want = (weighted_grads((o,), leaves) for o, leaves in
-                           ((out, (q, k, v)), (rl, (ql, kl, vl)), (r64, (q64, k64, v64))))
+        lowp = weighted_grads((rl,), (ql, kl, vl))
         for name, a, n, r in zip(("dq", "dk", "dv"), got, lowp, want):
             assert_lowp_close(a, n, r, msg=name)
