@@ -26,15 +26,16 @@ the saved `m`; with `G_ij = inv_i (do_i·v_j) + dd_i` (do the quotient's or num'
 gradient `db(r) = Σ_{r_ij = r} A_ij w_ij G_ij` by atomic adds (only when b takes one).
 
 Without an exponential per pair: `w_ij = exp(b_d - m_i) = exp(b_d - top)·exp(top - m_i)` with
-`top` the head's largest `b`. One launch per call makes the table `e = exp(b - top)` (`exp_table`:
-2L entries per head), and the pairs read their weights from it as they read b; each row's
-factor `exp(top - m_i)` is one exponential per row and a product per pair (`_row_factor`), and
-the forward keeps the running maximum of the weights (`m_i = top + log` of it at the end). Exact to rounding where every
-weight and every factor is a normal float with room to spare: the head's finite `b` span at most
-`EXP_TABLE_SPAN` (20 nats in float32). A head that spans more takes `exp(b - m)` per pair, in the same launch:
-each program reads its head's flag, so no host synchronization decides it. At 64x64 tile pairs
-that takes 13-30% of an interior iteration's SASS with bf16 features (sm_90,
-benchmarks/tile_bodies.py).
+`top` the head's largest `b`. One launch per call makes the table `e = exp(b - top)`
+(`exp_table`: 2L entries per head), and the pairs read their weights from it as they read b.
+Each row's factor `exp(top - m_i)` is one exponential per row (`_row_factor`): dq multiplies
+each weight by it, dk/dv folds it into the query rows' inv and dd. The forward keeps the
+running maximum of the weights (`m_i = top + log` of it at the end). This holds where every
+weight and factor is a normal float with room to spare: the head's finite `b` span at most
+`EXP_TABLE_SPAN` (20 nats in float32). A head that spans more takes `exp(b - m)` per pair, in
+the same launch: each program reads its head's flag, so no host synchronization decides it.
+At 64x64 tile pairs the table takes 13-30% off an interior iteration's SASS with bf16
+features (sm_90, benchmarks/tile_bodies.py).
 
 Memory: O(L) (the inputs, den and m); time: O(Lq·Lk·(F + Dv)), half of it when causal.
 
@@ -411,7 +412,7 @@ def _tiles_bucket(Lq: int, Lk: int) -> int:
 #: and call (`exp_table`), in place of an exponential per tile pair: at 64x64 pairs, each thread's
 #: exponentials and running maximum were about a quarter to a third of an interior iteration's
 #: SASS (bf16 features, sm_90; benchmarks/tile_bodies.py). Each row's factor `exp(top - m)` is
-#: one exponential per row and a product per pair (`_row_factor`), and the forward keeps the running maximum of the
+#: one exponential per row (`_row_factor`), and the forward keeps the running maximum of the
 #: weights instead of their logarithms. Never with keys' own log-scales (causal SIKF).
 EXP_TABLE = True
 #: A head takes the table only if its finite log-coefficients (over the offsets the call reads)
@@ -479,7 +480,8 @@ def _tiled_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, lc: Tensor, ks: Tens
                                                       num.view(torch.int16) if out_bf16 else num, den, m,
                                                       H, Lq, Lk, F, Dv, Lq + Lk - 1, q_offset,
                                                       _tiles_bucket(Lq, Lk), **quot,
-                                                      **_tiled_meta(phi_q, v, causal, mode, ks is not None, e is not None))
+                                                      **_tiled_meta(phi_q, v, causal, mode, ks is not None,
+                                                                    e is not None))
     return num, den, m, e, top, fast
 
 
