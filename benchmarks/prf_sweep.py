@@ -41,9 +41,12 @@ from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked as tc
 
 #: BR:num_warps:precision, each tried in turn (the first is the library's own choice,
-#: triton_prf's BLOCK_ROWS, NUM_WARPS and PRECISION)
-CONFIGS = tuple(dict.fromkeys((f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "64:4:ieee", "16:4:ieee", "32:4:ieee",
-                                "128:4:ieee", "64:8:ieee", "128:8:ieee", "32:2:ieee", "64:4:tf32x3", "128:8:tf32x3")))
+#: triton_prf's BLOCK_ROWS, NUM_WARPS and PRECISION). tf32x3 shapes since it won on the H100
+#: (2026-11-27: the four launches 0.75 ms against ieee's 1.71), 64:4:ieee as the control: 32
+#: rows halve tf32x3's 48 KiB of shared memory, which holds the forward to 4 programs per SM
+#: (docs/RESULTS.md, "The PRF maps per row")
+CONFIGS = tuple(dict.fromkeys((f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "64:4:tf32x3", "32:4:tf32x3",
+                                "32:2:tf32x3", "64:8:tf32x3", "128:8:tf32x3", "64:4:ieee")))
 
 
 def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: int, warps: int, precision: str):
