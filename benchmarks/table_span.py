@@ -15,7 +15,8 @@ first queries' own maxima lie the whole span below the top. For each span, the l
 error against float64 of the output (the quotient) and of the gradients of the features, the
 values and the table (`weighted_grads`), for three float32 computations: the kernels with the
 table (forced on whatever the span, `EXP_TABLE_SPAN` raised), with exponentials
-(`EXP_TABLE = False`), and the dense definition; and each kernel's error over the dense path's.
+(`EXP_TABLE = False`), and the dense reference (`kernelized_num_den_naive`); and each kernel's
+error over the dense path's.
 
     python benchmarks/table_span.py --out benchmarks/results/table_span.json
 """
@@ -36,16 +37,12 @@ NAMES = ("out", "dq", "dk", "dv", "dtable")
 
 
 def _dense(q, k, v, lc):
-    """The quotient from the definition, causal, each row scaled by its own largest `b`."""
+    """The quotient from the dense reference (`kernelized_num_den_naive`), causal."""
+    from fastrpe.ops.linear.naive import kernelized_num_den_naive
     from fastrpe.testing import quotient_reference
 
-    L = q.shape[2]
-    i = torch.arange(L)[:, None]
-    j = torch.arange(L)[None, :]
-    b = lc[:, j - i + L - 1].masked_fill(j > i, float("-inf"))
-    m = b.detach().amax(-1, keepdim=True)
-    a = torch.einsum("bhif,bhjf->bhij", q, k) * torch.exp(b - m)
-    return quotient_reference(a @ v, a.sum(-1))
+    num, den, _ = kernelized_num_den_naive(q, k, v, lc, causal=True)
+    return quotient_reference(num, den)
 
 
 def errors(span: float, feature_scale: float, L: int = 130) -> dict:
