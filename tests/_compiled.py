@@ -4,10 +4,15 @@ reads it when it decorates), so the tests that compile (for sm_90, without a GPU
 process of their own."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def compiled_env(**extra: str) -> dict[str, str]:
@@ -26,3 +31,12 @@ def compile_run(cmd: list[str], timeout: int, **env: str) -> str:
         pytest.skip("this triton install has no ptxas")
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+def benchmark_json(script: str, args: list[str], tmp_path: Path, timeout: int = 120) -> dict:
+    """The JSON that `benchmarks/<script>.py <args> --out ...` writes, run by `compile_run` with a
+    Triton cache of the test's own."""
+    out = tmp_path / f"{script}.json"
+    compile_run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args, "--out", str(out)], timeout,
+                TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    return json.loads(out.read_text())

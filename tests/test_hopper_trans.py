@@ -1,23 +1,14 @@
 """benchmarks/hopper_trans.py: each kernel compiled for sm_90, its shared memory, spills and
 16-bit stores of a transposed product. In a process of its own (this one interprets the
-kernels: `_compiled.compile_run`), for one small kernel and the tiled key-tile one."""
-import json
-import sys
-from pathlib import Path
-
+kernels: `_compiled.benchmark_json`), for one small kernel and the tiled key-tile one."""
 import pytest
-from _compiled import compile_run
+from _compiled import benchmark_json
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_hopper_trans_writes_a_row_per_case_and_warps(tmp_path):
-    out = tmp_path / "ht.json"
-    compile_run([sys.executable, str(ROOT / "benchmarks" / "hopper_trans.py"), "--kernels", "_tiled_bwd_dkv",
-                 "--warps", "4", "--out", str(out)], 120, TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    got = json.loads(out.read_text())
+    got = benchmark_json("hopper_trans", ["--kernels", "_tiled_bwd_dkv", "--warps", "4"], tmp_path)
     rows = got["rows"]
     # tf32x3 and bf16x3 (triton_tiled runs float32 features only), key-major in both: no 16-bit
     # store of a transposed product, and ptxas' counts read

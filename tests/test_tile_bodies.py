@@ -1,26 +1,17 @@
 """benchmarks/tile_bodies.py: triton_tiled's loop iterations compiled for sm_90, an interior
 tile pair's (read without masks) against an edge one's, each with its weights by exponentials
 and from the call's table (`triton_tiled.exp_table`). In a process of its own (this one
-interprets the kernels: `_compiled.compile_run`), for the key-tile gradient kernel, whose
+interprets the kernels: `_compiled.benchmark_json`), for the key-tile gradient kernel, whose
 iterations the masks cost most (Triton 3.6.0 and 3.9.0 alike: in the forward and dq kernels
 3.9.0 gives both bodies about the same length)."""
-import json
-import sys
-from pathlib import Path
-
 import pytest
-from _compiled import compile_run
+from _compiled import benchmark_json
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_an_interior_iteration_is_shorter_than_an_edge_one(tmp_path):
-    out = tmp_path / "tb.json"
-    compile_run([sys.executable, str(ROOT / "benchmarks" / "tile_bodies.py"), "--kernels", "_tiled_bwd_dkv",
-                 "--modes", "0,3", "--out", str(out)], 120, TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    got = json.loads(out.read_text())
+    got = benchmark_json("tile_bodies", ["--kernels", "_tiled_bwd_dkv", "--modes", "0,3"], tmp_path)
     rows = got["rows"]
     # bf16 features (0) and float32 features by bf16x3 (3); tf32x3 (2) compiles longest
     assert sorted(r["MODE"] for r in rows) == [0, 3]
