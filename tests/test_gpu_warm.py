@@ -41,16 +41,35 @@ def _compiled_env(**extra):
 
 
 def test_every_autotuned_kernel_takes_the_one_config_asked_for():
+    """Each autotuner tunes over `TUNE_CONFIGS`, or the one pinned; triton_soe's bf16x3 dq
+    autotuner (`triton_soe.SOE_DQ_BF16X3_NOTE`) over the same with at least 2 stages, wrapping
+    the same kernel."""
     pytest.importorskip("triton")
     code = ("from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_tiled as tt\n"
-            "ks = [getattr(m, n) for m in (tc, ts, tt) for n in dir(m) if type(getattr(m, n)).__name__ == 'Autotuner']\n"
-            "print(len(ks), sorted({tuple((c.num_warps, c.num_stages) for c in k.configs) for k in ks}))")
-    for env, want in ((_compiled_env(), [TUNE_CONFIGS]), (_compiled_env(FASTRPE_TRITON_CONFIG="4"), [(TUNE_CONFIGS[4],)])):
+            "ks = {n: getattr(m, n) for m in (tc, ts, tt) for n in dir(m) if type(getattr(m, n)).__name__ == 'Autotuner'}\n"
+            "assert ts._soe_bwd_dq_kernel_bf16x3.fn is ts._soe_bwd_dq_kernel.fn\n"
+            "print({n: tuple((c.num_warps, c.num_stages) for c in k.configs) for n, k in ks.items()})")
+    staged = ((4, 2), (4, 3), (8, 2), (8, 3))
+    for env, want, want_staged in ((_compiled_env(), TUNE_CONFIGS, staged),
+                                   (_compiled_env(FASTRPE_TRITON_CONFIG="4"), (TUNE_CONFIGS[4],), ((8, 2),)),
+                                   (_compiled_env(FASTRPE_TRITON_CONFIG="3"), ((8, 1),), ((8, 2),))):
         res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                              check=False)
         assert res.returncode == 0, res.stderr[-2000:]
-        n, configs = res.stdout.split(" ", 1)
-        assert int(n) == 10 and eval(configs) == [tuple(c) for c in want]
+        configs = eval(res.stdout)
+        assert len(configs) == 11 and configs.pop("_soe_bwd_dq_kernel_bf16x3") == want_staged
+        assert set(configs.values()) == {want}
+
+
+def test_tune_pairs_raises_the_stages_and_drops_repeats(monkeypatch):
+    from fastrpe.ops.linear.triton_chunked import tune_pairs
+
+    monkeypatch.delenv("FASTRPE_TRITON_CONFIG", raising=False)
+    assert tune_pairs() == TUNE_CONFIGS
+    assert tune_pairs(2) == ((4, 2), (4, 3), (8, 2), (8, 3))
+    assert tune_pairs(3) == ((4, 3), (8, 3))
+    monkeypatch.setenv("FASTRPE_TRITON_CONFIG", "0")
+    assert tune_pairs(2) == ((4, 2),)
 
 
 def test_a_one_config_autotuner_launches_as_a_full_one_times_that_config():

@@ -766,14 +766,21 @@ def length_bucket(n: int) -> int:
     return max(1, int(n)).bit_length() // 2
 
 
-def _tuned(kernel, key, reset=None, restore=None):
-    """`kernel` autotuned over warps and stages on the GPU (`tune_configs`); as is under the
+def tune_pairs(min_stages: int = 1) -> tuple[tuple[int, int], ...]:
+    """`tune_configs()` with every config of fewer than `min_stages` pipeline stages raised to
+    `min_stages` (duplicates dropped, order kept; a pinned config stays one config)."""
+    return tuple(dict.fromkeys((w, max(s, min_stages)) for w, s in tune_configs()))
+
+
+def _tuned(kernel, key, reset=None, restore=None, min_stages=1):
+    """`kernel` autotuned over warps and stages on the GPU (`tune_pairs`); as is under the
     interpreter, which cannot time a config. `reset`: outputs zeroed before each timed run;
     `restore`: outputs the kernel adds to (saved before tuning and put back, so the timed
-    runs do not add several times)."""
+    runs do not add several times). `min_stages`: for a kernel that is wrong without software
+    pipelining (`triton_soe.SOE_DQ_BF16X3_NOTE`)."""
     if INTERPRETED:
         return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in tune_configs()]
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in tune_pairs(min_stages)]
     tuned = triton.autotune(configs=configs, key=key, reset_to_zero=reset, restore_value=restore)(kernel)
     TUNED.append(tuned)
     return tuned

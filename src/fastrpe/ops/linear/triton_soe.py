@@ -52,6 +52,16 @@ from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_gr
                              acc_dtype, compile_opaque, dot_mode, dv_in_bf16, length_bucket, quotient_flags,
                              triton_unavailable_reason, value_dtype, with_quotient_grad)
 
+#: Why bf16x3's dq kernel tunes over pipelined configs only (`_soe_bwd_dq_kernel_bf16x3`): on
+#: the H100 (2026-11-27, Triton 3.6.0, tests/test_gpu.py::test_sixteen_bit_products_match_
+#: float64_at_4096, each config pinned by FASTRPE_TRITON_CONFIG with CUDA_LAUNCH_BLOCKING=1) the
+#: soe and band backwards in bf16x3 failed in `_soe_bwd_dq_kernel` with num_stages=1 alone: an
+#: illegal memory access at 8 warps, dq off by 4e4 (KERPLE-log; 1.9e6 with T5's band) at 4
+#: warps, while its 2- and 3-stage configs at 4 and 8 warps passed, as did the default tf32x3 at
+#: 4 warps and 1 stage and bf16 features at 4 and 8 warps and 1 stage. Its sm_90 TTGIR has none
+#: of `HOPPER_TRANS_NOTE`'s pattern; the cause in Triton is not known.
+SOE_DQ_BF16X3_NOTE = "num_stages=1 wrong on the H100 in bf16x3 (2026-11-27, Triton 3.6.0)"
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -375,6 +385,10 @@ if HAS_TRITON:
     # LB, the length's bucket (`triton_chunked.length_bucket`)
     _KEY = ["F", "Dv", "K", "BT", "NB", "NEAR", "LB", "MODE"]  # (MODE: as triton_chunked's keys)
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY + ["DIVIDE", "OUT_BF16"], restore=["num_ptr", "den_ptr"])
+    # bf16x3 (MODE 3) tunes over pipelined configs only (`SOE_DQ_BF16X3_NOTE`); one JIT function,
+    # so the two autotuners share its compiled variants
+    _soe_bwd_dq_kernel_bf16x3 = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"],
+                                       restore=["dq_ptr"], min_stages=2)
     _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
     _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16", "LAST"],
                                  restore=["dk_ptr", "dv_ptr", "dvlo_ptr"])
@@ -553,10 +567,10 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         else:
             h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
         dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
-        _soe_bwd_dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
-                                        H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF,
-                                        BDV=BDV,
-                                        **flags, **meta, **scaled)
+        dq_kernel = _soe_bwd_dq_kernel_bf16x3 if meta["MODE"] == dot_mode("bf16x3") else _soe_bwd_dq_kernel
+        dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
+                               H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF, BDV=BDV,
+                               **flags, **meta, **scaled)
         del h, z
         if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
             dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
