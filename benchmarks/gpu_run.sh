@@ -64,7 +64,7 @@
 # problems where a row failed are measured again whole, gpu.retry_errors; two anchor rows are
 # measured again, gpu.ANCHORS, and the rows whose code changed since, gpu.CHANGED; then those,
 # +compiled, +cudagraphs and the scan twins first, PRIORITY_S):
-#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27b.json .gpu_runs/gpu.json
+#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27c.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
 #   PYTHONPATH=src python3 benchmarks/precompile.py key-hash --expect .gpu_cache/precompiled.json
 #     # (here it says "another triton": this Python's; what matters is no "changed since" list,
@@ -145,6 +145,24 @@
 # folder misses everything (only compile_cache.py's pack and unpack rewrite them). `verify`
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
+#
+# New since the fifth H100 session (2026-11-27, third GPU session of the day), for the next:
+# - it resumed the fourth's JSON at 9ee46fd with the CPU-built pack (.gpu_cache, precompile.py:
+#   103-121 hits per warm-up worker, 28-34 compiled, mostly Inductor's); ALiBi at 64k passed
+#   (16.2x; 17.6x with bf16x3), the 4k CUDA-graph pairings of ALiBi and both KERPLEs passed;
+#   its JSON, h100-2026-11-27c.json, is the one to resume (above);
+# - bf16x3 in triton_soe/triton_band faulted (illegal address at 8 warps, 1 stage) or went
+#   wrong (4 warps, 1 stage) in _soe_bwd_dq_kernel; that kernel now tunes bf16x3 over 2 and 3
+#   stages only (triton_soe.SOE_DQ_BF16X3_NOTE): test_sixteen_bit_products_match_float64_at_4096
+#   should pass now; benchmarks/gpu_config_diag.sh isolates a config if anything faults again;
+# - fla's probe answered (its variants pass with fla's oversized tiles pruned): FLA_PROBE is
+#   off by default, and fla's rows (FLA_S=75) now run before the priority windows (they got
+#   46 s, less than their first call, last time; four criteria read them);
+# - not reached: triton_soe's 64k rows (KERPLE-log's criterion read `auto`, which is exact
+#   only and ran triton_tiled, 230 ms), the 1M rows, learned 64k/262k, T5 at 4k captured;
+# - test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets failed (its first
+#   GPU run, under the config-0 suite; message lost to the timeout). `first`'s test step does
+#   not select it: `python3 -m pytest -q -m gpu tests/test_gpu.py -k flex_compiles` (a minute).
 #
 # New since the CPU session of 2026-11-27 (sixth of the day; no GPU), for the next to read first:
 # - triton_tiled reads each pair's weight from a per-call table `exp(b - top)` (one more launch a
@@ -761,12 +779,12 @@ case "$phase" in
             > /tmp/prf_warm.log 2>&1 &
         prf_warm_pid=$!
     fi
-    # 0b. FLA_PROBE=1 (the default with FLA_ENV): beside them, which fla kernel faults
-    #     (CUDA_LAUNCH_BLOCKING=1, one process per variant; on 2026-11-26 its first variant was
-    #     still compiling at 100 s), with fla's own triton where FLA_ENV gives one; its
-    #     autotuning beside other work is not kept (FLA_CACHE_RESULTS=0), as the warm-up's
+    # 0b. FLA_PROBE=1: beside them, which fla kernel faults (CUDA_LAUNCH_BLOCKING=1, one
+    #     process per variant), with fla's own triton where FLA_ENV gives one; its autotuning
+    #     beside other work is not kept (FLA_CACHE_RESULTS=0), as the warm-up's. Off since the
+    #     fifth H100 session answered it (2026-11-27: the bench's variants, fla's oversized
+    #     tiles pruned, passed; benchmarks/results/gpu/h100-2026-11-27c-tests.json, fla_probe)
     probe_pid=
-    [ "${#FLA_ENV[@]}" -gt 0 ] && FLA_PROBE=${FLA_PROBE-1}
     if [ -n "${FLA_PROBE:-}" ] && env "${FLA_ENV[@]}" python3 -c 'import fla' 2>/dev/null; then
         env "${FLA_ENV[@]}" FLA_CACHE_RESULTS=0 timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/fla_probe.py \
             > /tmp/fla_probe.log 2>&1 &
@@ -822,7 +840,23 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
                 | tee -a "$OUT_DIR/gpu_first.log"
         fi
     fi
-    # 1c. resuming: first the rows that the last session did not reach and that the next
+    first_end=$(( ${FIRST_S:-500} - ${PACK_S:-35} ))
+    capped() { echo $(( $1 < first_end ? $1 : first_end )); }
+    # 1c. fla's rows (with FLA_ENV), at most FLA_S s, before the priority rows since the fifth
+    #     H100 session (2026-11-27: its fla rows got the 46 s the windows left, less than their
+    #     first call's compilation and autotuning, about 50 s; four criteria read them); not
+    #     when the probe (FLA_PROBE=1) saw the bench's own variant fault (2026-11-26 and -27,
+    #     before fla's oversized tiles were pruned, the row broke the CUDA context)
+    #     (SMOKE: the probe needs a GPU, so it fails here; the rows' path runs regardless)
+    resuming=${#resume[@]}  # (fla's run below may start gpu.json: the priority rows only resume)
+    if [ -z "${SMOKE:-}" ] && [ -f /tmp/fla_probe.log ] && grep -Eq '^  simple_gla K=32 \(bench\) .*(FAIL|CRASHED)' /tmp/fla_probe.log; then
+        echo "fla's rows not run: the probe's bench variant failed (gpu_tests.log)" | tee -a "$OUT_DIR/gpu_first.log"
+    else
+        fla_left=$(( first_end - SECONDS ))
+        fla_rows "$(( ${FLA_S:-75} < fla_left ? ${FLA_S:-75} : fla_left ))"
+    fi
+    [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
+    # 1d. resuming: then the rows that the last session did not reach and that the next
     #     decisions hang on, at most PRIORITY_S s (default 150; 0: none): +compiled at 4k, and
     #     it and Flex with CUDA graphs (+cudagraphs; the 4k criteria read both pairings), the
     #     rows gpu.CHANGED moved (64k: STATE_SCAN "auto" now blocks triton_chunked and
@@ -832,9 +866,7 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     #     windows' sum (150 + 150 + 120 + FLA_S) exceeds what is left after the warm-up and the
     #     profile, and a `first` past the device call's timeout would lose its pack and --check;
     #     what a window cannot start, `rest` runs (its general pass takes the 4k rows first)
-    first_end=$(( ${FIRST_S:-500} - ${PACK_S:-35} ))
-    capped() { echo $(( $1 < first_end ? $1 : first_end )); }
-    if [ "${#resume[@]}" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
+    if [ "$resuming" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         priority_end=$(capped $(( SECONDS + ${PRIORITY_S:-150} )))
         bench_until "$priority_end" gpu_first.log --resume --sections rows --passes 0,1 \
             --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_LONG"
@@ -843,16 +875,6 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
             --resume --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
         rows_1m "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log
     fi
-    # 1d. fla's rows (with FLA_ENV), at most FLA_S s; not when the probe saw the bench's own
-    #     variant fault (2026-11-26 and -27 the row broke the CUDA context, 40 s of the bench's)
-    #     (SMOKE: the probe needs a GPU, so it fails here; the rows' path runs regardless)
-    if [ -z "${SMOKE:-}" ] && [ -f /tmp/fla_probe.log ] && grep -Eq '^  simple_gla K=32 \(bench\) .*(FAIL|CRASHED)' /tmp/fla_probe.log; then
-        echo "fla's rows not run: the probe's bench variant failed (gpu_tests.log)" | tee -a "$OUT_DIR/gpu_first.log"
-    else
-        fla_left=$(( first_end - SECONDS ))
-        fla_rows "$(( ${FLA_S:-75} < fla_left ? ${FLA_S:-75} : fla_left ))"
-    fi
-    [ -f "$OUT_DIR/gpu.json" ] && resume=(--resume)  # fla's run may have started it
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check, until PACK_S s (default 35) before the end
     bench_until "$(( ${FIRST_S:-500} - ${PACK_S:-35} ))" gpu_first.log "${resume[@]}"
