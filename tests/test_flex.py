@@ -98,6 +98,36 @@ def test_compiled_path_compiles_once_per_shape_not_per_offset(monkeypatch):
     assert graphs[1] == graphs[0] and graphs[2] == graphs[1] + 1, graphs
 
 
+def test_a_decoding_step_compiles_nothing_under_the_cuda_rule(monkeypatch):
+    """`flex_fused`'s CUDA rule forced on CPU: decoding steps (one query, one more key each)
+    run eager FlexAttention, which traces its score_mod with Dynamo's eager backend (Dynamo's
+    `unique_graphs` grows: not a compile) but sends no graph through AOTAutograd, Inductor's
+    way in; 128 queries then compile once. (Dynamo's count is what
+    tests/test_gpu.py::test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets
+    read until it failed on the H100, 2026-11-27.) Outputs equal the naive op's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(F, "flex_fused", lambda device, Lq: Lq >= F.COMPILE_MIN_QUERIES)
+    torch._dynamo.reset()
+    pos = _t5().requires_grad_(False)
+    n = F.COMPILE_MIN_QUERIES
+    try:
+        with torch.no_grad():
+            before = counters["aot_autograd"]["total"]
+            for Lk in range(200, 204):
+                q, k, v = qkv(1, H, 1, Lk, 16, seed=Lk, dtype=torch.float32)
+                out = F.softmax_attention_flex(q, k, v, pos.score_mod(), causal=True, q_offset=Lk - 1)
+                ref = softmax_attention_naive(q, k, v, pos.materialize(1, Lk, Lk - 1), causal=True, q_offset=Lk - 1)
+                assert_close(out, ref)
+            assert counters["aot_autograd"]["total"] == before, "a decoding step compiled"
+            q, k, v = qkv(1, H, n, 256, 16, seed=1, dtype=torch.float32)
+            out = F.softmax_attention_flex(q, k, v, pos.score_mod(), causal=True, q_offset=256 - n)
+            assert_close(out, softmax_attention_naive(q, k, v, pos.materialize(n, 256, 256 - n), causal=True,
+                                                      q_offset=256 - n))
+            assert counters["aot_autograd"]["total"] == before + 1
+    finally:
+        torch._dynamo.reset()
+
 @pytest.mark.parametrize("term,gathers", [("t5", True), ("learned", True), ("alibi", False), ("kerple", False)])
 def test_a_score_mod_that_gathers_gets_the_small_tiles_where_flex_is_fused(monkeypatch, term, gathers):
     """On the H100 image Inductor's default tiles ran out of shared memory for every T5 and

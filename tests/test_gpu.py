@@ -189,8 +189,15 @@ def test_no_host_sync_through_the_public_call(backend, family):
 def test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets():
     """fastrpe's `flex` on CUDA: a decoding step (one query, a longer cache at every step) runs
     eager FlexAttention and compiles nothing; 128 queries at four offsets compile at most once
-    (the offset is a tensor in the compiled path). Every output equals `dense`'s."""
+    (the offset is a tensor in the compiled path). Every output equals `dense`'s. Compiles are
+    graphs through AOTAutograd (Inductor's way in): eager FlexAttention traces its score_mod
+    with Dynamo's eager backend, which adds to Dynamo's `unique_graphs` (two for the first key
+    lengths, then a dynamic one) and compiles nothing, so that count failed here on the H100
+    (2026-11-27; reproduced on the CPU, tests/test_flex.py)."""
     from torch._dynamo.utils import counters
+
+    def compiles():
+        return counters["aot_autograd"]["total"]
 
     pos = make_position("t5", H, L).to(DEV)
     q, k, v = (t.detach().float() for t in _inputs(torch.bfloat16))
@@ -203,13 +210,13 @@ def test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets():
             ref = fr.attention(qq, kk, vv, backend="dense", **kw)
         assert (out - ref).abs().max().item() < 1e-4
 
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = compiles()
     for Lk in range(300, 305):
         both(q[:, :, Lk - 1:Lk], Lk, Lk - 1)
-    assert counters["stats"]["unique_graphs"] == graphs, "a decoding step compiled"
+    assert compiles() == graphs, "a decoding step compiled"
     for off in (100, 200, 300, 384):
         both(q[:, :, off:off + 128], 512, off)
-    assert counters["stats"]["unique_graphs"] <= graphs + 1, "an offset compiled anew"
+    assert compiles() <= graphs + 1, "an offset compiled anew"
 
 
 @pytest.mark.parametrize("backend", SYNC_BACKENDS)
