@@ -71,6 +71,18 @@ def _blocks(F: int, C: int, block) -> list[tuple[int, int, int, int]]:
     return [(s, min(F, s + fb), cs, min(C, cs + cb)) for s in range(0, F, fb) for cs in range(0, C, cb)]
 
 
+def _row_sum(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    """`(a * b).sum(dim)`: a contraction that keeps the rows (each query or key position
+    contracts a block's few features or channels on its own). Written as a broadcast
+    product, not an einsum: the einsum became a batched matrix-vector product with a batch per
+    row, which cuBLAS ran as gemv, 2,568 launches and 166 of the 555 ms of GPU time of one
+    non-causal learned-table call at 65,536 tokens (forward + backward, blocks of 1 feature by
+    15 channels; H100, 2026-11-27, benchmarks/results/gpu/h100-2026-11-27c-profile.json)."""
+    if a.shape[dim] == 1 and b.shape[dim] == 1:  # one feature a block (long sequences): no sum to take
+        return (a * b).squeeze(dim)
+    return torch.linalg.vecdot(a, b, dim=dim)  # (a mul and a sum: no BLAS call)
+
+
 #: FFT round-off per output entry of a circular convolution with spectrum P (length N):
 #: at most ROUND_OFF·eps·sqrt(log2 N)·‖P‖₂/N. Measured in float32 against float64 for N =
 #: 1k..64k, coefficients flat, decaying, sharp (-2|r|), a single spike, ±3 and ±30 noise,
@@ -97,7 +109,7 @@ class _FFTNumDen(torch.autograd.Function):
         # sqrt(2)·‖half spectrum‖₂ >= ‖full spectrum‖₂ (Parseval over the rfft's half)
         unit = ROUND_OFF * torch.finfo(phi_q.dtype).eps * math.sqrt(2 * math.log2(max(N, 2))) / N
         cf = cf[:, :, None, :]  # (1, H, 1, N//2+1): one spectrum per head, for every channel
-        kt, vt = _major(phi_k), _major(vv)  # (B, H, F, Lk), (B, H, C, Lk)
+        kt, vt, qt = _major(phi_k), _major(vv), _major(phi_q)  # (B, H, F, Lk), (B, H, C, Lk), (B, H, F, Lq)
         for s, e, cs, ce in _blocks(F, C, block):
             fc = (e - s, ce - cs)
             p = times_spectrum(torch.fft.rfft(_channels(kt[:, :, s:e], vt[:, :, cs:ce], N), dim=-1), cf)  # (B, H, f·c, N//2+1)
@@ -108,7 +120,8 @@ class _FFTNumDen(torch.autograd.Function):
             err[:, :, s:e, cs:ce] = (unit * energy.sqrt()).unflatten(-1, fc)
             t = torch.fft.irfft(p, n=N, dim=-1)[..., Lk - 1: Lk - 1 + Lq]  # (B, H, f·c, Lq)
             del p
-            y[..., cs:ce] += torch.einsum("bhfci,bhif->bhic", t.unflatten(2, fc), phi_q[..., s:e])
+            # Σ_f t[f, c, i]·φq[i, f]: (B, H, f, c, Lq) by (B, H, f, 1, Lq), summed over f
+            y[..., cs:ce] += _row_sum(t.unflatten(2, fc), qt[:, :, s:e, None], 2).transpose(-1, -2)
         ctx.save_for_backward(phi_q, phi_k, vv, c)
         ctx.block = block
         ctx.mark_non_differentiable(err)
@@ -136,7 +149,8 @@ class _FFTNumDen(torch.autograd.Function):
             if g_q is not None:
                 # (the spectrum multiplied in place when the coefficients' gradient does not need it)
                 t = torch.fft.irfft(xf * cf if need_c else times_spectrum(xf, cf), n=N, dim=-1)[..., Lk - 1: Lk - 1 + Lq]
-                g_q[..., s:e] += torch.einsum("bhic,bhfci->bhif", gy[..., cs:ce], t.unflatten(2, fc))
+                # Σ_c gy[i, c]·t[f, c, i]: (B, H, f, c, Lq) by (B, H, 1, c, Lq), summed over c
+                g_q[..., s:e] += _row_sum(t.unflatten(2, fc), gt[:, :, None, cs:ce], 3).transpose(-1, -2)
                 del t
             # dL/d(T-product) per channel
             zf = torch.fft.rfft(_channels(qt[:, :, s:e], gt[:, :, cs:ce], N), dim=-1)  # (B, H, f·c, N//2+1)
@@ -150,9 +164,9 @@ class _FFTNumDen(torch.autograd.Function):
                 g = torch.fft.irfft(times_spectrum(zf, cf_t), n=N, dim=-1)[..., Lq - 1: Lq - 1 + Lk].unflatten(2, fc)
                 # (B, H, f, c, Lk)
                 if g_k is not None:
-                    g_k[..., s:e] += torch.einsum("bhfcj,bhjc->bhjf", g, vv[..., cs:ce])
+                    g_k[..., s:e] += _row_sum(g, vt[:, :, None, cs:ce], 3).transpose(-1, -2)
                 if g_v is not None:
-                    g_v[..., cs:ce] += torch.einsum("bhfcj,bhjf->bhjc", g, phi_k[..., s:e])
+                    g_v[..., cs:ce] += _row_sum(g, kt[:, :, s:e, None], 2).transpose(-1, -2)
         g_c = None
         if need_c:
             corr = torch.fft.irfft(g_cf, n=N, dim=-1)  # corr[t], t = j - i (mod N)
