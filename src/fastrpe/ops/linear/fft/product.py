@@ -113,11 +113,11 @@ class _FFTNumDen(torch.autograd.Function):
         for s, e, cs, ce in _blocks(F, C, block):
             fc = (e - s, ce - cs)
             p = times_spectrum(torch.fft.rfft(_channels(kt[:, :, s:e], vt[:, :, cs:ce], N), dim=-1), cf)  # (B, H, f·c, N//2+1)
-            pr = torch.view_as_real(p)  # (B, H, f·c, N//2+1, 2)
-            # Σ_k |P_k|² per channel, a batched dot product (vector_norm on the complex spectrum
-            # took 3.6x as long on the CPU)
-            energy = torch.einsum("bhckr,bhckr->bhc", pr, pr)
-            err[:, :, s:e, cs:ce] = (unit * energy.sqrt()).unflatten(-1, fc)
+            # ‖P‖₂ per channel, one reduction over the real view (vector_norm on the complex
+            # spectrum took 3.6x as long on the CPU; the einsum of Σ|P|² it replaces, a batched
+            # dot product, ran as cuBLAS gemv on the H100: 24 of 555 ms at 65,536 tokens)
+            norm = torch.linalg.vector_norm(torch.view_as_real(p).flatten(-2), dim=-1)  # (B, H, f·c)
+            err[:, :, s:e, cs:ce] = (unit * norm).unflatten(-1, fc)
             t = torch.fft.irfft(p, n=N, dim=-1)[..., Lk - 1: Lk - 1 + Lq]  # (B, H, f·c, Lq)
             del p
             # Σ_f t[f, c, i]·φq[i, f]: (B, H, f, c, Lq) by (B, H, f, 1, Lq), summed over f
