@@ -9,7 +9,7 @@
 #
 #   bash benchmarks/gpu_run.sh first   # ONE call for a 15-minute session: the kernels' GPU tests
 #                                      # (100 s) beside the compile warm-up (below); the kernel
-#                                      # profile at 64k (PROFILE_S=45), the PRF sweep only if
+#                                      # profile at 64k only if asked (PROFILE_S=45), the PRF sweep only if
 #                                      # asked (PRF_S; its pick, if any, for every row after), then
 #                                      # every row the criteria read at 4k, 64k, 256k and 1M,
 #                                      # then decoding, then the host-sync check (resuming a
@@ -157,7 +157,12 @@
 #   should pass now; benchmarks/gpu_config_diag.sh isolates a config if anything faults again;
 # - fla's probe answered (its variants pass with fla's oversized tiles pruned): FLA_PROBE is
 #   off by default, and fla's rows (FLA_S=75) now run before the priority windows (they got
-#   46 s, less than their first call, last time; four criteria read them);
+#   46 s, less than their first call, last time; four criteria read them), then the 1M rows
+#   (three criteria, never reached), then the 64k and 4k windows; the profile is off by
+#   default (PROFILE_S=45 to run it): its 45 s go to those rows;
+# - the FFT path's per-row einsums (cuBLAS gemv, 190 of the 555 ms of GPU time of the 64k
+#   learned_full call) are broadcast products and one vector_norm now: its rows are worth
+#   timing again (docs/RESULTS.md, "The FFT product's per-row contractions");
 # - not reached: triton_soe's 64k rows (KERPLE-log's criterion read `auto`, which is exact
 #   only and ran triton_tiled, 230 ms), the 1M rows, learned 64k/262k, T5 at 4k captured;
 # - test_flex_compiles_nothing_per_decoding_step_and_once_for_all_offsets failed (its first
@@ -813,9 +818,11 @@ case "$phase" in
     fi
     # 1b. where the rows' time goes (benchmarks/gpu_profile.py: kernels' device time per call,
     #     the GPU's busy share), at most PROFILE_S s, from the warm caches
-    #     (PROFILE_S=45 since 2026-11-27: the 64k cases of PROFILE_ARGS only; 0: none)
-    if [ "${PROFILE_S:-45}" -gt 20 ]; then
-        timeout -s INT -k 5 "${PROFILE_S:-45}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-45} - 20 ))" "${PROFILE_ARGS[@]}" \
+    #     (PROFILE_S=45 since 2026-11-27: the 64k cases of PROFILE_ARGS only; 0, the default since
+    #     the fifth H100 session, whose profile found the FFT path's gemv: none; its 45 s go to
+    #     the criteria's rows, three of whose families were not reached)
+    if [ "${PROFILE_S:-0}" -gt 20 ]; then
+        timeout -s INT -k 5 "${PROFILE_S:-0}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-0} - 20 ))" "${PROFILE_ARGS[@]}" \
             --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     fi
     # 1b'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
@@ -866,6 +873,9 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     #     windows' sum (150 + 150 + 120 + FLA_S) exceeds what is left after the warm-up and the
     #     profile, and a `first` past the device call's timeout would lose its pack and --check;
     #     what a window cannot start, `rest` runs (its general pass takes the 4k rows first)
+    # the decaying terms' 1M rows first (three criteria, never reached in the fourth and fifth
+    # sessions, when they came after the windows below)
+    [ "$resuming" -gt 0 ] && rows_1m "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log
     if [ "$resuming" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         priority_end=$(capped $(( SECONDS + ${PRIORITY_S:-150} )))
         bench_until "$priority_end" gpu_first.log --resume --sections rows --passes 0,1 \
@@ -873,7 +883,6 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
         bench_until "$(capped $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )))" gpu_first.log \
             --resume --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
-        rows_1m "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log
     fi
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check, until PACK_S s (default 35) before the end

@@ -1360,10 +1360,15 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: every Triton row from 16k (the 4k rows are host time). Still epoch 3 (no GPU has run it;
 #: later CPU sessions): triton_tiled takes its interior tile pairs without masks (`_interior`),
 #: and its weights from a per-call table `exp(b - top)`, not an exponential per pair
-#: (`triton_tiled.exp_table`); its rows are in CHANGED at every length already.
-CODE_EPOCH = 3
-CHANGED = (("fastrpe-triton_*", "*", 16384), ("fastrpe-auto", "*", 16384), ("fastrpe-triton_*+bf16-features*", "*", 0),
-           ("fastrpe-triton_tiled*", "*", 0), ("fastrpe-auto", "learned*", 0))
+#: (`triton_tiled.exp_table`); its rows are in CHANGED at every length already. Epoch 4 (after
+#: the fifth session, which ran epoch 3 and moved those rows; 2026-11-27): the FFT product's
+#: per-row einsums (cuBLAS gemv, 190 of 555 ms of GPU time at 64k) became broadcast products
+#: and one vector_norm, so the `fft` rows, and `auto`'s on the learned tables, which may run
+#: it, are measured again at every length; and bf16x3's soe/band dq kernel tunes over
+#: pipelined configs only (`triton_soe.SOE_DQ_BF16X3_NOTE`), whose rows had faulted.
+CODE_EPOCH = 4
+CHANGED = (("fastrpe-fft", "*", 0), ("fastrpe-auto", "learned*", 0), ("fastrpe-triton_soe+bf16x3", "*", 0),
+           ("fastrpe-triton_band+bf16x3", "*", 0))
 
 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
