@@ -109,7 +109,7 @@ class _FFTNumDen(torch.autograd.Function):
         # sqrt(2)·‖half spectrum‖₂ >= ‖full spectrum‖₂ (Parseval over the rfft's half)
         unit = ROUND_OFF * torch.finfo(phi_q.dtype).eps * math.sqrt(2 * math.log2(max(N, 2))) / N
         cf = cf[:, :, None, :]  # (1, H, 1, N//2+1): one spectrum per head, for every channel
-        kt, vt, qt = _major(phi_k), _major(vv), _major(phi_q)  # (B, H, F, Lk), (B, H, C, Lk), (B, H, F, Lq)
+        kt, vt = _major(phi_k), _major(vv)  # (B, H, F, Lk), (B, H, C, Lk)
         for s, e, cs, ce in _blocks(F, C, block):
             fc = (e - s, ce - cs)
             p = times_spectrum(torch.fft.rfft(_channels(kt[:, :, s:e], vt[:, :, cs:ce], N), dim=-1), cf)  # (B, H, f·c, N//2+1)
@@ -120,8 +120,11 @@ class _FFTNumDen(torch.autograd.Function):
             err[:, :, s:e, cs:ce] = (unit * norm).unflatten(-1, fc)
             t = torch.fft.irfft(p, n=N, dim=-1)[..., Lk - 1: Lk - 1 + Lq]  # (B, H, f·c, Lq)
             del p
-            # Σ_f t[f, c, i]·φq[i, f]: (B, H, f, c, Lq) by (B, H, f, 1, Lq), summed over f
-            y[..., cs:ce] += _row_sum(t.unflatten(2, fc), qt[:, :, s:e, None], 2).transpose(-1, -2)
+            # Σ_f t[f, c, i]·φq[i, f]: (B, H, f, c, Lq) by (B, H, f, 1, Lq), summed over f (φq's
+            # block read through a transposed view: a channel-major copy of all of φq would add
+            # B·H·F·Lq floats to the forward's peak, 1 GiB at a million tokens)
+            qb = phi_q[..., s:e].transpose(-1, -2)[:, :, :, None]
+            y[..., cs:ce] += _row_sum(t.unflatten(2, fc), qb, 2).transpose(-1, -2)
         ctx.save_for_backward(phi_q, phi_k, vv, c)
         ctx.block = block
         ctx.mark_non_differentiable(err)
