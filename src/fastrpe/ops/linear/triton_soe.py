@@ -558,6 +558,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
     dvlo = torch.empty_like(dv) if dv_bf16 and len(groups) > 1 else dv
     dwq = []
+    dq_kernel = _soe_bwd_dq_kernel_bf16x3 if mode == dot_mode("bf16x3") else _soe_bwd_dq_kernel
     for i, (k0, k1) in enumerate(groups):
         Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
         flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
@@ -567,7 +568,6 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         else:
             h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
         dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
-        dq_kernel = _soe_bwd_dq_kernel_bf16x3 if meta["MODE"] == dot_mode("bf16x3") else _soe_bwd_dq_kernel
         dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF, BDV=BDV,
                                **flags, **meta, **scaled)
