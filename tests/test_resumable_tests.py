@@ -1,0 +1,94 @@
+"""The GPU test runs' resumption (`conftest.py`, FASTRPE_TESTS_DONE; `benchmarks/gpu_run.sh`):
+a test that breaks the CUDA context stops its process after it, and the next process runs
+only the tests not finished yet. On CPU a test stands in for the fault by making the
+conftest's check report a broken context."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import conftest
+from _benchmarks import BENCHMARKS
+
+TESTS = '''
+import sys
+
+
+def test_a():
+    pass
+
+
+def test_b():
+    sys.modules["conftest"].cuda_context_broken = lambda: True  # as an illegal memory access leaves it
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_c():
+    pass
+'''
+
+
+def _pytest(where: Path, done: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, conftest.TESTS_DONE: str(done)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_k.py"], cwd=where,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_broken_cuda_context_stops_the_run_and_the_next_one_runs_the_rest(tmp_path):
+    (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
+    (tmp_path / "test_k.py").write_text(TESTS)
+    done = tmp_path / "done.txt"
+
+    first = _pytest(tmp_path, done)
+    assert "1 failed, 1 passed" in first.stdout, first.stdout + first.stderr
+    assert "test_c" not in first.stdout  # not run: it would have failed with test_b's error
+    lines = done.read_text().splitlines()
+    assert lines == ["test_k.py::test_a", conftest.STOPPED_FOR_CONTEXT + "test_k.py::test_b", "test_k.py::test_b"]
+    assert conftest.tests_done(str(done)) == {"test_k.py::test_a", "test_k.py::test_b"}
+
+    second = _pytest(tmp_path, done)
+    assert "1 passed, 2 deselected" in second.stdout, second.stdout + second.stderr
+    assert done.read_text().splitlines()[-1] == "test_k.py::test_c"
+    assert not done.read_text().splitlines()[-1].startswith("#")  # finished: nothing left to resume
+
+
+def test_without_the_file_nothing_is_recorded_and_a_failure_does_not_stop_the_run(tmp_path):
+    (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
+    (tmp_path / "test_k.py").write_text(TESTS)
+    env = {k: v for k, v in os.environ.items() if k != conftest.TESTS_DONE}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_k.py"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert "1 failed, 2 passed" in r.stdout, r.stdout + r.stderr
+    assert not any(p.name == "done.txt" for p in tmp_path.iterdir())
+
+
+def _gpu_tests_function() -> str:
+    """`gpu_tests` as benchmarks/gpu_run.sh defines it (the function's lines alone)."""
+    lines = (BENCHMARKS / "gpu_run.sh").read_text().splitlines()
+    start = lines.index("gpu_tests() {")
+    end = lines.index("}", start)
+    return "\n".join(lines[start:end + 1])
+
+
+def test_gpu_run_sh_runs_the_tests_again_after_a_broken_context(tmp_path):
+    """The script's loop, on the same three tests: two processes, every test run once, one
+    junit XML of both, the last process's status."""
+    (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
+    (tmp_path / "test_k.py").write_text(TESTS)
+    script = (f"{_gpu_tests_function()}\n"
+              f"gpu_tests 100 {tmp_path}/log.txt {tmp_path}/all.xml -q -p no:cacheprovider test_k.py; echo rc=$?\n")
+    env = {**os.environ, "BENCH_DIR": str(BENCHMARKS), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop(conftest.TESTS_DONE, None)
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
+    log = (tmp_path / "log.txt").read_text()
+    assert "process 2 runs the rest" in log and "1 passed, 2 deselected" in log, log + r.stderr
+    assert r.stdout.strip().endswith("rc=0"), r.stdout  # the second process passed
+    root = ET.parse(tmp_path / "all.xml").getroot()
+    assert [s.get("name") for s in root.iter("testsuite")] == ["pytest (process 1 of the run)",
+                                                                "pytest (process 2 of the run)"]
+    assert (root.get("tests"), root.get("failures")) == ("3", "1")
+    cases = sorted(c.get("name") for c in root.iter("testcase"))
+    assert cases == ["test_a", "test_b", "test_c"]
