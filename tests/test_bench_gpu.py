@@ -1083,6 +1083,32 @@ def test_changed_rows_of_older_code_are_measured_again_once(capsys):
     assert gpu.measure_again(res, anchors=(), changed=changed) == 0  # the new row is of the new epoch
 
 
+def test_changed_rows_that_failed_are_measured_again_too():
+    """A row of changed code that failed with an error moves as a timed one does, a fault that
+    broke the CUDA context included (`retry_errors` keeps those: they would break it again under
+    the same code); a failure for memory, an anchor that failed, or a row of the new epoch stay."""
+    changed = (("fastrpe-triton_tiled+bf16x3", "*", 0),)
+    fault = "error: AcceleratorError: CUDA error: an illegal memory access was encountered"
+    rows = [_row("learned", 4096, "fastrpe-triton_tiled+bf16x3", skipped=fault, context_lost=True, run=0),
+            _row("learned", 65536, "fastrpe-triton_tiled+bf16x3", skipped="out of memory", run=0),
+            _row("alibi", 4096, "flex", skipped=fault, run=0),  # an anchor that failed: no time to compare
+            _row("learned_full", 4096, "fastrpe-triton_tiled+bf16x3", skipped=fault, run=1)]  # the new epoch's
+    res = {**_result(rows), "envs": [{"device": "X"}, {"device": "X", "code_epoch": gpu.CODE_EPOCH}]}
+    assert rows[0] in gpu.retry_errors(res["rows"])  # the fault stays there
+    assert gpu.measure_again(res, changed=changed) == 1
+    assert [(r["problem"]["position"], r["again"]) for r in res["earlier"]] == [("learned", "changed")]
+    assert res["rows"] == rows[1:]
+    assert gpu.anchor_drift(res) == []  # nothing timed to set against
+
+
+def test_the_rows_that_faulted_before_the_key_tile_fix_are_in_changed():
+    """The 4k bf16x3 rows of triton_soe, triton_band and triton_tiled faulted in the fourth H100
+    session and stayed in its JSON; `CHANGED` names them, so the next session measures them."""
+    for comp, fam in (("fastrpe-triton_soe+bf16x3", "kerple_log"), ("fastrpe-triton_band+bf16x3", "t5"),
+                      ("fastrpe-triton_tiled+bf16x3", "learned")):
+        assert any(gpu.matches(comp, (c,)) and gpu.matches(fam, (f,)) and 4096 >= L for c, f, L in gpu.CHANGED)
+
+
 def test_fla_tiles_as_large_as_their_dimension_are_pruned_as_fla_prunes_its_gla_backward(monkeypatch):
     """`gpu.fla_tile_prune`: fla's rule from its #989 (a BK/BV tile kept only below K/V, or the
     smallest offered), here for the bench's K = 32 features and V = 64; and

@@ -1365,29 +1365,34 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: per-row einsums (cuBLAS gemv, 190 of 555 ms of GPU time at 64k) became broadcast products
 #: and one vector_norm, so the `fft` rows, and `auto`'s on the learned tables, which may run
 #: it, are measured again at every length; and bf16x3's soe/band dq kernel tunes over
-#: pipelined configs only (`triton_soe.SOE_DQ_BF16X3_NOTE`), whose rows had faulted.
+#: pipelined configs only (`triton_soe.SOE_DQ_BF16X3_NOTE`), whose rows had faulted. Still epoch
+#: 4 (a CPU session after): rows that failed move as well as timed ones (`measure_again`), so
+#: those bf16x3 rows, which had faulted and stayed, are measured again, and so is triton_tiled's
+#: (learned, 4k), which faulted in the fourth session, before epoch 3's fix of the key-tile
+#: kernels; the fifth's GPU tests passed it pinned to 4 and 8 warps at one stage.
 CODE_EPOCH = 4
 CHANGED = (("fastrpe-fft", "*", 0), ("fastrpe-auto", "learned*", 0), ("fastrpe-triton_soe+bf16x3", "*", 0),
-           ("fastrpe-triton_band+bf16x3", "*", 0))
+           ("fastrpe-triton_band+bf16x3", "*", 0), ("fastrpe-triton_tiled+bf16x3", "*", 0))
 
 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
     """Move the timed rows of `anchors` ((competitor, family, L)) and of `changed`
-    ((competitor pattern, family pattern, shortest L), rows of runs before `CODE_EPOCH`) from
-    `res["rows"]` to `res["earlier"]` (each with `again`: "anchor" or "changed"), so that a
-    resumed run measures them again; `anchor_drift` then compares the two. Returns how many
-    moved."""
+    ((competitor pattern, family pattern, shortest L), rows of runs before `CODE_EPOCH`, timed
+    or failed with an error: a fault of the old code says nothing of the new, and a row that
+    broke the CUDA context would otherwise stay, `retry_errors`) from `res["rows"]` to
+    `res["earlier"]` (each with `again`: "anchor" or "changed"), so that a resumed run measures
+    them again; `anchor_drift` then compares the timed two. Returns how many moved."""
     want = {tuple(a) for a in anchors}
     kept, moved = [], []
     for r in res["rows"]:
         key = (r["competitor"], r["problem"]["position"], r["problem"]["L"])
         why = None
-        if r.get("seconds"):
-            if key in want:
-                why = "anchor"
-            elif run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and any(
+        if r.get("seconds") and key in want:
+            why = "anchor"
+        elif (r.get("seconds") or r.get("skipped", "").startswith("error:")) \
+                and run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and any(
                     matches(key[0], (c,)) and matches(key[1], (f,)) and key[2] >= L for c, f, L in changed):
-                why = "changed"
+            why = "changed"
         if why:
             moved.append({**r, "again": why})
         else:
