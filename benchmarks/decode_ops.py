@@ -15,6 +15,13 @@ their one Triton launch (`triton_recurrent.prf_linear_token_triton`, `prf_soe_to
 `triton_launches`. Without CUDA the kernels run under Triton's interpreter: counted, not timed
 (`us_per_step` null).
 
+`--host` adds `host_us_per_step` to those rows: the same step with its Triton launch counted,
+not run, at `--host-dims` widths (default H = 1, D = 4, 2 features), so that no matmul does
+real work on the CPU. What is left is the step's Python and aten dispatch, which the widths do
+not change, and which is most of an eager step on a GPU: on the H100 (2026-11-27,
+`benchmarks/results/gpu/h100-2026-11-27c.json`'s decode rows) the bf16 fused steps took 461 to
+634 µs eager and 20 to 31 µs replayed from a CUDA graph.
+
     python benchmarks/decode_ops.py --out benchmarks/results/decode_ops.json
 """
 from __future__ import annotations
@@ -167,6 +174,35 @@ def fused_step():
         attention.FUSED_STEP = mode
 
 
+def host_time(step, kern, repeats: int, warmup: int) -> float:
+    """Median µs of `step()` with its fused kernel's launches counted, not run (`kern.skip`)."""
+    kern.skip = True
+    try:
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        kern.skip = False
+    return statistics.median(times) * 1e6
+
+
+def measure_host(cfg, dtype, repeats: int, warmup: int) -> dict[str, float]:
+    """`{method: host µs per step}` of the fused rows at `cfg`'s (small) widths (`host_time`)."""
+    out = {}
+    for name, mha, st, x in cases(cfg, torch.device("cpu"), dtype):
+        if not name.endswith(FUSED):
+            continue
+        with torch.no_grad(), fused_step() as kern:
+            if kern is None:
+                return out
+            out[name] = host_time(lambda: mha.step(x, st), kern, repeats, warmup)  # noqa: B023
+    return out
+
+
 def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
     out = []
     for name, mha, st, x in cases(cfg, device, dtype):
@@ -224,16 +260,30 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; the GPU bench runs bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (steadier timings)")
     ap.add_argument("--ops", action="store_true", help="also print each row's ops by name")
+    ap.add_argument("--host", action="store_true",
+                    help="also time the fused steps' host code (launches stubbed) at --host-dims")
+    ap.add_argument("--host-dims", default="1,4,2", help="H,D,features of the --host timings")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtypes = a.dtypes.split(",")
     cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device="cpu")
     rows = [r for dt in dtypes for r in measure(cfg, torch.device("cpu"), getattr(torch, dt), a.repeats, a.warmup)]
-    print(f"{'method':52s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s}")
+    host_dims = None
+    if a.host:
+        Hh, Dh, Fh = (int(n) for n in a.host_dims.split(","))
+        host_dims = {"H": Hh, "D": Dh, "features": Fh}
+        small = replace(cfg, H=Hh, D=Dh, features=Fh)
+        for dt in dtypes:
+            host = measure_host(small, getattr(torch, dt), a.repeats, a.warmup)
+            for r in rows:
+                if r["dtype"] == dt and r["method"] in host:
+                    r["host_us_per_step"] = host[r["method"]]
+    print(f"{'method':52s} {'dtype':9s} {'state':12s} {'ops':>5s} {'launches':>8s} {'us/step':>9s} {'host us':>8s}")
     for r in rows:
         us = "interp." if r["us_per_step"] is None else f"{r['us_per_step']:9.1f}"
-        print(f"{r['method']:52s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} {us:>9s}")
+        host = f"{r['host_us_per_step']:8.1f}" if "host_us_per_step" in r else ""
+        print(f"{r['method']:52s} {r['dtype']:9s} {r['state']:12s} {r['ops']:5d} {r['launches']:8d} {us:>9s} {host:>8s}")
         if a.ops:
             for f, n in r["op_counts"].items():
                 print(f"    {n:4d}  {f}")
@@ -242,7 +292,8 @@ def main() -> None:
                 "torch": torch.__version__,
                 "python": platform.python_version(), "machine": platform.machine(), "threads": a.threads,
                 "config": {"B": cfg.B, "H": cfg.H, "D": cfg.D, "features": cfg.features, "kernel": cfg.kernel,
-                           "dtypes": dtypes, "context": a.context, "prompt": a.prompt, "repeats": a.repeats}}
+                           "dtypes": dtypes, "context": a.context, "prompt": a.prompt, "repeats": a.repeats},
+                "host_dims": host_dims}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"wrote {a.out}")

@@ -390,6 +390,41 @@ def test_layer_fused_step_in_bf16_and_after_parameter_updates(monkeypatch, count
     torch.testing.assert_close(st2.S, ref_st.S, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_step_plan_is_checked_every_step(monkeypatch, count_calls):
+    """The fused step's constants are one memo (`MultiheadAttention._fused_step_plan`), but what
+    can change without touching a tensor is checked every step: a hook on out_proj added after
+    the memo is built is called, one on k_proj sends the step to the PyTorch ops (the hook sees
+    the token), and a feature map's setting changed in place (`input_scale`) is followed."""
+    from fastrpe import positions as P
+
+    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    mha = _prf_layer("nprf", P.ALiBi(3)).eval()
+    x = torch.randn(1, 9, 15, generator=torch.Generator().manual_seed(6)).to(DEV)
+
+    def step():
+        with torch.no_grad():
+            return mha.step(x[:, 8:], st)[0]
+
+    with torch.no_grad():
+        _, st = mha.step(x[:, :8])
+    first = step()
+    assert len(calls) == 1
+    seen = []
+    mha.out_proj.register_forward_hook(lambda m, i, o: seen.append("out"))
+    torch.testing.assert_close(step(), first, rtol=0, atol=0)
+    assert len(calls) == 2 and seen == ["out"]
+    hook = mha.k_proj.register_forward_hook(lambda m, i, o: seen.append("k"))
+    torch.testing.assert_close(step(), first, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 2 and seen == ["out", "k", "out"]
+    hook.remove()
+    mha.kernel.input_scale = 0.5
+    scaled = step()
+    assert len(calls) == 3 and (scaled - first).abs().max() > 1e-4
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
+    torch.testing.assert_close(scaled, step(), rtol=1e-5, atol=1e-6)
+
+
 def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch, count_calls):
     from fastrpe import positions as P
 

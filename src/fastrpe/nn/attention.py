@@ -10,6 +10,8 @@ from dataclasses import replace
 import torch
 from einops import rearrange
 from torch import Tensor, nn
+from torch.nn import functional as Fn
+from torch.nn.modules import module as _nn_module
 
 from .._validate import FastRPEError, check_backend_name, check_features, check_same_dtype
 from ..api import attention
@@ -54,6 +56,31 @@ def _fingerprint(tensors) -> tuple:
     storage, version (in-place writes bump it), dtype, device and shape. Writes through
     `.data` bump no version and go unseen (as `fastrpe.ops.linear.soe`'s fit memo)."""
     return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape) for t in tensors)
+
+
+#: `step`'s cache types and the decode path each takes
+_CACHE_KINDS = {LinearState: "linear", BandState: "band", SoEState: "soe", KVCache: "kv"}
+
+
+def _state_fusable(state) -> bool:
+    """A state the fused step takes: float32 tensors, `S` contiguous."""
+    S = state.S
+    return (S.dtype == torch.float32 and S.is_contiguous()
+            and all(getattr(state, f).dtype == torch.float32 for f in ("keys", "values") if hasattr(state, f)))
+
+
+def _plain_linears(*layers) -> bool:
+    """Whether each layer is a plain `nn.Linear` and no forward hook, its own or a global one,
+    would see a call (an adapter or a hook must: the fused step calls `Fn.linear` or a fused
+    matmul instead)."""
+    return (not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
+            and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in layers))
+
+
+def _identity_dropout(dropout: nn.Module, training: bool) -> bool:
+    """Whether a layer's `nn.Dropout` changes nothing now (evaluating, or p = 0) and has no hook."""
+    return (type(dropout) is nn.Dropout and (not training or dropout.p == 0)
+            and not (dropout._forward_hooks or dropout._forward_pre_hooks))
 
 
 def _state_in(state, dt: torch.dtype):
@@ -257,15 +284,15 @@ class MultiheadAttention(nn.Module):
     def _step_state(self, x: Tensor, state, kind: str, max_length: int | None):
         """One decode call with a constant-size state: the decode op of `kind`, run like the
         forward pass (autocast off, features in float32/64, output back in x's dtype)."""
-        from ..ops.common import safe_divide
-        from ..ops.linear import recurrent
-        from ..ops.linear.soe import causal_log_coefficients, soe_extend, soe_plan_for
-
         start, L = (0 if state is None else state.length), x.shape[1]
         if L == 1 and state is not None and not self.rotary and not torch.is_grad_enabled() \
                 and not torch.compiler.is_compiling():
             o, new = self._step_token(x, state, kind)
             return (o if self.batch_first else o.transpose(0, 1)), new
+        from ..ops.common import safe_divide
+        from ..ops.linear import recurrent
+        from ..ops.linear.soe import causal_log_coefficients, soe_extend, soe_plan_for
+
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if self.rotary:
             pos = torch.arange(start, start + L, device=x.device)
@@ -301,6 +328,9 @@ class MultiheadAttention(nn.Module):
         once to the features' dtype; the per-head constants (decays, band weights, the fit's
         coefficients) are built once per parameter state (`_memoized`); the ops are
         `recurrent`'s `*_token` bodies, or one Triton kernel for PRF features (`_prf_step`)."""
+        plan = self._fused_step_plan(x, state, kind)
+        if plan is not None:
+            return self._prf_step(x, state, kind, plan)
         from ..ops.linear import recurrent
 
         B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
@@ -308,8 +338,6 @@ class MultiheadAttention(nn.Module):
         if fused is not None:
             wt, bias = fused
             qkv = torch.addmm(bias, x.view(B, E), wt)  # (B, 2E + H(D+1))
-            if self._prf_step_fusable(x, state):
-                return self._prf_step(x, qkv, state, kind)
         with torch.autocast(x.device.type, enabled=False):
             # with one token, [B, (h d)] is [B, h, 1, d] in memory: the head split is a view
             if fused is not None:
@@ -373,32 +401,60 @@ class MultiheadAttention(nn.Module):
 
         return (triton_route(FUSED_STEP, "fastrpe.nn.attention.FUSED_STEP", x.device)
                 and type(self.kernel) is PRF and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and all(getattr(state, f).dtype == torch.float32 for f in ("S", "keys", "values")
-                        if hasattr(state, f))
-                and state.S.is_contiguous())
+                and _state_fusable(state))
 
-    def _prf_step(self, x: Tensor, qkv: Tensor, state, kind: str):
+    def _fused_step_plan(self, x: Tensor, state, kind: str):
+        """What `_prf_step` reads besides x and the state, or None where it does not run
+        (`_prf_step_fusable`, `_fused_qkv`): `(wt, bias)` of the fused q/k/v matmul, PRF's
+        launch constants, and a geometric state's decays `[H]` (None without them). One memo
+        (`_memoized`) over every tensor they come from, so a step checks one fingerprint; the
+        checks that a call can change without touching a tensor (a hook added, a state's dtype)
+        run every step. In place of three memos and their checks: a token's host time, which is
+        most of an eager step's on a GPU, 114 -> 71 µs on the CPU (benchmarks/decode_ops.py --host)."""
+        if not _state_fusable(state) or not _plain_linears(self.q_proj, self.k_proj, self.v_proj):
+            return None
+        kern, term = self.kernel, self.position
+        w = getattr(kern, "w", None)
+        if not isinstance(w, Tensor):  # a feature map without random projections: not PRF
+            self._prf_step_fusable(x, state)  # (a FUSED_STEP that is none of its values still raises)
+            return None
+        sources = [t for p in (self.q_proj, self.k_proj, self.v_proj) for t in (p.weight, p.bias) if t is not None]
+        sources.append(w)
+        if kind == "linear" and term is not None:
+            sources += self._tensors(term)
+        extra = (kind, x.dtype, x.device, FUSED_STEP, type(kern), getattr(kern, "normalize", None),
+                 getattr(kern, "input_scale", None), getattr(kern, "two_sided", None))
+        return self._memoized("fused_step", sources, extra, lambda: self._build_fused_step(x, state, kind))
+
+    def _build_fused_step(self, x: Tensor, state, kind: str):
+        """`_fused_step_plan`'s value, built (None where the fused step does not apply)."""
+        fused = self._fused_qkv() if self._prf_step_fusable(x, state) else None
+        if fused is None:
+            return None
+        H, kern = self.num_heads, self.kernel
+        shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H)
+        prf = dict(w=kern.w.to(torch.float32).contiguous(), key_shift=shift.contiguous(),
+                   input_scale=kern.input_scale, normalize=kern.normalize, two_sided=kern.two_sided,
+                   out_dtype=x.dtype)
+        gamma = None
+        if kind == "linear":
+            g = self._step_decay(x.device, torch.float32)
+            gamma = None if g is None else g.view(H)
+        return (*fused, prf, gamma)
+
+    def _prf_step(self, x: Tensor, state, kind: str, plan):
         """One token after a constant-size state of `kind` in one Triton launch between the
         q/k/v matmul and the output projection (`ops.linear.triton_recurrent`'s
         `prf_*_token_triton`: PRF's features, the state's update and `num/den`); the same
-        result as the ops of `_step_token`, with the same memoized constants in float32."""
+        result as the ops of `_step_token`, with the same memoized constants in float32
+        (`plan`: `_fused_step_plan`'s)."""
         from ..ops.linear import triton_recurrent
 
+        wt, bias, prf, gamma = plan
         B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
-        kern = self.kernel
-
-        def prf_constants():
-            shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H)
-            return kern.w.to(torch.float32).contiguous(), shift.contiguous()
-
-        w, shift = self._memoized("prf", [kern.w], (H, x.device, kern.normalize, kern.input_scale), prf_constants)
-        prf = dict(w=w, key_shift=shift, input_scale=kern.input_scale, normalize=kern.normalize,
-                   two_sided=kern.two_sided, out_dtype=x.dtype)
-        q, k = qkv[:, :E].view(B, H, D), qkv[:, E:2 * E].view(B, H, D)
-        vv = qkv[:, 2 * E:].view(B, H, D + 1)  # [v, 1]
+        q, k, vv = torch.addmm(bias, x.view(B, E), wt).split((E, E, H * (D + 1)), 1)  # [v, 1]: the last
+        q, k, vv = q.view(B, H, D), k.view(B, H, D), vv.view(B, H, D + 1)
         if kind == "linear":
-            gamma = self._step_decay(x.device, torch.float32)
-            gamma = None if gamma is None else gamma.view(H)
             o, S = triton_recurrent.prf_linear_token_triton(q, k, vv, state.S, gamma=gamma, **prf)
             new = LinearState(S, state.length + 1)
         elif kind == "band":
@@ -408,7 +464,10 @@ class MultiheadAttention(nn.Module):
             state, (gamma, a, cw) = self._soe_constants(state, torch.float32)
             o, new = triton_recurrent.prf_soe_token_triton(q, k, vv, state, gamma.view(-1), a.view(H, -1), cw,
                                                            **prf)
-        return self.out_proj(self.dropout(o.view(B, 1, E))), new
+        o, out = o.view(B, 1, E), self.out_proj
+        if _plain_linears(out) and _identity_dropout(self.dropout, self.training):
+            return Fn.linear(o, out.weight, out.bias), new
+        return out(self.dropout(o)), new
 
     def _step_decay(self, device: torch.device, dt: torch.dtype) -> Tensor | None:
         """The geometric state's per-head decay `[H, 1, 1]` in `dt` (None without a term or a
@@ -425,6 +484,8 @@ class MultiheadAttention(nn.Module):
 
     @staticmethod
     def _tensors(module: nn.Module) -> list:
+        if not module._modules:  # a leaf (a positional term): its own tensors, without the generators' walk
+            return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
         return list(module.parameters()) + list(module.buffers())
 
     def _memoized(self, name: str, sources, extra, build):
@@ -445,12 +506,9 @@ class MultiheadAttention(nn.Module):
         bias` is `[q, k, [v, 1]]` (the denominator's column of the state comes out of the
         matmul). None if it would take more than `STEP_FUSE_MAX_BYTES`, or if a projection is
         not a plain `nn.Linear` without hooks (an adapter or a hook must see its call)."""
-        from torch.nn.modules import module as nn_module
-
         H, D, E = self.num_heads, self.head_dim, self.embed_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if any(type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks for p in projs) \
-                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        if not _plain_linears(*projs):
             return None
         w = self.q_proj.weight
         if (2 * E + H * (D + 1)) * (E + 1) * w.element_size() > STEP_FUSE_MAX_BYTES:
@@ -494,14 +552,13 @@ class MultiheadAttention(nn.Module):
                                f"the cache {cache.k.shape[0]}")
         if not self.batch_first:
             x = x.transpose(0, 1)
-        kinds = {LinearState: "linear", BandState: "band", SoEState: "soe", KVCache: "kv"}
         if cache is None:
             choice = self.decoder(max(x.shape[1], max_length or 0))
             if choice.fatal:
                 raise FastRPEError(f"step: backend={self.backend!r} cannot decode with this term: {choice.fatal}")
             kind = choice.name
         else:
-            kind = kinds.get(type(cache))
+            kind = _CACHE_KINDS.get(type(cache))
             if kind is None:
                 raise FastRPEError(f"MultiheadAttention.step: cache must be None, a KVCache, LinearState, BandState "
                                    f"or SoEState (what step returned), got {type(cache).__name__}")
