@@ -411,6 +411,8 @@ class MultiheadAttention(nn.Module):
         checks that a call can change without touching a tensor (a hook added, a state's dtype)
         run every step. In place of three memos and their checks: a token's host time, which is
         most of an eager step's on a GPU, 114 -> 71 µs on the CPU (benchmarks/decode_ops.py --host)."""
+        if FUSED_STEP == "never" or (FUSED_STEP == "cuda" and not x.is_cuda):  # (the PyTorch ops' own cost)
+            return None
         if not _state_fusable(state) or not _plain_linears(self.q_proj, self.k_proj, self.v_proj):
             return None
         kern, term = self.kernel, self.position
