@@ -410,7 +410,8 @@ class MultiheadAttention(nn.Module):
         (`_memoized`) over every tensor they come from, so a step checks one fingerprint; the
         checks that a call can change without touching a tensor (a hook added, a state's dtype)
         run every step. In place of three memos and their checks: a token's host time, which is
-        most of an eager step's on a GPU, 114 -> 71 µs on the CPU (benchmarks/decode_ops.py --host)."""
+        most of an eager step's on a GPU: 113 -> 78 µs (geometric state), 126 -> 101 (SoE and band)
+        on the CPU, float32 (benchmarks/decode_ops.py --host; results/decode_ops-3dcde91.json before)."""
         if FUSED_STEP == "never" or (FUSED_STEP == "cuda" and not x.is_cuda):  # (the PyTorch ops' own cost)
             return None
         if not _state_fusable(state) or not _plain_linears(self.q_proj, self.k_proj, self.v_proj):
