@@ -1373,15 +1373,22 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 CODE_EPOCH = 4
 CHANGED = (("fastrpe-fft", "*", 0), ("fastrpe-auto", "learned*", 0), ("fastrpe-triton_soe+bf16x3", "*", 0),
            ("fastrpe-triton_band+bf16x3", "*", 0), ("fastrpe-triton_tiled+bf16x3", "*", 0))
+#: decode rows (`decode_rows`' methods, fnmatch patterns) whose code changed since, moved as
+#: `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its constants from
+#: one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on the CPU, the
+#: geometric state), so the three constant-size states' eager steps, fused and not, are timed again.
+CHANGED_DECODE = ("state-*",)
 
 
-def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
+def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED, changed_decode=CHANGED_DECODE) -> int:
     """Move the timed rows of `anchors` ((competitor, family, L)) and of `changed`
     ((competitor pattern, family pattern, shortest L), rows of runs before `CODE_EPOCH`, timed
     or failed with an error: a fault of the old code says nothing of the new, and a row that
     broke the CUDA context would otherwise stay, `retry_errors`) from `res["rows"]` to
     `res["earlier"]` (each with `again`: "anchor" or "changed"), so that a resumed run measures
-    them again; `anchor_drift` then compares the timed two. Returns how many moved."""
+    them again; `anchor_drift` then compares the timed two. The decode rows of `changed_decode`
+    (method patterns, runs before `CODE_EPOCH`) go to `res["earlier_decode"]` likewise
+    (`decode_drift`). Returns how many moved."""
     want = {tuple(a) for a in anchors}
     kept, moved = [], []
     for r in res["rows"]:
@@ -1399,7 +1406,23 @@ def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED) -> int:
             kept.append(r)
     res["rows"] = kept
     res.setdefault("earlier", []).extend(moved)
-    return len(moved)
+    stay, gone = [], []
+    for r in res.get("decode", []):
+        old = run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and matches(r["method"], changed_decode)
+        (gone if old else stay).append(r)
+    if gone:
+        res["decode"] = stay
+        res.setdefault("earlier_decode", []).extend({**r, "again": "changed"} for r in gone)
+    return len(moved) + len(gone)
+
+
+def decode_drift(res: dict) -> list[dict]:
+    """Each decode row measured again (`measure_again`) against its earlier eager time."""
+    now = {r["method"]: r for r in res.get("decode", [])}
+    return [{"method": old["method"], "earlier_ms": old["seconds"] * 1e3, "now_ms": now[old["method"]]["seconds"] * 1e3,
+             "ratio": now[old["method"]]["seconds"] / old["seconds"]}
+            for old in res.get("earlier_decode", [])
+            if old.get("seconds") and now.get(old["method"], {}).get("seconds")]
 
 
 def anchor_drift(res: dict) -> list[dict]:
@@ -1463,6 +1486,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
            "positions_frozen": True, "rows": rows,
            "decode": old.get("decode", []) if old else [], "sync": old.get("sync", []) if old else [],
            "earlier": old.get("earlier", []) if old else [],
+           **({"earlier_decode": old["earlier_decode"]} if old and old.get("earlier_decode") else {}),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if cfg.smoke:
         res["note"] = "SMOKE RUN at toy sizes on " + dev.type + ": tests the harness, measures nothing"
@@ -1893,6 +1917,9 @@ def print_check(res: dict, log=print) -> int:
                else "its code changed since (gpu.CHANGED; two machines: see the anchors)")
         log(f"measured again: {d['competitor']} {d['family']} L={d['L']}: {d['earlier_ms']:.3g} ms earlier, "
             f"{d['now_ms']:.3g} ms now ({d['ratio']:.3f}x): {why}")
+    for d in decode_drift(res):
+        log(f"measured again: decode {d['method']}: {d['earlier_ms']:.3g} ms earlier, {d['now_ms']:.3g} ms now "
+            f"({d['ratio']:.3f}x): its code changed since (gpu.CHANGED_DECODE; two machines: see the anchors)")
     return 0 if n["fail"] == 0 and n["missing"] == 0 else 1
 
 
