@@ -1102,8 +1102,8 @@ def test_changed_rows_that_failed_are_measured_again_too():
 
 
 def test_changed_decode_rows_are_measured_again_and_their_drift_printed(capsys):
-    """`gpu.CHANGED_DECODE`: a resumed session moves the decode rows of older runs whose code
-    changed to `earlier_decode` (the KV rows stay), so the decode section times them again, and
+    """`gpu.CHANGED_DECODE`: a resumed session moves the decode rows of older runs that match it
+    to `earlier_decode` (here the states' only), so the decode section times them again, and
     --check prints each one's old and new eager time."""
     decode = [{"method": "state-linear (alibi, nprf)", "kind": "constant", "seconds": 5e-4, "run": 0, "context": 64},
               {"method": "state-soe (kerple_log, nprf), PyTorch ops", "kind": "constant", "seconds": 1.6e-3, "run": 0,
@@ -1112,7 +1112,7 @@ def test_changed_decode_rows_are_measured_again_and_their_drift_printed(capsys):
               {"method": "state-band (t5, nprf)", "kind": "constant", "seconds": 6e-4, "run": 1,
                "context": 64}]  # the new epoch's
     res = {**_result([], decode=decode), "envs": [{"device": "X"}, {"device": "X", "code_epoch": gpu.CODE_EPOCH}]}
-    assert gpu.measure_again(res, anchors=(), changed=()) == 2
+    assert gpu.measure_again(res, anchors=(), changed=(), changed_decode=("state-*",)) == 2
     assert [r["method"] for r in res["decode"]] == ["kv-cache (alibi, softmax)", "state-band (t5, nprf)"]
     assert [r["again"] for r in res["earlier_decode"]] == ["changed", "changed"]
     res["decode"].append({"method": "state-linear (alibi, nprf)", "kind": "constant", "seconds": 3e-4, "run": 1,
@@ -1121,7 +1121,8 @@ def test_changed_decode_rows_are_measured_again_and_their_drift_printed(capsys):
     assert d["method"] == "state-linear (alibi, nprf)" and d["ratio"] == pytest.approx(0.6)
     gpu.print_check(res)
     assert "measured again: decode state-linear (alibi, nprf): 0.5 ms earlier, 0.3 ms now (0.600x)" in capsys.readouterr().out
-    assert gpu.measure_again(res, anchors=(), changed=()) == 0
+    assert gpu.measure_again(res, anchors=(), changed=(), changed_decode=("state-*",)) == 0
+    assert all(gpu.matches(m, gpu.CHANGED_DECODE) for m in ("state-soe (kerple_log, nprf)", "kv-cache (alibi, softmax)"))
 
 
 def test_the_rows_that_faulted_before_the_key_tile_fix_are_in_changed():

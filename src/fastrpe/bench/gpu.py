@@ -1376,8 +1376,9 @@ CHANGED = (("fastrpe-fft", "*", 0), ("fastrpe-auto", "learned*", 0), ("fastrpe-t
 #: decode rows (`decode_rows`' methods, fnmatch patterns) whose code changed since, moved as
 #: `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its constants from
 #: one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on the CPU, the
-#: geometric state), so the three constant-size states' eager steps, fused and not, are timed again.
-CHANGED_DECODE = ("state-*",)
+#: geometric state), so the three constant-size states' eager steps, fused and not, are timed
+#: again, and the KV-cache steps with them: the criterion's ratio, from one machine.
+CHANGED_DECODE = ("state-*", "kv-cache*")
 
 
 def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED, changed_decode=CHANGED_DECODE) -> int:
