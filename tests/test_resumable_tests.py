@@ -92,3 +92,26 @@ def test_gpu_run_sh_runs_the_tests_again_after_a_broken_context(tmp_path):
     assert (root.get("tests"), root.get("failures")) == ("3", "1")
     cases = sorted(c.get("name") for c in root.iter("testcase"))
     assert cases == ["test_a", "test_b", "test_c"]
+
+
+def test_the_sixteen_bit_modes_that_failed_are_left_out_of_the_bench(tmp_path):
+    """`gpu_tests_xml.py --faulty-rows`: the bench's patterns of the 16-bit modes whose float64
+    test failed or errored (gpu_run.sh adds them to --skip), none for passes or other tests."""
+    from _benchmarks import load_benchmark
+
+    xml = tmp_path / "t.xml"
+    name = "test_sixteen_bit_products_match_float64_at_4096"
+    xml.write_text(f"""<testsuites><testsuite name="pytest" tests="5">
+<testcase classname="tests.test_gpu" name="{name}[triton_soe-bf16x3]"><failure message="x"/></testcase>
+<testcase classname="tests.test_gpu" name="{name}[triton_tiled-bf16x3]"><error message="CUDA error"/></testcase>
+<testcase classname="tests.test_gpu" name="{name}[triton_tiled-bf16-features]"/>
+<testcase classname="tests.test_gpu" name="{name}[triton_chunked-bf16x3]"><skipped message="s"/></testcase>
+<testcase classname="tests.test_gpu" name="test_backend_matches_float64_reference_at_4096_bf16[x]"><failure/></testcase>
+</testsuite></testsuites>""")
+    mod = load_benchmark("gpu_tests_xml")
+    assert mod.faulty_rows(xml) == ["fastrpe-triton_soe+bf16x3*", "fastrpe-triton_tiled+bf16x3*"]
+    assert mod.faulty_rows(tmp_path / "absent.xml") == []
+    from fastrpe.bench import gpu
+
+    assert gpu.matches("fastrpe-triton_tiled+bf16x3+cudagraphs", mod.faulty_rows(xml))
+    assert not gpu.matches("fastrpe-triton_tiled+bf16-features", mod.faulty_rows(xml))
