@@ -670,8 +670,10 @@ keep_log() {
 # test that breaks the CUDA context (an illegal memory access) stops its process after it
 # (tests/conftest.py, FASTRPE_TESTS_DONE) and a new process runs the tests not finished yet,
 # up to 6 processes: on the H100 of 2026-11-27 the third of 57 tests faulted, and the 54 after
-# it failed with its error, saying nothing of their own kernels. SIGINT at the time limit:
-# pytest still prints every failure so far. Returns the last process's exit status.
+# it failed with its error, saying nothing of their own kernels. A process that dies inside a
+# test (the list's last line "# running <test>": no teardown recorded) counts that test as done
+# and goes on the same way. SIGINT at the time limit: pytest still prints every failure so
+# far. Returns the last process's exit status.
 # (BENCH_DIR: where gpu_tests_xml.py is, for tests/test_resumable_tests.py, which runs this
 # function alone.)
 gpu_tests() {
@@ -691,6 +693,10 @@ gpu_tests() {
         FASTRPE_TESTS_DONE="$parts/done" timeout -s INT -k 10 "$left" python3 -m pytest "$@" \
             --junitxml="$parts/$try.xml" 2>&1 | tee -a "$log" | tail -60
         rc=${PIPESTATUS[0]}
+        if [ "$rc" -ne 2 ] && tail -n 1 "$parts/done" | grep -q '^# running '; then  # (2: interrupted, the time)
+            local died; died=$(tail -n 1 "$parts/done" | cut -c11-)
+            printf '%s\n# stopped: the process died in %s\n' "$died" "$died" >> "$parts/done"
+        fi
         [ "$(grep -c '^# stopped' "$parts/done")" -gt "$stops" ] || break
         echo "GPU tests: $(grep '^# stopped' "$parts/done" | tail -n 1 | cut -c3-); process $(( try + 1 )) runs the rest" \
             | tee -a "$log"

@@ -33,7 +33,8 @@ def merge(paths: list[Path]) -> ET.Element:
             continue
         tree = ET.parse(path).getroot()
         for suite in [tree] if tree.tag == "testsuite" else tree.iter("testsuite"):
-            suite.set("name", f"{suite.get('name', 'pytest')} (process {n} of the run)")
+            num = path.stem if path.stem.isdigit() else n  # (gpu_tests names them by process)
+            suite.set("name", f"{suite.get('name', 'pytest')} (process {num} of the run)")
             for key in COUNTS:
                 totals[key] += int(suite.get(key, 0))
             root.append(suite)

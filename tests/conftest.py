@@ -18,11 +18,13 @@ if not torch.cuda.is_available():
 #: is appended to the file; a session started with the same file leaves out the tests already
 #: in it; and a test whose failure broke the CUDA context (an illegal memory access: every
 #: later CUDA call of the process fails with the same error) stops the session after it, with
-#: STOPPED_FOR_CONTEXT as the file's last line, so that the script starts a new process for
-#: the rest. On the H100 of 2026-11-27 the third test of 57 faulted, and the 54 after it failed
-#: with its error, saying nothing of their own kernels.
+#: a STOPPED_FOR_CONTEXT line, so that the script starts a new process for the rest. On the
+#: H100 of 2026-11-27 the third test of 57 faulted, and the 54 after it failed with its error,
+#: saying nothing of their own kernels. Each test's start is a RUNNING line: a process that dies
+#: in a test (no teardown recorded) leaves it last, and the script counts that test as done.
 TESTS_DONE = "FASTRPE_TESTS_DONE"
 STOPPED_FOR_CONTEXT = "# stopped: the CUDA context broke in "
+RUNNING = "# running "
 
 
 def tests_done(path: str) -> set[str]:
@@ -55,6 +57,14 @@ def pytest_runtest_logreport(report):
     if done and report.when == "teardown":
         with open(done, "a") as f:
             f.write(report.nodeid + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """FASTRPE_TESTS_DONE: the test about to run, as a RUNNING line."""
+    done = os.environ.get(TESTS_DONE)
+    if done:
+        with open(done, "a") as f:
+            f.write(RUNNING + nodeid + "\n")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -46,7 +46,9 @@ def test_a_broken_cuda_context_stops_the_run_and_the_next_one_runs_the_rest(tmp_
     assert "1 failed, 1 passed" in first.stdout, first.stdout + first.stderr
     assert "test_c" not in first.stdout  # not run: it would have failed with test_b's error
     lines = done.read_text().splitlines()
-    assert lines == ["test_k.py::test_a", conftest.STOPPED_FOR_CONTEXT + "test_k.py::test_b", "test_k.py::test_b"]
+    assert lines == [conftest.RUNNING + "test_k.py::test_a", "test_k.py::test_a",
+                     conftest.RUNNING + "test_k.py::test_b", conftest.STOPPED_FOR_CONTEXT + "test_k.py::test_b",
+                     "test_k.py::test_b"]
     assert conftest.tests_done(str(done)) == {"test_k.py::test_a", "test_k.py::test_b"}
 
     second = _pytest(tmp_path, done)
@@ -73,25 +75,40 @@ def _gpu_tests_function() -> str:
     return "\n".join(lines[start:end + 1])
 
 
+#: TESTS, then a test whose process dies in it (no teardown, no report) and one after it
+CRASH = TESTS + '''
+
+def test_d():
+    import os
+    os._exit(3)
+
+
+def test_e():
+    pass
+'''
+
+
 def test_gpu_run_sh_runs_the_tests_again_after_a_broken_context(tmp_path):
-    """The script's loop, on the same three tests: two processes, every test run once, one
-    junit XML of both, the last process's status."""
+    """The script's loop on TESTS and a process that dies in a test: three processes (after
+    test_b's fault, after test_d's death), every test run once, one junit XML of the processes
+    that wrote one, the last process's status."""
     (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
-    (tmp_path / "test_k.py").write_text(TESTS)
+    (tmp_path / "test_k.py").write_text(CRASH)
     script = (f"{_gpu_tests_function()}\n"
               f"gpu_tests 100 {tmp_path}/log.txt {tmp_path}/all.xml -q -p no:cacheprovider test_k.py; echo rc=$?\n")
     env = {**os.environ, "BENCH_DIR": str(BENCHMARKS), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop(conftest.TESTS_DONE, None)
     r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
     log = (tmp_path / "log.txt").read_text()
-    assert "process 2 runs the rest" in log and "1 passed, 2 deselected" in log, log + r.stderr
-    assert r.stdout.strip().endswith("rc=0"), r.stdout  # the second process passed
+    assert "process 2 runs the rest" in log and "the process died in test_k.py::test_d; process 3" in log, log
+    assert "1 passed, 4 deselected" in log, log + r.stderr  # the third: test_e alone
+    assert r.stdout.strip().endswith("rc=0"), r.stdout  # the third process passed
     root = ET.parse(tmp_path / "all.xml").getroot()
+    # (the second process died before writing its XML: test_c's pass is in the log only)
     assert [s.get("name") for s in root.iter("testsuite")] == ["pytest (process 1 of the run)",
-                                                                "pytest (process 2 of the run)"]
+                                                                "pytest (process 3 of the run)"]
     assert (root.get("tests"), root.get("failures")) == ("3", "1")
-    cases = sorted(c.get("name") for c in root.iter("testcase"))
-    assert cases == ["test_a", "test_b", "test_c"]
+    assert sorted(c.get("name") for c in root.iter("testcase")) == ["test_a", "test_b", "test_e"]
 
 
 def test_the_sixteen_bit_modes_that_failed_are_left_out_of_the_bench(tmp_path):

@@ -1920,7 +1920,8 @@ def print_check(res: dict, log=print) -> int:
             f"{d['now_ms']:.3g} ms now ({d['ratio']:.3f}x): {why}")
     for d in decode_drift(res):
         log(f"measured again: decode {d['method']}: {d['earlier_ms']:.3g} ms earlier, {d['now_ms']:.3g} ms now "
-            f"({d['ratio']:.3f}x): its code changed since (gpu.CHANGED_DECODE; two machines: see the anchors)")
+            f"({d['ratio']:.3f}x): timed again (gpu.CHANGED_DECODE: the states' steps changed, the KV steps "
+            "for a ratio from one machine; two machines: see the anchors)")
     return 0 if n["fail"] == 0 and n["missing"] == 0 else 1
 
 

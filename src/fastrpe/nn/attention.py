@@ -425,7 +425,7 @@ class MultiheadAttention(nn.Module):
         sources.append(w)
         if kind == "linear" and term is not None:
             sources += self._tensors(term)
-        extra = (kind, x.dtype, x.device, FUSED_STEP, type(kern), getattr(kern, "normalize", None),
+        extra = (kind, x.dtype, x.device, FUSED_STEP, STEP_FUSE_MAX_BYTES, type(kern), getattr(kern, "normalize", None),
                  getattr(kern, "input_scale", None), getattr(kern, "two_sided", None))
         return self._memoized("fused_step", sources, extra, lambda: self._build_fused_step(x, state, kind))
 
