@@ -175,8 +175,9 @@ def fused_step():
 
 
 def host_time(step, kern, repeats: int, warmup: int) -> float:
-    """Median µs of `step()` with its fused kernel's launches counted, not run (`kern.skip`)."""
-    kern.skip = True
+    """Median µs of `step()` with its fused kernel's launches counted, not run (`kern.skip`);
+    an error if a step launched no kernel (it took the PyTorch ops: nothing fused to time)."""
+    kern.skip, n0 = True, kern.n
     try:
         for _ in range(warmup):
             step()
@@ -187,6 +188,8 @@ def host_time(step, kern, repeats: int, warmup: int) -> float:
             times.append(time.perf_counter() - t0)
     finally:
         kern.skip = False
+    if kern.n - n0 < warmup + repeats:
+        raise RuntimeError(f"{kern.n - n0} fused launches in {warmup + repeats} steps: the step did not take the kernel")
     return statistics.median(times) * 1e6
 
 

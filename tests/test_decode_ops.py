@@ -165,3 +165,32 @@ def test_a_decode_step_dispatches_no_more_ops_than_measured(family, backend, kin
     assert type(st) is kind
     limit = MAX_OPS[kind.__name__]
     assert n <= limit, f"{kind.__name__}: {n} aten ops per step, more than the {limit - 4} measured (+4)"
+
+
+def test_host_timing_stubs_the_fused_launch_and_times_each_state():
+    """`decode_ops.py --host` (`measure_host`): each constant-size state's fused step timed on
+    the CPU with its Triton launch counted, not run (at small widths), and the launches then
+    run again (`skip` restored)."""
+    from dataclasses import replace
+
+    from fastrpe.bench.gpu import GpuConfig
+
+    mod = load_benchmark("decode_ops")
+    cfg = replace(GpuConfig(decode_context=64, decode_prompt=16, device="cpu"), H=1, D=4, features=2)
+    got = mod.measure_host(cfg, torch.float32, repeats=3, warmup=1)
+    assert sorted(got) == sorted(n + mod.FUSED for n in ("state-linear (alibi, nprf)", "state-soe (kerple_log, nprf)",
+                                                         "state-band (t5, nprf)"))
+    assert all(0 < us < 1e6 for us in got.values())
+    calls = []
+
+    class Kern:
+        skip, n = False, 0
+
+    def step(launch=True):
+        calls.append(Kern.skip)
+        Kern.n += launch
+
+    mod.host_time(step, Kern, repeats=2, warmup=1)
+    assert calls == [True, True, True] and Kern.skip is False
+    with pytest.raises(RuntimeError, match="did not take the kernel"):
+        mod.host_time(lambda: step(launch=False), Kern, repeats=2, warmup=1)
