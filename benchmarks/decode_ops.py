@@ -174,6 +174,16 @@ def fused_step():
         attention.FUSED_STEP = mode
 
 
+def median_us(step, repeats: int) -> float | None:
+    """Median µs of `repeats` calls of `step()` (None for none)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6 if times else None
+
+
 def host_time(step, kern, repeats: int, warmup: int) -> float:
     """Median µs of `step()` with its fused kernel's launches counted, not run (`kern.skip`);
     an error if a step launched no kernel (it took the PyTorch ops: nothing fused to time)."""
@@ -181,16 +191,12 @@ def host_time(step, kern, repeats: int, warmup: int) -> float:
     try:
         for _ in range(warmup):
             step()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        us = median_us(step, repeats)
     finally:
         kern.skip = False
     if kern.n - n0 < warmup + repeats:
         raise RuntimeError(f"{kern.n - n0} fused launches in {warmup + repeats} steps: the step did not take the kernel")
-    return statistics.median(times) * 1e6
+    return us
 
 
 def measure_host(cfg, dtype, repeats: int, warmup: int) -> dict[str, float]:
@@ -223,13 +229,9 @@ def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
             if kern:
                 kern.skip = False
                 row.update(triton_launches=kern.n - n0, launches=c.launches + kern.n - n0)
-            times = []
             interpreted = kern and os.environ.get("TRITON_INTERPRET") == "1"
-            for _ in range(0 if interpreted else repeats):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-        row.update(us_per_step=statistics.median(times) * 1e6 if times else None, op_counts=c.by_name())
+            us = median_us(step, 0 if interpreted else repeats)
+        row.update(us_per_step=us, op_counts=c.by_name())
         out.append(row)
     return out
 

@@ -37,14 +37,13 @@ def tests_done(path: str) -> set[str]:
 
 
 def cuda_context_broken() -> bool:
-    """Whether this process's CUDA context is unusable: a synchronize raises once a kernel faulted."""
+    """Whether this process's CUDA context is unusable (`fastrpe.bench.runner.context_lost`, the
+    bench's own check); False where the process never started one."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return False
-    try:
-        torch.cuda.synchronize()
-    except Exception:  # noqa: BLE001 - any error here means the context cannot go on
-        return True
-    return False
+    from fastrpe.bench.runner import context_lost
+
+    return context_lost(torch.device("cuda", torch.cuda.current_device()))
 
 
 def pytest_runtest_logreport(report):

@@ -31,8 +31,11 @@ def test_c():
 '''
 
 
-def _pytest(where: Path, done: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, conftest.TESTS_DONE: str(done)}
+def _pytest(where: Path, done: Path | None) -> subprocess.CompletedProcess:
+    """pytest on `where`'s test_k.py, resumable through `done` (None: not resumable)."""
+    env = {k: v for k, v in os.environ.items() if k != conftest.TESTS_DONE}
+    if done is not None:
+        env[conftest.TESTS_DONE] = str(done)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_k.py"], cwd=where,
                           env=env, capture_output=True, text=True, timeout=120, check=False)
 
@@ -60,9 +63,7 @@ def test_a_broken_cuda_context_stops_the_run_and_the_next_one_runs_the_rest(tmp_
 def test_without_the_file_nothing_is_recorded_and_a_failure_does_not_stop_the_run(tmp_path):
     (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
     (tmp_path / "test_k.py").write_text(TESTS)
-    env = {k: v for k, v in os.environ.items() if k != conftest.TESTS_DONE}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_k.py"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    r = _pytest(tmp_path, None)
     assert "1 failed, 2 passed" in r.stdout, r.stdout + r.stderr
     assert not any(p.name == "done.txt" for p in tmp_path.iterdir())
 
