@@ -133,3 +133,37 @@ def test_the_sixteen_bit_modes_that_failed_are_left_out_of_the_bench(tmp_path):
 
     assert gpu.matches("fastrpe-triton_tiled+bf16x3+cudagraphs", mod.faulty_rows(xml))
     assert not gpu.matches("fastrpe-triton_tiled+bf16-features", mod.faulty_rows(xml))
+
+
+#: a test that outlasts the budget
+SLOW = """
+import time
+
+
+def test_a():
+    pass
+
+
+def test_slow():
+    time.sleep(60)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_gpu_run_sh_says_the_budget_stopped_the_tests_not_that_the_process_died(tmp_path):
+    """The budget's interrupt (timeout's SIGINT; its exit status 124) leaves a test running in
+    the list: that is the budget's stop, said as such, and no process starts after it (the
+    sixth H100 session's log said "the process died" there)."""
+    (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
+    (tmp_path / "test_k.py").write_text(SLOW)
+    script = (f"{_gpu_tests_function()}\n"
+              f"gpu_tests 16 {tmp_path}/log.txt {tmp_path}/all.xml -q -p no:cacheprovider test_k.py; echo rc=$?\n")
+    env = {**os.environ, "BENCH_DIR": str(BENCHMARKS), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop(conftest.TESTS_DONE, None)
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    log = (tmp_path / "log.txt").read_text()
+    assert "GPU tests: the budget stopped them in test_k.py::test_slow" in log, log + r.stderr
+    assert "died" not in log and "process 2" not in log, log

@@ -1329,23 +1329,28 @@ def retry_errors(rows: list[dict], cfg: GpuConfig | None = None) -> list[dict]:
 #: rows a session resuming another's JSON measures again (`measure_again`), whose old and new
 #: times tell how far two sessions' machines differ: one row of each kind, short and long, of
 #: code that does not change with fastrpe's (until 2026-11-27 the long one was triton_chunked's
-#: ALiBi row, which `CHANGED` now measures again for its own reason; 2026-11-26 -> 27: Flex
-#: 0.856 -> 0.990 ms, triton_chunked 5.85 -> 5.99 ms). Since the fourth session (2026-11-27,
-#: whose 64k rows were set against the third's Flex: "rows timed on two machines") also Flex at
-#: 64k on the families whose ratio criteria read it, so that with `CHANGED` each ratio's two
-#: rows come from one machine, as the issue asks.
-ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
-           *(("flex", fam, L_CHECK) for fam in ("alibi", "kerple_log", "kerple_power", "t5", "learned")))
+#: ALiBi row, which `CHANGED` measured again for its own reason; 2026-11-26 -> 27: Flex 0.856 ->
+#: 0.990 ms, triton_chunked 5.85 -> 5.99 ms). From the fourth to the sixth session Flex at 64k
+#: was an anchor too, so that each ratio's two rows came from one machine; but a Flex row moved
+#: while its fastrpe rows stayed set the two against each other across machines again (the
+#: sixth session's KERPLE rows, both sides from one run, would have lost that): `PAIR_LENGTHS`
+#: does it per problem instead.
+ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK))
+#: the ratio criteria's lengths where a resumed session measures a problem's Flex and fastrpe
+#: rows again, all of them, when the rows a criterion reads are not both timed on one machine
+#: (`unpaired`): the issue asks for ratios measured in the same run
+PAIR_LENGTHS = (L_CHECK, L_LONG)
 
 
 #: rows whose code changed since the last GPU session's JSON, (competitor, family) fnmatch
-#: patterns and the shortest L: a session resuming that JSON measures them again
+#: patterns, the shortest L and the epoch of the change: a session resuming that JSON measures
+#: again the rows of runs before that epoch
 #: (`measure_again`), their earlier rows kept beside, which --check prints as what the change
 #: did (across two machines: read it beside the anchors' drift). 2026-11-27 (after the third
 #: H100 session): the blocked scan's carries became one kernel, and STATE_SCAN's default
 #: "auto" runs triton_chunked's and triton_band's passes blocked from 16k tokens, and
-#: triton_band (one term) keeps its states for the backward (`triton_soe.SAVE_STATES_BYTES`). Only rows of
-#: runs before `CODE_EPOCH` (each run records its `code_epoch`) move: bump it with CHANGED.
+#: triton_band (one term) keeps its states for the backward (`triton_soe.SAVE_STATES_BYTES`). Each run records
+#: its `code_epoch`: a change bumps CODE_EPOCH and names the new epoch in its entries.
 #: Epoch 2 (after the fourth session, 2026-11-27): triton_prf's products default to "tf32x3"
 #: (the fourth session's PRF sweep), which every fastrpe Triton row's feature maps run, and the
 #: SoE fit takes fewer terms (KERPLE log 11 at 64k instead of 16, power 9 instead of 12: the
@@ -1370,46 +1375,88 @@ ANCHORS = (("flex", "alibi", L_SHORT), ("sdpa", "none", L_CHECK),
 #: those bf16x3 rows, which had faulted and stayed, are measured again, and so is triton_tiled's
 #: (learned, 4k), which faulted in the fourth session, before epoch 3's fix of the key-tile
 #: kernels; the fifth's GPU tests passed it pinned to 4 and 8 warps at one stage.
-CODE_EPOCH = 4
-CHANGED = (("fastrpe-fft", "*", 0), ("fastrpe-auto", "learned*", 0), ("fastrpe-triton_soe+bf16x3", "*", 0),
-           ("fastrpe-triton_band+bf16x3", "*", 0), ("fastrpe-triton_tiled+bf16x3", "*", 0))
-#: decode rows (`decode_rows`' methods, fnmatch patterns) whose code changed since, moved as
-#: `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its constants from
-#: one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on the CPU, the
-#: geometric state), so the three constant-size states' eager steps, fused and not, are timed
-#: again, and the KV-cache steps with them: the criterion's ratio, from one machine.
-CHANGED_DECODE = ("state-*", "kv-cache*")
+#: Epoch 5 (after the sixth session, which ran epoch 4; 2026-11-27): each entry now says the
+#: epoch whose code changed (its fourth field), so that a session's rows of that epoch stay
+#: however many epochs later; and fla's row, which the third session's fault kept from running
+#: ever since (a row that broke the CUDA context under the same versions keeps its competitor
+#: out, `lost_elsewhere`), is measured again: the bench has pruned fla's oversized tiles
+#: (`prune_fla_oversized_tiles`) since the fifth session, whose probe passed with them pruned.
+CODE_EPOCH = 5
+CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
+           ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
+           ("fla-chunk_simple_gla", "*", 0, 5))
+#: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
+#: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
+#: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
+#: the CPU, the geometric state), so the three constant-size states' eager steps, fused and
+#: not, are timed again, and the KV-cache steps with them: the criterion's ratio, from one
+#: machine.
+CHANGED_DECODE = (("state-*", 4), ("kv-cache*", 4))
 
 
-def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED, changed_decode=CHANGED_DECODE) -> int:
-    """Move the timed rows of `anchors` ((competitor, family, L)) and of `changed`
-    ((competitor pattern, family pattern, shortest L), rows of runs before `CODE_EPOCH`, timed
-    or failed with an error: a fault of the old code says nothing of the new, and a row that
-    broke the CUDA context would otherwise stay, `retry_errors`) from `res["rows"]` to
-    `res["earlier"]` (each with `again`: "anchor" or "changed"), so that a resumed run measures
-    them again; `anchor_drift` then compares the timed two. The decode rows of `changed_decode`
-    (method patterns, runs before `CODE_EPOCH`) go to `res["earlier_decode"]` likewise
-    (`decode_drift`). Returns how many moved."""
+def _since(entry: tuple, n: int) -> tuple[tuple, int]:
+    """(the pattern fields, the epoch whose code changed) of a `CHANGED` (n = 3) or
+    `CHANGED_DECODE` (n = 1) entry; one without its epoch is `CODE_EPOCH`'s."""
+    entry = (entry,) if isinstance(entry, str) else tuple(entry)
+    return entry[:n], (entry[n] if len(entry) > n else CODE_EPOCH)
+
+
+def unpaired(res: dict, lengths=PAIR_LENGTHS) -> set[tuple[str, int]]:
+    """(family, L) at `lengths` whose Flex row and the fastest fastrpe row its ratio criteria
+    read (`best_fastrpe`: exact, or within ACCURACY_TOL for the KERPLEs) were not timed on one
+    machine, or where one of the two is timed and the other is not."""
+    out = set()
+    for fam in FAMILIES:
+        for L in lengths:
+            ref = _row(res, fam, L, "flex")
+            ref = ref if ref is not None and ref.get("seconds") else None
+            kerple = fam in ("kerple_log", "kerple_power")
+            b = best_fastrpe(res, fam, L, exact_only=not kerple, tol=ACCURACY_TOL if kerple else None)
+            if ref is None and b is None:
+                continue
+            if ref is None or b is None or run_versions(res, ref).get("machine") != run_versions(res, b[1]).get("machine"):
+                out.add((fam, L))
+    return out
+
+
+def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED, changed_decode=CHANGED_DECODE,
+                  pair_lengths=PAIR_LENGTHS) -> int:
+    """Move from `res["rows"]` to `res["earlier"]` (each with `again`), so that a resumed run
+    measures them again: the timed rows of `anchors` ((competitor, family, L); "anchor"); the
+    rows of `changed` ((competitor pattern, family pattern, shortest L, epoch)) of runs before
+    that epoch, timed or failed with an error (a fault of the old code says nothing of the new,
+    and a row that broke the CUDA context would otherwise stay, `retry_errors`; "changed");
+    and, at `pair_lengths`, every timed Flex and fastrpe row of each problem whose ratio's two
+    sides are not from one machine (`unpaired`; "pair"). `anchor_drift` then compares each
+    with its new time. The decode rows of `changed_decode` ((method pattern, epoch)) go to
+    `res["earlier_decode"]` likewise (`decode_drift`). Returns how many moved."""
     want = {tuple(a) for a in anchors}
+    pairs = unpaired(res, pair_lengths) if pair_lengths else set()
+    changed = [_since(c, 3) for c in changed]
     kept, moved = [], []
     for r in res["rows"]:
         key = (r["competitor"], r["problem"]["position"], r["problem"]["L"])
+        epoch = run_versions(res, r).get("code_epoch", 0)
         why = None
         if r.get("seconds") and key in want:
             why = "anchor"
-        elif (r.get("seconds") or r.get("skipped", "").startswith("error:")) \
-                and run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and any(
-                    matches(key[0], (c,)) and matches(key[1], (f,)) and key[2] >= L for c, f, L in changed):
+        elif (r.get("seconds") or r.get("skipped", "").startswith("error:")) and any(
+                epoch < since and matches(key[0], (c,)) and matches(key[1], (f,)) and key[2] >= L
+                for (c, f, L), since in changed):
             why = "changed"
+        elif r.get("seconds") and key[1:] in pairs and (key[0] == "flex" or key[0].startswith("fastrpe-")):
+            why = "pair"
         if why:
             moved.append({**r, "again": why})
         else:
             kept.append(r)
     res["rows"] = kept
     res.setdefault("earlier", []).extend(moved)
+    changed_decode = [_since(c, 1) for c in changed_decode]
     stay, gone = [], []
     for r in res.get("decode", []):
-        old = run_versions(res, r).get("code_epoch", 0) < CODE_EPOCH and matches(r["method"], changed_decode)
+        epoch = run_versions(res, r).get("code_epoch", 0)
+        old = any(epoch < since and matches(r["method"], pats) for pats, since in changed_decode)
         (gone if old else stay).append(r)
     if gone:
         res["decode"] = stay
