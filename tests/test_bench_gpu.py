@@ -1170,6 +1170,12 @@ def test_a_ratio_whose_two_sides_are_from_two_machines_is_measured_again_whole()
         ("t5", "flex")}
     assert {r["again"] for r in res["earlier"]} == {"pair"}
     assert gpu.unpaired(res, (L,)) == set()  # what stays is paired (fla's row is not Flex's pair)
+    # a fastrpe row of changed code moves first; the Flex row it leaves alone follows it
+    res["envs"][1]["code_epoch"] = 1
+    assert gpu.measure_again(res, anchors=(), changed=(("fastrpe-triton_soe", "*", 0, 2),), changed_decode=(),
+                             pair_lengths=(L,)) == 3
+    assert [(r["competitor"], r["again"]) for r in res["earlier"][-3:]] == [
+        ("fastrpe-triton_soe", "changed"), ("flex", "pair"), ("fastrpe-auto", "pair")]
 
 
 def test_the_sixth_sessions_json_resumes_with_fla_and_the_unpaired_64k_ratios_measured_again():

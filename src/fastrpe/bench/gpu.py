@@ -1431,26 +1431,39 @@ def measure_again(res: dict, anchors=ANCHORS, changed=CHANGED, changed_decode=CH
     with its new time. The decode rows of `changed_decode` ((method pattern, epoch)) go to
     `res["earlier_decode"]` likewise (`decode_drift`). Returns how many moved."""
     want = {tuple(a) for a in anchors}
-    pairs = unpaired(res, pair_lengths) if pair_lengths else set()
     changed = [_since(c, 3) for c in changed]
-    kept, moved = [], []
-    for r in res["rows"]:
+
+    def why(r) -> str | None:
         key = (r["competitor"], r["problem"]["position"], r["problem"]["L"])
-        epoch = run_versions(res, r).get("code_epoch", 0)
-        why = None
         if r.get("seconds") and key in want:
-            why = "anchor"
-        elif (r.get("seconds") or r.get("skipped", "").startswith("error:")) and any(
+            return "anchor"
+        epoch = run_versions(res, r).get("code_epoch", 0)
+        if (r.get("seconds") or r.get("skipped", "").startswith("error:")) and any(
                 epoch < since and matches(key[0], (c,)) and matches(key[1], (f,)) and key[2] >= L
                 for (c, f, L), since in changed):
-            why = "changed"
-        elif r.get("seconds") and key[1:] in pairs and (key[0] == "flex" or key[0].startswith("fastrpe-")):
-            why = "pair"
-        if why:
-            moved.append({**r, "again": why})
-        else:
-            kept.append(r)
-    res["rows"] = kept
+            return "changed"
+        return None
+
+    def pair(r) -> str | None:  # on the rows `why` leaves: a changed row is no side
+        key = (r["problem"]["position"], r["problem"]["L"])
+        sides = r["competitor"] == "flex" or r["competitor"].startswith("fastrpe-")
+        return "pair" if r.get("seconds") and sides and key in pairs else None
+
+    moved = []
+
+    def move(rule) -> None:
+        kept = []
+        for r in res["rows"]:
+            again = rule(r)
+            if again:
+                moved.append({**r, "again": again})
+            else:
+                kept.append(r)
+        res["rows"] = kept
+
+    move(why)
+    pairs = unpaired(res, pair_lengths) if pair_lengths else set()
+    move(pair)
     res.setdefault("earlier", []).extend(moved)
     changed_decode = [_since(c, 1) for c in changed_decode]
     stay, gone = [], []
