@@ -23,6 +23,11 @@ not change, and which is most of an eager step on a GPU: on the H100 (2026-11-27
 634 µs eager and 20 to 31 µs replayed from a CUDA graph.
 
     python benchmarks/decode_ops.py --out benchmarks/results/decode_ops.json
+
+`--profile STEPS` instead profiles the fused steps' host time with cProfile, on CUDA where
+there is one (`benchmarks/gpu_run.sh first` runs it after the GPU tests):
+
+    python benchmarks/decode_ops.py --profile 200 --dtypes bfloat16 --context 65536
 """
 from __future__ import annotations
 
@@ -236,6 +241,51 @@ def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
     return out
 
 
+def profile_steps(cfg, device, dtype, steps: int, top: int = 25) -> list[str]:
+    """Where an eager fused step's host time goes, on `device` (the H100's eager steps were
+    10-15x their CUDA-graph replays, 2026-11-27): per fused row, the wall µs per step over
+    `steps` steps, then cProfile's `top` functions by own time over as many more. On a CPU
+    the fused kernel's launches are counted, not run (as `host_time`): the interpreter's time
+    would drown the step's own."""
+    import cProfile
+    import io
+    import pstats
+
+    lines = []
+    for name, mha, st, x in cases(cfg, device, dtype):
+        if not name.endswith(FUSED):
+            continue
+        step = lambda: mha.step(x, st)  # noqa: E731
+        with torch.no_grad(), fused_step() as kern:
+            if kern is None:
+                return [f"{name}: no triton here"]
+            kern.skip, n0 = device.type != "cuda", kern.n
+            for _ in range(20):
+                step()
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            us = (time.perf_counter() - t0) / steps * 1e6
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(steps):
+                step()
+            sync()
+            prof.disable()
+            kern.skip = False
+            if kern.n - n0 < 20 + 2 * steps:
+                raise RuntimeError(f"{name}: the step did not take the fused kernel: nothing fused to profile")
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        lines += [f"---- {name} ({dtype}, {device.type}): {us:.1f} µs per eager step over {steps} steps"
+                  + (" (fused launches counted, not run)" if device.type != "cuda" else "") + " ----",
+                  *[ln for ln in buf.getvalue().splitlines() if ln.strip()][3:]]
+    return lines
+
+
 def source_commit() -> str | None:
     """The git commit of the fastrpe being measured (`+dirty` if its sources differ from it)."""
     import subprocess
@@ -269,8 +319,16 @@ def main() -> None:
                     help="also time the fused steps' host code (launches stubbed) at --host-dims")
     ap.add_argument("--host-dims", default="1,4,2", help="H,D,features of the --host timings")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="only profile the fused steps' host time (cProfile) on CUDA if there is one, at the "
+                         "GPU bench's shape and --dtypes' first dtype, STEPS steps each; print and exit")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.profile:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device=device.type)
+        print("\n".join(profile_steps(cfg, device, getattr(torch, a.dtypes.split(",")[0]), a.profile)))
+        return
     dtypes = a.dtypes.split(",")
     cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device="cpu")
     rows = [r for dt in dtypes for r in measure(cfg, torch.device("cpu"), getattr(torch, dt), a.repeats, a.warmup)]

@@ -892,6 +892,13 @@ case "$phase" in
         tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "sixteen_bit or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16"
+    # 1b. where an eager decoding step's host time goes (cProfile, about 15 s, while the warm-up
+    #     ends): the sixth session's fused steps took 307-488 µs eagerly against 21-28 µs replayed
+    #     from a CUDA graph, and the 5x criterion needs about 184 µs; the CPU's own profile
+    #     (`--host`, launches stubbed) leaves CUDA's share out
+    timeout -k 5 60 python3 benchmarks/decode_ops.py --profile 200 --dtypes bfloat16 --context 65536 \
+        > /tmp/decode_profile.log 2>&1
+    keep_log /tmp/decode_profile.log gpu_first.log "the fused decoding steps' host time (decode_ops.py --profile 200)" 120
     # a 16-bit mode that failed its float64 test here is not timed (gpu_tests_xml.py --faulty-rows)
     FAULTY=$(python3 benchmarks/gpu_tests_xml.py --faulty-rows /tmp/gpu_tests.xml)
     skip_rows

@@ -194,3 +194,22 @@ def test_host_timing_stubs_the_fused_launch_and_times_each_state():
     assert calls == [True, True, True] and Kern.skip is False
     with pytest.raises(RuntimeError, match="did not take the kernel"):
         mod.host_time(lambda: step(launch=False), Kern, repeats=2, warmup=1)
+
+
+def test_profiling_the_fused_steps_names_each_state_and_its_host_functions():
+    """`decode_ops.py --profile` (`profile_steps`): per constant-size state, the eager step's µs
+    and cProfile's functions by own time, the fused step's among them (on a CPU with the launch
+    counted, not run)."""
+    from dataclasses import replace
+
+    from fastrpe.bench.gpu import GpuConfig
+
+    mod = load_benchmark("decode_ops")
+    cfg = replace(GpuConfig(decode_context=64, decode_prompt=16, device="cpu"), H=1, D=4, features=2)
+    lines = mod.profile_steps(cfg, torch.device("cpu"), torch.float32, steps=3, top=10)
+    heads = [ln for ln in lines if ln.startswith("---- ")]
+    names = [n + mod.FUSED for n in ("state-linear (alibi, nprf)", "state-soe (kerple_log, nprf)",
+                                     "state-band (t5, nprf)")]
+    assert len(heads) == 3 and all(h.startswith(f"---- {n} (torch.float32, cpu)") for h, n in zip(heads, names))
+    assert all("µs per eager step over 3 steps" in h for h in heads)
+    assert any("_prf_step" in ln for ln in lines) and any("ncalls" in ln for ln in lines)
