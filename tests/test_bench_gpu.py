@@ -668,19 +668,36 @@ def test_a_compiled_row_takes_its_eager_twins_accuracy():
     assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+compiled"
 
 
-def test_precision_variants_count_only_where_no_float32_tolerance_is_judged():
+def test_precision_variants_count_against_a_float32_tolerance_only_where_they_cost_no_bf16_error():
     """A `+bf16x3` or `+bf16-features` row's float32-input error would be its twin's (float32
-    calls never take its products): timed, but not counted against KERPLE's 1e-3; counted for
-    an exact family."""
-    L, acc = 65536, 65536
-    rows = [_row("kerple_log", acc, "fastrpe-triton_soe", 10.0, exact=False, max_abs_err_fp32=1e-5),
-            _row("kerple_log", acc, "fastrpe-triton_soe+bf16x3", 5.0, exact=False, max_abs_err_fp32=1e-5),
-            _row("kerple_log", acc, "fastrpe-triton_soe+bf16-features", 4.0, exact=False),
+    calls never take its products). Against KERPLE's 1e-3 it counts only where its own error
+    with bf16 inputs is no larger than its twin's (its products then cost the bf16 call
+    nothing), and it is judged by its twin's float32 error; without a twin or its errors it does
+    not count. For an exact family it counts as any row."""
+    L = 65536
+    rows = [_row("kerple_log", L, "fastrpe-triton_soe", 10.0, exact=False, max_abs_err_fp32=1e-5, max_abs_err=1e-3),
+            _row("kerple_log", L, "fastrpe-triton_soe+bf16x3", 5.0, exact=False, max_abs_err_fp32=1e-5,
+                 max_abs_err=1e-3),
+            _row("kerple_log", L, "fastrpe-triton_soe+bf16-features", 4.0, exact=False, max_abs_err_fp32=1e-5,
+                 max_abs_err=8e-3),
+            _row("kerple_log", L, "fastrpe-triton_soe+saved-states+bf16x3", 3.0, exact=False, max_abs_err=1e-3),
             _row("alibi", L, "fastrpe-triton_chunked", 6.0, exact=True),
             _row("alibi", L, "fastrpe-triton_chunked+bf16x3", 3.0, exact=True)]
-    assert gpu.best_fastrpe(_result(rows), "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe"
-    assert gpu.best_fastrpe(_result(rows), "kerple_log", L)[0] == "fastrpe-triton_soe+bf16-features"
-    assert gpu.best_fastrpe(_result(rows), "alibi", L, exact_only=True)[0] == "fastrpe-triton_chunked+bf16x3"
+    res = _result(rows)
+    name, row = gpu.best_fastrpe(res, "kerple_log", L, tol=1e-3)
+    assert name == "fastrpe-triton_soe+bf16x3" and row["max_abs_err_fp32"] == 1e-5  # (no saved-states twin)
+    res["rows"].append(_row("kerple_log", L, "fastrpe-triton_soe+saved-states", 9.0, exact=False,
+                            max_abs_err_fp32=2e-3, max_abs_err=1e-3))
+    assert gpu.best_fastrpe(res, "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+bf16x3"  # its twin's 2e-3
+    res["rows"][-1]["max_abs_err_fp32"] = 1e-5
+    assert gpu.best_fastrpe(res, "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+saved-states+bf16x3"
+    rows[1]["max_abs_err"] = 1.1e-3  # its products cost something: out
+    res["rows"].remove(rows[3])
+    assert gpu.best_fastrpe(res, "kerple_log", L, tol=1e-3)[0] == "fastrpe-triton_soe+saved-states"
+    assert gpu.precision_twin("fastrpe-triton_soe+saved-states+bf16x3") == "fastrpe-triton_soe+saved-states"
+    assert gpu.precision_twin("fastrpe-triton_soe+saved-states") is None
+    assert gpu.best_fastrpe(res, "kerple_log", L)[0] == "fastrpe-triton_soe+bf16-features"  # no tolerance
+    assert gpu.best_fastrpe(res, "alibi", L, exact_only=True)[0] == "fastrpe-triton_chunked+bf16x3"
 
 
 def test_a_rows_after_hook_adds_what_its_calls_left_and_the_autotuners_choices(monkeypatch):
