@@ -172,6 +172,12 @@
 # - KERPLE's "at most 2x fla" at 64k needs about 6.7 ms if fla takes the issue's 3.33: the new
 #   row `fastrpe-triton_soe+saved-states+bf16x3` (in the 64k window through '*+bf16x3'), and
 #   16-bit rows now count against KERPLE's 1e-3 where their bf16 error is their twin's;
+# - the autotuners try 4 warps only (1, 2, 3 stages: triton_chunked.TUNE_CONFIGS): of the 103
+#   choices the JSON's rows record, 8 warps won once. Half the compilations per kernel variant
+#   and half the timed configs at each new tuning key; the warm-up keeps six workers, two per
+#   config (gpu_warm.WARM_WORKERS), so it should reach about twice the rows it did;
+# - the fused decoding steps' host time is profiled after the GPU tests (decode_ops.py --profile,
+#   in gpu_first.log): read it before cutting anything from the eager step;
 # - KERPLE at 1M (156 ms power, 240 log; the criterion asks 60 ms "with a decaying term",
 #   which ALiBi's 34 ms meets): per term a full state pass over the keys, forward and
 #   backward; docs/RESULTS.md "Sixth H100 session".

@@ -2,15 +2,16 @@
 in parallel (`fastrpe bench --suite gpu --warm first|rest`).
 
 Why: a GPU session lasts minutes, and a cold bench spends them compiling, one kernel after
-another. Each autotuned Triton kernel of fastrpe compiles once per autotuner config (six:
-`triton_chunked.TUNE_CONFIGS`), again for every new constexpr (the number of SoE terms
+another. Each autotuned Triton kernel of fastrpe compiles once per autotuner config (three
+since 2026-11-27, six before: `triton_chunked.TUNE_CONFIGS`), again for every new constexpr (the number of SoE terms
 changes with L, the term groups at 1M), and compiled FlexAttention compiles forward and
 backward per length. On a 2-core CPU, compiling the tuned kernels' variants for sm_90 takes
 377 s, 70 s for the slowest single config (benchmarks/compile_time.py); the first H100 call
 spent its 220-s bench budget before its third row.
 
-How: one worker process per autotuner config, each with `FASTRPE_TRITON_CONFIG` set to its
-index, runs every Triton row of the pass once, forward and backward. A one-config autotuner
+How: worker processes per autotuner config (`WARM_WORKERS` in all), each with
+`FASTRPE_TRITON_CONFIG` set to its config's index, run every Triton row of the pass once
+between them, forward and backward. A one-config autotuner
 launches that config with exactly the options a full one times it with, so the binaries land
 in Triton's cache under the keys the bench's own autotuning looks up, and the bench only
 times the configs. The rows that compile once whatever the config (Flex through Inductor,
@@ -92,17 +93,31 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
     return sorted(items, key=lambda it: not matches(it[1], cfg.warm_first))
 
 
-def plan(items: list[tuple[Problem, str]], n_configs: int) -> list[list[tuple[Problem, str]]]:
-    """One list per worker (worker i runs autotuner config i): every tuned row, and the shared
-    rows dealt out in turn, each list in the order of `items` but for the `LAST` rows at its end."""
-    out: list[list] = [[] for _ in range(n_configs)]
+#: the warm-up's worker processes at least: with fewer autotuner configs than this, several
+#: workers share a config (worker i runs config i mod the configs' number) and deal its tuned
+#: rows out among them, so that the compilers keep as many CPU cores busy (the H100 machines
+#: have 16)
+WARM_WORKERS = 6
+
+
+def plan(items: list[tuple[Problem, str]], n_configs: int,
+         n_workers: int | None = None) -> list[list[tuple[Problem, str]]]:
+    """One list per worker (`max(n_configs, n_workers)` workers, `WARM_WORKERS` by default;
+    worker i runs autotuner config i mod n_configs): each tuned row once for every config,
+    dealt out in turn among that config's workers, and the shared rows dealt out in turn among
+    all; each list in the order of `items` but for the `LAST` rows at its end."""
+    n = max(n_configs, WARM_WORKERS if n_workers is None else n_workers)
+    out: list[list] = [[] for _ in range(n)]
+    turn = [0] * n_configs  # each config's next worker
     j = 0
     for it in sorted(items, key=lambda it: it[1] in LAST):  # stable: the order kept otherwise
         if tuned(it[1]):
-            for w in out:
-                w.append(it)
+            for c in range(n_configs):
+                mine = range(c, n, n_configs)
+                out[mine[turn[c] % len(mine)]].append(it)
+                turn[c] += 1
         else:
-            out[j % n_configs].append(it)
+            out[j % n].append(it)
             j += 1
     return out
 
@@ -223,7 +238,8 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         log(f"warm-up: nothing left to compile for the {which} pass")
         return {"pass": which, "budget_s": budget_s, "seconds": 0.0, "killed_at_budget": [], "workers": []}
     busy = [w for w in workers if w]
-    log(f"warming the compile caches: {len(busy)} workers (one per autotuner config that has rows), "
+    log(f"warming the compile caches: {len(busy)} workers (worker i runs autotuner config i mod "
+        f"{len(TUNE_CONFIGS)}; those with rows), "
         f"{min(map(len, busy))}-{max(map(len, busy))} rows each, at most {budget_s:g} s")
     auto_dir = tempfile.mkdtemp(prefix="fastrpe-warm-auto-")  # auto's timings, taken beside other workers: thrown away
     procs = {}  # worker index -> (process, log); a worker with nothing to compile is not started
@@ -231,7 +247,8 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     for i in range(len(workers)):
         if not workers[i]:
             continue
-        env = {**os.environ, "FASTRPE_TRITON_CONFIG": str(i), "FASTRPE_CACHE_DIR": auto_dir, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "FASTRPE_TRITON_CONFIG": str(i % len(TUNE_CONFIGS)), "FASTRPE_CACHE_DIR": auto_dir,
+               "PYTHONUNBUFFERED": "1"}
         logf = open(work / f"gpu_warm_{i}.log", "w")  # noqa: SIM115 - the worker's output, closed below
         procs[i] = (subprocess.Popen([sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(i)],
                                      env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True), logf)

@@ -733,14 +733,19 @@ def _state_pass(launch, h: Tensor, z: Tensor, log_g: Tensor, N: int, BT: int, Lk
     launch(NB, h, z, carry, carryz, G, NB, 2)
 
 
-#: (num_warps, num_stages) of the autotuner's configs, in this order
-TUNE_CONFIGS = tuple((w, s) for w in (4, 8) for s in (1, 2, 3))
+#: (num_warps, num_stages) of the autotuner's configs, in this order. 4 warps only since the
+#: sixth H100 session (2026-11-27): of the 103 choices its JSON's rows record (`autotuned`:
+#: every tuned kernel, 4k to 1M tokens, benchmarks/results/gpu/h100-2026-11-27d.json), one
+#: took 8 warps (`_soe_bwd_dkv_kernel`, once), while each config costs a compilation per
+#: kernel variant (the warm-up's workers were 13-35 rows into 62 when its 130 s ran out) and a
+#: timed run at each new tuning key (a 1M row's first call took 56 s)
+TUNE_CONFIGS = tuple((4, s) for s in (1, 2, 3))
 
 
 def tune_configs() -> tuple[tuple[int, int], ...]:
     """The (num_warps, num_stages) pairs the autotuned kernels try: `TUNE_CONFIGS`, or only
     the one at index `$FASTRPE_TRITON_CONFIG` when that is set (read when this module is
-    imported). `fastrpe.bench.gpu_warm` runs one process per config so that the six
+    imported). `fastrpe.bench.gpu_warm` runs processes per config so that the
     compilations of each kernel happen side by side and land in Triton's on-disk cache
     under the keys a full autotuning run looks up: a one-config autotuner launches its
     config with the same options as a full one times it."""
