@@ -176,6 +176,11 @@
 #   choices the JSON's rows record, 8 warps won once. Half the compilations per kernel variant
 #   and half the timed configs at each new tuning key; the warm-up keeps six workers, two per
 #   config (gpu_warm.WARM_WORKERS), so it should reach about twice the rows it did;
+# - the pack left in .gpu_cache (this sandbox) is the union of the sixth session's two returned
+#   packs and the CPU-built one, less the 8-warp variants of the autotuned kernels: everything
+#   in 20.1 MB (fla's 251 kernels, Inductor's 360 files, 672 of fastrpe's), which the 64 MiB
+#   carry holds beside .fla_site and the tree with about 1.4 MB to spare; if the tree grows
+#   past that, pack it again smaller (compile_cache.py pack --max-bytes);
 # - the fused decoding steps' host time is profiled after the GPU tests (decode_ops.py --profile,
 #   in gpu_first.log): read it before cutting anything from the eager step;
 # - KERPLE at 1M (156 ms power, 240 log; the criterion asks 60 ms "with a decaying term",
