@@ -76,6 +76,20 @@ def _gpu_tests_function() -> str:
     return "\n".join(lines[start:end + 1])
 
 
+def _gpu_tests(where: Path, tests: str, budget: int) -> tuple[subprocess.CompletedProcess, str]:
+    """`gpu_tests` (the script's function) on `tests` as `where`/test_k.py, within `budget`
+    seconds: the bash run and the log it wrote."""
+    (where / "conftest.py").write_text(Path(conftest.__file__).read_text())
+    (where / "test_k.py").write_text(tests)
+    script = (f"{_gpu_tests_function()}\n"
+              f"gpu_tests {budget} {where}/log.txt {where}/all.xml -q -p no:cacheprovider test_k.py; echo rc=$?\n")
+    env = {**os.environ, "BENCH_DIR": str(BENCHMARKS), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop(conftest.TESTS_DONE, None)
+    r = subprocess.run(["bash", "-c", script], cwd=where, env=env, capture_output=True, text=True,
+                       timeout=budget + 140, check=False)
+    return r, (where / "log.txt").read_text()
+
+
 #: TESTS, then a test whose process dies in it (no teardown, no report) and one after it
 CRASH = TESTS + '''
 
@@ -93,14 +107,7 @@ def test_gpu_run_sh_runs_the_tests_again_after_a_broken_context(tmp_path):
     """The script's loop on TESTS and a process that dies in a test: three processes (after
     test_b's fault, after test_d's death), every test run once, one junit XML of the processes
     that wrote one, the last process's status."""
-    (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
-    (tmp_path / "test_k.py").write_text(CRASH)
-    script = (f"{_gpu_tests_function()}\n"
-              f"gpu_tests 100 {tmp_path}/log.txt {tmp_path}/all.xml -q -p no:cacheprovider test_k.py; echo rc=$?\n")
-    env = {**os.environ, "BENCH_DIR": str(BENCHMARKS), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop(conftest.TESTS_DONE, None)
-    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
-    log = (tmp_path / "log.txt").read_text()
+    r, log = _gpu_tests(tmp_path, CRASH, budget=100)
     assert "process 2 runs the rest" in log and "the process died in test_k.py::test_d; process 3" in log, log
     assert "1 passed, 4 deselected" in log, log + r.stderr  # the third: test_e alone
     assert r.stdout.strip().endswith("rc=0"), r.stdout  # the third process passed
@@ -157,13 +164,6 @@ def test_gpu_run_sh_says_the_budget_stopped_the_tests_not_that_the_process_died(
     """The budget's interrupt (timeout's SIGINT; its exit status 124) leaves a test running in
     the list: that is the budget's stop, said as such, and no process starts after it (the
     sixth H100 session's log said "the process died" there)."""
-    (tmp_path / "conftest.py").write_text(Path(conftest.__file__).read_text())
-    (tmp_path / "test_k.py").write_text(SLOW)
-    script = (f"{_gpu_tests_function()}\n"
-              f"gpu_tests 16 {tmp_path}/log.txt {tmp_path}/all.xml -q -p no:cacheprovider test_k.py; echo rc=$?\n")
-    env = {**os.environ, "BENCH_DIR": str(BENCHMARKS), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop(conftest.TESTS_DONE, None)
-    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
-    log = (tmp_path / "log.txt").read_text()
+    r, log = _gpu_tests(tmp_path, SLOW, budget=16)
     assert "GPU tests: the budget stopped them in test_k.py::test_slow" in log, log + r.stderr
     assert "died" not in log and "process 2" not in log, log
