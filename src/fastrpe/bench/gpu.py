@@ -1661,7 +1661,8 @@ def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
             mine, theirs = r.get("max_abs_err"), (t or {}).get("max_abs_err")
             if mine is None or theirs is None or not mine <= theirs:
                 continue
-            r = {**r, "max_abs_err_fp32": t.get("max_abs_err_fp32")}
+            if t.get("max_abs_err_fp32") is not None:
+                r = {**r, "max_abs_err_fp32": t["max_abs_err_fp32"]}
         # (a `+compiled` row runs its eager twin's kernels: it takes the twin's measurement)
         err = r.get("max_abs_err_fp32", errs.get(r["competitor"], errs.get(base_competitor(r["competitor"]))))
         if tol is not None and err is not None and not err <= tol:
