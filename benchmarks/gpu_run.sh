@@ -623,9 +623,11 @@ fi
 FLA_ENV=()
 SKIP_FLA=()
 # the bench's --skip (one flag: its patterns comma-separated): fla's rows where its processes
-# time them, and the 16-bit modes whose float64 test failed in this session (`first`'s tests)
+# time them, and the 16-bit modes whose float64 test failed in this session (FAULTY, read from
+# `first`'s junit XML each time this is called)
 SKIP_ROWS=()
 skip_rows() {
+    FAULTY=$(python3 "${BENCH_DIR:-benchmarks}/gpu_tests_xml.py" --faulty-rows /tmp/gpu_tests.xml)
     local pats=()
     [ "${#SKIP_FLA[@]}" -gt 0 ] && pats+=("${SKIP_FLA[1]}")
     [ -n "${FAULTY:-}" ] && pats+=("$FAULTY")
@@ -646,7 +648,6 @@ if [ -f "$FLA_SITE" ]; then
     env "${FLA_ENV[@]}" python3 -c 'import triton, fla; print("  importable: triton", triton.__version__, "fla", fla.__version__)'
 fi
 # (`rest` on the machine `first` ran on finds first's test results in /tmp)
-FAULTY=$(python3 benchmarks/gpu_tests_xml.py --faulty-rows /tmp/gpu_tests.xml)
 skip_rows
 
 # bench_until END LOG ARGS...: the bench over the criteria's lengths, rows then decoding then
@@ -736,12 +737,13 @@ gpu_tests() {
         rc=${PIPESTATUS[0]}
         # a test left running: the process died in it, unless the budget stopped it (pytest's 2 for
         # the interrupt, or timeout's 124: on 2026-11-27 a budget stop read "the process died")
-        if [ "$rc" -eq 2 ] || [ "$rc" -eq 124 ]; then
-            tail -n 1 "$parts/done" | grep -q '^# running ' \
-                && echo "GPU tests: the budget stopped them in $(tail -n 1 "$parts/done" | cut -c11-)" | tee -a "$log"
-        elif tail -n 1 "$parts/done" | grep -q '^# running '; then
-            local died; died=$(tail -n 1 "$parts/done" | cut -c11-)
-            printf '%s\n# stopped: the process died in %s\n' "$died" "$died" >> "$parts/done"
+        local last running=
+        last=$(tail -n 1 "$parts/done")
+        [ "${last#\# running }" != "$last" ] && running=${last#\# running }
+        if [ -n "$running" ] && { [ "$rc" -eq 2 ] || [ "$rc" -eq 124 ]; }; then
+            echo "GPU tests: the budget stopped them in $running" | tee -a "$log"
+        elif [ -n "$running" ]; then
+            printf '%s\n# stopped: the process died in %s\n' "$running" "$running" >> "$parts/done"
         fi
         [ "$(grep -c '^# stopped' "$parts/done")" -gt "$stops" ] || break
         echo "GPU tests: $(grep '^# stopped' "$parts/done" | tail -n 1 | cut -c3-); process $(( try + 1 )) runs the rest" \
@@ -914,7 +916,6 @@ case "$phase" in
         > /tmp/decode_profile.log 2>&1
     keep_log /tmp/decode_profile.log gpu_first.log "the fused decoding steps' host time (decode_ops.py --profile 200)" 120
     # a 16-bit mode that failed its float64 test here is not timed (gpu_tests_xml.py --faulty-rows)
-    FAULTY=$(python3 benchmarks/gpu_tests_xml.py --faulty-rows /tmp/gpu_tests.xml)
     skip_rows
     [ -n "$FAULTY" ] && echo "not timed this session, their float64 tests failed here: $FAULTY" \
         | tee -a "$OUT_DIR/gpu_first.log"
