@@ -113,6 +113,31 @@ def test_prf_step_bf16_inputs_and_output():
     assert (o.float() - ro).abs().max() <= 1.01 * (ro.to(torch.bfloat16).float() - ro).abs().max()
 
 
+def test_packed_step_equals_the_separate_rows_and_checks_its_row():
+    """`prf_linear_token_packed` on one fused q/k/v row per batch (the layer's step) is
+    `prf_linear_token_triton` on the three views of it, bit for bit; a row of another width
+    (a map built for other heads) and a state of another shape are refused."""
+    from fastrpe.ops.linear.triton_recurrent import prf_linear_token_packed, prf_step
+
+    B, H, D, M = 2, 3, 8, 4
+    g = torch.Generator().manual_seed(3)
+    kern = PRF(D, M, two_sided=True).to(DEV)
+    qkv = torch.randn(B, 2 * H * D + H * (D + 1), generator=g).to(DEV)
+    q, k = qkv[:, :H * D].view(B, H, D), qkv[:, H * D:2 * H * D].view(B, H, D)
+    vv = qkv[:, 2 * H * D:].view(B, H, D + 1)
+    S = torch.rand(B, H, 2 * M, D + 1, generator=g).to(DEV)
+    gamma = torch.linspace(0.7, 0.95, H, device=DEV)
+    args = _prf_args(kern, H)
+    o, S1 = prf_linear_token_triton(q, k, vv, S, gamma=gamma, **args)
+    p = prf_step(args.pop("w"), args.pop("key_shift"), H, D, **args)
+    po, pS = prf_linear_token_packed(p, qkv, S, gamma)
+    assert torch.equal(po, o) and torch.equal(pS, S1)
+    with pytest.raises(FastRPEError, match="qkv: expected"):
+        prf_linear_token_packed(p, qkv[:, 1:], S, gamma)
+    with pytest.raises(FastRPEError, match="S: expected"):
+        prf_linear_token_packed(p, qkv, S[:, :, 1:].contiguous(), gamma)
+
+
 def test_prf_step_empty_row_gives_zero():
     """A key whose features underflow after an empty state: den = 0, the output 0, not NaN."""
     B, H, D, M = 1, 1, 8, 4
@@ -321,7 +346,7 @@ def _steps(mha, x, prompt, states=None):
 
 
 #: each constant-size state's fused op, by the family of the layers below
-FUSED_OPS = {"alibi": "prf_linear_token_triton", "t5": "prf_band_token_triton", "kerple_log": "prf_soe_token_triton"}
+FUSED_OPS = {"alibi": "prf_linear_token_packed", "t5": "prf_band_token_packed", "kerple_log": "prf_soe_token_packed"}
 
 
 def _family_layer(family, E=15, H=3, kernel="nprf", dtype=torch.float32, W=8):
@@ -349,7 +374,7 @@ def _family_layer(family, E=15, H=3, kernel="nprf", dtype=torch.float32, W=8):
 def test_layer_steps_through_the_fused_kernel_equal_the_full_forward(monkeypatch, kernel, position, count_calls):
     from fastrpe import positions as P
 
-    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
+    calls = count_calls(triton_recurrent, "prf_linear_token_packed")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
     mha = _prf_layer(kernel, P.ALiBi(3) if position == "alibi" else None)
     x = torch.randn(2, 20, 15, generator=torch.Generator().manual_seed(4)).to(DEV)
@@ -368,7 +393,7 @@ def test_layer_steps_through_the_fused_kernel_equal_the_full_forward(monkeypatch
 def test_layer_fused_step_in_bf16_and_after_parameter_updates(monkeypatch, count_calls):
     from fastrpe import positions as P
 
-    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
+    calls = count_calls(triton_recurrent, "prf_linear_token_packed")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
     mha = _prf_layer("nprf", P.ALiBi(3), torch.bfloat16)
     x = torch.randn(1, 9, 15, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
@@ -397,7 +422,7 @@ def test_fused_step_plan_is_checked_every_step(monkeypatch, count_calls):
     the token), and a feature map's setting changed in place (`input_scale`) is followed."""
     from fastrpe import positions as P
 
-    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
+    calls = count_calls(triton_recurrent, "prf_linear_token_packed")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
     mha = _prf_layer("nprf", P.ALiBi(3)).eval()
     x = torch.randn(1, 9, 15, generator=torch.Generator().manual_seed(6)).to(DEV)
@@ -428,7 +453,7 @@ def test_fused_step_plan_is_checked_every_step(monkeypatch, count_calls):
 def test_fused_step_is_not_taken_where_it_does_not_apply(monkeypatch, count_calls):
     from fastrpe import positions as P
 
-    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
+    calls = count_calls(triton_recurrent, "prf_linear_token_packed")
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "cuda")
     x = torch.randn(1, 6, 15).to(DEV)
     layers = [_prf_layer("elu", P.ALiBi(3)), _prf_layer("nprf", P.ALiBi(3), torch.float64)]
@@ -482,7 +507,7 @@ def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch, count_calls):
     mha = fr.nn.MultiheadAttention(512, 8, kernel=fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
                                    position=P.ALiBi(8), causal=True).to("cuda", torch.bfloat16).eval()
     x = torch.randn(1, 320, 512, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
-    calls = count_calls(triton_recurrent, "prf_linear_token_triton")
+    calls = count_calls(triton_recurrent, "prf_linear_token_packed")
     fast, fast_st = _steps(mha, x, 256)
     monkeypatch.setattr(attention_mod, "FUSED_STEP", "never")
     ref, ref_st = _steps(mha, x, 256)

@@ -1399,7 +1399,8 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: ever since (a row that broke the CUDA context under the same versions keeps its competitor
 #: out, `lost_elsewhere`), is measured again: the bench has pruned fla's oversized tiles
 #: (`prune_fla_oversized_tiles`) since the fifth session, whose probe passed with them pruned.
-CODE_EPOCH = 5
+#: Epoch 6 (a CPU session, 2026-11-28): the fused decoding step's host path (`CHANGED_DECODE`).
+CODE_EPOCH = 6
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5))
@@ -1408,8 +1409,12 @@ CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fas
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
 #: the CPU, the geometric state), so the three constant-size states' eager steps, fused and
 #: not, are timed again, and the KV-cache steps with them: the criterion's ratio, from one
-#: machine.
-CHANGED_DECODE = (("state-*", 4), ("kv-cache*", 4))
+#: machine. Epoch 6 (a CPU session, 2026-11-28): the fused step takes its q/k/v row whole
+#: (`triton_recurrent.prf_*_token_packed`, the map's constants checked once, `PRFStep`), one
+#: fingerprint a step instead of three, no `nn.Module.__getattr__` in its path: host time
+#: 101 -> 54-56 µs (band, SoE), 79 -> 42 (geometric) on the CPU, bf16
+#: (`benchmarks/decode_ops.py --host`); the sixth session's eager steps were 307-488 µs.
+CHANGED_DECODE = (("state-*", 6), ("kv-cache*", 6))
 
 
 def _since(entry: tuple, n: int) -> tuple[tuple, int]:

@@ -90,6 +90,48 @@ def _state_in(state, dt: torch.dtype):
     return replace(state, **{f: getattr(state, f).to(dt) for f in ("S", "keys", "values") if hasattr(state, f)})
 
 
+class _FusedStep:
+    """The constants of a fused one-token step (`MultiheadAttention._fused_step_plan`), built
+    once per parameter state: the q/k/v matmul's `wt, bias` (`_fused_qkv`), the feature map's
+    launch constants (`triton_recurrent.PRFStep`), a geometric state's decays `gamma [H]`, a
+    band's log-coefficients `b [H, W+1]`, and the weights of the band or SoE steps by window
+    length, made as steps need them (`weights`)."""
+
+    __slots__ = ("_weights", "b", "bias", "gamma", "prf", "wt")
+
+    def __init__(self, wt, bias, prf, gamma, b):
+        self.wt, self.bias, self.prf, self.gamma, self.b = wt, bias, prf, gamma, b
+        self._weights = {}
+
+    def weights(self, key: tuple, build, sources: tuple = ()):
+        """`build(n)` for a window of `n = key[-1]` keys, kept under `key` (at most 512 kept)
+        with the `sources` whose `_fingerprint` the key holds (so that their ids stay theirs)."""
+        hit = self._weights.get(key)
+        if hit is None:
+            if len(self._weights) >= 512:
+                self._weights.clear()
+            hit = self._weights[key] = (sources, build(key[-1]))
+        return hit[1]
+
+
+def _band_weights(b: Tensor, n: int, W: int) -> tuple[Tensor, Tensor | None]:
+    """`(w [H, n], tail [H] or None)`: `recurrent.band_token_weights` as the fused step reads them."""
+    from ..ops.linear import recurrent
+
+    w, tail, _ = recurrent.band_token_weights(b, n, W)
+    return w.contiguous(), (None if tail is None else tail.reshape(-1).contiguous())
+
+
+def _soe_weights(plan, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`(gamma [K], a [H, K], cw [H, n])`: `recurrent.soe_token_coefficients` in float32, as the
+    fused step reads them."""
+    from ..ops.linear import recurrent
+
+    gamma, a, cw = recurrent.soe_token_coefficients(plan, n, torch.float32)
+    H = a.shape[0]
+    return gamma.reshape(-1).contiguous(), a.reshape(H, -1).contiguous(), cw.contiguous()
+
+
 def group_size(group) -> int:
     """Ranks in a context-parallel `group` (1 for None). Raises `FastRPEError` for anything
     that is not a `torch.distributed` process group of an initialized world."""
@@ -404,73 +446,91 @@ class MultiheadAttention(nn.Module):
                 and _state_fusable(state))
 
     def _fused_step_plan(self, x: Tensor, state, kind: str):
-        """What `_prf_step` reads besides x and the state, or None where it does not run
-        (`_prf_step_fusable`, `_fused_qkv`): `(wt, bias)` of the fused q/k/v matmul, PRF's
-        launch constants, and a geometric state's decays `[H]` (None without them). One memo
-        (`_memoized`) over every tensor they come from, so a step checks one fingerprint; the
-        checks that a call can change without touching a tensor (a hook added, a state's dtype)
-        run every step. In place of three memos and their checks: a token's host time, which is
-        most of an eager step's on a GPU: 113 -> 78 µs (geometric state), 126 -> 101 (SoE and band)
-        on the CPU, float32 (benchmarks/decode_ops.py --host; results/decode_ops-3dcde91.json before)."""
+        """What `_prf_step` reads besides x and the state (a `_FusedStep`), or None where it does
+        not run (`_prf_step_fusable`, `_fused_qkv`). One memo (`_memoized`) over every tensor it
+        comes from, so a step checks one fingerprint; the checks that a call can change without
+        touching a tensor (a hook added, a state's dtype, a feature map's setting) run every
+        step. Modules and tensors are read from their modules' dicts (`nn.Module.__getattr__`,
+        a microsecond each, was a quarter of the step's host time): a token's host time is most
+        of an eager step's on a GPU (`benchmarks/decode_ops.py --host`)."""
         if FUSED_STEP == "never" or (FUSED_STEP == "cuda" and not x.is_cuda):  # (the PyTorch ops' own cost)
             return None
-        if not _state_fusable(state) or not _plain_linears(self.q_proj, self.k_proj, self.v_proj):
+        mods = self._modules
+        q, k, v, kern = mods["q_proj"], mods["k_proj"], mods["v_proj"], mods.get("kernel")
+        if not _state_fusable(state) or not _plain_linears(q, k, v):
             return None
-        kern, term = self.kernel, self.position
-        w = getattr(kern, "w", None)
+        w = None if kern is None else kern._buffers.get("w")
         if not isinstance(w, Tensor):  # a feature map without random projections: not PRF
             self._prf_step_fusable(x, state)  # (a FUSED_STEP that is none of its values still raises)
             return None
-        sources = [t for p in (self.q_proj, self.k_proj, self.v_proj) for t in (p.weight, p.bias) if t is not None]
+        sources = [t for p in (q, k, v) for t in p._parameters.values() if t is not None]
         sources.append(w)
-        if kind == "linear" and term is not None:
-            sources += self._tensors(term)
-        extra = (kind, x.dtype, x.device, FUSED_STEP, STEP_FUSE_MAX_BYTES, type(kern), getattr(kern, "normalize", None),
-                 getattr(kern, "input_scale", None), getattr(kern, "two_sided", None))
+        terms = list(mods["positions"]._modules.values())
+        if kind != "soe":  # a geometric state's decays, a band's weights
+            for term in terms:
+                sources += self._tensors(term)
+        a = kern.__dict__
+        extra = (kind, x.dtype, x.device, FUSED_STEP, STEP_FUSE_MAX_BYTES, type(kern), a.get("normalize"),
+                 a.get("input_scale"), a.get("two_sided"), terms[0].finite_support() if kind == "band" else None)
         return self._memoized("fused_step", sources, extra, lambda: self._build_fused_step(x, state, kind))
 
     def _build_fused_step(self, x: Tensor, state, kind: str):
         """`_fused_step_plan`'s value, built (None where the fused step does not apply)."""
+        from ..ops.linear import triton_recurrent
+
         fused = self._fused_qkv() if self._prf_step_fusable(x, state) else None
         if fused is None:
             return None
-        H, kern = self.num_heads, self.kernel
+        H, D, kern = self.num_heads, self.head_dim, self.kernel
         shift = kern.key_log_shift().to(device=x.device, dtype=torch.float32).reshape(-1).expand(H)
-        prf = dict(w=kern.w.to(torch.float32).contiguous(), key_shift=shift.contiguous(),
-                   input_scale=kern.input_scale, normalize=kern.normalize, two_sided=kern.two_sided,
-                   out_dtype=x.dtype)
+        prf = triton_recurrent.prf_step(kern.w.to(torch.float32).contiguous(), shift.contiguous(), H, D,
+                                        input_scale=kern.input_scale, normalize=kern.normalize,
+                                        two_sided=kern.two_sided, out_dtype=x.dtype)
         gamma = None
         if kind == "linear":
             g = self._step_decay(x.device, torch.float32)
             gamma = None if g is None else g.view(H)
-        return (*fused, prf, gamma)
+        b = None
+        if kind == "band":
+            from ..ops.linear.soe import causal_log_coefficients
 
-    def _prf_step(self, x: Tensor, state, kind: str, plan):
+            term = self.position
+            b = causal_log_coefficients(term, term.finite_support() + 1).to(torch.float32)  # (H, W+1): b(-d)
+        return _FusedStep(*fused, prf, gamma, b)
+
+    def _prf_step(self, x: Tensor, state, kind: str, plan: _FusedStep):
         """One token after a constant-size state of `kind` in one Triton launch between the
         q/k/v matmul and the output projection (`ops.linear.triton_recurrent`'s
-        `prf_*_token_triton`: PRF's features, the state's update and `num/den`); the same
-        result as the ops of `_step_token`, with the same memoized constants in float32
-        (`plan`: `_fused_step_plan`'s)."""
+        `prf_*_token_packed`: PRF's features, the state's update and `num/den`); the same
+        result as the ops of `_step_token`, with the same constants in float32 (`plan`:
+        `_fused_step_plan`'s; a band's and a sum of exponentials' weights for this step's
+        window, `_FusedStep.weights`)."""
         from ..ops.linear import triton_recurrent
 
-        wt, bias, prf, gamma = plan
-        B, H, D, E = x.shape[0], self.num_heads, self.head_dim, self.embed_dim
-        q, k, vv = torch.addmm(bias, x.view(B, E), wt).split((E, E, H * (D + 1)), 1)  # [v, 1]: the last
-        q, k, vv = q.view(B, H, D), k.view(B, H, D), vv.view(B, H, D + 1)
+        B, E = x.shape[0], self.embed_dim
+        qkv = torch.addmm(plan.bias, x.view(B, E), plan.wt)  # (B, 2E + H(D+1)): [q, k, [v, 1]]
         if kind == "linear":
-            o, S = triton_recurrent.prf_linear_token_triton(q, k, vv, state.S, gamma=gamma, **prf)
+            o, S = triton_recurrent.prf_linear_token_packed(plan.prf, qkv, state.S, plan.gamma)
             new = LinearState(S, state.length + 1)
         elif kind == "band":
-            state, (bw, tail) = self._band_constants(state, torch.float32)
-            o, new = triton_recurrent.prf_band_token_triton(q, k, vv, state, bw, tail, **prf)
+            W = plan.b.shape[1] - 1
+            bw, tail = plan.weights(("band", state.keys.shape[2] + 1),
+                                    lambda n: _band_weights(plan.b, n, W))
+            o, new = triton_recurrent.prf_band_token_packed(plan.prf, qkv, state, bw, tail, W)
         else:
-            state, (gamma, a, cw) = self._soe_constants(state, torch.float32)
-            o, new = triton_recurrent.prf_soe_token_triton(q, k, vv, state, gamma.view(-1), a.view(H, -1), cw,
-                                                           **prf)
-        o, out = o.view(B, 1, E), self.out_proj
-        if _plain_linears(out) and _identity_dropout(self.dropout, self.training):
-            return Fn.linear(o, out.weight, out.bias), new
-        return out(self.dropout(o)), new
+            if state.length + 1 > state.plan.fit_length:  # decoding past the fit: checked, the plan extended
+                state, _ = self._soe_constants(state, torch.float32)
+            sp, n = state.plan, state.keys.shape[2] + 1
+            src = (sp.gamma, sp.a, sp.corr)
+            gamma, a, cw = plan.weights(("soe", _fingerprint(src), n), lambda n: _soe_weights(sp, n), src)
+            o, new = triton_recurrent.prf_soe_token_packed(plan.prf, qkv, state, gamma, a, cw)
+        mods = self._modules
+        out, dropout = mods["out_proj"], mods["dropout"]
+        o = o.view(B, 1, E)
+        if _plain_linears(out) and _identity_dropout(dropout, self.training):
+            p = out._parameters
+            return Fn.linear(o, p["weight"], p["bias"]), new
+        return out(dropout(o)), new
 
     def _step_decay(self, device: torch.device, dt: torch.dtype) -> Tensor | None:
         """The geometric state's per-head decay `[H, 1, 1]` in `dt` (None without a term or a
@@ -547,9 +607,10 @@ class MultiheadAttention(nn.Module):
             raise FastRPEError("MultiheadAttention.step: decoding is not context-parallel; set group=None "
                                "on a copy of the layer to decode")
         self._check_input(x, "x", self.embed_dim, "MultiheadAttention.step")
-        if self.k_proj.in_features != self.embed_dim or self.v_proj.in_features != self.embed_dim:
+        kin, vin = self._modules["k_proj"].in_features, self._modules["v_proj"].in_features  # (no __getattr__: per token)
+        if kin != self.embed_dim or vin != self.embed_dim:
             raise FastRPEError("MultiheadAttention.step: decodes self-attention, but this layer has kdim/vdim "
-                               f"({self.k_proj.in_features}/{self.v_proj.in_features}) != embed_dim ({self.embed_dim})")
+                               f"({kin}/{vin}) != embed_dim ({self.embed_dim})")
         if isinstance(cache, KVCache) and cache.k is not None and cache.k.shape[0] != x.shape[0 if self.batch_first else 1]:
             raise FastRPEError(f"MultiheadAttention.step: x has batch {x.shape[0 if self.batch_first else 1]}, "
                                f"the cache {cache.k.shape[0]}")

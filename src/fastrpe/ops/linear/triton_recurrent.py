@@ -9,12 +9,10 @@ PRF/NPRF's map (`kernels.PRF.features`), and the quotient `num/den`, one per sta
 `prf_linear_token_triton` (the geometric state, `recurrent.linear_token`),
 `prf_band_token_triton` (a finite-support term, `recurrent.band_token`: the last W keys
 and a tail sum) and `prf_soe_token_triton` (a sum of exponentials, `recurrent.soe_token`:
-K geometric states and the last W - 1 keys). A decoding step of `nn.MultiheadAttention`
-with PRF features is then three launches: the fused q/k/v matmul, one of these kernels and
-the output projection. The PyTorch step is 39 to 46 launches (`benchmarks/decode_ops.py`).
-The step is launch-bound at a constant-size state. Eager on an H100 (2026-11-23,
-docs/RESULTS.md), 64 launches took 1.9 ms for about 0.1 ms of work. Inference only (no
-autograd).
+K geometric states and the last W - 1 keys). `nn.MultiheadAttention`'s step takes their `*_packed` twins, on
+its fused q/k/v row with the map's constants checked once (`PRFStep`): three launches (the
+matmul, the kernel, the output projection) against the PyTorch step's 39 to 46. A step at a
+constant-size state is host-bound (`benchmarks/decode_ops.py`). Inference only.
 
 The band and SoE steps write the new window (the old one shifted by a row, the new key
 last: oldest first, as the PyTorch ops keep it) to new tensors: a state stays what it was
@@ -25,6 +23,8 @@ Dv value width, C = Dv + 1, NB keys buffered in the window, W its width, K terms
 BD/BF/BC/BJ tile widths.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -256,25 +256,93 @@ def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *
     return y[:, :, None, :Dv], y[:, :, None, Dv], new
 
 
-def _check_prf_token(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, w: Tensor, two_sided: bool):
-    """`(B, H, D, M, F, C)` of a fused step's arguments, checked as `prf_linear_token_triton`'s."""
-    why = triton_unavailable_reason(q.device)
+class PRFStep(NamedTuple):
+    """What a fused step's launch reads of PRF's feature map, checked once (`prf_step`): a
+    layer builds it once per parameter state and steps token after token with it
+    (`prf_*_token_packed`), so no step checks or converts the map again."""
+
+    w: Tensor  # [M, D] or [H, M, D], float32, contiguous
+    key_shift: Tensor  # [H], float32, contiguous
+    scale: float  # PRF's input_scale
+    normalize: bool
+    out_dtype: torch.dtype
+    H: int
+    D: int
+    M: int
+    F: int  # M, or 2M two-sided
+    sw_h: int  # w's head stride (0: one w for every head)
+    inv_sqrt_f: float
+    tiny: float  # `underflow_threshold(float32)`: a row below it is empty
+    BD: int  # tile widths of D and F
+    BF: int
+
+
+def prf_step(w: Tensor, key_shift: Tensor, H: int, D: int, *, input_scale: float, normalize: bool,
+             two_sided: bool, out_dtype: torch.dtype | None = None) -> PRFStep:
+    """The `PRFStep` of PRF's map (`kernels.PRF`: `w`, `key_shift`, `input_scale`, `normalize`,
+    `two_sided`) for H heads of width D, checked: w `[M, D]` or `[H, M, D]` and key_shift
+    `[H]`, float32 and contiguous, on a device the kernels run on."""
+    why = triton_unavailable_reason(w.device)
     if why is not None:
-        raise FastRPEError(f"q: the triton kernels cannot run on {q.device}: {why}")
-    B, H, D = q.shape
-    M = w.shape[-2]
-    F, C = (2 * M if two_sided else M), vv.shape[2]
+        raise FastRPEError(f"w: the triton kernels cannot run on {w.device}: {why}")
     if w.shape[-1] != D or w.dim() not in (2, 3) or (w.dim() == 3 and w.shape[0] != H):
         raise FastRPEError(f"w: expected [M, {D}] or [{H}, M, {D}], got {tuple(w.shape)}")
-    if any(t.stride(-1) != 1 for t in (q, k, vv)) or not (S.is_contiguous() and w.is_contiguous()):
-        raise FastRPEError("q, k, vv: unit stride in the last dim; S, w: contiguous")
-    return B, H, D, M, F, C
+    if key_shift.shape != (H,) or not (w.is_contiguous() and key_shift.is_contiguous()) \
+            or w.dtype != torch.float32 or key_shift.dtype != torch.float32:
+        raise FastRPEError(f"w, key_shift: float32 and contiguous, key_shift [{H}]; got {w.dtype} "
+                           f"{tuple(w.shape)}, {key_shift.dtype} {tuple(key_shift.shape)}")
+    M = w.shape[-2]
+    F = 2 * M if two_sided else M
+    return PRFStep(w, key_shift, float(input_scale), bool(normalize), out_dtype or torch.float32, H, D, M, F,
+                   M * D if w.dim() == 3 else 0, F ** -0.5, underflow_threshold(torch.float32), _pow2(D), _pow2(F))
 
 
-def _row_strides(q: Tensor, k: Tensor, vv: Tensor, w: Tensor) -> tuple:
-    """`(sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_h)` of a fused step (sw_h 0: one w for every head)."""
-    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-            w.shape[-2] * w.shape[-1] if w.dim() == 3 else 0)
+def _rows(q: Tensor, k: Tensor, vv: Tensor, H: int) -> tuple:
+    """`(B, C, (sq_b, sq_h, sk_b, sk_h, sv_b, sv_h))` of q, k `[B, H, D]` and vv `[B, H, C]`,
+    each with unit stride in its last dim."""
+    if q.dim() != 3 or q.shape[1] != H or k.shape != q.shape or vv.shape[:2] != q.shape[:2] \
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or vv.stride(-1) != 1:
+        raise FastRPEError(f"q, k: [B, {H}, D], vv: [B, {H}, Dv+1], unit stride in the last dim; got "
+                           f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(vv.shape)}")
+    return q.shape[0], vv.shape[2], (q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1))
+
+
+def _packed_rows(p: PRFStep, qkv: Tensor) -> tuple:
+    """`(B, C, q, k, vv, strides)` of a fused q/k/v row per batch, `qkv: [B, 2·H·D + H·C]`
+    (`[q, k, [v, 1]]`, each head's columns together; unit stride): the three as pointers
+    into it, and `_rows`' strides."""
+    B, n = qkv.shape
+    E = p.H * p.D
+    C = (n - 2 * E) // p.H
+    if qkv.dim() != 2 or C < 2 or n != 2 * E + p.H * C or qkv.stride(1) != 1:
+        raise FastRPEError(f"qkv: expected [B, {2 * E} + {p.H}·(Dv+1)] with unit stride, got {tuple(qkv.shape)}")
+    s = qkv.stride(0)
+    return B, C, qkv, qkv[:, E:], qkv[:, 2 * E:], (s, p.D, s, p.D, s, C)
+
+
+def _check_state_S(S: Tensor, shape: tuple) -> None:
+    if S.shape != shape or S.dtype != torch.float32 or not S.is_contiguous():
+        raise FastRPEError(f"S: expected float32 {shape}, contiguous; got {S.dtype} {tuple(S.shape)}")
+
+
+def _output(p: PRFStep, B: int, C: int, device) -> tuple[Tensor, Tensor, bool]:
+    """`(o [B, H, Dv], what the kernel writes, O_BF16)`: a bf16 o is written through its int16 view."""
+    o = torch.empty(B, p.H, C - 1, dtype=p.out_dtype, device=device)
+    bf16 = p.out_dtype == torch.bfloat16
+    return o, (o.view(torch.int16) if bf16 else o), bf16
+
+
+def _linear_launch(p: PRFStep, q, k, vv, B: int, C: int, rows: tuple, S: Tensor, gamma: Tensor | None):
+    _check_state_S(S, (B, p.H, p.F, C))
+    if gamma is not None and (gamma.shape != (p.H,) or gamma.dtype != torch.float32 or not gamma.is_contiguous()):
+        raise FastRPEError(f"gamma: expected float32 [{p.H}], contiguous, got {gamma.dtype} {tuple(gamma.shape)}")
+    new = torch.empty_like(S)
+    o, o_out, bf16 = _output(p, B, C, S.device)
+    _prf_step_kernel[(B * p.H,)](q, k, vv, p.w, p.key_shift, S if gamma is None else gamma, S, new, o_out,
+                                 p.H, p.D, p.M, p.F, C - 1, *rows, p.sw_h, p.scale, p.inv_sqrt_f, p.tiny,
+                                 BD=p.BD, BF=p.BF, BC=_pow2(C), NORMALIZE=p.normalize,
+                                 HAS_G=gamma is not None, O_BF16=bf16)
+    return o, new
 
 
 @on_device_of(0)
@@ -296,18 +364,19 @@ def prf_linear_token_triton(q: Tensor, k: Tensor, vv: Tensor, S: Tensor, *, w: T
     Returns:
         `(o [B, H, Dv], S [B, H, F, C])`, `o` 0 for a row with no weight (as `divide_packed`).
     """
-    B, H, D, M, F, C = _check_prf_token(q, k, vv, S, w, two_sided)
-    if S.shape != (B, H, F, C) or S.dtype != torch.float32:
-        raise FastRPEError(f"S: expected float32 {(B, H, F, C)}, got {S.dtype} {tuple(S.shape)}")
-    new = torch.empty_like(S)
-    o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
-    bf16 = o.dtype == torch.bfloat16
-    _prf_step_kernel[(B * H,)](q, k, vv, w, key_shift, S if gamma is None else gamma, S, new,
-                               o.view(torch.int16) if bf16 else o, H, D, M, F, C - 1, *_row_strides(q, k, vv, w),
-                               float(input_scale), F ** -0.5, underflow_threshold(torch.float32),
-                               BD=_pow2(D), BF=_pow2(F), BC=_pow2(C), NORMALIZE=bool(normalize),
-                               HAS_G=gamma is not None, O_BF16=bf16)
-    return o, new
+    p = prf_step(w, key_shift, q.shape[1], q.shape[-1], input_scale=input_scale, normalize=normalize,
+                 two_sided=two_sided, out_dtype=out_dtype)
+    B, C, rows = _rows(q, k, vv, p.H)
+    return _linear_launch(p, q, k, vv, B, C, rows, S, gamma)
+
+
+@on_device_of(1)
+def prf_linear_token_packed(p: PRFStep, qkv: Tensor, S: Tensor, gamma: Tensor | None = None):
+    """`prf_linear_token_triton` on the fused q/k/v matmul's output, `qkv: [B, 2·H·D + H·(Dv+1)]`
+    (`[q, k, [v, 1]]`, unit stride), with the feature map's `p` (`prf_step`) built once:
+    `nn.MultiheadAttention`'s one-token step, which checks only the state per step."""
+    B, C, q, k, vv, rows = _packed_rows(p, qkv)
+    return _linear_launch(p, q, k, vv, B, C, rows, S, gamma)
 
 
 #: keys per iteration over a band's window: a [16, C] tile of values at a time
@@ -317,6 +386,37 @@ _BJ = 16
 #: C = 65 in 128-wide tiles) spills 284 B of the SoE step's 255 registers; at 8 it uses 234
 #: and the band step 115-128, none spilled (tests/test_triton_compile.py compiles them so)
 _WARPS = 8
+
+
+def _band_launch(p: PRFStep, q, k, vv, B: int, C: int, rows: tuple, state: BandState, weights: Tensor,
+                 tail: Tensor | None, W: int):
+    """`prf_band_token_triton`'s checks of the state and the weights, and its launch; `W` the band."""
+    H, F = p.H, p.F
+    S, keys, values = state.S, state.keys, state.values
+    nb = keys.shape[2]
+    _check_state_S(S, (B, H, F, C))
+    if keys.shape != (B, H, nb, F) or values.shape != (B, H, nb, C - 1) \
+            or keys.dtype != torch.float32 or values.dtype != torch.float32:
+        raise FastRPEError(f"state: expected float32 keys {(B, H, nb, F)}, values {(B, H, nb, C - 1)}; "
+                           f"got {tuple(keys.shape)}, {tuple(values.shape)}")
+    full = nb == W
+    if nb > W or (tail is None) == full or weights.shape != (H, nb + 1) or not weights.is_contiguous() \
+            or weights.dtype != torch.float32 \
+            or (tail is not None and (tail.numel() != H or not tail.is_contiguous() or tail.dtype != torch.float32)):
+        raise FastRPEError(f"weights, tail: band_token_weights(b, {nb + 1}, {W}) in float32 for {nb} buffered "
+                           f"keys of a {W}-wide band, got {tuple(weights.shape)} and tail "
+                           f"{None if tail is None else tuple(tail.shape)}")
+    keep = nb + 1 - int(full)
+    new_keys = torch.empty(B, H, keep, F, dtype=torch.float32, device=S.device)
+    new_values = torch.empty(B, H, keep, C - 1, dtype=torch.float32, device=S.device)
+    new_S = torch.empty_like(S) if full else S  # until the band is full, no key reaches the tail sum
+    o, o_out, bf16 = _output(p, B, C, S.device)
+    _prf_band_step_kernel[(B * H,)](q, k, vv, p.w, p.key_shift, S, keys, values, weights,
+                                    weights if tail is None else tail, new_S, new_keys, new_values, o_out,
+                                    H, p.D, p.M, F, C - 1, nb, *rows, p.sw_h, *keys.stride(), *values.stride(),
+                                    p.scale, p.inv_sqrt_f, p.tiny, BD=p.BD, BF=p.BF, BC=_pow2(C),
+                                    BJ=_BJ, NORMALIZE=p.normalize, DROP=int(full), O_BF16=bf16, num_warps=_WARPS)
+    return o, BandState(new_S, new_keys, new_values, W, state.length + 1)
 
 
 @on_device_of(0)
@@ -339,35 +439,49 @@ def prf_band_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: BandState, we
     Returns:
         `(o [B, H, Dv], BandState)`, `o` 0 for a row with no weight.
     """
-    B, H, D, M, F, C = _check_prf_token(q, k, vv, state.S, w, two_sided)
-    S, keys, values, W = state.S, state.keys, state.values, state.window
-    nb = keys.shape[2]
-    if S.shape != (B, H, F, C) or keys.shape != (B, H, nb, F) or values.shape != (B, H, nb, C - 1):
-        raise FastRPEError(f"state: expected S {(B, H, F, C)}, keys {(B, H, nb, F)}, values {(B, H, nb, C - 1)}; "
-                           f"got {tuple(S.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
-    if any(t.dtype != torch.float32 for t in (S, keys, values, weights)):
-        raise FastRPEError("state, weights: float32")
-    full = nb == W
-    if nb > W or (tail is None) == full or weights.shape != (H, nb + 1) or not weights.is_contiguous() \
-            or (tail is not None and (tail.numel() != H or not tail.is_contiguous() or tail.dtype != torch.float32)):
-        raise FastRPEError(f"weights, tail: band_token_weights(b, {nb + 1}, {W}) for {nb} buffered keys of a "
-                           f"{W}-wide band, got {tuple(weights.shape)} and tail "
-                           f"{None if tail is None else tuple(tail.shape)}")
-    keep = nb + 1 - int(full)
-    new_keys = torch.empty(B, H, keep, F, dtype=torch.float32, device=q.device)
-    new_values = torch.empty(B, H, keep, C - 1, dtype=torch.float32, device=q.device)
-    new_S = torch.empty_like(S) if full else S  # until the band is full, no key reaches the tail sum
-    o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
-    bf16 = o.dtype == torch.bfloat16
-    _prf_band_step_kernel[(B * H,)](q, k, vv, w, key_shift, S, keys, values, weights,
-                                    weights if tail is None else tail, new_S, new_keys, new_values,
-                                    o.view(torch.int16) if bf16 else o, H, D, M, F, C - 1, nb,
-                                    *_row_strides(q, k, vv, w), *keys.stride(), *values.stride(),
-                                    float(input_scale), F ** -0.5,
-                                    underflow_threshold(torch.float32), BD=_pow2(D), BF=_pow2(F), BC=_pow2(C),
-                                    BJ=_BJ, NORMALIZE=bool(normalize), DROP=int(full), O_BF16=bf16,
-                                    num_warps=_WARPS)
-    return o, BandState(new_S, new_keys, new_values, W, state.length + 1)
+    p = prf_step(w, key_shift, q.shape[1], q.shape[-1], input_scale=input_scale, normalize=normalize,
+                 two_sided=two_sided, out_dtype=out_dtype)
+    B, C, rows = _rows(q, k, vv, p.H)
+    return _band_launch(p, q, k, vv, B, C, rows, state, weights, tail, state.window)
+
+
+@on_device_of(1)
+def prf_band_token_packed(p: PRFStep, qkv: Tensor, state: BandState, weights: Tensor, tail: Tensor | None,
+                          window: int):
+    """`prf_band_token_triton` on a fused q/k/v row (as `prf_linear_token_packed`'s), for a band
+    of `window` distances (the term's: the state's own `window` is not read)."""
+    B, C, q, k, vv, rows = _packed_rows(p, qkv)
+    return _band_launch(p, q, k, vv, B, C, rows, state, weights, tail, window)
+
+
+def _soe_launch(p: PRFStep, q, k, vv, B: int, C: int, rows: tuple, state: SoEState, gamma: Tensor, a: Tensor,
+                cw: Tensor):
+    """`prf_soe_token_triton`'s checks of the state and the coefficients, and its launch."""
+    H, F = p.H, p.F
+    S, keys, values, W = state.S, state.keys, state.values, state.plan.window
+    nb, K = keys.shape[2], gamma.numel()
+    _check_state_S(S, (B, H, K, F, C))
+    if keys.shape != (B, H, nb, F) or values.shape != (B, H, nb, C) \
+            or keys.dtype != torch.float32 or values.dtype != torch.float32:
+        raise FastRPEError(f"state: expected float32 keys {(B, H, nb, F)}, values {(B, H, nb, C)}; "
+                           f"got {tuple(keys.shape)}, {tuple(values.shape)}")
+    if nb > W - 1 or a.numel() != H * K or cw.shape != (H, nb + 1) \
+            or not (gamma.is_contiguous() and a.is_contiguous() and cw.is_contiguous()) \
+            or not (gamma.dtype == a.dtype == cw.dtype == torch.float32):
+        raise FastRPEError(f"gamma, a, cw: soe_token_coefficients(plan, {nb + 1}, float32) for {nb} buffered keys "
+                           f"of a {W}-wide band, got {tuple(gamma.shape)}, {tuple(a.shape)}, {tuple(cw.shape)}")
+    drop = int(nb == W - 1)
+    keep = nb + 1 - drop
+    new_keys = torch.empty(B, H, keep, F, dtype=torch.float32, device=S.device)
+    new_values = torch.empty(B, H, keep, C, dtype=torch.float32, device=S.device)
+    new_S = torch.empty_like(S)
+    o, o_out, bf16 = _output(p, B, C, S.device)
+    _prf_soe_step_kernel[(B * H,)](q, k, vv, p.w, p.key_shift, S, keys, values, gamma, a, cw, new_S, new_keys,
+                                   new_values, o_out, H, p.D, p.M, F, C - 1, K, nb, *rows, p.sw_h, *keys.stride(),
+                                   *values.stride(), p.scale, p.inv_sqrt_f, p.tiny, BD=p.BD, BF=p.BF,
+                                   BC=_pow2(C), BJ=_BJ, NORMALIZE=p.normalize, DROP=drop, O_BF16=bf16,
+                                   num_warps=_WARPS)
+    return o, SoEState(new_S, new_keys, new_values, state.plan, state.length + 1)
 
 
 @on_device_of(0)
@@ -389,30 +503,14 @@ def prf_soe_token_triton(q: Tensor, k: Tensor, vv: Tensor, state: SoEState, gamm
     Returns:
         `(o [B, H, Dv], SoEState)`, `o` 0 for a row with no weight.
     """
-    B, H, D, M, F, C = _check_prf_token(q, k, vv, state.S, w, two_sided)
-    S, keys, values, W = state.S, state.keys, state.values, state.plan.window
-    nb, K = keys.shape[2], gamma.numel()
-    if S.shape != (B, H, K, F, C) or keys.shape != (B, H, nb, F) or values.shape != (B, H, nb, C):
-        raise FastRPEError(f"state: expected S {(B, H, K, F, C)}, keys {(B, H, nb, F)}, values {(B, H, nb, C)}; "
-                           f"got {tuple(S.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
-    if any(t.dtype != torch.float32 for t in (S, keys, values, gamma, a, cw)):
-        raise FastRPEError("state, gamma, a, cw: float32")
-    if nb > W - 1 or a.numel() != H * K or cw.shape != (H, nb + 1) \
-            or not all(t.is_contiguous() for t in (gamma, a, cw)):
-        raise FastRPEError(f"gamma, a, cw: soe_token_coefficients(plan, {nb + 1}, float32) for {nb} buffered keys "
-                           f"of a {W}-wide band, got {tuple(gamma.shape)}, {tuple(a.shape)}, {tuple(cw.shape)}")
-    drop = int(nb == W - 1)
-    keep = nb + 1 - drop
-    new_keys = torch.empty(B, H, keep, F, dtype=torch.float32, device=q.device)
-    new_values = torch.empty(B, H, keep, C, dtype=torch.float32, device=q.device)
-    new_S = torch.empty_like(S)
-    o = torch.empty(B, H, C - 1, dtype=out_dtype or torch.float32, device=q.device)
-    bf16 = o.dtype == torch.bfloat16
-    _prf_soe_step_kernel[(B * H,)](q, k, vv, w, key_shift, S, keys, values, gamma, a, cw, new_S, new_keys,
-                                   new_values, o.view(torch.int16) if bf16 else o, H, D, M, F, C - 1, K, nb,
-                                   *_row_strides(q, k, vv, w), *keys.stride(), *values.stride(),
-                                   float(input_scale), F ** -0.5,
-                                   underflow_threshold(torch.float32), BD=_pow2(D), BF=_pow2(F), BC=_pow2(C),
-                                   BJ=_BJ, NORMALIZE=bool(normalize), DROP=drop, O_BF16=bf16,
-                                   num_warps=_WARPS)
-    return o, SoEState(new_S, new_keys, new_values, state.plan, state.length + 1)
+    p = prf_step(w, key_shift, q.shape[1], q.shape[-1], input_scale=input_scale, normalize=normalize,
+                 two_sided=two_sided, out_dtype=out_dtype)
+    B, C, rows = _rows(q, k, vv, p.H)
+    return _soe_launch(p, q, k, vv, B, C, rows, state, gamma, a, cw)
+
+
+@on_device_of(1)
+def prf_soe_token_packed(p: PRFStep, qkv: Tensor, state: SoEState, gamma: Tensor, a: Tensor, cw: Tensor):
+    """`prf_soe_token_triton` on a fused q/k/v row (as `prf_linear_token_packed`'s)."""
+    B, C, q, k, vv, rows = _packed_rows(p, qkv)
+    return _soe_launch(p, q, k, vv, B, C, rows, state, gamma, a, cw)
