@@ -1412,7 +1412,7 @@ CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fas
 #: machine. Epoch 6 (a CPU session, 2026-11-28): the fused step takes its q/k/v row whole
 #: (`triton_recurrent.prf_*_token_packed`, the map's constants checked once, `PRFStep`), one
 #: fingerprint a step instead of three, no `nn.Module.__getattr__` in its path: host time
-#: 101 -> 54-56 µs (band, SoE), 79 -> 42 (geometric) on the CPU, bf16
+#: 101 -> 59 µs (band, SoE), 79 -> 49 (geometric) on the CPU, bf16
 #: (`benchmarks/decode_ops.py --host`); the sixth session's eager steps were 307-488 µs.
 CHANGED_DECODE = (("state-*", 6), ("kv-cache*", 6))
 
