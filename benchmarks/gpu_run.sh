@@ -147,6 +147,23 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - CODE_EPOCH 6: the fused decoding step's host path is leaner (the q/k/v row passed whole,
+#   `triton_recurrent.prf_*_token_packed`; the map's constants checked once, `PRFStep`; one
+#   fingerprint a step; no nn.Module.__getattr__): 101 -> 59 us (band, SoE), 79 -> 49
+#   (geometric) on the CPU (results/decode_ops.json). The decode rows move and are timed again
+#   with the KV steps; the eager criterion (3.01x, needs 5x) is the one to read; the profile
+#   in gpu_first.log (decode_ops.py --profile) says what is left of the step on that host. The
+#   kernels and their line numbers are unchanged: the pack in .gpu_cache still holds them;
+# - the PRF maps (0.75 ms of a 64k call's 3.1-3.4 ms for ALiBi: a third of the H100's bandwidth)
+#   can walk several row tiles a program (`triton_prf.TILES`, loads pipelined, "64:4:tf32x3:4");
+#   the sweep (PRF_S, 20 s by default now, its binaries in the pack) times them first and its
+#   pick, if any, serves every row after it: read `prf_sweep` in gpu_profile.json;
+# - otherwise the plan below (fla, the 64k window, T5 and the learned tables) stands. The pack
+#   is the sixth session's less the old PRF kernels, plus the new ones built here (precompile.py
+#   compile on the patched runs/precompile/specs.json: TILES=1 added to the PRF specs, the
+#   sweep's recorded again; `verify` found the PRF kernels in it), 20.0 MB.
+#
 # New since the sixth H100 session (2026-11-27, fourth GPU session of the day), for the next:
 # - it resumed the fifth's JSON at 099ae5d (epoch 4) with the pack refreshed on the CPU for the
 #   five changed `_soe_*` kernels (`precompile.py compile` into runs/precompile/triton, then
@@ -882,7 +899,7 @@ case "$phase" in
     # 0a. the PRF map kernels' launch choices (benchmarks/prf_sweep.py), compiled untimed
     prf_env=(); [ -n "${SMOKE:-}" ] && prf_env=(TRITON_INTERPRET=1)
     prf_warm_pid=
-    if [ "${PRF_S:-0}" -gt 0 ]; then
+    if [ "${PRF_S:-20}" -gt 0 ]; then
         env "${prf_env[@]}" timeout -k 5 "${FIRST_WARM_S:-170}" python3 benchmarks/prf_sweep.py --warm "${PRF_ARGS[@]}" \
             > /tmp/prf_warm.log 2>&1 &
         prf_warm_pid=$!
@@ -939,16 +956,18 @@ case "$phase" in
         timeout -s INT -k 5 "${PROFILE_S:-0}" python3 benchmarks/gpu_profile.py --budget-s "$(( ${PROFILE_S:-0} - 20 ))" "${PROFILE_ARGS[@]}" \
             --out "$OUT_DIR/gpu_profile.json" 2>&1 | grep -v '^USDT\|^STAGE:'
     fi
-    # 1b'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 30), into
+    # 1b'. the PRF map kernels timed over their launch choices, at most PRF_S s (default 20), into
     #     gpu_profile.json's "prf_sweep" (a ninth file would not come back). On the H100 the maps
     #     took 1.37 of triton_chunked's 5.6 ms ALiBi call at 64k, 9x their traffic's time. A choice
     #     clearly faster than the library's, with the same results (prf_sweep.py `choose`), is
     #     adopted for every bench row after this (FASTRPE_PRF_LAUNCH, which triton_prf reads when
     #     imported; each run's `prf_launch` in gpu.json's envs says which): the priority rows
     #     below measure it, and a later commit makes it triton_prf's default
-    #     (PRF_S=0, the default since the fourth session adopted 64:4:tf32x3 as triton_prf's)
-    if [ "${PRF_S:-0}" -gt 0 ]; then
-        env "${prf_env[@]}" timeout -s INT -k 5 "${PRF_S:-30}" python3 benchmarks/prf_sweep.py "${PRF_ARGS[@]}" \
+    #     (PRF_S=0 was the default from the fourth session, which adopted 64:4:tf32x3, to the CPU
+    #     session of 2026-11-28, which added programs walking 4 or 8 row tiles, `triton_prf.TILES`,
+    #     to the configs, and their binaries to the pack: 20 s by default again)
+    if [ "${PRF_S:-20}" -gt 0 ]; then
+        env "${prf_env[@]}" timeout -s INT -k 5 "${PRF_S:-20}" python3 benchmarks/prf_sweep.py "${PRF_ARGS[@]}" \
             --out /tmp/prf_sweep.json 2>&1 | tail -40 | tee -a "$OUT_DIR/gpu_first.log"
         [ -f /tmp/prf_sweep.json ] && python3 -c 'import json, os, sys
 p = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}

@@ -251,8 +251,7 @@ def prf_sweep_launches(L: int = 65536) -> None:
     F = kern.num_features(64)
     phi, dphi, dx = torch.empty(1, 8, L, F), torch.randn(1, 8, L, F), torch.empty_like(x)
     for spec in prf_sweep.CONFIGS:
-        BR, warps, precision = tp.parse_launch(spec)
-        choices = {"block_rows": BR, "num_warps": warps, "precision": precision}
+        choices = tp.parse_launch(spec)._asdict()
         for is_query in (True, False):
             tp.prf_forward_launch(x, w, shift, phi, kern, is_query, **choices)
             tp.prf_backward_launch(x, w, phi, dphi, dx, kern, is_query, **choices)

@@ -40,19 +40,21 @@ from fastrpe.bench.runner import _time as time_call
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked as tc
 
-#: BR:num_warps:precision, each tried in turn (the first is the library's own choice,
-#: triton_prf's BLOCK_ROWS, NUM_WARPS and PRECISION). tf32x3 shapes since it won on the H100
-#: (2026-11-27: the four launches 0.75 ms against ieee's 1.71), 64:4:ieee as the control: 32
+#: BR:num_warps:precision[:tiles], each tried in turn (the first is the library's own choice,
+#: triton_prf's BLOCK_ROWS, NUM_WARPS, PRECISION and TILES). tf32x3 shapes since it won on the
+#: H100 (2026-11-27: the four launches 0.75 ms against ieee's 1.71), 64:4:ieee as the control: 32
 #: rows halve tf32x3's 48 KiB of shared memory, which holds the forward to 4 programs per SM
-#: (docs/RESULTS.md, "The PRF maps per row")
-CONFIGS = tuple(dict.fromkeys((f"{tp.BLOCK_ROWS}:{tp.NUM_WARPS}:{tp.PRECISION}", "64:4:tf32x3", "32:4:tf32x3",
-                                "32:2:tf32x3", "64:8:tf32x3", "128:8:tf32x3", "64:4:ieee")))
+#: (docs/RESULTS.md, "The PRF maps per row"). Since 2026-11-28 programs that walk 4 or 8 row
+#: tiles each (`triton_prf.TILES`, their loads pipelined): at one tile a program the maps moved
+#: about a third of the H100's bandwidth
+CONFIGS = tuple(dict.fromkeys((tp.launch_choice(), "64:4:tf32x3:4", "64:4:tf32x3:8", "32:4:tf32x3:8",
+                                "64:4:bf16x3", "64:4:bf16x3:4", "32:4:tf32x3", "64:8:tf32x3", "64:4:ieee")))
 
 
-def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, BR: int, warps: int, precision: str):
+def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, launch):
     """The library's launch (`triton_prf.prf_forward_launch` / `prf_backward_launch`) with
-    these choices."""
-    choices = {"block_rows": BR, "num_warps": warps, "precision": precision}
+    these choices (a `triton_prf.Launch`)."""
+    choices = launch._asdict()
     if which == "fwd":
         tp.prf_forward_launch(x, w, shift, phi, kern, is_query, **choices)
     else:
@@ -82,7 +84,7 @@ def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, 
     dphi = torch.randn(1, H, L, F, generator=g).to(device)
     rows, ref = [], {}
     for spec in configs:
-        BR, warps, precision = tp.parse_launch(spec)
+        launch = tp.parse_launch(spec)
         for is_query in (True, False):
             phi = torch.empty(1, H, L, F, dtype=torch.float32, device=device)
             dx = torch.empty_like(x)
@@ -92,10 +94,10 @@ def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, 
                 else:
                     phi_in = phi
 
-                def call(which=which, phi_in=phi_in, dx=dx, is_query=is_query, BR=BR, warps=warps,
-                         precision=precision):
-                    _launch(which, x, w, shift, phi_in, dphi, dx, kern, is_query, BR, warps, precision)
-                row = {"config": spec, "BR": BR, "num_warps": warps, "precision": precision,
+                def call(which=which, phi_in=phi_in, dx=dx, is_query=is_query, launch=launch):
+                    _launch(which, x, w, shift, phi_in, dphi, dx, kern, is_query, launch)
+                row = {"config": spec, "BR": launch.block_rows, "num_warps": launch.num_warps,
+                       "precision": launch.precision, "tiles": launch.tiles,
                        "map": "query" if is_query else "key", "pass": which}
                 try:
                     row["seconds"] = _time(call, device, repeats)
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="65536")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="BR:num_warps:precision, comma-separated")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="BR:num_warps:precision[:tiles], comma-separated")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="runs/gpu/prf_sweep.json")
     ap.add_argument("--warm", action="store_true",

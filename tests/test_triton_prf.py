@@ -55,6 +55,35 @@ def test_features_and_grad_match_the_float64_map(variant, is_query, L):
     torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("tiles", [2, 4])
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[2]], ids=[VIDS[0], VIDS[2]])
+def test_programs_walking_several_row_tiles_give_the_one_tile_results(monkeypatch, variant, tiles):
+    """A launch whose programs walk `tiles` row tiles in turn (`triton_prf.TILES`, a launch
+    choice) gives the one-tile launch's φ and dx bit for bit, queries and keys, with the last
+    program's tiles partly past L (70 rows in 16-row tiles); and short calls keep one tile a
+    program (`MIN_PROGRAMS`)."""
+    B, H, D, M, L = 1, 3, 10, 6, 70
+    g = torch.Generator().manual_seed(5)
+    kern = PRF(D, M, seed=1, **variant).to(DEV)
+    x = torch.randn(B, L, H * D, generator=g).to(DEV).view(B, L, H, D).transpose(1, 2)
+    w = kern.w.float().contiguous()
+    shift = kern.key_log_shift().to(device=DEV, dtype=torch.float32).reshape(-1)
+    F = kern.num_features(D)
+    dphi = torch.randn(B, H, L, F, generator=g).to(DEV)
+    assert triton_prf._launch_args(x, w, 16, None, None, tiles)[0] == (5, 3)  # 15 tiles < MIN_PROGRAMS: one each
+    monkeypatch.setattr(triton_prf, "MIN_PROGRAMS", 1)
+    assert triton_prf._launch_args(x, w, 16, None, None, tiles)[0] == (-(-5 // tiles), 3)
+    for is_query in (True, False):
+        out = []
+        for t in (1, tiles):
+            phi = torch.empty(B, H, L, F, device=DEV)
+            dx = torch.empty(B, H, L, D, device=DEV)
+            triton_prf.prf_forward_launch(x, w, shift, phi, kern, is_query, block_rows=16, tiles=t)
+            triton_prf.prf_backward_launch(x, w, phi, dphi, dx, kern, is_query, block_rows=16, tiles=t)
+            out.append((phi, dx))
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 def test_bf16_inputs_give_float32_features_and_bf16_grads(monkeypatch):
     kern = PRF(16, 8, normalize=True).to(DEV)
     g = torch.Generator().manual_seed(3)
@@ -163,8 +192,10 @@ def test_launch_choices_from_the_environment_and_bad_ones_in_one_line():
     import subprocess
     import sys
 
-    assert triton_prf.parse_launch("128:8:tf32x3") == (128, 8, "tf32x3")
-    for bad in ("100:4:ieee", "8:4:ieee", "64:3:ieee", "64:64:ieee", "64:4:tf32", "64:4", "a:b:c", "²:4:ieee"):
+    assert triton_prf.parse_launch("128:8:tf32x3") == (128, 8, "tf32x3", 1)
+    assert triton_prf.parse_launch("64:4:bf16x3:8") == (64, 4, "bf16x3", 8)
+    for bad in ("100:4:ieee", "8:4:ieee", "64:3:ieee", "64:64:ieee", "64:4:tf32", "64:4", "a:b:c", "²:4:ieee",
+                "64:4:ieee:3", "64:4:ieee:0", "64:4:ieee:4:1"):
         with pytest.raises(FastRPEError, match="FASTRPE_PRF_LAUNCH: expected BR:num_warps:precision"):
             triton_prf.parse_launch(bad)
     code = "from fastrpe.ops import triton_prf as t; print(t.launch_choice())"
@@ -175,6 +206,7 @@ def test_launch_choices_from_the_environment_and_bad_ones_in_one_line():
                               check=False)
 
     assert launch(FASTRPE_PRF_LAUNCH="32:2:tf32x3").stdout.strip() == "32:2:tf32x3"
+    assert launch(FASTRPE_PRF_LAUNCH="32:2:tf32x3:4").stdout.strip() == "32:2:tf32x3:4"
     assert launch(FASTRPE_PRF_LAUNCH="").stdout.strip() == launch().stdout.strip()  # empty: the defaults
     out = launch(FASTRPE_PRF_LAUNCH="64:4:fast")
     assert out.returncode != 0 and "FASTRPE_PRF_LAUNCH: expected" in out.stderr.strip().splitlines()[-1]

@@ -24,6 +24,7 @@ two-sided), BR rows per program, BD/BM tile widths.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,11 +75,22 @@ if HAS_TRITON:
     def _prf_fwd_kernel(x_ptr, w_ptr, shift_ptr, phi_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
                         inv_sqrt_f,
                         BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
-                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
-        """Grid (L/BR, B·H): φ of BR positions of one head, `[B, H, L, F]` float32."""
+                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, TILES: tl.constexpr = 1):
+        """Grid (L/(BR·TILES), B·H): φ of TILES tiles of BR positions of one head, `[B, H, L, F]`
+        float32, one tile after the other (TILES > 1: the loop's loads are pipelined)."""
         bh = tl.program_id(1).to(tl.int64)
-        r, ok, x, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, tl.program_id(0) * BR, H, L, D, M, sxb, sxh, sxl,
-                                               swh, scale, BR, BD, BM, NORMALIZE, MODE)
+        for t in tl.range(0, TILES):
+            _prf_fwd_tile(x_ptr, w_ptr, shift_ptr, phi_ptr, bh, (tl.program_id(0) * TILES + t) * BR, H, L, D, M, F,
+                          sxb, sxh, sxl, swh, s_shift, scale, inv_sqrt_f, BR, BD, BM, NORMALIZE, QUERY, TWO_SIDED,
+                          MODE)
+
+    @triton.jit
+    def _prf_fwd_tile(x_ptr, w_ptr, shift_ptr, phi_ptr, bh, r0, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
+                      inv_sqrt_f, BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
+                      QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
+        """`_prf_fwd_kernel`'s tile of BR positions from r0."""
+        r, ok, x, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale, BR, BD,
+                                               BM, NORMALIZE, MODE)
         m = tl.arange(0, BM)
         live = (m < M)[None, :]
         e1 = wx - half[:, None]
@@ -99,12 +111,23 @@ if HAS_TRITON:
     @triton.jit
     def _prf_bwd_kernel(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, scale,
                         BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
-                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr):
-        """Grid (L/BR, B·H): dx of BR positions of one head (`[B, H, L, D]` contiguous, x's dtype;
-        DX_BF16: dx_ptr is the int16 view of a bf16 dx, rounded to nearest as the GPU rounds)."""
+                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr,
+                        TILES: tl.constexpr = 1):
+        """Grid (L/(BR·TILES), B·H): dx of TILES tiles of BR positions of one head (`[B, H, L, D]`
+        contiguous, x's dtype; DX_BF16: dx_ptr is the int16 view of a bf16 dx, rounded to nearest
+        as the GPU rounds), as `_prf_fwd_kernel` walks them."""
         bh = tl.program_id(1).to(tl.int64)
-        r, ok, xh, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, tl.program_id(0) * BR, H, L, D, M, sxb, sxh,
-                                                sxl, swh, scale, BR, BD, BM, NORMALIZE, MODE)
+        for t in tl.range(0, TILES):
+            _prf_bwd_tile(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, bh, (tl.program_id(0) * TILES + t) * BR, H, L, D,
+                          M, F, sxb, sxh, sxl, swh, scale, BR, BD, BM, NORMALIZE, QUERY, TWO_SIDED, MODE, DX_BF16)
+
+    @triton.jit
+    def _prf_bwd_tile(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, bh, r0, H, L, D, M, F, sxb, sxh, sxl, swh, scale,
+                      BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
+                      QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr):
+        """`_prf_bwd_kernel`'s tile of BR positions from r0."""
+        r, ok, xh, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale, BR, BD,
+                                                BM, NORMALIZE, MODE)
         m, d = tl.arange(0, BM), tl.arange(0, BD)
         live = (m < M)[None, :]
         keep = ok[:, None] & live
@@ -138,8 +161,8 @@ if HAS_TRITON:
 #: positions per program (a power of two >= 16, `tl.dot`'s least), warps per program and the
 #: projection's product precision (`triton_chunked.PRECISIONS`): the launch choices
 #: benchmarks/prf_sweep.py times against each other (its first config is this one).
-#: `$FASTRPE_PRF_LAUNCH` ("BR:num_warps:precision", read when this module is imported) sets
-#: all three: the GPU bench's script sets it to the sweep's fastest choice for the rows it
+#: `$FASTRPE_PRF_LAUNCH` ("BR:num_warps:precision[:tiles]", read when this module is imported)
+#: sets them (and `TILES`): the GPU bench's script sets it to the sweep's fastest choice for the rows it
 #: times after the sweep, so that one GPU session can both find a better launch and measure it.
 #: "tf32x3" since the sweep on the H100 of 2026-11-27 (second session,
 #: benchmarks/results/gpu/h100-2026-11-27b-profile.json, `prf_sweep`): at 65,536 tokens x 8
@@ -150,50 +173,75 @@ if HAS_TRITON:
 BLOCK_ROWS = 64
 NUM_WARPS = 4
 PRECISION = "tf32x3"
+#: row tiles a program walks in turn (1: one; more: fewer programs, whose loop's loads Triton
+#: pipelines; at most as many as leave `MIN_PROGRAMS` programs, so that short calls keep the
+#: SMs busy): a launch choice the sweep times since 2026-11-28, not yet on a GPU. At one tile a
+#: program the maps moved a third of the H100's bandwidth (a forward launch 0.12 ms for its
+#: 128 MiB, tf32x3; h100-2026-11-27b-profile.json): each program loads its tile and waits, and
+#: its 48 KiB of shared memory (sm_90, 4 warps, tf32x3; 92 registers) leave 4 programs an SM.
+#: With 4 or 8 tiles the loop's loads are asynchronous copies, 3 stages deep (80 KiB, 128
+#: registers: 2 programs an SM; the backward 112 KiB, 255 registers; benchmarks/prf_ptxas.py,
+#: results/prf_ptxas-sm90.json)
+TILES = 1
+MIN_PROGRAMS = 1024
 
 
-def parse_launch(spec: str, what: str = "FASTRPE_PRF_LAUNCH") -> tuple[int, int, str]:
-    """`(BLOCK_ROWS, NUM_WARPS, PRECISION)` from "BR:num_warps:precision" (prf_sweep's
+class Launch(NamedTuple):
+    """The PRF kernels' launch choices (`parse_launch`, "BR:num_warps:precision[:tiles]")."""
+
+    block_rows: int
+    num_warps: int
+    precision: str
+    tiles: int = 1
+
+
+def parse_launch(spec: str, what: str = "FASTRPE_PRF_LAUNCH") -> Launch:
+    """The `Launch` of "BR:num_warps:precision" or "BR:num_warps:precision:tiles" (prf_sweep's
     configs), with a one-line error naming `what` for anything else."""
     from .linear.triton_chunked import PRECISIONS
 
     parts = spec.split(":")
     pow2 = (lambda x: x.isdecimal() and x.isascii() and int(x) > 0 and int(x) & (int(x) - 1) == 0)
-    if (len(parts) != 3 or not pow2(parts[0]) or int(parts[0]) < 16 or not pow2(parts[1]) or int(parts[1]) > 32
-            or parts[2] not in PRECISIONS):
-        raise FastRPEError(f"{what}: expected BR:num_warps:precision (BR a power of two >= 16, "
-                           f"num_warps a power of two <= 32, precision one of {', '.join(PRECISIONS)}), got {spec!r}")
-    return int(parts[0]), int(parts[1]), parts[2]
+    if (len(parts) not in (3, 4) or not pow2(parts[0]) or int(parts[0]) < 16 or not pow2(parts[1])
+            or int(parts[1]) > 32 or parts[2] not in PRECISIONS or (len(parts) == 4 and not pow2(parts[3]))):
+        raise FastRPEError(f"{what}: expected BR:num_warps:precision[:tiles] (BR a power of two >= 16, num_warps a "
+                           f"power of two <= 32, precision one of {', '.join(PRECISIONS)}, tiles a power of two), "
+                           f"got {spec!r}")
+    return Launch(int(parts[0]), int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 1)
 
 
 if os.environ.get("FASTRPE_PRF_LAUNCH"):
-    BLOCK_ROWS, NUM_WARPS, PRECISION = parse_launch(os.environ["FASTRPE_PRF_LAUNCH"])
+    BLOCK_ROWS, NUM_WARPS, PRECISION, TILES = parse_launch(os.environ["FASTRPE_PRF_LAUNCH"])
 
 
 def launch_choice() -> str:
-    """The launch choices in force, as "BR:num_warps:precision" (the GPU bench records it)."""
-    return f"{BLOCK_ROWS}:{NUM_WARPS}:{PRECISION}"
+    """The launch choices in force, as "BR:num_warps:precision" (":tiles" after it where TILES
+    is not 1; the GPU bench records it)."""
+    return f"{BLOCK_ROWS}:{NUM_WARPS}:{PRECISION}" + (f":{TILES}" if TILES != 1 else "")
 
 
-def _launch_args(x: Tensor, w: Tensor, block_rows: int | None, num_warps: int | None, precision: str | None):
-    """`(grid, dims, strides, meta)` of a launch over x's positions: `BLOCK_ROWS`, `NUM_WARPS`
-    and `PRECISION` where the choices are None (16 rows for L <= 16)."""
+def _launch_args(x: Tensor, w: Tensor, block_rows: int | None, num_warps: int | None, precision: str | None,
+                 tiles: int | None):
+    """`(grid, dims, strides, meta)` of a launch over x's positions: `BLOCK_ROWS`, `NUM_WARPS`,
+    `PRECISION` and `TILES` where the choices are None (16 rows for L <= 16; tiles only as
+    many as leave `MIN_PROGRAMS` programs)."""
     B, H, L, D = x.shape
     M = w.shape[-2]
     BR = block_rows or (BLOCK_ROWS if L > 16 else 16)
-    return (triton.cdiv(L, BR), B * H), (H, L, D, M), (x.stride(0), x.stride(1), x.stride(2),
-                                                         M * D if w.dim() == 3 else 0), \
-        {"BR": BR, "BD": _pow2(D), "BM": _pow2(M), "MODE": dot_mode(precision or PRECISION),
+    T = min(tiles or TILES, max(1, triton.cdiv(L, BR) * B * H // MIN_PROGRAMS))
+    return (triton.cdiv(L, BR * T), B * H), (H, L, D, M), (x.stride(0), x.stride(1), x.stride(2),
+                                                             M * D if w.dim() == 3 else 0), \
+        {"BR": BR, "BD": _pow2(D), "BM": _pow2(M), "MODE": dot_mode(precision or PRECISION), "TILES": T,
          **({} if INTERPRETED else {"num_warps": num_warps or NUM_WARPS})}
 
 
 def prf_forward_launch(x: Tensor, w: Tensor, shift: Tensor, phi: Tensor, kern, is_query: bool, *,
                        block_rows: int | None = None, num_warps: int | None = None,
-                       precision: str | None = None) -> None:
+                       precision: str | None = None, tiles: int | None = None) -> None:
     """`φ` of x (`[B, H, L, D]`) into `phi` (`[B, H, L, F]` float32) by one `_prf_fwd_kernel`
-    launch; the launch choices default to `BLOCK_ROWS`, `NUM_WARPS`, `PRECISION`
+    launch; the launch choices default to `BLOCK_ROWS`, `NUM_WARPS`, `PRECISION`, `TILES`
     (benchmarks/prf_sweep.py times others)."""
-    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision)
+    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision, tiles)
     F = phi.shape[-1]
     _prf_fwd_kernel[grid](x, w, shift, phi, *dims, F, *strides, int(shift.numel() > 1), float(kern.input_scale),
                           F ** -0.5, NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided,
@@ -202,10 +250,10 @@ def prf_forward_launch(x: Tensor, w: Tensor, shift: Tensor, phi: Tensor, kern, i
 
 def prf_backward_launch(x: Tensor, w: Tensor, phi: Tensor, dphi: Tensor, dx: Tensor, kern, is_query: bool, *,
                         block_rows: int | None = None, num_warps: int | None = None,
-                        precision: str | None = None) -> None:
+                        precision: str | None = None, tiles: int | None = None) -> None:
     """dx (`[B, H, L, D]` contiguous, x's dtype) from `dphi` by one `_prf_bwd_kernel` launch;
     the launch choices as `prf_forward_launch`'s."""
-    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision)
+    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision, tiles)
     bf16 = dx.dtype == torch.bfloat16
     _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
                           *dims, phi.shape[-1], *strides, float(kern.input_scale), NORMALIZE=kern.normalize,
