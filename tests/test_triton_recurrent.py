@@ -132,8 +132,9 @@ def test_packed_step_equals_the_separate_rows_and_checks_its_row():
     p = prf_step(args.pop("w"), args.pop("key_shift"), H, D, **args)
     po, pS = prf_linear_token_packed(p, qkv, S, gamma)
     assert torch.equal(po, o) and torch.equal(pS, S1)
-    with pytest.raises(FastRPEError, match="qkv: expected"):
-        prf_linear_token_packed(p, qkv[:, 1:], S, gamma)
+    for bad in (qkv[:, 1:], qkv[None]):
+        with pytest.raises(FastRPEError, match="qkv: expected"):
+            prf_linear_token_packed(p, bad, S, gamma)
     with pytest.raises(FastRPEError, match="S: expected"):
         prf_linear_token_packed(p, qkv, S[:, :, 1:].contiguous(), gamma)
 

@@ -311,13 +311,13 @@ def _packed_rows(p: PRFStep, qkv: Tensor) -> tuple:
     """`(B, C, q, k, vv, strides)` of a fused q/k/v row per batch, `qkv: [B, 2·H·D + H·C]`
     (`[q, k, [v, 1]]`, each head's columns together; unit stride): the three as pointers
     into it, and `_rows`' strides."""
-    B, n = qkv.shape
     E = p.H * p.D
+    n = qkv.shape[-1]
     C = (n - 2 * E) // p.H
     if qkv.dim() != 2 or C < 2 or n != 2 * E + p.H * C or qkv.stride(1) != 1:
         raise FastRPEError(f"qkv: expected [B, {2 * E} + {p.H}·(Dv+1)] with unit stride, got {tuple(qkv.shape)}")
     s = qkv.stride(0)
-    return B, C, qkv, qkv[:, E:], qkv[:, 2 * E:], (s, p.D, s, p.D, s, C)
+    return qkv.shape[0], C, qkv, qkv[:, E:], qkv[:, 2 * E:], (s, p.D, s, p.D, s, C)
 
 
 def _check_state_S(S: Tensor, shape: tuple) -> None:
