@@ -45,8 +45,8 @@ from dataclasses import replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if not torch.cuda.is_available():  # the fused step's kernel runs under the interpreter (set before triton loads)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # the fused step's kernel runs under the interpreter (set before triton loads;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # --host-jit wants TRITON_INTERPRET=0: compiled, not run)
 
 
 #: ops that are not views by their schema but launch nothing either
@@ -217,6 +217,31 @@ def measure_host(cfg, dtype, repeats: int, warmup: int) -> dict[str, float]:
     return out
 
 
+def measure_host_jit(cfg, dtype, repeats: int, warmup: int) -> dict[str, tuple[float, float]]:
+    """`{method: (µs with Triton's launch path, µs with the launch stubbed)}` of the fused rows
+    at `cfg`'s widths, the kernels compiled (not interpreted) for an H100 by a Triton driver
+    that runs nothing (`precompile.py`'s `no_gpu_driver`, `on_a_gpu`, `compile_only`): the
+    first is the step's host time up to the driver's launch, `JITFunction.run`'s binding and
+    specialization of every argument included, which `--host` (the launch counted, not run)
+    leaves out. Needs TRITON_INTERPRET=0 and a Triton that compiles for sm_90 here; the
+    first step compiles each kernel (Triton's cache keeps it)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import precompile
+
+    out = {}
+    with precompile.no_gpu_driver(), precompile.on_a_gpu(), precompile.compile_only():
+        for name, mha, st, x in cases(cfg, torch.device("cpu"), dtype):
+            if not name.endswith(FUSED):
+                continue
+            with torch.no_grad(), fused_step() as kern:
+                step = lambda: mha.step(x, st)  # noqa: E731
+                for _ in range(warmup):
+                    step()
+                jit = median_us(step, repeats)
+                out[name] = (jit, host_time(step, kern, repeats, warmup))
+    return out
+
+
 def measure(cfg, device, dtype, repeats: int, warmup: int) -> list[dict]:
     out = []
     for name, mha, st, x in cases(cfg, device, dtype):
@@ -318,6 +343,10 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="also time the fused steps' host code (launches stubbed) at --host-dims")
     ap.add_argument("--host-dims", default="1,4,2", help="H,D,features of the --host timings")
+    ap.add_argument("--host-jit", action="store_true",
+                    help="only the fused steps' host time with Triton's launch path, compiled for sm_90 by a driver "
+                         "that runs nothing (measure_host_jit; TRITON_INTERPRET=0), at --host-dims; print, "
+                         "and write --out")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="only profile the fused steps' host time (cProfile) on CUDA if there is one, at the "
@@ -331,6 +360,30 @@ def main() -> None:
         return
     dtypes = a.dtypes.split(",")
     cfg = GpuConfig(decode_context=a.context, decode_prompt=a.prompt, device="cpu")
+    if a.host_jit:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            print("decode_ops --host-jit: compiles the kernels: set TRITON_INTERPRET=0")
+            sys.exit(2)
+        Hh, Dh, Fh = (int(n) for n in a.host_dims.split(","))
+        small = replace(cfg, H=Hh, D=Dh, features=Fh)
+        rows = []
+        for dt in dtypes:
+            for name, (jit, stub) in measure_host_jit(small, getattr(torch, dt), a.repeats, a.warmup).items():
+                rows.append({"method": name, "dtype": dt, "host_jit_us_per_step": jit, "host_us_per_step": stub,
+                             "jit_launch_us": jit - stub})
+                print(f"{name:52s} {dt:9s} {jit:8.1f} us with Triton's launch path, {stub:8.1f} stubbed "
+                      f"({jit - stub:.1f} us Triton's)")
+        if a.out:
+            import triton
+
+            meta = {"command": " ".join(["python", *sys.argv]), "fastrpe_commit": source_commit(),
+                    "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+                    "machine": platform.machine(), "threads": a.threads,
+                    "host_dims": {"H": Hh, "D": Dh, "features": Fh}, "repeats": a.repeats}
+            with open(a.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            print(f"wrote {a.out}")
+        return
     rows = [r for dt in dtypes for r in measure(cfg, torch.device("cpu"), getattr(torch, dt), a.repeats, a.warmup)]
     host_dims = None
     if a.host:

@@ -139,6 +139,44 @@ def test_packed_step_equals_the_separate_rows_and_checks_its_row():
         prf_linear_token_packed(p, qkv, S[:, :, 1:].contiguous(), gamma)
 
 
+def test_fast_launch_goes_through_the_jit_once_per_specialization(monkeypatch):
+    """`FAST_LAUNCH`: the JIT launches a specialization once and its compiled binary every later
+    time, with every argument in signature order (constexprs last, as the JIT hands them to the
+    launcher); a tensor of another dtype or alignment, or another int, is a new specialization;
+    off (the default) or interpreted, the JIT every time."""
+    from fastrpe.ops.linear import triton_recurrent as tr
+
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("binary", grid, a))
+
+    class Kernel:
+        arg_names = ["x_ptr", "n", "s", "BC", "FLAG"]
+
+        def __getitem__(self, grid):
+            def jit(*a, **kw):
+                calls.append(("jit", grid, a, kw))
+                return Compiled()
+            return jit
+
+    k, x = Kernel(), torch.zeros(8)
+    monkeypatch.setattr(tr, "_LAUNCHERS", {})
+    tr._launch(k, (2,), (x, 3, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)
+    assert calls[-1] == ("jit", (2,), (x, 3, 0.5), {"BC": 16, "FLAG": True, "num_warps": 8})  # off: the JIT
+    monkeypatch.setattr(tr, "FAST_LAUNCH", True)
+    monkeypatch.setattr(tr, "INTERPRETED", False)
+    for n in (3, 3, 4, 4):
+        tr._launch(k, (2,), (x, n, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)
+    assert [c[0] for c in calls] == ["jit", "jit", "binary", "jit", "binary"]
+    assert calls[2] == ("binary", (2,), (x, 3, 0.5, 16, True))
+    tr._launch(k, (2,), (x[1:], 4, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)  # 4 bytes in: not 16-aligned
+    tr._launch(k, (2,), (x.double(), 4, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)
+    tr._launch(k, (2,), (x, 4, 0.5), {"BC": 16, "FLAG": False}, num_warps=8)
+    assert [c[0] for c in calls[5:]] == ["jit", "jit", "jit"]
+
+
 def test_prf_step_empty_row_gives_zero():
     """A key whose features underflow after an empty state: den = 0, the output 0, not NaN."""
     B, H, D, M = 1, 1, 8, 4
@@ -500,10 +538,14 @@ def test_fused_step_never_reads_a_tensor_on_the_host(monkeypatch, count_calls, f
 
 
 @pytest.mark.gpu
-def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch, count_calls):
+@pytest.mark.parametrize("fast", [False, True], ids=["jit-launch", "fast-launch"])
+def test_fused_step_at_the_bench_shape_on_cuda(monkeypatch, count_calls, fast):
     """The bench's decode layer (H = 8, D = 64, 32 NPRF features, bf16, ALiBi) on the GPU: the
-    fused step's outputs and states against the PyTorch ops' for 64 tokens after a prompt."""
+    fused step's outputs and states against the PyTorch ops' for 64 tokens after a prompt,
+    its kernel launched by the JIT every time or through its binary (`FAST_LAUNCH`)."""
     from fastrpe import positions as P
+
+    monkeypatch.setattr(triton_recurrent, "FAST_LAUNCH", fast)
 
     mha = fr.nn.MultiheadAttention(512, 8, kernel=fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
                                    position=P.ALiBi(8), causal=True).to("cuda", torch.bfloat16).eval()
@@ -584,11 +626,14 @@ def test_layer_band_and_soe_fused_steps_in_bf16(monkeypatch, count_calls, family
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True], ids=["jit-launch", "fast-launch"])
 @pytest.mark.parametrize("family", ["t5", "kerple_log"])
-def test_band_and_soe_fused_steps_at_the_bench_shape_on_cuda(monkeypatch, count_calls, family):
+def test_band_and_soe_fused_steps_at_the_bench_shape_on_cuda(monkeypatch, count_calls, family, fast):
     """The bench's decode layers (H = 8, D = 64, 32 NPRF features, bf16; T5's 113-wide band,
     KERPLE-log's SoE) on the GPU: 120 tokens after a 40-token prompt, the band filling and
-    then full, the fused step against the PyTorch ops."""
+    then full, the fused step against the PyTorch ops (its kernel launched as
+    `test_fused_step_at_the_bench_shape_on_cuda`'s)."""
+    monkeypatch.setattr(triton_recurrent, "FAST_LAUNCH", fast)
     mha = _family_layer(family, 512, 8, fr.kernels.get_kernel("nprf", head_dim=64, num_features=32),
                         torch.bfloat16, W=113).eval()
     x = torch.randn(1, 160, 512, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)

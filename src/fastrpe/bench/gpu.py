@@ -1000,7 +1000,9 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     """One token at `decode_context` tokens of context, `MultiheadAttention.step`, no grad:
     constant-size states (`LinearState` for ALiBi, `BandState` for T5, `SoEState` for
     KERPLE-log; each row records which state `step` kept and whether its fused Triton step
-    ran, `fused_step`; each twice, the second with the PyTorch ops) against KV
+    ran, `fused_step`; each three times: with the PyTorch ops too, and with the fused kernel
+    launched through its compiled binary, `triton_recurrent.FAST_LAUNCH`, checked bit for bit
+    against the JIT's launch first, `_check_fast_launch`) against KV
     caches of that length (the same layer exact, and softmax + ALiBi), and the bare SDPA
     op on a KV cache (no projections, no positional term: the cheapest KV step there is).
 
@@ -1014,8 +1016,10 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     from fastrpe.bench.runner import _time
     from fastrpe.nn import attention as attention_mod
     from fastrpe.nn.attention import KVCache
+    from fastrpe.ops.linear import triton_recurrent
 
     H, D, ctx = cfg.H, cfg.D, cfg.decode_context
+    fast_launch = triton_recurrent.FAST_LAUNCH
     E = H * D
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -1051,6 +1055,14 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
         ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of, "constant"),
         ("state-band (t5, nprf), PyTorch ops", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of,
          "constant"),
+        # the fused steps launched through their compiled binaries (`triton_recurrent.FAST_LAUNCH`,
+        # opt-in until these rows have compared and timed it on a GPU)
+        ("state-linear (alibi, nprf), fast launch", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of,
+         "constant"),
+        ("state-soe (kerple_log, nprf), fast launch", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"),
+         state_of, "constant"),
+        ("state-band (t5, nprf), fast launch", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of,
+         "constant"),
         ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"),
          lambda m: kv_cache(), "kv"),
         ("kv-cache (alibi, softmax)", lambda: layer("softmax", fr.positions.ALiBi(H), "auto"), lambda m: kv_cache(),
@@ -1074,6 +1086,9 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
                 raise RuntimeError(f"step kept a KV cache, not a constant-size state: {mha.decoder(ctx)}")
             if kind == "constant":
                 row["fused_step"] = mha._prf_step_fusable(x, st)  # one Triton launch between the matmuls
+            if name.endswith("fast launch"):
+                _check_fast_launch(mha, x, st)
+                triton_recurrent.FAST_LAUNCH = True
             with torch.no_grad():
                 sec, peak = _time(lambda: mha.step(x, st), device, cfg.repeats, cfg.warmup, cpu_peak=not cfg.smoke)
             row.update(seconds=sec, peak_bytes=peak)
@@ -1085,6 +1100,7 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
             _mark_lost(row, device)
         finally:
             attention_mod.FUSED_STEP = fused
+            triton_recurrent.FAST_LAUNCH = fast_launch
         rows.append(row)
         on_row(row)
         log(_decode_line(row))
@@ -1111,6 +1127,29 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
     log(_decode_line(row))
     _stop_if_lost(row, row["method"])
     return rows
+
+
+def _check_fast_launch(mha, x, st) -> None:
+    """Raise unless the layer's fused step launched through its compiled binary
+    (`triton_recurrent.FAST_LAUNCH`: the JIT's launch first, then the binary's) gives the JIT's
+    launch's output and state bit for bit; or where no fused kernel runs to launch so."""
+    from fastrpe.ops.linear import triton_chunked, triton_recurrent
+
+    if triton_chunked.INTERPRETED or not mha._prf_step_fusable(x, st):
+        raise RuntimeError("fast launch: no compiled fused step here (the interpreter, or no fused step)")
+    with torch.no_grad():
+        ref, ref_st = mha.step(x, st)
+        triton_recurrent.FAST_LAUNCH = True
+        try:
+            for _ in range(2):  # the JIT's launch of this specialization, then its binary's
+                out, out_st = mha.step(x, st)
+        finally:
+            triton_recurrent.FAST_LAUNCH = False
+    fields = [f for f in ("S", "keys", "values") if isinstance(getattr(ref_st, f, None), torch.Tensor)]
+    bad = [n for n, a, b in [("output", out, ref)] + [(f, getattr(out_st, f), getattr(ref_st, f)) for f in fields]
+           if not torch.equal(a, b)]
+    if bad:
+        raise RuntimeError(f"fast launch: {', '.join(bad)} differ from the JIT's launch's")
 
 
 def _graphed_step(fn, device: torch.device, cfg: GpuConfig) -> dict:

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..._validate import FastRPEError
 from ..common import underflow_threshold
 from .state import BandState, SoEState
-from .triton_chunked import HAS_TRITON, _pow2, on_device_of, triton_unavailable_reason
+from .triton_chunked import HAS_TRITON, INTERPRETED, _pow2, on_device_of, triton_unavailable_reason
 
 if HAS_TRITON:
     import triton
@@ -256,6 +256,47 @@ def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *
     return y[:, :, None, :Dv], y[:, :, None, Dv], new
 
 
+#: the fused steps' kernels launched through their compiled binaries once Triton's JIT has
+#: launched each specialization (`_launch`): `JITFunction.run` binds and specializes every
+#: argument of every launch (25 to 38 here), 19-27 µs of a step's 68-87 µs of host time on a
+#: 2-core CPU (Triton 3.6's launch path up to the driver, timed with a driver that runs nothing,
+#: 2026-11-28), and an eager step on the H100 is its host time. False (the JIT every launch)
+#: until a GPU has compared and timed it: the bench's decode rows "..., fast launch" check it
+#: against the JIT's launch bit for bit before timing it. Never under the interpreter.
+FAST_LAUNCH = False
+
+#: (kernel, grid, specialization) -> the compiled kernel's launcher (`CompiledKernel[grid]`)
+_LAUNCHERS: dict = {}
+
+
+def _specialization(args) -> tuple:
+    """What Triton's JIT specializes a launch on, of `args` that it may see change: a tensor's
+    dtype and 16-byte alignment, an int's value (1, multiples of 16, 64-bit range: the exact
+    value keys them all); floats are not specialized."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else a if type(a) is int else None
+                 for a in args)
+
+
+def _launch(kernel, grid: tuple, args: tuple, consts: dict, **options) -> None:
+    """`kernel[grid](*args, **consts, **options)`, or, with `FAST_LAUNCH`, the same binary
+    launched directly once the JIT has launched this specialization (its `CompiledKernel`,
+    whose launcher takes every argument in signature order, constexprs included)."""
+    if not FAST_LAUNCH or INTERPRETED:
+        kernel[grid](*args, **consts, **options)
+        return
+    key = (kernel, grid, _specialization(args), tuple(consts.items()), tuple(options.items()))
+    run = _LAUNCHERS.get(key)
+    if run is not None:
+        run(*args, *consts.values())
+        return
+    compiled = kernel[grid](*args, **consts, **options)
+    names = getattr(kernel, "arg_names", None)  # (a wrapped kernel keeps the JIT's launch every time)
+    if hasattr(compiled, "__getitem__") and names is not None and list(consts) == names[len(args):]:
+        if len(_LAUNCHERS) >= 1024:
+            _LAUNCHERS.clear()
+        _LAUNCHERS[key] = compiled[grid]
+
+
 class PRFStep(NamedTuple):
     """What a fused step's launch reads of PRF's feature map, checked once (`prf_step`): a
     layer builds it once per parameter state and steps token after token with it
@@ -338,10 +379,10 @@ def _linear_launch(p: PRFStep, q, k, vv, B: int, C: int, rows: tuple, S: Tensor,
         raise FastRPEError(f"gamma: expected float32 [{p.H}], contiguous, got {gamma.dtype} {tuple(gamma.shape)}")
     new = torch.empty_like(S)
     o, o_out, bf16 = _output(p, B, C, S.device)
-    _prf_step_kernel[(B * p.H,)](q, k, vv, p.w, p.key_shift, S if gamma is None else gamma, S, new, o_out,
-                                 p.H, p.D, p.M, p.F, C - 1, *rows, p.sw_h, p.scale, p.inv_sqrt_f, p.tiny,
-                                 BD=p.BD, BF=p.BF, BC=_pow2(C), NORMALIZE=p.normalize,
-                                 HAS_G=gamma is not None, O_BF16=bf16)
+    _launch(_prf_step_kernel, (B * p.H,),
+            (q, k, vv, p.w, p.key_shift, S if gamma is None else gamma, S, new, o_out, p.H, p.D, p.M, p.F, C - 1,
+             *rows, p.sw_h, p.scale, p.inv_sqrt_f, p.tiny),
+            dict(BD=p.BD, BF=p.BF, BC=_pow2(C), NORMALIZE=p.normalize, HAS_G=gamma is not None, O_BF16=bf16))
     return o, new
 
 
@@ -411,11 +452,12 @@ def _band_launch(p: PRFStep, q, k, vv, B: int, C: int, rows: tuple, state: BandS
     new_values = torch.empty(B, H, keep, C - 1, dtype=torch.float32, device=S.device)
     new_S = torch.empty_like(S) if full else S  # until the band is full, no key reaches the tail sum
     o, o_out, bf16 = _output(p, B, C, S.device)
-    _prf_band_step_kernel[(B * H,)](q, k, vv, p.w, p.key_shift, S, keys, values, weights,
-                                    weights if tail is None else tail, new_S, new_keys, new_values, o_out,
-                                    H, p.D, p.M, F, C - 1, nb, *rows, p.sw_h, *keys.stride(), *values.stride(),
-                                    p.scale, p.inv_sqrt_f, p.tiny, BD=p.BD, BF=p.BF, BC=_pow2(C),
-                                    BJ=_BJ, NORMALIZE=p.normalize, DROP=int(full), O_BF16=bf16, num_warps=_WARPS)
+    _launch(_prf_band_step_kernel, (B * H,),
+            (q, k, vv, p.w, p.key_shift, S, keys, values, weights, weights if tail is None else tail, new_S, new_keys,
+             new_values, o_out, H, p.D, p.M, F, C - 1, nb, *rows, p.sw_h, *keys.stride(), *values.stride(), p.scale,
+             p.inv_sqrt_f, p.tiny),
+            dict(BD=p.BD, BF=p.BF, BC=_pow2(C), BJ=_BJ, NORMALIZE=p.normalize, DROP=int(full), O_BF16=bf16),
+            num_warps=_WARPS)
     return o, BandState(new_S, new_keys, new_values, W, state.length + 1)
 
 
@@ -476,11 +518,11 @@ def _soe_launch(p: PRFStep, q, k, vv, B: int, C: int, rows: tuple, state: SoESta
     new_values = torch.empty(B, H, keep, C, dtype=torch.float32, device=S.device)
     new_S = torch.empty_like(S)
     o, o_out, bf16 = _output(p, B, C, S.device)
-    _prf_soe_step_kernel[(B * H,)](q, k, vv, p.w, p.key_shift, S, keys, values, gamma, a, cw, new_S, new_keys,
-                                   new_values, o_out, H, p.D, p.M, F, C - 1, K, nb, *rows, p.sw_h, *keys.stride(),
-                                   *values.stride(), p.scale, p.inv_sqrt_f, p.tiny, BD=p.BD, BF=p.BF,
-                                   BC=_pow2(C), BJ=_BJ, NORMALIZE=p.normalize, DROP=drop, O_BF16=bf16,
-                                   num_warps=_WARPS)
+    _launch(_prf_soe_step_kernel, (B * H,),
+            (q, k, vv, p.w, p.key_shift, S, keys, values, gamma, a, cw, new_S, new_keys, new_values, o_out, H, p.D,
+             p.M, F, C - 1, K, nb, *rows, p.sw_h, *keys.stride(), *values.stride(), p.scale, p.inv_sqrt_f, p.tiny),
+            dict(BD=p.BD, BF=p.BF, BC=_pow2(C), BJ=_BJ, NORMALIZE=p.normalize, DROP=drop, O_BF16=bf16),
+            num_warps=_WARPS)
     return o, SoEState(new_S, new_keys, new_values, state.plan, state.length + 1)
 
 
