@@ -155,6 +155,10 @@
 #   with the KV steps; the eager criterion (3.01x, needs 5x) is the one to read; the profile
 #   in gpu_first.log (decode_ops.py --profile) says what is left of the step on that host. The
 #   kernels and their line numbers are unchanged: the pack in .gpu_cache still holds them;
+#   three new decode rows "..., fast launch" time `triton_recurrent.FAST_LAUNCH` (the kernel
+#   launched through its compiled binary, skipping Triton's 19-29 us of per-launch binding on
+#   the CPU), each checked bit for bit against the JIT's launch first (a row that differs is
+#   skipped and says so): if they are the fastest and pass, FAST_LAUNCH can be the default;
 # - the PRF maps (0.75 ms of a 64k call's 3.1-3.4 ms for ALiBi: a third of the H100's bandwidth)
 #   can walk several row tiles a program (`triton_prf.TILES`, loads pipelined, "64:4:tf32x3:4");
 #   the sweep (PRF_S, 20 s by default now, its binaries in the pack) times them first and its

@@ -258,9 +258,10 @@ def linear_step_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Tensor, *
 
 #: the fused steps' kernels launched through their compiled binaries once Triton's JIT has
 #: launched each specialization (`_launch`): `JITFunction.run` binds and specializes every
-#: argument of every launch (25 to 38 here), 19-27 µs of a step's 68-87 µs of host time on a
-#: 2-core CPU (Triton 3.6's launch path up to the driver, timed with a driver that runs nothing,
-#: 2026-11-28), and an eager step on the H100 is its host time. False (the JIT every launch)
+#: argument of every launch (25 to 38 here), 19-29 µs of a step's 68-89 µs of host time on a
+#: 2-core CPU (Triton 3.6's launch path up to the driver, timed with a driver that runs nothing:
+#: `benchmarks/decode_ops.py --host-jit`, results/decode_ops-host-jit.json), and an eager step on
+#: the H100 is its host time. False (the JIT every launch)
 #: until a GPU has compared and timed it: the bench's decode rows "..., fast launch" check it
 #: against the JIT's launch bit for bit before timing it. Never under the interpreter.
 FAST_LAUNCH = False
