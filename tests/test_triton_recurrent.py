@@ -177,6 +177,30 @@ def test_fast_launch_goes_through_the_jit_once_per_specialization(monkeypatch):
     assert [c[0] for c in calls[5:]] == ["jit", "jit", "jit"]
 
 
+@pytest.mark.parametrize("family", ["alibi", "t5", "kerple_log"])
+def test_each_fused_step_hands_its_launch_over_in_signature_order(monkeypatch, family):
+    """What `FAST_LAUNCH` relies on: each fused step's launch passes its kernel's runtime
+    arguments in order and then its constexprs, named in the kernel's own order (else the
+    binary's launcher, which takes them all positionally, could not be used: `_launch` would
+    keep the JIT's launch)."""
+    from fastrpe.ops.linear import triton_recurrent as tr
+
+    seen = []
+    launch = tr._launch
+    monkeypatch.setattr(tr, "_launch", lambda kernel, grid, args, consts, **o: (
+        seen.append((kernel, args, consts)), launch(kernel, grid, args, consts, **o)))
+    mha = _family_layer(family)
+    monkeypatch.setattr(attention_mod, "FUSED_STEP", "always")
+    x = torch.randn(1, 10, 15).to(DEV)
+    with torch.no_grad():
+        _, st = mha.step(x[:, :9])
+        mha.step(x[:, 9:], st)
+    assert seen
+    for kernel, args, consts in seen:
+        names = kernel.arg_names
+        assert list(consts) == names[len(args):] and len(args) + len(consts) == len(names), kernel
+
+
 def test_prf_step_empty_row_gives_zero():
     """A key whose features underflow after an empty state: den = 0, the output 0, not NaN."""
     B, H, D, M = 1, 1, 8, 4
