@@ -285,7 +285,8 @@ def _launch(kernel, grid: tuple, args: tuple, consts: dict, **options) -> None:
     if not FAST_LAUNCH or INTERPRETED:
         kernel[grid](*args, **consts, **options)
         return
-    key = (kernel, grid, _specialization(args), tuple(consts.items()), tuple(options.items()))
+    # the device too: a compiled kernel's binary is loaded on the device of its first launch
+    key = (kernel, grid, args[0].device, _specialization(args), tuple(consts.items()), tuple(options.items()))
     run = _LAUNCHERS.get(key)
     if run is not None:
         run(*args, *consts.values())
