@@ -11,10 +11,11 @@ pytest.importorskip("triton")
 
 
 def test_an_interior_iteration_is_shorter_than_an_edge_one(tmp_path):
-    got = benchmark_json("tile_bodies", ["--kernels", "_tiled_bwd_dkv", "--modes", "0,3"], tmp_path)
+    got = benchmark_json("tile_bodies", ["--kernels", "_tiled_bwd_dkv", "--modes", "0"], tmp_path)
     rows = got["rows"]
-    # bf16 features (0) and float32 features by bf16x3 (3); tf32x3 (2) compiles longest
-    assert sorted(r["MODE"] for r in rows) == [0, 3]
+    # bf16 features (0): the float32 features' modes (tf32x3 2, bf16x3 3) compile longer, and
+    # the suite is near its 15-minute budget (the benchmark itself runs them all)
+    assert [r["MODE"] for r in rows] == [0]
     for r in rows:
         n = {v: r[v]["loop_sass"] for v in ("edge-exp", "interior-exp", "edge-table", "interior-table")}
         # the masks of a 64x64 tile and their compares are gone from an interior iteration, and
