@@ -1044,25 +1044,17 @@ def decode_rows(cfg: GpuConfig, device: torch.device, dtype: torch.dtype, log=pr
             _, st = mha.step(prompt, max_length=ctx + 64)
         return replace(st, length=ctx) if not isinstance(st, KVCache) else st
 
-    cases = [
-        ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of, "constant"),
-        ("state-linear (alibi, nprf), PyTorch ops", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of,
-         "constant"),
-        ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"), state_of,
-         "constant"),
-        ("state-soe (kerple_log, nprf), PyTorch ops", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"),
-         state_of, "constant"),
-        ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of, "constant"),
-        ("state-band (t5, nprf), PyTorch ops", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of,
-         "constant"),
-        # the fused steps launched through their compiled binaries (`triton_recurrent.FAST_LAUNCH`,
-        # opt-in until these rows have compared and timed it on a GPU)
-        ("state-linear (alibi, nprf), fast launch", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"), state_of,
-         "constant"),
-        ("state-soe (kerple_log, nprf), fast launch", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe"),
-         state_of, "constant"),
-        ("state-band (t5, nprf), fast launch", lambda: layer(nprf(), make_position("t5", H, ctx), "auto"), state_of,
-         "constant"),
+    states = [  # each constant-size state's layer
+        ("state-linear (alibi, nprf)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto")),
+        ("state-soe (kerple_log, nprf)", lambda: layer(nprf(), fr.positions.KerpleLog(H), "soe")),
+        ("state-band (t5, nprf)", lambda: layer(nprf(), make_position("t5", H, ctx), "auto")),
+    ]
+    # each with its fused Triton step and with the PyTorch ops; then the fused steps launched
+    # through their compiled binaries (`triton_recurrent.FAST_LAUNCH`, opt-in until these rows
+    # have compared and timed it on a GPU)
+    cases = [(name + how, make, state_of, "constant") for name, make in states for how in ("", ", PyTorch ops")]
+    cases += [(name + ", fast launch", make, state_of, "constant") for name, make in states]
+    cases += [
         ("kv-cache (alibi, nprf, exact)", lambda: layer(nprf(), fr.positions.ALiBi(H), "auto"),
          lambda m: kv_cache(), "kv"),
         ("kv-cache (alibi, softmax)", lambda: layer("softmax", fr.positions.ALiBi(H), "auto"), lambda m: kv_cache(),
