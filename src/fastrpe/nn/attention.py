@@ -423,16 +423,23 @@ class MultiheadAttention(nn.Module):
         cw [H, n]))`: `recurrent.soe_token_coefficients` over `n = state.keys.shape[2] + 1`
         keys in `dt`, built once per plan and n (`_memoized`)."""
         from ..ops.linear import recurrent
+
+        state = self._soe_state_extended(state)
+        plan, n = state.plan, state.keys.shape[2] + 1
+        coeffs = self._memoized("soe", [plan.gamma, plan.a, plan.corr], (n, dt),
+                                lambda: recurrent.soe_token_coefficients(plan, n, dt))
+        return state, coeffs
+
+    def _soe_state_extended(self, state: SoEState) -> SoEState:
+        """`state` with its plan checked one token further (`soe_extend`: the same plan within
+        its fit length; past it, a longer one if the fit still holds), or a one-line refusal."""
         from ..ops.linear.soe import soe_extend
 
         plan, why = soe_extend(state.plan, self.position, state.length + 1)
         if why:
             raise FastRPEError(f"step: backend={self.backend!r} cannot decode past {state.plan.fit_length} "
                                f"tokens: {why} (pass max_length= to the first step to fit for longer)")
-        n = state.keys.shape[2] + 1
-        coeffs = self._memoized("soe", [plan.gamma, plan.a, plan.corr], (n, dt),
-                                lambda: recurrent.soe_token_coefficients(plan, n, dt))
-        return replace(state, plan=plan), coeffs
+        return state if plan is state.plan else replace(state, plan=plan)
 
     def _prf_step_fusable(self, x: Tensor, state) -> bool:
         """Whether `_prf_step` runs this step (`FUSED_STEP`): PRF features exactly (a subclass
@@ -519,7 +526,7 @@ class MultiheadAttention(nn.Module):
             o, new = triton_recurrent.prf_band_token_packed(plan.prf, qkv, state, bw, tail, W)
         else:
             if state.length + 1 > state.plan.fit_length:  # decoding past the fit: checked, the plan extended
-                state, _ = self._soe_constants(state, torch.float32)
+                state = self._soe_state_extended(state)
             sp, n = state.plan, state.keys.shape[2] + 1
             src = (sp.gamma, sp.a, sp.corr)
             gamma, a, cw = plan.weights(("soe", _fingerprint(src), n), lambda n: _soe_weights(sp, n), src)
