@@ -64,6 +64,15 @@ def test_no_host_read_in_the_hot_path(monkeypatch, backend, family):
     call()
 
 
+@pytest.mark.parametrize("backend,family", [("triton_soe", "kerple_log"), ("triton_band", "t5")])
+def test_no_host_read_in_the_walked_far_field(monkeypatch, backend, family):
+    """The same with the far field walked in blocks (`triton_soe.FAR_FIELD = "walk"`)."""
+    from fastrpe.ops.linear import triton_soe
+
+    monkeypatch.setattr(triton_soe, "FAR_FIELD", "walk")
+    test_no_host_read_in_the_hot_path(monkeypatch, backend, family)
+
+
 def test_the_watch_catches_a_host_read(monkeypatch):
     """The patch above can fail: a `bool()` of a tensor raises under it."""
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: (_ for _ in ()).throw(HostRead("bool")))

@@ -777,15 +777,17 @@ def tune_pairs(min_stages: int = 1) -> tuple[tuple[int, int], ...]:
     return tuple(dict.fromkeys((w, max(s, min_stages)) for w, s in tune_configs()))
 
 
-def _tuned(kernel, key, reset=None, restore=None, min_stages=1):
+def _tuned(kernel, key, reset=None, restore=None, min_stages=1, num_warps=None):
     """`kernel` autotuned over warps and stages on the GPU (`tune_pairs`); as is under the
     interpreter, which cannot time a config. `reset`: outputs zeroed before each timed run;
     `restore`: outputs the kernel adds to (saved before tuning and put back, so the timed
     runs do not add several times). `min_stages`: for a kernel that is wrong without software
-    pipelining (`triton_soe.SOE_DQ_BF16X3_NOTE`)."""
+    pipelining (`triton_soe.SOE_DQ_BF16X3_NOTE`). `num_warps`: every config's warps, for a
+    kernel that spills at `TUNE_CONFIGS`' (the configs stay as many, in the same order, so
+    that `$FASTRPE_TRITON_CONFIG` picks the same stages)."""
     if INTERPRETED:
         return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in tune_pairs(min_stages)]
+    configs = [triton.Config({}, num_warps=num_warps or w, num_stages=s) for w, s in tune_pairs(min_stages)]
     tuned = triton.autotune(configs=configs, key=key, reset_to_zero=reset, restore_value=restore)(kernel)
     TUNED.append(tuned)
     return tuned

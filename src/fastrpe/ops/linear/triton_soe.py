@@ -47,7 +47,7 @@ from ..._memo import ByIdentity, kept
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
-from . import triton_chunked as _tc
+from . import triton_chunked as _tc, triton_soe_walk as _walk
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _state_pass, _tuned,
                              acc_dtype, compile_opaque, dot_mode, dv_in_bf16, length_bucket, quotient_flags,
                              triton_unavailable_reason, value_dtype, with_quotient_grad)
@@ -467,6 +467,28 @@ def use_saved_states(max_bytes: int):
         SAVE_STATES_BYTES = before
 
 
+#: How the far field runs: "states", every term's state at every chunk stored (K·N tiles, in
+#: term groups of `STATE_BUDGET`) and read by the output and gradient kernels; "walk", blocks
+#: of chunks walked with several terms' states in registers (`triton_soe_walk`), memory the
+#: blocks' carries only, every term in one pass at any length. Same sums (float32 order aside).
+#: "states" stays the default until the GPU has timed "walk" (the bench's `+walk` rows).
+FAR_FIELD = "states"
+FAR_FIELDS = ("states", "walk")
+
+
+@contextlib.contextmanager
+def use_far_field(mode: str):
+    """`FAR_FIELD = mode` inside the block (a call's backward keeps its forward's)."""
+    global FAR_FIELD
+    if mode not in FAR_FIELDS:
+        raise FastRPEError(f"use_far_field: expected one of {FAR_FIELDS}, got {mode!r}")
+    before, FAR_FIELD = FAR_FIELD, mode
+    try:
+        yield
+    finally:
+        FAR_FIELD = before
+
+
 def _keeps_states(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int, group: int, state_dtype: torch.dtype,
                   max_bytes: int) -> bool:
     """Whether a forward keeps its states for the backward (`SAVE_STATES_BYTES`): one term
@@ -483,11 +505,14 @@ def _keeps_states(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int, group
 
 def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, q_offset: int, T: int,
                  NB: int, out_dtype: torch.dtype, mode: int, state_dtype: torch.dtype, group: int,
-                 divide: torch.dtype | None, scan: str, keep_bytes: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 divide: torch.dtype | None, scan: str, keep_bytes: int = -1, far: str = "states"
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`(num, den, h, z)` of `_SoE`: the near field once, the far field term group by term
     group (each group's K·N states built, read and freed before the next: memory bounded by
     `STATE_BUDGET`); `h, z` the one group's states where `_keeps_states(..., keep_bytes)`
-    (for the backward), else None."""
+    (for the backward), else None. `far` = "walk": `_soe_forward_walk` instead."""
+    if far == "walk":
+        return _soe_forward_walk(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, divide)
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -517,15 +542,38 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
     return num.to(out_dtype), den.to(out_dtype), kept_h, kept_z
 
 
+def _soe_forward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, q_offset: int,
+                      T: int, NB: int, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None
+                      ) -> tuple[Tensor, Tensor, None, None]:
+    """`_soe_forward` with the far field walked (`FAR_FIELD = "walk"`): the near field by
+    `_soe_out_kernel` with no terms into num/den in the accumulation dtype, every term's far
+    field added by `triton_soe_walk.far_forward`; no states to keep."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dt = phi_q.dtype
+    acc = acc_dtype(dt)
+    BF, BDV, BV, N, _ = _soe_sizes(phi_q, v, 1, q_offset, T, 1)
+    num = torch.empty(B, H, Lq, Dv, dtype=acc, device=phi_q.device)
+    den = torch.empty(B, H, Lq, dtype=acc, device=phi_q.device)
+    meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
+    _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq, wq, wq, num, den, H, Lq, Lk, F, Dv, N, 0,
+                                           q_offset, length_bucket(N), BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB,
+                                           NEAR=True, ACCUM=False, **meta)
+    _walk.far_forward(phi_q, phi_k, v, wq, lgk, num, den, q_offset, T, NB, meta)
+    if divide is not None:
+        return quotient(num, den, divide), den, None, None
+    return num.to(out_dtype), den.to(out_dtype), None, None
+
+
 def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group, divide,
-                      scan, keep_bytes=-1):
+                      scan, keep_bytes=-1, far="states"):
     B, H, Lq, _ = phi_q.shape
     Dv = v.shape[3]
     if divide is None:
         num_dtype = den_dtype = out_dtype
     else:
         num_dtype, den_dtype = divide, acc_dtype(phi_q.dtype)
-    if _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes):
+    if far != "walk" and _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes):
         BF, BDV, _, N, _ = _soe_sizes(phi_q, v, lgk.numel(), q_offset, T, group)
         h = phi_q.new_empty(B * H, lgk.numel(), N, BF, BDV, dtype=state_dtype)
         z = phi_q.new_empty(B * H, lgk.numel(), N, BF, dtype=acc_dtype(phi_q.dtype))
@@ -537,11 +585,12 @@ def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, 
 def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, den: Tensor | None,
                   dnum: Tensor | None, dden: Tensor | None, q_offset: int, T: int, NB: int, mode: int,
                   state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool,
-                  kept_h: Tensor | None = None, kept_z: Tensor | None = None
+                  kept_h: Tensor | None = None, kept_z: Tensor | None = None, far: str = "states"
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`(dφq, dφk, dv, dcn, dwq)` of `_SoE` (dcn, dwq None unless wanted); the states are
     made again, group by group, as the forward made them, unless the forward kept them
-    (`kept_h`, `kept_z`, non-empty: one group, `SAVE_STATES_BYTES`)."""
+    (`kept_h`, `kept_z`, non-empty: one group, `SAVE_STATES_BYTES`). `far` = "walk": the far
+    field's gradients by `triton_soe_walk.far_backward`."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -551,6 +600,9 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
     scaled = dict(SCALED=den is not None)
     NS = min(N, 128)
+    if far == "walk":
+        return _soe_backward_walk(phi_q, phi_k, v, cn, wq, lgk, dnum, inv, dden, q_offset, T, NB, NS, acc, meta,
+                                  den is not None, want_dcn, want_dwq)
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
     dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
@@ -589,19 +641,53 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
                                         **flags, **meta, **scaled)
         del dh, dz
     del dvlo
-    dcn = dwq_h = None
-    if want_dcn:
-        p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=dev)
-        _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
-                                             length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled)
-        dcn = _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
-    if want_dwq:
-        dwq_h = torch.cat(dwq, 1).to(wq.dtype)
+    dwq_h = torch.cat(dwq, 1).to(wq.dtype) if want_dwq else None
+    dcn = _soe_dcn(phi_q, phi_k, v, dnum, inv, dden, cn, q_offset, T, NB, NS, acc, meta, den is not None) \
+        if want_dcn else None
     return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h
 
 
+def _soe_dcn(phi_q: Tensor, phi_k: Tensor, v: Tensor, dnum: Tensor, inv: Tensor, dden: Tensor, cn: Tensor,
+             q_offset: int, T: int, NB: int, NS: int, acc: torch.dtype, meta: dict, scaled: bool) -> Tensor:
+    """The near table's gradient `[H, NB·T]` (`_soe_bwd_dcn_kernel`, its diagonals summed)."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    N = -(-max(Lk, q_offset + Lq) // T)
+    p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=phi_q.device)
+    _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
+                                         length_bucket(N), BT=T, BF=_pow2(F), BDV=_pow2(Dv), NB=NB, SCALED=scaled,
+                                         **meta)
+    return _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
+
+
+def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, dnum: Tensor,
+                       inv: Tensor, dden: Tensor, q_offset: int, T: int, NB: int, NS: int, acc: torch.dtype,
+                       meta: dict, scaled: bool, want_dcn: bool, want_dwq: bool
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`_soe_backward` with the far field walked (`FAR_FIELD = "walk"`): the near field's
+    gradients by `_soe_bwd_dq_kernel` and `_soe_bwd_dkv_kernel` with no terms, into dq, dk, dv
+    in the accumulation dtype, the far field's added by `triton_soe_walk.far_backward`."""
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    dev, dt = phi_q.device, phi_q.dtype
+    BF, BDV, N = _pow2(F), _pow2(Dv), -(-max(Lk, q_offset + Lq) // T)
+    dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+    dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+    dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
+    near = dict(K=0, q_offset=q_offset, LB=length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, NEAR=True, ACCUM=False,
+                SCALED=scaled, **meta)
+    dq_kernel = _soe_bwd_dq_kernel_bf16x3 if meta["MODE"] == dot_mode("bf16x3") else _soe_bwd_dq_kernel
+    dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, wq, H, Lq, Lk, F, Dv, N,
+                           NS=NS, **near)
+    _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lgk, wq, wq, dk, dv, dv, H, Lq, Lk, F,
+                                    Dv, N, DV_BF16=False, LAST=True, **near)
+    dwq = _walk.far_backward(phi_q, phi_k, v, wq, lgk, dnum, inv, dden, dq, dk, dv, q_offset, T, NB, meta, scaled)
+    dcn = _soe_dcn(phi_q, phi_k, v, dnum, inv, dden, cn, q_offset, T, NB, NS, acc, meta, scaled) if want_dcn else None
+    return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq.to(wq.dtype) if want_dwq else None
+
+
 def _soe_backward_fake(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode, state_dtype, group,
-                       scan, want_dcn, want_dwq, kept_h=None, kept_z=None):
+                       scan, want_dcn, want_dwq, kept_h=None, kept_z=None, far="states"):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
             cn.new_empty(cn.shape) if want_dcn else phi_q.new_empty(0),
             wq.new_empty(wq.shape) if want_dwq else phi_q.new_empty(0))
@@ -619,18 +705,18 @@ class _SoE(torch.autograd.Function):
                 group: int, divide=None):
         keep_bytes = SAVE_STATES_BYTES if any(ctx.needs_input_grad[:5]) else -1  # (inference keeps none)
         num, den, h, z = _soe_forward_op(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode,
-                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes)
+                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes, FAR_FIELD)
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None, h, z)
-        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN)
+        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN, FAR_FIELD)
         return num, den
 
     @staticmethod
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk, den, h, z = ctx.saved_tensors
-        q_offset, T, NB, hdt, mode, group, scan = ctx.cfg
+        q_offset, T, NB, hdt, mode, group, scan, far = ctx.cfg
         want_dcn, want_dwq = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dq, dk, dv, dcn, dwq = _soe_backward_op(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode,
-                                                hdt, group, scan, want_dcn, want_dwq, h, z)
+                                                hdt, group, scan, want_dcn, want_dwq, h, z, far)
         return (dq, dk, dv, dcn if want_dcn else None, dwq if want_dwq else None,
                 None, None, None, None, None, None, None, None, None)
 
