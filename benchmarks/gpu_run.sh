@@ -147,6 +147,17 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the second CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - KERPLE at 1M (240 / 156 ms, 60 asked) ran a term per launch group (the stored states of one
+#   term are 0.55 GB there): `triton_soe.FAR_FIELD = "walk"` (triton_soe_walk.py, opt-in) walks
+#   blocks of chunks with 4 terms' states stacked in registers, every term in ceil(K/4) passes,
+#   no K·N states. Rows `fastrpe-triton_soe+walk`, `+walk+bf16x3` (KERPLE 4k/64k/1M) and
+#   `fastrpe-triton_band+walk` (T5), first in PRIORITY_LONG and PRIORITY_1M; their kernels (8
+#   warps, `WALK_WARPS`: at 4 warps they spilled, benchmarks/results/walk_ptxas-sm90.json) are in
+#   the pack (`precompile.py record --only '*+walk*'` at 4k and 64k; G is not specialized on, so
+#   1M takes the 64k binaries). Read the 1M rows first: if a walk row is under 60 ms, or faster
+#   than `fastrpe-triton_soe` where the terms run in several groups, make "walk" the choice
+#   there (`triton_soe.FAR_FIELD`, or an "auto" that walks when `terms_per_group` < K);
 # New since the CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - CODE_EPOCH 6: the fused decoding step's host path is leaner (the q/k/v row passed whole,
 #   `triton_recurrent.prf_*_token_packed`; the map's constants checked once, `PRFStep`; one
@@ -613,12 +624,12 @@ PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+bf16x3,*+compiled'
 # Flex (gpu.ANCHORS) and every fastrpe Triton row (gpu.CHANGED, epoch 2: the PRF products'
 # default), the rows the 15x and 20x criteria read (2026-11-27: ALiBi 14.65x, KERPLE-log 17.9x
 # against the third session's Flex); within one call the bench runs the shortest length first
-PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3'
+PRIORITY_LONG='flex,*+walk,*+walk+bf16x3,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3'
 PRIORITY_LONG_LENGTHS=65536
 # then the 1M rows of the decaying terms (forward+backward within 60 ms and 8 GiB), which no
 # session reached (the general pass runs the learned tables' 262k rows, seconds per call, first):
 # their kernels are the 64k rows' (nothing to compile), a few seconds each
-PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states,fastrpe-triton_soe'
+PRIORITY_1M='fastrpe-triton_soe+walk,fastrpe-triton_soe+walk+bf16x3,fastrpe-triton_chunked,fastrpe-triton_soe+saved-states,fastrpe-triton_soe'
 PRIORITY_1M_LENGTHS=1048576
 PRF_ARGS=()
 # the profile (PROFILE_S, 45 s): where the 64k time goes in the rows still short of their

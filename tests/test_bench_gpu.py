@@ -57,6 +57,10 @@ def test_smoke_runs_every_competitor_and_labels_itself(smoke):
     assert {r["problem"]["position"] for r in res["rows"] if r["competitor"] == "sdpa"} == {"none"}
     assert {r["problem"]["position"] for r in res["rows"] if r["competitor"] == "fla-chunk_simple_gla"} == {"alibi"}
     assert (out / "gpu.md").read_text().startswith("**SMOKE RUN")
+    # the SoE far field walked (triton_soe.FAR_FIELD), in float32 products and bf16 halves (the
+    # Triton rows skip on a CPU: test_the_walk_rows_walk runs one in the interpreter)
+    walk = {r["competitor"] for r in res["rows"] if r["competitor"].startswith("fastrpe-triton_soe+walk")}
+    assert walk == {"fastrpe-triton_soe+walk", "fastrpe-triton_soe+walk+bf16x3"}
 
 
 def test_criteria_rows_run_first_at_every_length(tmp_path):
@@ -999,6 +1003,28 @@ def test_a_graphed_row_compiles_with_reduce_overhead(monkeypatch):
                                                 torch.device("cpu"), torch.float64)
     assert isinstance(flex, str) and "--compiled-max-length" in flex
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["fastrpe-triton_soe+walk", "fastrpe-triton_band+walk"])
+def test_the_walk_rows_walk(monkeypatch, name):
+    """The `+walk` rows run their call with the far field walked (`triton_soe_walk`), forward
+    and backward, and say so; their twins do not."""
+    from fastrpe import backends_triton
+    from fastrpe.ops.linear import triton_soe_walk
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    calls = []
+    for fn in ("far_forward", "far_backward"):
+        real = getattr(triton_soe_walk, fn)
+        monkeypatch.setattr(triton_soe_walk, fn, lambda *a, _f=fn, _r=real, **kw: calls.append(_f) or _r(*a, **kw))
+    p = Problem(position="t5" if "band" in name else "kerple_log", L=40, H=2, D=16, features=8)
+    for row in (name, name.removesuffix("+walk")):
+        run = gpu.registry(gpu.smoke_config())[row](p, torch.device("cpu"), torch.float32)
+        assert not isinstance(run, str), run
+        run()
+        assert (run.extra.get("far_field") == "walk") == (row == name)
+        assert calls == (["far_forward", "far_backward"] if row == name else [])
+        calls.clear()
 
 
 def test_a_captured_row_needs_cuda_and_its_warm_up_leaves_no_work_for_the_timed_calls(monkeypatch):

@@ -28,11 +28,11 @@ Backward: the same totals and carries again (not kept), then `_walk_dq_kernel` (
 dφq and the far weights' gradient), the reverse totals of the states' gradients
 (`_walk_rtotals_kernel`, `dS_k(n) = γ_k^T dS_k(n+1) + (φq_(n+NB-1) ⊙ w_k / den)ᵀ do`) with
 their carries, and `_walk_dkv_kernel` (reverse walk: dφk and dv from `dS_k(n+1)`). The near
-field's gradients are `triton_soe`'s kernels with no terms.
-
-Notation as `triton_soe`'s; KG terms a group, G chunks a block, NBK blocks.
-"""
+field's gradients are `triton_soe`'s kernels with no terms. Notation as `triton_soe`'s; KG
+terms a group, G chunks a block, NBK blocks."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -303,33 +303,60 @@ def walk_terms(K: int) -> int:
     return min(_pow2(K, 1), _pow2(WALK_TERMS, 1))
 
 
-def _carries(totals, lgk: Tensor, tot_shape, acc, N: int, G: int, T: int, reverse: bool):
-    """Each block's starting state from the blocks' totals (`totals(tot, totz)` fills them)."""
-    tot = torch.empty(tot_shape, dtype=acc, device=lgk.device)
-    totz = torch.empty(tot_shape[:-1], dtype=acc, device=lgk.device)
-    totals(tot, totz)
-    return _block_carries(tot, totz, lgk, None, None, N, G, T, N * T, reverse)
+class _Sizes(NamedTuple):
+    """A walk's sizes: rows B·H, heads, lengths, widths, terms, chunks N, chunks a block G,
+    blocks NBK, the feature and value tiles BF, BDV, the output walk's value block BV, KG."""
+    BH: int
+    H: int
+    Lq: int
+    Lk: int
+    F: int
+    Dv: int
+    K: int
+    N: int
+    G: int
+    NBK: int
+    BF: int
+    BDV: int
+    BV: int
+    KG: int
+
+
+def _sizes(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int) -> _Sizes:
+    B, H, Lq, F = phi_q.shape
+    Lk, Dv = v.shape[2], v.shape[3]
+    N = -(-max(Lk, q_offset + Lq) // T)
+    G, NBK = walk_blocks(N, B * H)
+    BDV = _pow2(Dv)
+    return _Sizes(B * H, H, Lq, Lk, F, Dv, K, N, G, NBK, _pow2(F), BDV, min(BDV, 64), walk_terms(K))
+
+
+def _carries(s: _Sizes, totals, lgk: Tensor, acc: torch.dtype, T: int, reverse: bool) -> tuple[Tensor, Tensor]:
+    """Each block's starting state `[B·H·K, NBK, BF, BDV]` (and z's) from the blocks' totals,
+    which `totals[grid](tot, totz)` writes (grid (NBK, B·H, BDV/BV))."""
+    tot = torch.empty(s.BH * s.K, s.NBK, s.BF, s.BDV, dtype=acc, device=lgk.device)
+    totz = torch.empty(s.BH * s.K, s.NBK, s.BF, dtype=acc, device=lgk.device)
+    totals((s.NBK, s.BH, s.BDV // s.BV), tot, totz)
+    return _block_carries(tot, totz, lgk, None, None, s.N, s.G, T, s.N * T, reverse)
+
+
+def _key_carries(s: _Sizes, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, acc: torch.dtype, T: int,
+                 meta: dict) -> tuple[Tensor, Tensor]:
+    """`S_k(blk·G)` for every block and term (`_walk_totals_kernel`, then the carries)."""
+    return _carries(s, lambda grid, tot, totz: _walk_totals_kernel[grid](
+        phi_k, v, lgk, wq, tot, totz, s.H, s.Lk, s.F, s.Dv, s.N, s.K, s.G, s.NBK, BT=T, BF=s.BF, BV=s.BV,
+        BDV=s.BDV, KG=s.KG, **meta), lgk, acc, T, reverse=False)
 
 
 def far_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, num: Tensor, den: Tensor,
                 q_offset: int, T: int, NB: int, meta: dict) -> None:
     """Adds the far field of every term to `num`, `den` (the accumulation dtype; the near
     field already in them). `meta`: DT, ACC, MODE as `triton_soe`'s kernels take them."""
-    B, H, Lq, F = phi_q.shape
-    Lk, Dv = v.shape[2], v.shape[3]
-    K = lgk.numel()
-    BF, BDV = _pow2(F), _pow2(Dv)
-    BV = min(BDV, 64)
-    N = -(-max(Lk, q_offset + Lq) // T)
-    G, NBK = walk_blocks(N, B * H)
-    KG = walk_terms(K)
-    grid = (NBK, B * H, BDV // BV)
-    sizes = dict(BT=T, BF=BF, BV=BV, BDV=BDV, KG=KG, **meta)
-    carry, carryz = _carries(lambda tot, totz: _walk_totals_kernel[grid](
-        phi_k, v, lgk, wq, tot, totz, H, Lk, F, Dv, N, K, G, NBK, **sizes),
-        lgk, (B * H * K, NBK, BF, BDV), num.dtype, N, G, T, reverse=False)
-    _walk_out_kernel[grid](phi_q, phi_k, v, lgk, wq, carry, carryz, num, den, H, Lq, Lk, F, Dv, N, K, G, NBK,
-                           q_offset, NB=NB, **sizes)
+    s = _sizes(phi_q, v, lgk.numel(), q_offset, T)
+    carry, carryz = _key_carries(s, phi_k, v, wq, lgk, num.dtype, T, meta)
+    _walk_out_kernel[(s.NBK, s.BH, s.BDV // s.BV)](
+        phi_q, phi_k, v, lgk, wq, carry, carryz, num, den, s.H, s.Lq, s.Lk, s.F, s.Dv, s.N, s.K, s.G, s.NBK,
+        q_offset, BT=T, BF=s.BF, BV=s.BV, BDV=s.BDV, NB=NB, KG=s.KG, **meta)
 
 
 def far_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, dnum: Tensor, inv: Tensor,
@@ -338,31 +365,22 @@ def far_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tenso
     """Adds the far field's gradients to `dq`, `dk`, `dv` (the accumulation dtype; the near
     field's already in them) and returns the far weights' `[H, K, T]` (summed over batch and
     blocks). `dnum`, `inv`, `dden` as `triton_chunked._numerator_grads` makes them."""
-    B, H, Lq, F = phi_q.shape
-    Lk, Dv = v.shape[2], v.shape[3]
-    K = lgk.numel()
-    BF, BDV = _pow2(F), _pow2(Dv)
-    BV = min(BDV, 64)
-    N = -(-max(Lk, q_offset + Lq) // T)
-    G, NBK = walk_blocks(N, B * H)
-    KG = walk_terms(K)
+    s = _sizes(phi_q, v, lgk.numel(), q_offset, T)
     acc = dq.dtype
-    grid = (NBK, B * H, BDV // BV)
-    sizes = dict(BT=T, BF=BF, BDV=BDV, KG=KG, **meta)
-    shape = (B * H * K, NBK, BF, BDV)
-    carry, carryz = _carries(lambda tot, totz: _walk_totals_kernel[grid](
-        phi_k, v, lgk, wq, tot, totz, H, Lk, F, Dv, N, K, G, NBK, BV=BV, **sizes),
-        lgk, shape, acc, N, G, T, reverse=False)
-    dwq = torch.empty(B * H, NBK, K, T, dtype=acc, device=dq.device)
-    _walk_dq_kernel[(NBK, B * H)](phi_q, phi_k, v, dnum, inv, dden, lgk, wq, carry, carryz, dq, dwq,
-                                  H, Lq, Lk, F, Dv, N, K, G, NBK, q_offset, NB=NB, SCALED=scaled, **sizes)
+    ints = (s.H, s.Lq, s.Lk, s.F, s.Dv, s.N, s.K, s.G, s.NBK, q_offset)
+    consts = dict(BT=T, BF=s.BF, BDV=s.BDV, NB=NB, KG=s.KG, SCALED=scaled, **meta)
+    carry, carryz = _key_carries(s, phi_k, v, wq, lgk, acc, T, meta)
+    dwq = torch.empty(s.BH, s.NBK, s.K, T, dtype=acc, device=dq.device)
+    _walk_dq_kernel[(s.NBK, s.BH)](phi_q, phi_k, v, dnum, inv, dden, lgk, wq, carry, carryz, dq, dwq, *ints,
+                                   **consts)
     del carry, carryz
-    carry, carryz = _carries(lambda tot, totz: _walk_rtotals_kernel[grid](
-        phi_q, dnum, inv, dden, lgk, wq, tot, totz, H, Lq, F, Dv, N, K, G, NBK, q_offset, BV=BV, NB=NB,
-        SCALED=scaled, **sizes), lgk, shape, acc, N, G, T, reverse=True)
-    _walk_dkv_kernel[(NBK, B * H)](phi_q, phi_k, v, dnum, inv, dden, lgk, wq, carry, carryz, dk, dv,
-                                   H, Lq, Lk, F, Dv, N, K, G, NBK, q_offset, NB=NB, SCALED=scaled, **sizes)
-    return dwq.view(B, H, NBK, K, T).sum((0, 2))
+    # dS_k(blk·G + G) for every block: the reverse totals of the states' gradients, then their carries
+    carry, carryz = _carries(s, lambda grid, tot, totz: _walk_rtotals_kernel[grid](
+        phi_q, dnum, inv, dden, lgk, wq, tot, totz, s.H, s.Lq, s.F, s.Dv, s.N, s.K, s.G, s.NBK, q_offset,
+        BV=s.BV, **consts), lgk, acc, T, reverse=True)
+    _walk_dkv_kernel[(s.NBK, s.BH)](phi_q, phi_k, v, dnum, inv, dden, lgk, wq, carry, carryz, dk, dv, *ints,
+                                    **consts)
+    return dwq.view(-1, s.H, s.NBK, s.K, T).sum((0, 2))
 
 
 __all__ = ["WALK_PROGRAMS", "WALK_TERMS", "far_backward", "far_forward", "walk_blocks", "walk_terms"]
