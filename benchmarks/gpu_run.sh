@@ -151,8 +151,8 @@
 # - KERPLE at 1M (240 / 156 ms, 60 asked) ran a term per launch group (the stored states of one
 #   term are 0.55 GB there): `triton_soe.FAR_FIELD = "walk"` (triton_soe_walk.py, opt-in) walks
 #   blocks of chunks with 4 terms' states stacked in registers, every term in ceil(K/4) passes,
-#   no K·N states. Rows `fastrpe-triton_soe+walk`, `+walk+bf16x3` (KERPLE 4k/64k/1M) and
-#   `fastrpe-triton_band+walk` (T5), first in PRIORITY_LONG and PRIORITY_1M; their kernels (8
+#   no K·N states. Rows `fastrpe-triton_soe+walk`, `+walk+bf16x3` (KERPLE 4k/64k/1M), first
+#   in PRIORITY_LONG and PRIORITY_1M; their kernels (8
 #   warps, `WALK_WARPS`: at 4 warps they spilled, benchmarks/results/walk_ptxas-sm90.json) are in
 #   the pack (`precompile.py record --only '*+walk*'` at 4k and 64k; G is not specialized on, so
 #   1M takes the 64k binaries). Read the 1M rows first: if a walk row is under 60 ms, or faster

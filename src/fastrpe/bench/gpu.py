@@ -105,7 +105,7 @@ CRITERIA_ROWS = {
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+cudagraphs",
            "fastrpe-triton_band+blocked-scan+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs",
-           "fastrpe-triton_band+bf16x3", "fastrpe-triton_band+walk"),
+           "fastrpe-triton_band+bf16x3"),
     "learned": _TABLE_ROWS,
     "learned_full": _TABLE_ROWS,
 }
@@ -926,8 +926,8 @@ def registry(cfg: GpuConfig) -> dict:
         reg["fastrpe-triton_soe+walk"] = fastrpe_setup("triton_soe", cfg, far_field="walk")
         reg["fastrpe-triton_soe+walk+bf16x3"] = fastrpe_setup("triton_soe", cfg, far_field="walk",
                                                               float32_products="bf16x3")
-    if "triton_band" in BACKENDS:  # (T5's one term and band, the same kernels)
-        reg["fastrpe-triton_band+walk"] = fastrpe_setup("triton_band", cfg, far_field="walk")
+        # (not for triton_band: T5's one term fits one launch group at any length; its walk is
+        # tested, not timed, and its binaries would not fit in the compile pack beside these)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:

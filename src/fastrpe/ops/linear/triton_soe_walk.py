@@ -104,6 +104,17 @@ if HAS_TRITON:
                  mask=ok[:, None] & ((f + iv * BF) < BF)[None, :])
 
     @triton.jit
+    def _key_step(S, z, g, kb, vb, kdec, n, Lk, F, Dv, t, f, c, BT: tl.constexpr, BF: tl.constexpr,
+                  KG: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+        """`S_k(n+1)` from `S_k(n)` (stacked S, z): `γ^T·S` plus key chunk n's
+        `(φk ⊙ γ^(T-1-t))ᵀ [v, 1]`."""
+        pos = n * BT + t
+        km = pos < Lk
+        kd = _stack(_load_rows(kb, pos, km, f, F, F).to(ACC), kdec, BT, KG, BF)
+        S = S * g[:, None] + _dot(tl.trans(kd), _load_rows(vb, pos, km, c, Dv, Dv), DT, ACC, MODE)
+        return S, z * g + tl.sum(kd, 0)
+
+    @triton.jit
     def _add_tile(ptr, x, mask):
         """`*ptr += x` on a tile this program owns (no other program writes it meanwhile)."""
         tl.store(ptr, (tl.load(ptr, mask=mask, other=0.0) + x).to(ptr.dtype.element_ty), mask=mask)
@@ -125,11 +136,7 @@ if HAS_TRITON:
             S = tl.zeros([KG * BF, BV], dtype=ACC)
             z = tl.zeros([KG * BF], dtype=ACC)
             for n in range(blk * G, tl.minimum(blk * G + G, N)):
-                pos = n * BT + t
-                km = pos < Lk
-                kd = _stack(_load_rows(kb, pos, km, f, F, F).to(ACC), kdec, BT, KG, BF)
-                S = S * g[:, None] + _dot(tl.trans(kd), _load_rows(vb, pos, km, c, Dv, Dv), DT, ACC, MODE)
-                z = z * g + tl.sum(kd, 0)
+                S, z = _key_step(S, z, g, kb, vb, kdec, n, Lk, F, Dv, t, f, c, BT, BF, KG, DT, ACC, MODE)
             _store_total(c_ptr, cz_ptr, S, z, bh, k0, K, blk, NBK, f, c, ok, iv, BF, BDV, KG, BV)
 
     @triton.jit(do_not_specialize=["G"])
@@ -150,18 +157,16 @@ if HAS_TRITON:
         for k0 in range(0, K, KG):
             ok, w, kdec, g = _terms(lgk_ptr, wq_ptr, bh % H, k0, K, t, BT, KG, BF, ACC)
             S, z = _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BDV, KG, BV, ACC)
-            for m in range(blk * G, tl.minimum(blk * G + G, N - NB + 1)):
+            hi = tl.minimum(blk * G + G, N - NB + 1)
+            for m in range(blk * G, hi):
                 qi = (m + NB - 1) * BT + t - q_offset
                 qm = (qi >= 0) & (qi < Lq)
                 qw = _stack(_load_rows(qb, qi, qm, f, F, F).to(ACC), w, BT, KG, BF)
                 _add_tile(num_ptr + bh * Lq * Dv + qi[:, None] * Dv + c[None, :], _dot(qw, S, DT, ACC, MODE),
                           qm[:, None] & (c[None, :] < Dv))
                 _add_tile(den_ptr + bh * Lq + qi, tl.sum(qw * z[None, :], 1), qm & ((t + iv * BT) < BT))
-                pos = m * BT + t
-                km = pos < Lk
-                kd = _stack(_load_rows(kb, pos, km, f, F, F).to(ACC), kdec, BT, KG, BF)
-                S = S * g[:, None] + _dot(tl.trans(kd), _load_rows(vb, pos, km, c, Dv, Dv), DT, ACC, MODE)
-                z = z * g + tl.sum(kd, 0)
+                if m + 1 < hi:  # (the block's last state is no one's)
+                    S, z = _key_step(S, z, g, kb, vb, kdec, m, Lk, F, Dv, t, f, c, BT, BF, KG, DT, ACC, MODE)
 
     @triton.jit(do_not_specialize=["G"])
     def _walk_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lgk_ptr, wq_ptr, c_ptr, cz_ptr, dq_ptr,
@@ -183,7 +188,8 @@ if HAS_TRITON:
             ok, w, kdec, g = _terms(lgk_ptr, wq_ptr, bh % H, k0, K, t, BT, KG, BF, ACC)
             S, z = _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BDV, KG, BDV, ACC)
             dw = tl.zeros([BT, KG], dtype=ACC)
-            for m in range(blk * G, tl.minimum(blk * G + G, N - NB + 1)):
+            hi = tl.minimum(blk * G + G, N - NB + 1)
+            for m in range(blk * G, hi):
                 qi = (m + NB - 1) * BT + t - q_offset
                 qm = (qi >= 0) & (qi < Lq)
                 q = _load_rows(qb, qi, qm, f, F, F).to(ACC)
@@ -195,11 +201,8 @@ if HAS_TRITON:
                 _add_tile(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], tl.sum(w[:, :, None] * Gk, 1),
                           qm[:, None] & (f[None, :] < F))
                 dw += tl.sum(q[:, None, :] * Gk, 2)
-                pos = m * BT + t
-                km = pos < Lk
-                kd = _stack(_load_rows(kb, pos, km, f, F, F).to(ACC), kdec, BT, KG, BF)
-                S = S * g[:, None] + _dot(tl.trans(kd), _load_rows(vb, pos, km, c, Dv, Dv), DT, ACC, MODE)
-                z = z * g + tl.sum(kd, 0)
+                if m + 1 < hi:  # (the block's last state is no one's)
+                    S, z = _key_step(S, z, g, kb, vb, kdec, m, Lk, F, Dv, t, f, c, BT, BF, KG, DT, ACC, MODE)
             kk = k0 + tl.arange(0, KG)
             tl.store(dwq_ptr + ((bh * NBK + blk) * K + kk[None, :]) * BT + t[:, None], dw, mask=ok[None, :])
 
@@ -274,8 +277,9 @@ if HAS_TRITON:
                 _add_tile(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, km[:, None] & (f[None, :] < F))
                 _add_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :],
                           _dot(_stack(k, kdec, BT, KG, BF), D, DT, ACC, MODE), km[:, None] & (c[None, :] < Dv))
-                D, dz = _reverse_step(D, dz, g, qb, dob, ivb, ddb, w, n, Lq, F, Dv, q_offset, t, f, c,
-                                      BT, BF, NB, KG, DT, ACC, MODE, SCALED)
+                if n > blk * G:  # (the block's first gradient is no one's)
+                    D, dz = _reverse_step(D, dz, g, qb, dob, ivb, ddb, w, n, Lq, F, Dv, q_offset, t, f, c,
+                                          BT, BF, NB, KG, DT, ACC, MODE, SCALED)
 
     # (G, the chunks a block, never specialized on: 1 at 4k, 8 at 64k, 128 at 1M would be three
     # compilations of each kernel for a loop bound.) The adding kernels put back what they add
