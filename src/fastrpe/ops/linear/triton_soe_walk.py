@@ -49,8 +49,8 @@ WALK_PROGRAMS = 1024
 WALK_TERMS = 4
 #: the walk kernels' warps in every autotuner config (`triton_chunked._tuned`): compiled for
 #: sm_90 on the CPU (`benchmarks/walk_ptxas.py`, results/walk_ptxas-sm90.json), at 4 warps every
-#: kernel but the totals' spilled from KG = 2 on (the output walk at KG = 1 too), float32
-#: features; at 8 warps KG = 4 spilled 0.2-1.4 KB a thread (tf32x3), KG = 1 nothing
+#: kernel but the totals' spilled at KG = 4 (up to 2.4 KB a thread, float32 features, tf32x3);
+#: at 8 warps up to 1.3 KB (the dk/dv walk), bf16 features nothing
 WALK_WARPS = 8
 
 if HAS_TRITON:
