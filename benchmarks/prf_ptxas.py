@@ -82,8 +82,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-
     rows = []
     for case in CASES:
         r = compile_case(*case)
@@ -92,12 +90,19 @@ def main(argv=None) -> int:
               f"{r['spilled_bytes']} B spilled, {r['shared_bytes'] // 1024} KiB shared, "
               f"{r['async_copies']} async copies", flush=True)
     if a.out:
-        meta = {"command": "python benchmarks/prf_ptxas.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "triton": triton.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                "target": "cuda sm_90 (compiled on the CPU, not run)"}
-        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"wrote {a.out}")
+        write_rows(a.out, "prf_ptxas.py", argv, rows)
     return 0
+
+
+def write_rows(out: str, script: str, argv, rows: list) -> None:
+    """The compiled cases' rows as JSON at `out`, with the command, triton and machine."""
+    import triton
+
+    meta = {"command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "triton": triton.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "target": "cuda sm_90 (compiled on the CPU, not run)"}
+    Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

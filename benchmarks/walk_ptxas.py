@@ -18,16 +18,14 @@ warps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prf_ptxas import ptxas  # noqa: E402
+from prf_ptxas import ptxas, write_rows  # noqa: E402
 
 KERNELS = ("_walk_totals_kernel", "_walk_out_kernel", "_walk_dq_kernel", "_walk_rtotals_kernel", "_walk_dkv_kernel")
 #: (features, precision) of the bench's rows: float32 features by three tf32 products (the
@@ -76,8 +74,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS))
     a = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-
     rows = []
     for name in a.kernels.split(","):
         for features, precision in PRODUCTS:
@@ -89,11 +85,7 @@ def main(argv=None) -> int:
                         print(f"{name:22s} {precision:7s} KG {KG} warps {w} stages {st}: {r['registers']} registers, "
                               f"{r['spilled_bytes']} B spilled, {r['shared_bytes'] // 1024} KiB shared", flush=True)
     if a.out:
-        meta = {"command": "python benchmarks/walk_ptxas.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "triton": triton.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                "target": "cuda sm_90 (compiled on the CPU, not run)"}
-        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"wrote {a.out}")
+        write_rows(a.out, "walk_ptxas.py", argv, rows)
     return 0
 
 

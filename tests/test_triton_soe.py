@@ -72,9 +72,9 @@ CASES = [  # B, H, Lq, Lk, F, Dv, q_offset, window, chunk, state budget (None: d
 # float64 operands are multiplied exactly in every mode)
 @pytest.mark.parametrize("precision", ["ieee", "bf16x3"], ids=["transposed", "key-major"])
 @pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", CASES)
-def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget, precision):
+def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget, precision, terms=4):
     q, k, v = features_and_values(B, H, Lq, Lk, F, Dv, dtype=torch.float64, device=DEV)
-    plan = _plan(H, window, 4)
+    plan = _plan(H, window, terms)
     num, den, ls = ts.kernelized_num_den_triton_soe(q, k, v, plan, q_offset=q_offset, chunk_size=chunk,
                                                    state_budget=budget, precision=precision)
     assert not ls.any()

@@ -71,16 +71,7 @@ def test_walk_stacks_terms_with_padding(walk, stack):
     walk.setattr(tw, "WALK_TERMS", stack)
     walk.setattr(tw, "WALK_PROGRAMS", 4)
     assert tw.walk_terms(5) == stack
-    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
-    plan = base._plan(2, 8, 5)
-    num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
-    rn, rd = base.reference(q, k, v, plan)
-    assert_close(num, rn.detach())
-    assert_close(den, rd.detach())
-    leaves = (q, k, v, plan.a, plan.corr)
-    got, want = weighted_grads((num, den), leaves), weighted_grads((rn, rd), leaves)
-    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), got, want):
-        assert_close(a, b, msg=name)
+    base.test_soe_matches_reference(*CASES["T63-F12-Dv10-W8-C16"].values, "ieee", terms=5)
 
 
 def test_walk_low_precision_against_float64(walk):
