@@ -51,26 +51,33 @@ def ptxas(ptx: str) -> tuple[int | None, int | None]:
     return (int(r.group(1)) if r else None), (int(s.group(1)) if s else None)
 
 
-def compile_case(which: str, precision: str, tiles: int, rows: int, num_warps: int = 4, num_stages: int = 3):
+def compile_sm90(fn, consts: dict, ptrs: dict, aligned, num_warps: int, num_stages: int, floats=()):
+    """`fn` compiled for sm_90 with the constexprs `consts`, pointer element types `ptrs`
+    (default fp32), float args `floats` (the rest i32), the pointers and the ints `aligned` as
+    multiples of 16: `(CompiledKernel, registers, spilled bytes)` (`ptxas`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig = {n: "constexpr" if n in consts else ("*" + ptrs.get(n, "fp32")) if n.endswith("_ptr")
+           else ("fp32" if n in floats else "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (n.endswith("_ptr") or n in aligned)}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+    return (k, *ptxas(k.asm["ptx"]))
+
+
+def compile_case(which: str, precision: str, tiles: int, rows: int, num_warps: int = 4, num_stages: int = 3):
     from fastrpe.ops import triton_prf as tp
     from fastrpe.ops.linear.triton_chunked import dot_mode
 
     fn = tp._prf_fwd_kernel if which == "fwd" else tp._prf_bwd_kernel
     consts = {"BR": rows, "BD": 64, "BM": 32, "NORMALIZE": True, "QUERY": True, "TWO_SIDED": False,
               "MODE": dot_mode(precision), "TILES": tiles, **({"DX_BF16": True} if which == "bwd" else {})}
-    ptrs = {"x_ptr": "bf16", "dx_ptr": "i16"}
-    sig = {n: "constexpr" if n in consts else ("*" + ptrs.get(n, "fp32")) if n.endswith("_ptr")
-           else ("fp32" if n in ("scale", "inv_sqrt_f") else "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (n.endswith("_ptr") or n in ALIGNED)}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
-    regs, spilled = ptxas(k.asm["ptx"])
+    k, regs, spilled = compile_sm90(fn, consts, {"x_ptr": "bf16", "dx_ptr": "i16"}, ALIGNED, num_warps, num_stages,
+                                    floats=("scale", "inv_sqrt_f"))
     return {"pass": which, "precision": precision, "tiles": tiles, "rows": rows, "num_warps": num_warps,
             "num_stages": num_stages, "registers": regs, "spilled_bytes": spilled,
             "shared_bytes": k.metadata.shared,

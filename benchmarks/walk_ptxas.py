@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prf_ptxas import ptxas, write_rows  # noqa: E402
+from prf_ptxas import compile_sm90, write_rows  # noqa: E402
 
 KERNELS = ("_walk_totals_kernel", "_walk_out_kernel", "_walk_dq_kernel", "_walk_rtotals_kernel", "_walk_dkv_kernel")
 #: (features, precision) of the bench's rows: float32 features by three tf32 products (the
@@ -36,10 +36,7 @@ ALIGNED = ("Lq", "Lk", "F", "Dv", "N", "NBK", "q_offset")
 
 
 def compile_case(name: str, features: str, precision: str, KG: int, num_warps: int, num_stages: int = 3) -> dict:
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from fastrpe.ops.linear import triton_soe_walk as tw
     from fastrpe.ops.linear.triton_chunked import dot_mode
@@ -53,14 +50,7 @@ def compile_case(name: str, features: str, precision: str, KG: int, num_warps: i
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     ptr = {"q_ptr": "bf16" if lowp else "fp32", "k_ptr": "bf16" if lowp else "fp32", "v_ptr": "bf16",
            "do_ptr": "bf16"}
-    sig = {n: "constexpr" if n in consts else ("*" + ptr.get(n, "fp32")) if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (n.endswith("_ptr") or n in ALIGNED)}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
-    regs, spilled = ptxas(k.asm["ptx"])
+    k, regs, spilled = compile_sm90(fn, consts, ptr, ALIGNED, num_warps, num_stages)
     return {"kernel": name, "features": features, "precision": precision, "KG": KG, "num_warps": num_warps,
             "num_stages": num_stages, "registers": regs, "spilled_bytes": spilled, "shared_bytes": k.metadata.shared}
 
