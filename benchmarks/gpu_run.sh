@@ -158,7 +158,13 @@
 #   the pack (`precompile.py record --only '*+walk*'` at 4k and 64k; G is not specialized on, so
 #   1M takes the 64k binaries). Read the 1M rows first: if a walk row is under 60 ms, or faster
 #   than `fastrpe-triton_soe` where the terms run in several groups, make "walk" the choice
-#   there (`triton_soe.FAR_FIELD`, or an "auto" that walks when `terms_per_group` < K);
+#   there (`triton_soe.FAR_FIELD`, or an "auto" that walks when `terms_per_group` < K). The
+#   byte count (benchmarks/soe_traffic.py) expects ~72 / 62 ms (log / power) if the walk runs at
+#   the stored path's share of the peak: near 60, not under; its GPU test
+#   (test_walk_gpu_realistic_size_bf16) checks it against float64 at 4k;
+# - the pack: the last one's 132 CPU-built entries that no bench row at 4k/64k hits (16k/262k
+#   specializations; `precompile.py verify` with Triton's cache lookups logged) dropped for the
+#   walk's 72; 20.6 MB, `verify` 298 hits, 0 compiled;
 # New since the CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - CODE_EPOCH 6: the fused decoding step's host path is leaner (the q/k/v row passed whole,
 #   `triton_recurrent.prf_*_token_packed`; the map's constants checked once, `PRFStep`; one
