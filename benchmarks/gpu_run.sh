@@ -159,8 +159,9 @@
 #   1M takes the 64k binaries). Read the 1M rows first: if a walk row is under 60 ms, or faster
 #   than `fastrpe-triton_soe` where the terms run in several groups, make "walk" the choice
 #   there (`triton_soe.FAR_FIELD`, or an "auto" that walks when `terms_per_group` < K). The
-#   byte count (benchmarks/soe_traffic.py) expects ~72 / 62 ms (log / power) if the walk runs at
-#   the stored path's share of the peak: near 60, not under; its GPU test
+#   byte count (benchmarks/soe_traffic.py) expects ~68 / 58 ms (log / power) if the walk runs at
+#   the stored path's share of the peak: about the 60 asked; the forward keeps its carries for
+#   the backward (`use_saved_states(-1)`: not); its GPU test
 #   (test_walk_gpu_realistic_size_bf16) checks it against float64 at 4k;
 # - the pack: the last one's 132 CPU-built entries that no bench row at 4k/64k hits (16k/262k
 #   specializations; `precompile.py verify` with Triton's cache lookups logged) dropped for the

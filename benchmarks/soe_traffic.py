@@ -9,9 +9,9 @@ served from a cache (an upper bound where neighbours share tiles in L2), from th
 code: the state passes (blocked where `triton_chunked.auto_blocked` blocks them on an H100:
 fewer than 66 programs over 256 chunks or more), the output, dq, dk/dv kernels with their
 near field in the first group, float32 sums read again by each later group, dv as a bf16
-pair between groups; the walk's near-field launches, totals, carries, walks adding to float32
-num/dq/dk/dv, and the casts at the end. The feature maps and the near table's gradient, the
-same in both, are left out. Time at the H100's HBM3 peak (3.35 TB/s) bounds each from below.
+pair between groups; the walk's near-field launches, totals, carries (the forward's kept for
+the backward), walks adding to float32 num/dq/dk/dv, and the casts at the end. The feature
+maps and the near table's gradient, the same in both, are left out. Time at the H100's HBM3 peak (3.35 TB/s) bounds each from below.
 
     python benchmarks/soe_traffic.py --out benchmarks/results/soe_traffic.json
 """
@@ -87,7 +87,7 @@ def walk_bytes(L: int, K: int) -> dict:
         "fwd_walk": BH * (ng * (q + k + v + 2 * (num + den)) + num + den + L * DV * VAL),  # + the quotient
         "bwd_near": BH * (q + do + rows + NB * (k + v) + L * F * ACC          # dq
                           + k + v + NB * (q + do + rows) + L * F * ACC + num),  # dk, dv (float32)
-        "bwd_totals": BH * ng * (k + v) + carries + BH * ng * (q + do + rows) + carries,
+        "bwd_totals": BH * ng * (q + do + rows) + carries,  # (the key carries: the forward's, kept)
         "bwd_dq_walk": BH * ng * (q + do + rows + k + v + 2 * L * F * ACC),
         "bwd_dkv_walk": BH * ng * (k + v + q + do + rows + 2 * L * F * ACC + 2 * num),
         "bwd_casts": BH * (num + L * DV * VAL),  # dv to bf16 (dq, dk are float32 as the features)

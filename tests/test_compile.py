@@ -278,6 +278,20 @@ def test_triton_soe_with_kept_states_compiles_fullgraph(ran, monkeypatch):
     assert len(made) == 2  # eager and compiled: one pass each, in their forwards
 
 
+def test_triton_soe_walked_compiles_fullgraph(ran, monkeypatch):
+    """The far field walked (`triton_soe.FAR_FIELD = "walk"`): its blocks' carries cross from
+    the forward's custom op to the backward's (their fake's shapes, `carries_shapes`), and the
+    compiled call equals eager's."""
+    from fastrpe.ops.linear import triton_soe as ts
+    from fastrpe.ops.linear import triton_soe_walk as tw
+
+    monkeypatch.setattr(ts, "FAR_FIELD", "walk")
+    walks, real = [], tw.far_backward
+    monkeypatch.setattr(tw, "far_backward", lambda *a: walks.append(a[-1] is not None) or real(*a))
+    test_triton_backends_compile_fullgraph_as_custom_ops("triton_soe-kerple_log", ran, monkeypatch)
+    assert walks == [True, True]  # eager and compiled: each backward from its forward's carries
+
+
 @pytest.mark.parametrize("path", ["triton_chunked-alibi", "triton_soe-kerple_log"])
 def test_triton_backends_serve_many_lengths_with_two_graphs(path, monkeypatch):
     """The custom ops' shapes follow symbolic lengths (their fake functions compute the chunk

@@ -97,6 +97,27 @@ def test_walk_and_stored_states_agree_in_float32(monkeypatch):
         assert_close(a, b, torch.float32, msg=name)
 
 
+def test_the_forwards_carries_spare_the_backward_its_totals(walk):
+    """A forward with a backward to come keeps its blocks' carries (`far_forward`'s), and the
+    backward makes no key totals again; with `use_saved_states(-1)` it makes them again: the
+    same gradients bit for bit (blocks of two chunks)."""
+    walk.setattr(tw, "WALK_PROGRAMS", 4)
+    calls = []
+    real = tw._key_carries
+    walk.setattr(tw, "_key_carries", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
+    plan = base._plan(2, 8, 5)
+    grads = []
+    for keep in (0, -1):
+        with ts.use_saved_states(keep):
+            num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+        grads.append(weighted_grads((num, den), (q, k, v, plan.a, plan.corr)))
+        assert len(calls) == (1 if keep == 0 else 2), keep  # forward only; forward and backward
+        calls.clear()
+    for name, a, b in zip(("dq", "dk", "dv", "da", "dcorr"), *grads):
+        assert torch.equal(a, b), name
+
+
 def test_backward_keeps_its_forwards_far_field(monkeypatch):
     """A forward under `use_far_field("walk")` is differentiated the walk's way after the block
     has ended (the mode travels with the call, as the state scan's does)."""

@@ -512,7 +512,8 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
     `STATE_BUDGET`); `h, z` the one group's states where `_keeps_states(..., keep_bytes)`
     (for the backward), else None. `far` = "walk": `_soe_forward_walk` instead."""
     if far == "walk":
-        return _soe_forward_walk(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, divide)
+        return _soe_forward_walk(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, divide,
+                                 keep_bytes >= 0)
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -543,11 +544,13 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
 
 
 def _soe_forward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, q_offset: int,
-                      T: int, NB: int, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None
-                      ) -> tuple[Tensor, Tensor, None, None]:
+                      T: int, NB: int, out_dtype: torch.dtype, mode: int, divide: torch.dtype | None, keep: bool
+                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """`_soe_forward` with the far field walked (`FAR_FIELD = "walk"`): the near field by
     `_soe_out_kernel` with no terms into num/den in the accumulation dtype, every term's far
-    field added by `triton_soe_walk.far_forward`; no states to keep."""
+    field added by `triton_soe_walk.far_forward`; its blocks' carries in place of `h, z`
+    where `keep` (a forward with a backward to come, `SAVE_STATES_BYTES` not -1): K·NBK
+    states, 126 MB at L = 1M, B·H = 8, 15 terms, against the totals pass they spare it."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dt = phi_q.dtype
@@ -559,10 +562,12 @@ def _soe_forward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: T
     _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq, wq, wq, num, den, H, Lq, Lk, F, Dv, N, 0,
                                            q_offset, length_bucket(N), BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB,
                                            NEAR=True, ACCUM=False, **meta)
-    _walk.far_forward(phi_q, phi_k, v, wq, lgk, num, den, q_offset, T, NB, meta)
+    carry, carryz = _walk.far_forward(phi_q, phi_k, v, wq, lgk, num, den, q_offset, T, NB, meta)
+    if not keep:
+        carry = carryz = None
     if divide is not None:
-        return quotient(num, den, divide), den, None, None
-    return num.to(out_dtype), den.to(out_dtype), None, None
+        return quotient(num, den, divide), den, carry, carryz
+    return num.to(out_dtype), den.to(out_dtype), carry, carryz
 
 
 def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group, divide,
@@ -573,7 +578,11 @@ def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, 
         num_dtype = den_dtype = out_dtype
     else:
         num_dtype, den_dtype = divide, acc_dtype(phi_q.dtype)
-    if far != "walk" and _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes):
+    if far == "walk" and keep_bytes >= 0:  # the blocks' carries (`_soe_forward_walk`)
+        hs, zs = _walk.carries_shapes(phi_q, v, lgk.numel(), q_offset, T)
+        acc = acc_dtype(phi_q.dtype)
+        h, z = phi_q.new_empty(hs, dtype=acc), phi_q.new_empty(zs, dtype=acc)
+    elif far != "walk" and _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes):
         BF, BDV, _, N, _ = _soe_sizes(phi_q, v, lgk.numel(), q_offset, T, group)
         h = phi_q.new_empty(B * H, lgk.numel(), N, BF, BDV, dtype=state_dtype)
         z = phi_q.new_empty(B * H, lgk.numel(), N, BF, dtype=acc_dtype(phi_q.dtype))
@@ -601,8 +610,9 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     scaled = dict(SCALED=den is not None)
     NS = min(N, 128)
     if far == "walk":
+        carries = (kept_h, kept_z) if kept_h is not None and kept_h.numel() else None
         return _soe_backward_walk(phi_q, phi_k, v, cn, wq, lgk, dnum, inv, dden, q_offset, T, NB, NS, acc, meta,
-                                  den is not None, want_dcn, want_dwq)
+                                  den is not None, want_dcn, want_dwq, carries)
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
     dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
@@ -662,11 +672,12 @@ def _soe_dcn(phi_q: Tensor, phi_k: Tensor, v: Tensor, dnum: Tensor, inv: Tensor,
 
 def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, dnum: Tensor,
                        inv: Tensor, dden: Tensor, q_offset: int, T: int, NB: int, NS: int, acc: torch.dtype,
-                       meta: dict, scaled: bool, want_dcn: bool, want_dwq: bool
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       meta: dict, scaled: bool, want_dcn: bool, want_dwq: bool,
+                       carries: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`_soe_backward` with the far field walked (`FAR_FIELD = "walk"`): the near field's
     gradients by `_soe_bwd_dq_kernel` and `_soe_bwd_dkv_kernel` with no terms, into dq, dk, dv
-    in the accumulation dtype, the far field's added by `triton_soe_walk.far_backward`."""
+    in the accumulation dtype, the far field's added by `triton_soe_walk.far_backward` (from
+    the forward's `carries` where it kept them)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -681,7 +692,8 @@ def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: 
                            NS=NS, **near)
     _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lgk, wq, wq, dk, dv, dv, H, Lq, Lk, F,
                                     Dv, N, DV_BF16=False, LAST=True, **near)
-    dwq = _walk.far_backward(phi_q, phi_k, v, wq, lgk, dnum, inv, dden, dq, dk, dv, q_offset, T, NB, meta, scaled)
+    dwq = _walk.far_backward(phi_q, phi_k, v, wq, lgk, dnum, inv, dden, dq, dk, dv, q_offset, T, NB, meta, scaled,
+                             carries)
     dcn = _soe_dcn(phi_q, phi_k, v, dnum, inv, dden, cn, q_offset, T, NB, NS, acc, meta, scaled) if want_dcn else None
     return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq.to(wq.dtype) if want_dwq else None
 

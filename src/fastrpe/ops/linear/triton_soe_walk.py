@@ -24,7 +24,7 @@ products are `[T, KG·F] x [KG·F, Dv]` and `[KG·F, T] x [T, Dv]` tensor-core t
 program walks its block once per group of KG terms. The output tile of a query chunk belongs to
 one program: it adds to it without atomics, in the same order every run.
 
-Backward: the same totals and carries again (not kept), then `_walk_dq_kernel` (forward walk:
+Backward: the forward's carries (kept; made again if not), `_walk_dq_kernel` (forward walk:
 dφq and the far weights' gradient), the reverse totals of the states' gradients
 (`_walk_rtotals_kernel`, `dS_k(n) = γ_k^T dS_k(n+1) + (φq_(n+NB-1) ⊙ w_k / den)ᵀ do`) with
 their carries, and `_walk_dkv_kernel` (reverse walk: dφk and dv from `dS_k(n+1)`). The near
@@ -352,28 +352,38 @@ def _key_carries(s: _Sizes, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, a
         BDV=s.BDV, KG=s.KG, **meta), lgk, acc, T, reverse=False)
 
 
+def carries_shapes(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int) -> tuple[tuple, tuple]:
+    """The shapes of `far_forward`'s carries (S's and z's), from the inputs' shapes alone."""
+    s = _sizes(phi_q, v, K, q_offset, T)
+    return (s.BH * K, s.NBK, s.BF, s.BDV), (s.BH * K, s.NBK, s.BF)
+
+
 def far_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, num: Tensor, den: Tensor,
-                q_offset: int, T: int, NB: int, meta: dict) -> None:
+                q_offset: int, T: int, NB: int, meta: dict) -> tuple[Tensor, Tensor]:
     """Adds the far field of every term to `num`, `den` (the accumulation dtype; the near
-    field already in them). `meta`: DT, ACC, MODE as `triton_soe`'s kernels take them."""
+    field already in them); returns the blocks' carries (`carries_shapes`), which the
+    backward may take instead of making them again. `meta`: DT, ACC, MODE as `triton_soe`'s
+    kernels take them."""
     s = _sizes(phi_q, v, lgk.numel(), q_offset, T)
     carry, carryz = _key_carries(s, phi_k, v, wq, lgk, num.dtype, T, meta)
     _walk_out_kernel[(s.NBK, s.BH, s.BDV // s.BV)](
         phi_q, phi_k, v, lgk, wq, carry, carryz, num, den, s.H, s.Lq, s.Lk, s.F, s.Dv, s.N, s.K, s.G, s.NBK,
         q_offset, BT=T, BF=s.BF, BV=s.BV, BDV=s.BDV, NB=NB, KG=s.KG, **meta)
+    return carry, carryz
 
 
 def far_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, dnum: Tensor, inv: Tensor,
                  dden: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_offset: int, T: int, NB: int, meta: dict,
-                 scaled: bool) -> Tensor:
+                 scaled: bool, carries: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Adds the far field's gradients to `dq`, `dk`, `dv` (the accumulation dtype; the near
     field's already in them) and returns the far weights' `[H, K, T]` (summed over batch and
-    blocks). `dnum`, `inv`, `dden` as `triton_chunked._numerator_grads` makes them."""
+    blocks). `dnum`, `inv`, `dden` as `triton_chunked._numerator_grads` makes them; `carries`,
+    the forward's (else made again)."""
     s = _sizes(phi_q, v, lgk.numel(), q_offset, T)
     acc = dq.dtype
     ints = (s.H, s.Lq, s.Lk, s.F, s.Dv, s.N, s.K, s.G, s.NBK, q_offset)
     consts = dict(BT=T, BF=s.BF, BDV=s.BDV, NB=NB, KG=s.KG, SCALED=scaled, **meta)
-    carry, carryz = _key_carries(s, phi_k, v, wq, lgk, acc, T, meta)
+    carry, carryz = carries if carries is not None else _key_carries(s, phi_k, v, wq, lgk, acc, T, meta)
     dwq = torch.empty(s.BH, s.NBK, s.K, T, dtype=acc, device=dq.device)
     _walk_dq_kernel[(s.NBK, s.BH)](phi_q, phi_k, v, dnum, inv, dden, lgk, wq, carry, carryz, dq, dwq, *ints,
                                    **consts)
@@ -387,4 +397,5 @@ def far_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tenso
     return dwq.view(-1, s.H, s.NBK, s.K, T).sum((0, 2))
 
 
-__all__ = ["WALK_PROGRAMS", "WALK_TERMS", "far_backward", "far_forward", "walk_blocks", "walk_terms"]
+__all__ = ["WALK_PROGRAMS", "WALK_TERMS", "carries_shapes", "far_backward", "far_forward", "walk_blocks",
+           "walk_terms"]
