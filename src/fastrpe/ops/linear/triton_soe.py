@@ -620,7 +620,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
     dvlo = torch.empty_like(dv) if dv_bf16 and len(groups) > 1 else dv
     dwq = []
-    dq_kernel = _soe_bwd_dq_kernel_bf16x3 if mode == dot_mode("bf16x3") else _soe_bwd_dq_kernel
+    dq_kernel = _dq_kernel(mode)
     for i, (k0, k1) in enumerate(groups):
         Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
         flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
@@ -657,16 +657,21 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h
 
 
+def _dq_kernel(mode: int):
+    """The dq kernel of products `mode`: bf16x3's tunes over pipelined configs only
+    (`SOE_DQ_BF16X3_NOTE`)."""
+    return _soe_bwd_dq_kernel_bf16x3 if mode == dot_mode("bf16x3") else _soe_bwd_dq_kernel
+
+
 def _soe_dcn(phi_q: Tensor, phi_k: Tensor, v: Tensor, dnum: Tensor, inv: Tensor, dden: Tensor, cn: Tensor,
              q_offset: int, T: int, NB: int, NS: int, acc: torch.dtype, meta: dict, scaled: bool) -> Tensor:
     """The near table's gradient `[H, NB·T]` (`_soe_bwd_dcn_kernel`, its diagonals summed)."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
-    N = -(-max(Lk, q_offset + Lq) // T)
+    BF, BDV, _, N, _ = _soe_sizes(phi_q, v, 1, q_offset, T, 1)
     p = torch.empty(B * H, NS, NB, T, T, dtype=acc, device=phi_q.device)
     _soe_bwd_dcn_kernel[(NS, B * H, NB)](phi_q, phi_k, v, dnum, inv, dden, p, Lq, Lk, F, Dv, N, NS, q_offset,
-                                         length_bucket(N), BT=T, BF=_pow2(F), BDV=_pow2(Dv), NB=NB, SCALED=scaled,
-                                         **meta)
+                                         length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, SCALED=scaled, **meta)
     return _diagonal_sums(p.view(B, H, NS, NB, T, T).sum((0, 2)), T).to(cn.dtype)
 
 
@@ -681,14 +686,13 @@ def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: 
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
-    BF, BDV, N = _pow2(F), _pow2(Dv), -(-max(Lk, q_offset + Lq) // T)
+    BF, BDV, _, N, _ = _soe_sizes(phi_q, v, 1, q_offset, T, 1)
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
     dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
     near = dict(K=0, q_offset=q_offset, LB=length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, NEAR=True, ACCUM=False,
                 SCALED=scaled, **meta)
-    dq_kernel = _soe_bwd_dq_kernel_bf16x3 if meta["MODE"] == dot_mode("bf16x3") else _soe_bwd_dq_kernel
-    dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, wq, H, Lq, Lk, F, Dv, N,
+    _dq_kernel(meta["MODE"])[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, wq, H, Lq, Lk, F, Dv, N,
                            NS=NS, **near)
     _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lgk, wq, wq, dk, dv, dv, H, Lq, Lk, F,
                                     Dv, N, DV_BF16=False, LAST=True, **near)

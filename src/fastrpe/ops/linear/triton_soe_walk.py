@@ -335,11 +335,17 @@ def _sizes(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int) -> _Sizes:
     return _Sizes(B * H, H, Lq, Lk, F, Dv, K, N, G, NBK, _pow2(F), BDV, min(BDV, 64), walk_terms(K))
 
 
+def _carry_shapes(s: _Sizes) -> tuple[tuple, tuple]:
+    """The blocks' states `[B·H·K, NBK, BF, BDV]` and z's `[B·H·K, NBK, BF]` (totals and carries)."""
+    return (s.BH * s.K, s.NBK, s.BF, s.BDV), (s.BH * s.K, s.NBK, s.BF)
+
+
 def _carries(s: _Sizes, totals, lgk: Tensor, acc: torch.dtype, T: int, reverse: bool) -> tuple[Tensor, Tensor]:
-    """Each block's starting state `[B·H·K, NBK, BF, BDV]` (and z's) from the blocks' totals,
-    which `totals[grid](tot, totz)` writes (grid (NBK, B·H, BDV/BV))."""
-    tot = torch.empty(s.BH * s.K, s.NBK, s.BF, s.BDV, dtype=acc, device=lgk.device)
-    totz = torch.empty(s.BH * s.K, s.NBK, s.BF, dtype=acc, device=lgk.device)
+    """Each block's starting state (and z's, `_carry_shapes`) from the blocks' totals, which
+    `totals[grid](tot, totz)` writes (grid (NBK, B·H, BDV/BV))."""
+    hs, zs = _carry_shapes(s)
+    tot = torch.empty(hs, dtype=acc, device=lgk.device)
+    totz = torch.empty(zs, dtype=acc, device=lgk.device)
     totals((s.NBK, s.BH, s.BDV // s.BV), tot, totz)
     return _block_carries(tot, totz, lgk, None, None, s.N, s.G, T, s.N * T, reverse)
 
@@ -354,8 +360,7 @@ def _key_carries(s: _Sizes, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, a
 
 def carries_shapes(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int) -> tuple[tuple, tuple]:
     """The shapes of `far_forward`'s carries (S's and z's), from the inputs' shapes alone."""
-    s = _sizes(phi_q, v, K, q_offset, T)
-    return (s.BH * K, s.NBK, s.BF, s.BDV), (s.BH * K, s.NBK, s.BF)
+    return _carry_shapes(_sizes(phi_q, v, K, q_offset, T))
 
 
 def far_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, wq: Tensor, lgk: Tensor, num: Tensor, den: Tensor,
