@@ -26,6 +26,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr, triton_tiled as tt
+from fastrpe.ops.linear import triton_soe_walk as tw
 from fastrpe.ops import triton_prf as tp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -132,6 +133,14 @@ def all_cases():
                       (ts._soe_bwd_dq_kernel, soe_b, dict(**first, **tile, **sc)),
                       (ts._soe_bwd_dkv_kernel, soe_b, dict(**first, **tile, **sc)),
                       (ts._soe_bwd_dcn_kernel, soe_b, dict(NB=NB, **tile, **sc))]
+        # the far field walked in blocks (triton_soe_walk), four terms a state, float32 sums
+        walk, wt = {**soe, "num_ptr": acc, "den_ptr": acc}, dict(BT=64, BF=32, BDV=64, KG=4)
+        walk_b = {**walk, "do_ptr": "bf16"}
+        cases += [(tw._walk_totals_kernel, walk, dict(BV=64, **wt, **m)),
+                  (tw._walk_out_kernel, walk, dict(BV=64, NB=2, **wt, **m)),
+                  (tw._walk_dq_kernel, walk_b, dict(NB=2, **wt, **sc)),
+                  (tw._walk_rtotals_kernel, walk_b, dict(BV=64, NB=2, **wt, **sc)),
+                  (tw._walk_dkv_kernel, walk_b, dict(NB=2, **wt, **sc))]
         if dt == "fp32":
             cases.append((tr._step_kernel, {**geo, "h_ptr": acc}, dict(BF=32, BC=64)))
             # the blocked scan's carries (forward from a bf16 start state; reverse from zero)
@@ -197,19 +206,22 @@ if RUN:
         print(dt, "MODE=%s" % consts.get("MODE", "-"), k.metadata.name, "NB=%s" % consts.get("NB", "-"),
               k.metadata.shared, spills(k))
 
-if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features (MODE 0) and bf16x3 (3)
+if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features (MODE 0) and bf16x3 (3),
+    # and the walk's dq (its state transposed); TRANS = "walk": the walk's alone, else the others
     print("control", hopper_trans_stores(control()))
     seen = set()
     for dt, kernel, types, consts in all_cases():
         fn = kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
-        if "dkv" in fn.__name__ and consts.get("MODE") in (0, 3) and (fn.__name__, consts["MODE"]) not in seen:
+        if ("dkv" in fn.__name__ or fn.__name__ == "_walk_dq_kernel") and consts.get("MODE") in (0, 3) \
+                and ("_walk_" in fn.__name__) == (TRANS == "walk") and (fn.__name__, consts["MODE"]) not in seen:
             seen.add((fn.__name__, consts["MODE"]))  # the first case of each (soe's: its near field)
             k = compile_for_h100(kernel, types, consts, num_warps=4)
             print(dt, consts["MODE"], k.metadata.name, consts.get("NB"), hopper_trans_stores(k))
 """
 
-#: the list per feature mode (bf16; float32 by tf32x3; by bf16x3) and the float32 modes' extras
-N_COMPILED = 3 * (14 + 2 * 6) + 2 * 17 + 1
+#: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 in each) and the
+#: float32 modes' extras
+N_COMPILED = 3 * (14 + 5 + 2 * 6) + 2 * 17 + 1
 
 
 @pytest.mark.slow
@@ -223,6 +235,16 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert len(out.splitlines()) == N_COMPILED
 
 
+def trans_stores_of(tmp_path, which):
+    # (kernel, mode, name, NB, 16-bit #linear stores) of `which` ("key-tile", "walk"), after the control
+    script = tmp_path / "trans.py"  # (triton.jit reads its function's source from a file)
+    script.write_text(f"RUN, TRANS = False, {which!r}\n" + SCRIPT)
+    out = compile_run([sys.executable, str(script)], 300, TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    lines = [line.split() for line in out.splitlines()]
+    assert lines[0][0] == "control" and int(lines[0][1]) > 0, out
+    return lines[1:], out
+
+
 def test_no_key_tile_kernel_stores_a_transposed_product_in_16_bits(tmp_path):
     """No gradient kernel feeds `tl.dot` a transposed product rounded to 16 bits, the pattern
     Triton 3.4-3.7.0 miscompiles on Hopper (`triton_chunked.HOPPER_TRANS_NOTE`; the H100's
@@ -230,16 +252,23 @@ def test_no_key_tile_kernel_stores_a_transposed_product_in_16_bits(tmp_path):
     of each key-tile kernel (chunked, soe's with its near field, tiled) in the two 16-bit modes has no
     shared-memory store of a 16-bit `#linear` tensor, while a kernel written with the pattern
     has one (so the check sees it). Every kernel in every mode: FASTRPE_COMPILE_CHECK=1."""
-    script = tmp_path / "trans.py"  # (triton.jit reads its function's source from a file)
-    script.write_text("RUN, TRANS = False, True\n" + SCRIPT)
-    out = compile_run([sys.executable, str(script)], 300, TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    lines = [line.split() for line in out.splitlines()]
-    assert lines[0][0] == "control" and int(lines[0][1]) > 0, out
-    kernels = lines[1:]
+    kernels, out = trans_stores_of(tmp_path, "key-tile")
     assert {(x[0], x[1], x[2]) for x in kernels} >= {("bf16", "0", "_bwd_dkv_kernel"), ("fp32", "3", "_bwd_dkv_kernel"),
                                                      ("bf16", "0", "_soe_bwd_dkv_kernel"),
                                                      ("fp32", "3", "_soe_bwd_dkv_kernel"),
                                                      ("fp32", "3", "_tiled_bwd_dkv_kernel")}, out
+    assert all(x[-1] == "0" for x in kernels), out
+
+
+def test_the_walks_gradients_store_no_transposed_product_in_16_bits(tmp_path):
+    """The same for the SoE walk's dq and dk/dv kernels (`triton_soe_walk`), which multiply by
+    the transposed state: in the 16-bit modes they hold it transposed. Written with `tl.trans`
+    of their state, they had the pattern, and the H100 stopped at their first bf16x3 call with
+    an illegal memory access (2026-11-28)."""
+    kernels, out = trans_stores_of(tmp_path, "walk")
+    assert {(x[0], x[1], x[2]) for x in kernels} == {("bf16", "0", "_walk_dq_kernel"), ("fp32", "3", "_walk_dq_kernel"),
+                                                     ("bf16", "0", "_walk_dkv_kernel"),
+                                                     ("fp32", "3", "_walk_dkv_kernel")}, out
     assert all(x[-1] == "0" for x in kernels), out
 
 

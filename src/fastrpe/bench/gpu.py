@@ -1445,10 +1445,13 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: out, `lost_elsewhere`), is measured again: the bench has pruned fla's oversized tiles
 #: (`prune_fla_oversized_tiles`) since the fifth session, whose probe passed with them pruned.
 #: Epoch 6 (a CPU session, 2026-11-28): the fused decoding step's host path (`CHANGED_DECODE`).
-CODE_EPOCH = 6
+#: Epoch 7 (after the seventh session, which ran epoch 6; 2026-11-28): the SoE walk's dq and dk/dv
+#: kernels hold their state transposed where an operand is 16-bit (`triton_soe_walk`'s docstring):
+#: its bf16x3 row, which broke the CUDA context there, is measured again.
+CODE_EPOCH = 7
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
-           ("fla-chunk_simple_gla", "*", 0, 5))
+           ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on

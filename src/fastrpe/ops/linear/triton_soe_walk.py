@@ -29,7 +29,14 @@ dφq and the far weights' gradient), the reverse totals of the states' gradients
 (`_walk_rtotals_kernel`, `dS_k(n) = γ_k^T dS_k(n+1) + (φq_(n+NB-1) ⊙ w_k / den)ᵀ do`) with
 their carries, and `_walk_dkv_kernel` (reverse walk: dφk and dv from `dS_k(n+1)`). The near
 field's gradients are `triton_soe`'s kernels with no terms. Notation as `triton_soe`'s; KG
-terms a group, G chunks a block, NBK blocks."""
+terms a group, G chunks a block, NBK blocks.
+
+Those two walks multiply by the transposed state (`do·S_kᵀ`, `v·dS_kᵀ`). Where an operand is
+rounded to 16 bits (bf16 features, "bf16x3") they hold it transposed instead, `[Dv, KG·F]`,
+updated by its own products, so that no `tl.trans` of a product feeds `tl.dot`: the pattern
+Triton 3.4-3.7.0 miscompiles on Hopper (`triton_chunked.HOPPER_TRANS_NOTE`). With it, the
+H100 stopped at the walk's first bf16x3 call with an illegal memory access (2026-11-28);
+tests/test_triton_compile.py checks their sm_90 code for it."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -81,15 +88,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF: tl.constexpr, BDV: tl.constexpr,
-                  KG: tl.constexpr, W: tl.constexpr, ACC: tl.constexpr):
-        """Block blk's carries of terms k0.. stacked: `(S [KG·BF, W], z [KG·BF])` (W = len(c)); the
-        carries are `[B·H·K, NBK, BF, BDV]` and `[B·H·K, NBK, BF]`."""
+                  KG: tl.constexpr, W: tl.constexpr, ACC: tl.constexpr, TRANS: tl.constexpr = False):
+        """Block blk's carries of terms k0.. stacked: `(S [KG·BF, W], z [KG·BF])` (W = len(c); TRANS:
+        S loaded transposed, `[W, KG·BF]`); the carries are `[B·H·K, NBK, BF, BDV]` and
+        `[B·H·K, NBK, BF]`."""
         row = bh * K + k0 + tl.arange(0, KG)
         at = (row * NBK + blk) * BF
-        S = tl.load(c_ptr + (at[:, None, None] + f[None, :, None]) * BDV + c[None, None, :],
-                    mask=ok[:, None, None], other=0.0).to(ACC)
         z = tl.load(cz_ptr + at[:, None] + f[None, :], mask=ok[:, None], other=0.0).to(ACC)
-        return tl.reshape(S, [KG * BF, W]), tl.reshape(z, [KG * BF])
+        if TRANS:
+            S = tl.reshape(tl.load(c_ptr + (at[None, :, None] + f[None, None, :]) * BDV + c[:, None, None],
+                                   mask=ok[None, :, None], other=0.0).to(ACC), [W, KG * BF])
+        else:
+            S = tl.reshape(tl.load(c_ptr + (at[:, None, None] + f[None, :, None]) * BDV + c[None, None, :],
+                                   mask=ok[:, None, None], other=0.0).to(ACC), [KG * BF, W])
+        return S, tl.reshape(z, [KG * BF])
 
     @triton.jit
     def _store_total(c_ptr, cz_ptr, S, z, bh, k0, K, blk, NBK, f, c, ok, iv, BF: tl.constexpr,
@@ -105,13 +117,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _key_step(S, z, g, kb, vb, kdec, n, Lk, F, Dv, t, f, c, BT: tl.constexpr, BF: tl.constexpr,
-                  KG: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+                  KG: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                  TRANS: tl.constexpr = False):
         """`S_k(n+1)` from `S_k(n)` (stacked S, z): `γ^T·S` plus key chunk n's
-        `(φk ⊙ γ^(T-1-t))ᵀ [v, 1]`."""
+        `(φk ⊙ γ^(T-1-t))ᵀ [v, 1]` (TRANS: S transposed, its product `vᵀ (φk ⊙ γ^(T-1-t))`)."""
         pos = n * BT + t
         km = pos < Lk
         kd = _stack(_load_rows(kb, pos, km, f, F, F).to(ACC), kdec, BT, KG, BF)
-        S = S * g[:, None] + _dot(tl.trans(kd), _load_rows(vb, pos, km, c, Dv, Dv), DT, ACC, MODE)
+        v = _load_rows(vb, pos, km, c, Dv, Dv)
+        if TRANS:
+            S = S * g[None, :] + _dot(tl.trans(v), kd, DT, ACC, MODE)
+        else:
+            S = S * g[:, None] + _dot(tl.trans(kd), v, DT, ACC, MODE)
         return S, z * g + tl.sum(kd, 0)
 
     @triton.jit
@@ -184,9 +201,10 @@ if HAS_TRITON:
         c = tl.arange(0, BDV)
         qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
         dob, ivb, ddb = do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
+        TRANS: tl.constexpr = DT == tl.bfloat16 or DT == tl.float16 or MODE >= 3  # (the module's docstring)
         for k0 in range(0, K, KG):
             ok, w, kdec, g = _terms(lgk_ptr, wq_ptr, bh % H, k0, K, t, BT, KG, BF, ACC)
-            S, z = _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BDV, KG, BDV, ACC)
+            S, z = _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BDV, KG, BDV, ACC, TRANS)
             dw = tl.zeros([BT, KG], dtype=ACC)
             hi = tl.minimum(blk * G + G, N - NB + 1)
             for m in range(blk * G, hi):
@@ -196,28 +214,37 @@ if HAS_TRITON:
                 do = _load_rows(dob, qi, qm, c, Dv, Dv)
                 dd = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
                 inv = _row_inv(ivb, qi, qm, ACC, SCALED)
-                Y = tl.reshape(_dot(do, tl.trans(S), DT, ACC, MODE), [BT, KG, BF])  # do·S_kᵀ
+                if TRANS:  # (S held transposed)
+                    Y = tl.reshape(_dot(do, S, DT, ACC, MODE), [BT, KG, BF])  # do·S_kᵀ
+                else:
+                    Y = tl.reshape(_dot(do, tl.trans(S), DT, ACC, MODE), [BT, KG, BF])
                 Gk = inv[:, None, None] * Y + dd[:, None, None] * tl.reshape(z, [KG, BF])[None, :, :]
                 _add_tile(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], tl.sum(w[:, :, None] * Gk, 1),
                           qm[:, None] & (f[None, :] < F))
                 dw += tl.sum(q[:, None, :] * Gk, 2)
                 if m + 1 < hi:  # (the block's last state is no one's)
-                    S, z = _key_step(S, z, g, kb, vb, kdec, m, Lk, F, Dv, t, f, c, BT, BF, KG, DT, ACC, MODE)
+                    S, z = _key_step(S, z, g, kb, vb, kdec, m, Lk, F, Dv, t, f, c, BT, BF, KG, DT, ACC, MODE, TRANS)
             kk = k0 + tl.arange(0, KG)
             tl.store(dwq_ptr + ((bh * NBK + blk) * K + kk[None, :]) * BT + t[:, None], dw, mask=ok[None, :])
 
     @triton.jit
     def _reverse_step(D, dz, g, qb, dob, ivb, ddb, w, n, Lq, F, Dv, q_offset, t, f, c,
                       BT: tl.constexpr, BF: tl.constexpr, NB: tl.constexpr, KG: tl.constexpr,
-                      DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
+                      DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
+                      TRANS: tl.constexpr = False):
         """`dS_k(n)` from `dS_k(n+1)` (stacked D, dz): `γ^T·D` plus what query chunk n + NB - 1
-        reads of `S_k(n)`, `(φq ⊙ w_k / den)ᵀ do` (and `(φq ⊙ w_k)ᵀ dd` for dz)."""
+        reads of `S_k(n)`, `(φq ⊙ w_k / den)ᵀ do` (and `(φq ⊙ w_k)ᵀ dd` for dz; TRANS: D
+        transposed, its product `doᵀ (φq ⊙ w_k / den)`)."""
         qi = (n + NB - 1) * BT + t - q_offset
         qm = (qi >= 0) & (qi < Lq)
         q = _load_rows(qb, qi, qm, f, F, F).to(ACC)
         qw = _stack(q, w, BT, KG, BF)
         qs = _stack(q * _row_inv(ivb, qi, qm, ACC, SCALED)[:, None], w, BT, KG, BF)
-        D = D * g[:, None] + _dot(tl.trans(qs), _load_rows(dob, qi, qm, c, Dv, Dv), DT, ACC, MODE)
+        do = _load_rows(dob, qi, qm, c, Dv, Dv)
+        if TRANS:
+            D = D * g[None, :] + _dot(tl.trans(do), qs, DT, ACC, MODE)
+        else:
+            D = D * g[:, None] + _dot(tl.trans(qs), do, DT, ACC, MODE)
         dz = dz * g + tl.sum(qw * tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)[:, None], 0)
         return D, dz
 
@@ -263,23 +290,32 @@ if HAS_TRITON:
         qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
         dob, ivb, ddb = do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
         n_hi = tl.minimum(blk * G + G, N)
+        TRANS: tl.constexpr = DT == tl.bfloat16 or DT == tl.float16 or MODE >= 3  # (the module's docstring)
         for k0 in range(0, K, KG):
             ok, w, kdec, g = _terms(lgk_ptr, wq_ptr, bh % H, k0, K, t, BT, KG, BF, ACC)
-            D, dz = _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BDV, KG, BDV, ACC)
+            D, dz = _carry_at(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BDV, KG, BDV, ACC, TRANS)
             for i in range(n_hi - blk * G):
                 n = n_hi - 1 - i
                 pos = n * BT + t
                 km = pos < Lk
                 k = _load_rows(kb, pos, km, f, F, F).to(ACC)
                 v = _load_rows(vb, pos, km, c, Dv, Dv)
-                vd = tl.reshape(_dot(v, tl.trans(D), DT, ACC, MODE), [BT, KG, BF])
+                if TRANS:  # (D held transposed: dv's tile formed transposed too)
+                    vd = tl.reshape(_dot(v, D, DT, ACC, MODE), [BT, KG, BF])
+                else:
+                    vd = tl.reshape(_dot(v, tl.trans(D), DT, ACC, MODE), [BT, KG, BF])
                 dk = tl.sum(kdec[:, :, None] * (vd + tl.reshape(dz, [KG, BF])[None, :, :]), 1)
                 _add_tile(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, km[:, None] & (f[None, :] < F))
-                _add_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :],
-                          _dot(_stack(k, kdec, BT, KG, BF), D, DT, ACC, MODE), km[:, None] & (c[None, :] < Dv))
+                if TRANS:
+                    _add_tile(dv_ptr + bh * Lk * Dv + pos[None, :] * Dv + c[:, None],
+                              _dot(D, tl.trans(_stack(k, kdec, BT, KG, BF)), DT, ACC, MODE),
+                              km[None, :] & (c[:, None] < Dv))
+                else:
+                    _add_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :],
+                              _dot(_stack(k, kdec, BT, KG, BF), D, DT, ACC, MODE), km[:, None] & (c[None, :] < Dv))
                 if n > blk * G:  # (the block's first gradient is no one's)
                     D, dz = _reverse_step(D, dz, g, qb, dob, ivb, ddb, w, n, Lq, F, Dv, q_offset, t, f, c,
-                                          BT, BF, NB, KG, DT, ACC, MODE, SCALED)
+                                          BT, BF, NB, KG, DT, ACC, MODE, SCALED, TRANS)
 
     # (G, the chunks a block, never specialized on: 1 at 4k, 8 at 64k, 128 at 1M would be three
     # compilations of each kernel for a loop bound.) The adding kernels put back what they add
