@@ -142,15 +142,15 @@ def test_packed_step_equals_the_separate_rows_and_checks_its_row():
 def test_fast_launch_goes_through_the_jit_once_per_specialization(monkeypatch):
     """`FAST_LAUNCH`: the JIT launches a specialization once and its compiled binary every later
     time, with every argument in signature order (constexprs last, as the JIT hands them to the
-    launcher); a tensor of another dtype or alignment, or another int, is a new specialization;
+    launcher) and a grid of three dims; a tensor of another dtype or alignment, or another int, is a new specialization;
     off (the default) or interpreted, the JIT every time."""
     from fastrpe.ops.linear import triton_recurrent as tr
 
     calls = []
 
-    class Compiled:
+    class Compiled:  # as Triton's `CompiledKernel[grid]`, whose runner reads three grid dims
         def __getitem__(self, grid):
-            return lambda *a: calls.append(("binary", grid, a))
+            return lambda *a: calls.append(("binary", (grid[0], grid[1], grid[2]), a))
 
     class Kernel:
         arg_names = ["x_ptr", "n", "s", "BC", "FLAG"]
@@ -170,7 +170,7 @@ def test_fast_launch_goes_through_the_jit_once_per_specialization(monkeypatch):
     for n in (3, 3, 4, 4):
         tr._launch(k, (2,), (x, n, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)
     assert [c[0] for c in calls] == ["jit", "jit", "binary", "jit", "binary"]
-    assert calls[2] == ("binary", (2,), (x, 3, 0.5, 16, True))
+    assert calls[2] == ("binary", (2, 1, 1), (x, 3, 0.5, 16, True))  # (the grid padded to three, as the JIT's)
     tr._launch(k, (2,), (x[1:], 4, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)  # 4 bytes in: not 16-aligned
     tr._launch(k, (2,), (x.double(), 4, 0.5), {"BC": 16, "FLAG": True}, num_warps=8)
     tr._launch(k, (2,), (x, 4, 0.5), {"BC": 16, "FLAG": False}, num_warps=8)

@@ -1447,7 +1447,9 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: Epoch 6 (a CPU session, 2026-11-28): the fused decoding step's host path (`CHANGED_DECODE`).
 #: Epoch 7 (after the seventh session, which ran epoch 6; 2026-11-28): the SoE walk's dq and dk/dv
 #: kernels hold their state transposed where an operand is 16-bit (`triton_soe_walk`'s docstring):
-#: its bf16x3 row, which broke the CUDA context there, is measured again.
+#: its bf16x3 row, which broke the CUDA context there, is measured again; and the fused decoding
+#: steps' fast launch pads its grid to three dims, as Triton's runner reads them (the
+#: "..., fast launch" decode rows stopped with an IndexError there: `CHANGED_DECODE`).
 CODE_EPOCH = 7
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
@@ -1462,7 +1464,7 @@ CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fas
 #: fingerprint a step instead of three, no `nn.Module.__getattr__` in its path: host time
 #: 101 -> 59 µs (band, SoE), 79 -> 49 (geometric) on the CPU, bf16
 #: (`benchmarks/decode_ops.py --host`); the sixth session's eager steps were 307-488 µs.
-CHANGED_DECODE = (("state-*", 6), ("kv-cache*", 6))
+CHANGED_DECODE = (("state-*", 6), ("kv-cache*", 6), ("state-*, fast launch", 7))
 
 
 def _since(entry: tuple, n: int) -> tuple[tuple, int]:
