@@ -1235,7 +1235,7 @@ def test_the_sixth_sessions_json_resumes_with_fla_and_the_unpaired_64k_ratios_me
     path = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu/h100-2026-11-27d.json"
     res = json.loads(path.read_text())
     assert any(r["competitor"] == "fla-chunk_simple_gla" and r.get("context_lost") for r in res["rows"])
-    gpu.measure_again(res)
+    gpu.measure_again(res, changed=[c for c in gpu.CHANGED if gpu._since(c, 3)[1] <= 6])  # (as it resumed then)
     again = {(r["competitor"], r["problem"]["position"], r["problem"]["L"], r["again"])
              for r in res["earlier"] if "again" in r}
     assert ("fla-chunk_simple_gla", "alibi", 4096, "changed") in again
@@ -1248,6 +1248,56 @@ def test_the_sixth_sessions_json_resumes_with_fla_and_the_unpaired_64k_ratios_me
     moved4 = [r for r in res["earlier"] if r.get("run") in epoch4 and r.get("again") == "changed"]
     assert moved4 == []
     assert gpu.unpaired(res) == set()
+
+
+def test_the_seventh_sessions_json_resumes_with_the_walks_fault_auto_and_fast_launch_measured_again():
+    """On the JSON the seventh H100 session left (h100-2026-11-28.json): the walk's bf16x3 row,
+    which broke the CUDA context there (and would stay, `retry_errors`), moves (CODE_EPOCH 7:
+    its kernels changed), and so does every `fastrpe-auto` row (the library's products for
+    16-bit calls became bf16x3) and the fast-launch decode rows (their launch changed); the
+    plain Triton rows, which name their tf32x3, and the `+bf16x3` rows stay."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu/h100-2026-11-28.json"
+    res = json.loads(path.read_text())
+    assert any(r["competitor"] == "fastrpe-triton_soe+walk+bf16x3" and r.get("context_lost") for r in res["rows"])
+    gpu.measure_again(res)
+    again = {(r["competitor"], r["problem"]["position"], r["problem"]["L"], r["again"])
+             for r in res["earlier"] if "again" in r}
+    assert ("fastrpe-triton_soe+walk+bf16x3", "kerple_log", 65536, "changed") in again
+    assert not any(r["competitor"] in ("fastrpe-auto", "fastrpe-triton_soe+walk+bf16x3") for r in res["rows"])
+    for name, fam in (("fastrpe-triton_chunked+bf16x3", "alibi"), ("fastrpe-triton_band", "t5")):
+        assert gpu._row(res, fam, 65536, name)["seconds"]
+    assert not any(d["method"].endswith("fast launch") for d in res["decode"])
+    assert {d["method"] for d in res["earlier_decode"] if d.get("again")} >= {
+        "state-linear (alibi, nprf), fast launch", "state-soe (kerple_log, nprf), fast launch"}
+
+
+def test_the_plain_triton_rows_name_tf32x3_and_auto_takes_the_librarys_default(monkeypatch):
+    """Since bf16x3 became the library's products for 16-bit calls, a plain `fastrpe-triton_*`
+    row runs under tf32x3 (what its name has meant in every session's JSON), `+bf16x3` under
+    bf16x3, and `fastrpe-auto` under the library's default (what it measures); each row says
+    which it set."""
+    from fastrpe import backends_triton
+
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", True)
+    cfg = gpu.smoke_config()
+    p = Problem(position="alibi", L=48, H=2, D=16, features=8)
+    dev = torch.device("cpu")
+    import fastrpe
+
+    seen = []
+    real = fastrpe.attention
+    monkeypatch.setattr(fastrpe, "attention", lambda *a, **kw: seen.append(backends_triton.FLOAT32_PRODUCTS)
+                        or real(*a, **kw))
+    for backend, kw in (("triton_chunked", {}), ("triton_chunked", {"float32_products": "bf16x3"}), ("auto", {})):
+        run = gpu.fastrpe_setup(backend, cfg, **kw)(p, dev, torch.float32)
+        assert not isinstance(run, str), run
+        seen.clear()
+        run()
+        want = kw.get("float32_products", "tf32x3" if backend != "auto" else backends_triton.FLOAT32_PRODUCTS)
+        assert seen and set(seen) == {want}, (backend, kw, seen)
+        assert run.extra.get("float32_products") == (None if backend == "auto" else want)
 
 
 def test_fla_tiles_as_large_as_their_dimension_are_pruned_as_fla_prunes_its_gla_backward(monkeypatch):

@@ -12,7 +12,8 @@ emulated under the interpreter as MODE 4): its products carry about 16 bits, and
 stays within LOWP_FACTOR of dense bf16 here. On the H100 three of its backends stopped with an
 illegal memory access (2026-11-27): a Triton miscompile on Hopper of the pattern their key-tile
 gradient kernels had then (`triton_chunked.HOPPER_TRANS_NOTE`); tests/test_gpu.py checks it
-there, tests/test_triton_compile.py that the pattern is gone.
+there, tests/test_triton_compile.py that the pattern is gone. Two H100 sessions later it is the
+default for 16-bit calls (`backends_triton.FLOAT32_PRODUCTS`), "tf32x3" an option.
 """
 import dataclasses
 
@@ -62,18 +63,19 @@ def _problem_on(device, dtype):
 
 
 def test_lowp_dots_policy(monkeypatch):
-    assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (None, "tf32x3")
-    assert bt.lowp_dots(_problem_on("cuda", torch.float16)) == (None, "tf32x3")
+    # a 16-bit call's float32 features by bf16 halves (the default since two H100 sessions)
+    assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (None, "bf16x3")
+    assert bt.lowp_dots(_problem_on("cuda", torch.float16)) == (None, "bf16x3")
     assert bt.lowp_dots(_problem_on("cuda", torch.float32)) == (None, "ieee")
     assert bt.lowp_dots(_problem_on("cpu", torch.bfloat16)) == (None, "ieee")
     with bt.use_lowp_features("bfloat16"):  # what the bench's `+bf16-features` rows run under
         assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (torch.bfloat16, "ieee")
     assert bt.LOWP_FEATURES == "float32"
-    with bt.use_float32_products("bf16x3"):  # float32 features by bf16 halves; a float32 call never takes it
-        assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (None, "bf16x3")
+    with bt.use_float32_products("tf32x3"):  # three tf32 products (the bench's plain rows); a float32 call never
+        assert bt.lowp_dots(_problem_on("cuda", torch.bfloat16)) == (None, "tf32x3")
         assert bt.lowp_dots(_problem_on("cuda", torch.float32)) == (None, "ieee")
         assert bt.lowp_dots(_problem_on("cpu", torch.bfloat16)) == (None, "ieee")
-    assert bt.FLOAT32_PRODUCTS == "tf32x3"
+    assert bt.FLOAT32_PRODUCTS == "bf16x3"
     monkeypatch.setattr(bt, "LOWP_FEATURES", "fp8")
     with pytest.raises(FastRPEError, match="LOWP_FEATURES: 'float32' or 'bfloat16', got 'fp8'"):
         bt.lowp_dots(_problem_on("cuda", torch.bfloat16))

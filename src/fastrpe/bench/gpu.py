@@ -17,9 +17,12 @@ L in `DEFAULT_LENGTHS`, one positional family at a time (`FAMILIES`; causal exce
 * `fastrpe-<backend>` for every backend in `fastrpe.dispatch.BACKENDS` (registered when the
   suite starts, so backends added later appear by themselves) and `fastrpe-auto`, through
   `fastrpe.attention(..., backend=...)`; a backend that refuses the call is recorded with
-  its own `not_supported_reasons`; `fastrpe-triton_*+bf16-features`: the Triton backends with
-  the features rounded to bf16 (`backends_triton.LOWP_FEATURES`; the default keeps them
-  float32, products by tf32x3), to weigh their speed against their error on the GPU;
+  its own `not_supported_reasons`; `fastrpe-triton_*` multiply their float32 features by three
+  tf32 products (`backends_triton.FLOAT32_PRODUCTS = "tf32x3"`, named: the rows kept their
+  meaning when the library's default for 16-bit calls became "bf16x3", 2026-11-28; `+bf16x3`
+  rows run that, and `fastrpe-auto` whatever the library does); `fastrpe-triton_*+bf16-features`:
+  the Triton backends with the features rounded to bf16 (`backends_triton.LOWP_FEATURES`), to
+  weigh their speed against their error on the GPU;
   `fastrpe-triton_*+compiled`: the same call under `torch.compile(fullgraph=True)`, as Flex
   runs (the kernels are custom ops in the graph; the feature maps and the glue are Inductor's).
 
@@ -715,7 +718,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                   graphed: bool = False, float32_products: str | None = None, far_field: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
-    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`),
+    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None, but `auto`'s, which
+    takes the library's default),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
@@ -726,6 +730,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     `graphed`, the eager call replayed from a CUDA graph (`captured`; `+cudagraphs`), up to
     `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
+    if float32_products is None and backend != "auto":
+        float32_products = "tf32x3"  # (the rows' meaning since before the library's default changed)
 
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
@@ -768,6 +774,9 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                 return "; ".join(reasons)
             extra["exact"] = b.exact
 
+        def attend(q, k, v):  # (what `+compiled` compiles: the settings stay outside the graph)
+            return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
+
         def call(q, k, v):
             with contextlib.ExitStack() as stack:
                 if lowp_features is not None:
@@ -780,7 +789,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                     stack.enter_context(use_saved_states(saved_states))
                 if far_field is not None:
                     stack.enter_context(use_far_field(far_field))
-                return fr.attention(q, k, v, kernel=kern, position=pos, causal=p.causal, backend=backend)
+                return attend(q, k, v)
 
         if lowp_features is not None:
             extra["lowp_features"] = lowp_features
@@ -798,7 +807,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             opts = {"fullgraph": True, "dynamic": False, "backend": COMPILE_BACKEND}
             if mode != "default":
                 opts["mode"] = mode
-            call = torch.compile(call, **opts)
+            attend = torch.compile(attend, **opts)
             args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
             extra["compiled"] = f"torch.compile(fastrpe.attention, {args})"
 
@@ -1447,13 +1456,16 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: Epoch 6 (a CPU session, 2026-11-28): the fused decoding step's host path (`CHANGED_DECODE`).
 #: Epoch 7 (after the seventh session, which ran epoch 6; 2026-11-28): the SoE walk's dq and dk/dv
 #: kernels hold their state transposed where an operand is 16-bit (`triton_soe_walk`'s docstring):
-#: its bf16x3 row, which broke the CUDA context there, is measured again; and the fused decoding
+#: its bf16x3 row, which broke the CUDA context there, is measured again; `auto` takes the
+#: library's new default for 16-bit calls, bf16x3 products (`backends_triton.FLOAT32_PRODUCTS`;
+#: the plain Triton rows keep tf32x3, named), so its rows are measured again; and the fused decoding
 #: steps' fast launch pads its grid to three dims, as Triton's runner reads them (the
 #: "..., fast launch" decode rows stopped with an IndexError there: `CHANGED_DECODE`).
 CODE_EPOCH = 7
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
-           ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7))
+           ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),
+           ("fastrpe-auto", "*", 0, 7))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
