@@ -65,7 +65,7 @@
 # measured again, gpu.ANCHORS, the rows whose code changed since, gpu.CHANGED, and each 64k
 # problem whose ratio's two sides are from two sessions, gpu.unpaired; then those, +compiled,
 # +cudagraphs and the scan twins first, PRIORITY_S):
-#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-27d.json .gpu_runs/gpu.json
+#   mkdir -p .gpu_runs && cp benchmarks/results/gpu/h100-2026-11-28.json .gpu_runs/gpu.json
 #   bash benchmarks/fla_site.sh   # once: .fla_site/site.tar.xz (kept between sessions here)
 #   PYTHONPATH=src python3 benchmarks/precompile.py key-hash --expect .gpu_cache/precompiled.json
 #     # (here it says "another triton": this Python's; what matters is no "changed since" list,
@@ -147,6 +147,26 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the seventh H100 session (2026-11-28), for the next to read first:
+# - it ran `first` (418 s) and `rest` (299 s) at 347678a: 19 pass, 6 fail, 5 missing
+#   (docs/RESULTS.md, "Seventh H100 session"); resume h100-2026-11-28.json (above; .gpu_runs/
+#   holds it). Failing: ALiBi against fla (3.15 ms, fla 2.72: the PRF maps, 0.93 ms of it at
+#   0.8-0.9 TB/s, are the lever), both KERPLEs against fla's 2x (6.33, 7.36 against 5.44), the
+#   learned table at 64k (auto's tf32x3 triton_tiled 230 ms, Flex 130), KERPLE at 1M (155, 235);
+#   missing: the learned tables' other 64k, 262k and 1M rows;
+# - the 64k window now takes the learned tables first (PRIORITY_LONG_FAMILIES): read the
+#   triton_tiled +bf16x3 / +bf16-features rows there against Flex's 130 ms;
+# - CODE_EPOCH 7 (gpu.CHANGED): bf16x3 is the library's products for 16-bit calls
+#   (`backends_triton.FLOAT32_PRODUCTS`): the plain Triton rows keep tf32x3 by name, every
+#   `fastrpe-auto` row moves to be timed again; the SoE walk's dq and dk/dv kernels hold their
+#   state transposed with a 16-bit operand (its +walk+bf16x3 row broke the CUDA context, and
+#   four of each warm-up's six workers with it: the Hopper miscompile of HOPPER_TRANS_NOTE),
+#   that row moves; the walk itself lost to the stored states everywhere (235 / 186 ms at 1M
+#   against 240 / 155): no more time on it. The fast-launch decode rows (an IndexError: the grid
+#   had one or two dims, Triton's runner reads three) move, fixed;
+# - the pack: the seventh session's returned one (`rest`'s, 630 entries) merged with the
+#   CPU-built kernels and the walk's recompiled (72), 19.2 MB, everything without Triton's
+#   intermediates (tree 9.5 + .fla_site 37.0 + pack 19.2 of the carry's 67.1 MB).
 # New since the second CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - KERPLE at 1M (240 / 156 ms, 60 asked) ran a term per launch group (the stored states of one
 #   term are 0.55 GB there): `triton_soe.FAR_FIELD = "walk"` (triton_soe_walk.py, opt-in) walks
@@ -634,6 +654,11 @@ PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+bf16x3,*+compiled'
 # against the third session's Flex); within one call the bench runs the shortest length first
 PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3'
 PRIORITY_LONG_LENGTHS=65536
+# the window's families in this order (the bench runs a length's problems in --families' order):
+# the learned tables first, whose 64k rows no window has reached in seven sessions (2026-11-28:
+# `auto`'s tf32x3 triton_tiled 230 ms against Flex's 130; its bf16x3 and bf16-features rows, 2-3x
+# faster at 4k under CUDA graphs, never timed at 64k)
+PRIORITY_LONG_FAMILIES=learned,learned_full,alibi,kerple_log,kerple_power,t5
 # then the 1M rows of the decaying terms (forward+backward within 60 ms and 8 GiB), which no
 # session reached (the general pass runs the learned tables' 262k rows, seconds per call, first):
 # their kernels are the 64k rows' (nothing to compile), a few seconds each
@@ -1037,7 +1062,7 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     if [ "$resuming" -gt 0 ] && [ "${PRIORITY_S:-150}" -gt 0 ]; then
         priority_end=$(capped $(( SECONDS + ${PRIORITY_S:-150} )))
         bench_until "$priority_end" gpu_first.log --resume --sections rows --passes 0,1 \
-            --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_LONG"
+            --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_LONG" --families "$PRIORITY_LONG_FAMILIES"
         rows_1m "$(capped $(( SECONDS + ${PRIORITY_1M_S:-120} )))" gpu_first.log
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
         bench_until "$(capped $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )))" gpu_first.log \
