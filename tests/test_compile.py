@@ -40,10 +40,10 @@ PATHS = {
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    # earlier tests' positions collected first: Dynamo guards the SoE verdict memo
-    # (`soe._VERDICTS`, a WeakKeyDictionary) by its keys' positions, and an entry whose position
-    # is collected between the trace and the guards' build fails that build ("list index out of
-    # range"; seen with pytest-xdist's orders, and with `-k soe` in one process)
+    # earlier tests' modules collected first (when the SoE verdict memo was a module-level
+    # WeakKeyDictionary, an entry whose position was collected between a trace and its guards'
+    # build failed that build, "list index out of range": the memo lives on its position now,
+    # `test_another_positions_verdict_recompiles_nothing`; kept, cheap, for any other such memo)
     gc.collect()
     torch._dynamo.reset()
     yield
@@ -179,6 +179,30 @@ def test_soe_fit_refusal_becomes_an_assert_under_compile():
         m(x)
     with pytest.raises(RuntimeError, match="misplaces more than"):
         torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+
+
+def test_another_positions_verdict_recompiles_nothing():
+    """The SoE fit's verdict, read under compile, is kept on its own position
+    (`_memo.OnOwner`): other positions' verdicts made or collected after a layer compiled do
+    not touch its guards (with a module-level memo each one recompiled it)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from fastrpe.ops.linear import soe
+
+    m = _layer("soe-nprf-kerple_log", torch.float64)
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    m(x)  # eagerly: the verdict made
+    cnt = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(m, fullgraph=True, backend=cnt)
+    f(x)
+    others = [P.KerpleLog(H) for _ in range(3)]
+    for o in others:
+        soe.soe_terms(o, L)
+    f(x)
+    del others, o
+    gc.collect()
+    f(x)
+    assert cnt.frame_count == 1, cnt.frame_count
 
 
 def test_value_checks_stay_eager():

@@ -23,6 +23,25 @@ def takes_grad(module: nn.Module) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in module.parameters())
 
 
+class OnOwner:
+    """A store for `kept` that keeps each owner's entries on the owner itself, in its attribute
+    `name` (an `nn.Module`'s `__dict__`), for memos read under torch.compile: Dynamo guards a
+    read of one owner's entries on that owner alone, where it guards a module-level
+    `weakref.WeakKeyDictionary` whole, so that another owner's entry added (a new positional
+    term's first call) recompiled every graph that had read the memo, and one collected between
+    a trace and its guards' build failed that build ("list index out of range"). The entries go
+    with their owner."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def get(self, owner):
+        return getattr(owner, self.name, None)
+
+    def setdefault(self, owner, value: dict) -> dict:
+        return owner.__dict__.setdefault(self.name, value)
+
+
 class ByIdentity:
     """A store for `kept` whose owners are told apart by identity, for owners whose `==` is not
     identity (a tensor compares elementwise, a dataclass by fields, so neither can key a

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor
 
-from ..._memo import kept, parameter_state, takes_grad
+from ..._memo import OnOwner, kept, parameter_state, takes_grad
 from ..common import LaterReads
 from .state import SoEState
 
@@ -344,8 +344,9 @@ def fewest_terms(b: Tensor, target: float = SOE_MAX_WEIGHT_ERROR) -> tuple[int, 
         return within or (K, err)
 
 #: position -> {(fit length, device, parameter state, on the GPU in training): (terms, weight error)}: the verdict reads
-#: the error on the host (a GPU stream sync), so a frozen term pays it on its first call only
-_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: the error on the host (a GPU stream sync), so a frozen term pays it on its first call only. Kept on
+#: the position (`OnOwner`): read under torch.compile, a module-level dict's every entry was guarded
+_VERDICTS = OnOwner("_fastrpe_soe_verdicts")
 
 
 def _state_key(position, fit_length: int):
