@@ -72,7 +72,8 @@ LOWP_FEATURES = "float32"
 #: had their tf32x3 twins' errors, and bf16x3 was the faster of the two in every row at 64k, by
 #: 5-21% (ALiBi 3.15 against 3.99 ms, KERPLE-power with states kept 6.33 against 7.87, T5 4.10
 #: against 4.71; `triton_tiled` at 4k 1.87 against 2.95; at 4k the calls are host time, and
-#: KERPLE-log's took 3.03 against 2.77), a 16-bit call's output being rounded to 8 bits anyway. So "bf16x3" is the default (2026-11-28; docs/RESULTS.md, seventh session).
+#: KERPLE-log's took 3.03 against 2.77), a 16-bit call's output being rounded to 8 bits anyway.
+#: So "bf16x3" is the default (2026-11-28; docs/RESULTS.md, seventh session).
 #: The GPU bench's plain Triton rows keep "tf32x3", named; its `auto` rows take the default.
 FLOAT32_PRODUCTS = "bf16x3"
 
