@@ -280,3 +280,73 @@ def test_warm_first_is_an_option_of_the_cli(tmp_path, capsys):
                "--out", str(tmp_path)])
     err = capsys.readouterr()
     assert rc == 2 and "--warm-first" in (err.out + err.err) and "matches no competitor" in (err.out + err.err)
+
+
+def test_a_restarted_worker_goes_on_from_its_start_with_its_record(tmp_path, monkeypatch):
+    """`run_worker(..., start)`: a worker that stopped at a row that broke the CUDA context is
+    started again after it, and its record goes on (rows, then `finished`)."""
+    from fastrpe.bench import gpu_warm
+
+    plan_path = _failing_then_flex_plan(tmp_path)
+    monkeypatch.setattr(gpu_warm, "context_lost", lambda device: True)
+    assert gpu_warm.run_worker(plan_path, 0) == gpu.CONTEXT_LOST_EXIT
+    monkeypatch.undo()
+    assert gpu_warm.run_worker(plan_path, 0, start=1) == 0
+    rec = json.loads((tmp_path / "gpu_warm_0.json").read_text())
+    assert rec["finished"] and [r["competitor"] for r in rec["rows"]] == ["no-such-row", "flex"]
+    assert rec["rows"][0]["context_lost"] and "skipped" not in rec["rows"][1]
+
+
+FAKE_WORKER = r"""
+import json, sys
+from pathlib import Path
+plan_path, index, start = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+items = json.loads(plan_path.read_text())["workers"][index]
+out = plan_path.parent / f"gpu_warm_{index}.json"
+rec = json.loads(out.read_text()) if start else {"worker": index, "rows": []}
+def row(i, **kw):
+    rec["rows"].append({"tag": "t", "competitor": items[i]["competitor"], **kw})
+    out.write_text(json.dumps(rec))
+if start == 0 and len(items) > 1:  # its first row breaks the CUDA context: recorded
+    row(0, skipped="error: an illegal memory access", context_lost=True)
+    sys.exit(75)
+if start == 1 and len(items) > 2:  # its second row kills it before its record
+    print("Segmentation fault (a stand-in)")
+    sys.exit(3)
+for i in range(start, len(items)):
+    row(i)
+rec["finished"] = True
+out.write_text(json.dumps(rec))
+"""
+
+
+def test_warm_starts_a_worker_again_after_a_lost_context_and_after_a_crash(tmp_path, monkeypatch):
+    """One faulting row ended four of the six workers of each H100 warm-up (2026-11-28): now a
+    worker that stopped at a row that broke the CUDA context starts again after that row, and
+    one that died before recording its row after that row, recorded as where it died; each
+    restart in the record with its log's tail. (A stand-in worker: the first row of a
+    worker with two rows or more breaks the context, the second of one with three or more
+    kills it.)"""
+    from fastrpe.bench import gpu_warm
+    from fastrpe.bench.gpu_warm import warm
+
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(FAKE_WORKER)
+    monkeypatch.setattr(gpu_warm, "_worker_command",
+                        lambda plan, i, start: [sys.executable, str(fake), str(plan), str(i), str(start)])
+    monkeypatch.setattr(gpu_warm, "RESTART_MIN_S", 0.0)
+    cfg = gpu.smoke_config(lengths=(40, 48), families=("alibi", "t5"))
+    lines = []
+    res = warm(cfg, tmp_path / "out", log=lines.append, budget_s=60)
+    spec = json.loads((Path(res["work_dir"]) / "gpu_warm_plan.json").read_text())
+    assert any(len(w) > 2 for w in spec["workers"])  # (the case exercises both)
+    for w, planned in zip(res["workers"], spec["workers"]):
+        m = len(planned)
+        assert w["returncode"] == 0 and w["finished"] and len(w["rows"]) == m
+        assert [r["competitor"] for r in w["rows"]] == [it["competitor"] for it in planned]
+        want = [(0, gpu.CONTEXT_LOST_EXIT)] * (m > 1) + [(1, 3)] * (m > 2)
+        assert [(f["row"], f["exit"]) for f in w.get("restarts", [])] == want
+        if m > 2:
+            assert w["rows"][1]["skipped"] == "the worker died here (exit 3)"
+            assert "Segmentation fault (a stand-in)" in w["restarts"][1]["log_tail"]
+    assert any("started again after row 0 (exit 75" in line for line in lines)

@@ -61,6 +61,11 @@ SHARED = ("flex", "fla-chunk_simple_gla", "fla-chunk_linear_attn")
 LAST = ("fla-chunk_simple_gla", "fla-chunk_linear_attn")
 #: the share of the GPU's memory one worker may hold (six of them beside the GPU tests)
 MEMORY_FRACTION = 0.125
+#: a worker that broke its CUDA context (or died) at a row starts again after it while this
+#: many seconds of the budget remain (a start: Python, torch and CUDA, about 10 s): on
+#: 2026-11-28 one faulting row (the SoE walk's bf16x3, since fixed) ended four of the six
+#: workers of each warm-up within 15 s, with most of their rows not reached
+RESTART_MIN_S = 20.0
 
 
 def tuned(name: str) -> bool:
@@ -139,7 +144,8 @@ def watch_triton_compiles(counts: dict) -> None:
         knobs.compilation.listener  # noqa: B018 - absent before triton 3.4
     except (ImportError, AttributeError):
         return
-    counts.update(hits=0, misses=0, missed=[])
+    for k, v in (("hits", 0), ("misses", 0), ("missed", [])):  # (a restarted worker's go on)
+        counts.setdefault(k, v)
 
     def listen(*, src, cache_hit, **_):
         counts["hits" if cache_hit else "misses"] += 1
@@ -149,9 +155,11 @@ def watch_triton_compiles(counts: dict) -> None:
     knobs.compilation.listener = listen
 
 
-def run_worker(plan_path: Path, index: int) -> int:
-    """Worker `index` of the plan at `plan_path`: each row once, forward and backward; its
-    record (`gpu_warm_<index>.json` beside the plan) rewritten after every row."""
+def run_worker(plan_path: Path, index: int, start: int = 0) -> int:
+    """Worker `index` of the plan at `plan_path`: each row once from its `start`-th, forward and
+    backward; its record (`gpu_warm_<index>.json` beside the plan; a restart's goes on with
+    the record so far) rewritten after every row. A row that breaks the CUDA context ends it
+    (CONTEXT_LOST_EXIT), recorded: `warm` starts it again after that row."""
     spec = json.loads(plan_path.read_text())
     c = spec["config"]
     cfg = GpuConfig(**{**c, **{k: tuple(c[k]) for k in ("lengths", "families", "sections", "only", "skip", "warm_first")
@@ -164,9 +172,12 @@ def run_worker(plan_path: Path, index: int) -> int:
     out = plan_path.parent / f"gpu_warm_{index}.json"
     rec = {"worker": index, "triton_config": os.environ.get("FASTRPE_TRITON_CONFIG"), "rows": [],
            "triton_compiles": {}}
+    if start and out.exists():  # a restart: the rows and counts so far go on
+        rec = json.loads(out.read_text())
+        rec.setdefault("triton_compiles", {})
     watch_triton_compiles(rec["triton_compiles"])
-    t_start = time.perf_counter()
-    for item in spec["workers"][index]:
+    t_start = time.perf_counter() - rec.get("seconds", 0.0)
+    for item in spec["workers"][index][start:]:
         p, name = Problem(**item["problem"]), item["competitor"]
         row = {"tag": p.tag(), "competitor": name}
         t0 = time.perf_counter()
@@ -187,8 +198,12 @@ def run_worker(plan_path: Path, index: int) -> int:
                 row["context_lost"] = True
         fn = None
         gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        if dev.type == "cuda" and not row.get("context_lost"):
+            try:
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - a fault surfacing late (on the H100: here) is the row's
+                row.setdefault("skipped", "error: " + _first_line(e))
+                row["context_lost"] = True
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rec["rows"].append(row)
         rec["seconds"] = round(time.perf_counter() - t_start, 2)
@@ -200,6 +215,14 @@ def run_worker(plan_path: Path, index: int) -> int:
     rec["finished"] = True
     _record(out, rec)
     return 0
+
+
+def _worker_command(plan_path: Path, index: int, start: int) -> list[str]:
+    return [sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(index), str(start)]
+
+
+def _log_tail(path: Path, n: int = 8) -> list[str]:
+    return path.read_text(errors="replace").splitlines()[-n:] if path.exists() else []
 
 
 def _triton_key() -> str | None:
@@ -243,22 +266,52 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         f"{min(map(len, busy))}-{max(map(len, busy))} rows each, at most {budget_s:g} s")
     auto_dir = tempfile.mkdtemp(prefix="fastrpe-warm-auto-")  # auto's timings, taken beside other workers: thrown away
     procs = {}  # worker index -> (process, log); a worker with nothing to compile is not started
-    t0 = time.perf_counter()
-    for i in range(len(workers)):
-        if not workers[i]:
-            continue
+    faults = {}  # worker index -> what ended each of its processes that a restart followed
+
+    def start(i: int, first: int) -> None:
         env = {**os.environ, "FASTRPE_TRITON_CONFIG": str(i % len(TUNE_CONFIGS)), "FASTRPE_CACHE_DIR": auto_dir,
                "PYTHONUNBUFFERED": "1"}
-        logf = open(work / f"gpu_warm_{i}.log", "w")  # noqa: SIM115 - the worker's output, closed below
-        procs[i] = (subprocess.Popen([sys.executable, "-m", "fastrpe.bench.gpu_warm", str(plan_path), str(i)],
-                                     env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True), logf)
+        logf = open(work / f"gpu_warm_{i}.log", "a")  # noqa: SIM115 - the worker's output, closed below
+        procs[i] = (subprocess.Popen(_worker_command(plan_path, i, first), env=env, stdout=logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True), logf)
+
+    def restart(i: int, rc: int) -> bool:
+        """Worker i's process ended with `rc` (not 0): start it again after the row it stopped
+        at, while its plan has rows left and RESTART_MIN_S of the budget remain."""
+        path = work / f"gpu_warm_{i}.json"
+        rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
+        n = len(rec["rows"])  # a lost context's row is recorded; a crash's is not: it is skipped, said so
+        nxt = n if rc == CONTEXT_LOST_EXIT else n + 1
+        if nxt >= len(workers[i]) or budget_s - (time.perf_counter() - t0) < RESTART_MIN_S:
+            return False
+        at = n - 1 if rc == CONTEXT_LOST_EXIT and n else n  # the row it stopped at
+        faults.setdefault(i, []).append({"row": at, "exit": rc, "log_tail": _log_tail(work / f"gpu_warm_{i}.log")})
+        if nxt > n:
+            item = workers[i][n]
+            rec["rows"].append({"tag": item[0].tag(), "competitor": item[1], "skipped": f"the worker died here (exit {rc})"})
+            _record(path, rec)
+        procs[i][1].close()
+        start(i, nxt)
+        return True
+
+    t0 = time.perf_counter()
+    for i in range(len(workers)):
+        if workers[i]:
+            start(i, 0)
     killed = []
     try:
-        for i, (proc, _) in procs.items():
-            try:
-                proc.wait(timeout=max(0.0, budget_s - (time.perf_counter() - t0)))
-            except subprocess.TimeoutExpired:
-                killed.append(i)
+        running = set(procs)
+        while running:
+            for i in sorted(running):
+                rc = procs[i][0].poll()
+                if rc is not None and (rc == 0 or not restart(i, rc)):
+                    running.discard(i)
+            if not running:
+                break
+            if time.perf_counter() - t0 >= budget_s:
+                killed = sorted(running)
+                break
+            time.sleep(0.1)
     finally:  # at the budget, or interrupted: no worker outlives this call (each leads its own group)
         for proc, logf in procs.values():
             if proc.poll() is None:
@@ -274,8 +327,10 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         path = work / f"gpu_warm_{i}.json"
         rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
         rec.update(returncode=proc.returncode, planned=len(workers[i]))
+        if i in faults:
+            rec["restarts"] = faults[i]
         if proc.returncode not in (0, None) and i not in killed:
-            rec["log_tail"] = (work / f"gpu_warm_{i}.log").read_text(errors="replace").splitlines()[-8:]
+            rec["log_tail"] = _log_tail(work / f"gpu_warm_{i}.log")
         res["workers"].append(rec)
         path.unlink(missing_ok=True)
     (out / "gpu_warm.json").write_text(json.dumps(res, indent=1))
@@ -284,7 +339,9 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         tc = rec.get("triton_compiles") or {}
         log(f"  worker {rec['worker']}: {len(rec['rows'])}/{rec['planned']} rows in {rec.get('seconds', 0):.0f} s "
             f"({len(ran)} ran), exit {rec['returncode']}"
-            + (f"; Triton kernels from the cache {tc['hits']}, compiled {tc['misses']}" if "hits" in tc else ""))
+            + (f"; Triton kernels from the cache {tc['hits']}, compiled {tc['misses']}" if "hits" in tc else "")
+            + "".join(f"; started again after row {f['row']} (exit {f['exit']}: {rec['rows'][f['row']]['competitor']} "
+                      f"{rec['rows'][f['row']]['tag']})" for f in rec.get("restarts", []) if f["row"] < len(rec["rows"])))
         for line in rec.get("log_tail", []):
             log(f"    | {line}")
     log(f"warm-up: {res['seconds']:.0f} s" + (f", workers {killed} stopped at the budget" if killed else "")
@@ -292,5 +349,5 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
     return res
 
 
-if __name__ == "__main__":  # a worker: python -m fastrpe.bench.gpu_warm PLAN.json INDEX
-    sys.exit(run_worker(Path(sys.argv[1]), int(sys.argv[2])))
+if __name__ == "__main__":  # a worker: python -m fastrpe.bench.gpu_warm PLAN.json INDEX [START]
+    sys.exit(run_worker(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0))
