@@ -62,21 +62,23 @@ def _err(a, ref):
     return (a.double() - ref.double()).abs().max().item()
 
 
-@pytest.mark.parametrize("mode", ["bf16x3", "bf16-features"])
+@pytest.mark.parametrize("mode", ["bf16x3", "bf16-features", "tf32x3"])
 @pytest.mark.parametrize("backend,family", TRITON_CASES, ids=[b for b, _ in TRITON_CASES])
 def test_sixteen_bit_products_match_float64_at_4096(backend, family, mode):
-    """The two opt-in 16-bit modes of the Triton backends, whose key-tile gradient kernels once
-    fed `tl.dot` a transposed product rounded to 16 bits, which Triton 3.4-3.7.0 miscompiles on
-    Hopper (`triton_chunked.HOPPER_TRANS_NOTE`: an illegal memory access with bf16x3 on the
-    H100, 2026-11-27; dk/dv far off in fla's case): bf16x3 within LOWP_FACTOR of dense bf16's
-    error, as tf32x3; bf16 features within twice that (their rounding: dq up to 6.1x dense
-    bf16's under the interpreter at L = 1,024, tests/test_triton_lowp.py), a miscompile's
-    error being orders of magnitude beyond either. (Before the float64 checks of the default
-    modes, which earlier sessions passed: `gpu_run.sh first` runs this file for 100 s.)"""
+    """The products of a bf16 call's float32 features, each mode named: bf16x3 (the default
+    since 2026-11-28) and bf16 features, whose key-tile gradient kernels once fed `tl.dot` a
+    transposed product rounded to 16 bits, which Triton 3.4-3.7.0 miscompiles on Hopper
+    (`triton_chunked.HOPPER_TRANS_NOTE`: an illegal memory access with bf16x3 on the H100,
+    2026-11-27; dk/dv far off in fla's case), and tf32x3 (the default before): bf16x3 and tf32x3
+    within LOWP_FACTOR of dense bf16's error; bf16 features within twice that (their rounding:
+    dq up to 6.1x dense bf16's under the interpreter at L = 1,024, tests/test_triton_lowp.py), a
+    miscompile's error being orders of magnitude beyond either. (`gpu_run.sh first` runs this
+    test first, before the default modes' float64 checks.)"""
     from fastrpe import backends_triton as bt
 
-    with bt.use_float32_products("bf16x3") if mode == "bf16x3" else bt.use_lowp_features("bfloat16"):
-        _check_against_float64(backend, family, "nprf", LOWP_FACTOR * (1 if mode == "bf16x3" else 2))
+    setting = bt.use_lowp_features("bfloat16") if mode == "bf16-features" else bt.use_float32_products(mode)
+    with setting:
+        _check_against_float64(backend, family, "nprf", LOWP_FACTOR * (2 if mode == "bf16-features" else 1))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
