@@ -120,7 +120,8 @@ CRITERIA_ROWS = {
 # float32 features multiplied by bf16 halves, 16 significant bits, half of tf32x3's tensor-core
 # passes; stopped by a Triton miscompile on the H100 of 2026-11-27 that the kernels
 # no longer give it (`triton_chunked.HOPPER_TRANS_NOTE`); timed for KERPLE, not counted there:
-# see PRECISION_VARIANTS)
+# see PRECISION_VARIANTS. Since 2026-11-28 bf16x3 is the library's default for 16-bit calls, and
+# the plain rows set tf32x3 themselves: `fastrpe_setup`)
 #: the suffix of fastrpe's rows under `torch.compile`, the backends that have them, and the
 #: compiler (Inductor, as Flex's; the CPU tests trace with "aot_eager", which generates no code)
 COMPILED = "+compiled"
