@@ -66,6 +66,8 @@ MEMORY_FRACTION = 0.125
 #: 2026-11-28 one faulting row (the SoE walk's bf16x3, since fixed) ended four of the six
 #: workers of each warm-up within 15 s, with most of their rows not reached
 RESTART_MIN_S = 20.0
+#: at most this many restarts a worker (a worker that dies at every row is not one bad row)
+MAX_RESTARTS = 3
 
 
 def tuned(name: str) -> bool:
@@ -282,7 +284,8 @@ def warm(cfg: GpuConfig, out: Path, *, which: str = "first", budget_s: float = 1
         rec = json.loads(path.read_text()) if path.exists() else {"worker": i, "rows": []}
         n = len(rec["rows"])  # a lost context's row is recorded; a crash's is not: it is skipped, said so
         nxt = n if rc == CONTEXT_LOST_EXIT else n + 1
-        if nxt >= len(workers[i]) or budget_s - (time.perf_counter() - t0) < RESTART_MIN_S:
+        if nxt >= len(workers[i]) or budget_s - (time.perf_counter() - t0) < RESTART_MIN_S \
+                or len(faults.get(i, [])) >= MAX_RESTARTS:
             return False
         at = n - 1 if rc == CONTEXT_LOST_EXIT and n else n  # the row it stopped at
         faults.setdefault(i, []).append({"row": at, "exit": rc, "log_tail": _log_tail(work / f"gpu_warm_{i}.log")})
