@@ -670,6 +670,9 @@ PRIORITY_LONG_FAMILIES=learned,learned_full,alibi,kerple_log,kerple_power,t5
 # fft/plan.py), its time unknown there (64k: 0.57 s not causal, 1.2 s causal; each call capped
 # at 90 s)
 PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states,fastrpe-triton_soe,fastrpe-fft'
+# the table over all offsets first (not causal: no recursion over blocks, the likelier to finish
+# a call within the 90-s cap; CPU estimate at 1M: 4.8 TFLOP a forward, 18.7 GiB, `plan.estimate_fft_cost`)
+PRIORITY_1M_FAMILIES=learned_full,learned,alibi,kerple_log,kerple_power
 PRIORITY_1M_LENGTHS=1048576
 PRF_ARGS=()
 # the profile (PROFILE_S, 45 s): where the 64k time goes in the rows still short of their
@@ -751,7 +754,8 @@ bench_until() {
 # rows_1m END LOG: the decaying terms' 1M rows (PRIORITY_1M), those a resumed JSON lacks, until
 # END: in `first` after the 4k and 64k priority rows, in `rest` first (if `first` left them)
 rows_1m() {
-    bench_until "$1" "$2" --resume --sections rows --passes 0,1 --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M"
+    bench_until "$1" "$2" --resume --sections rows --passes 0,1 --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M" \
+        --families "$PRIORITY_1M_FAMILIES"
 }
 
 # warm_until END PASS: compile what the bench's PASS (first|rest) runs, one process per Triton
