@@ -719,8 +719,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                   graphed: bool = False, float32_products: str | None = None, far_field: str | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
-    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None, but `auto`'s, which
-    takes the library's default),
+    `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None for a Triton
+    backend; `auto` takes the library's default),
     `state_scan` triton_chunked's `STATE_SCAN` (`+sequential-scan`, `+blocked-scan`; a backward keeps its
     forward's); `compiled`, the call under `torch.compile(fullgraph=True, dynamic=False)`
     (`+compiled`: Flex's treatment; the kernels are custom ops in the graph,
@@ -731,7 +731,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     `graphed`, the eager call replayed from a CUDA graph (`captured`; `+cudagraphs`), up to
     `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
-    if float32_products is None and backend != "auto":
+    if float32_products is None and backend.startswith("triton_"):
         float32_products = "tf32x3"  # (the rows' meaning since before the library's default changed)
 
     def setup(p: Problem, device, dtype):
