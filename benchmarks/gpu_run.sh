@@ -751,7 +751,8 @@ bench_until() {
     done
 }
 
-# rows_1m END LOG: the decaying terms' 1M rows (PRIORITY_1M), those a resumed JSON lacks, until
+# rows_1m END LOG: the 1M rows of the decaying terms and of the learned tables' FFT path
+# (PRIORITY_1M, in PRIORITY_1M_FAMILIES' order), those a resumed JSON lacks, until
 # END: in `first` after the 4k and 64k priority rows, in `rest` first (if `first` left them)
 rows_1m() {
     bench_until "$1" "$2" --resume --sections rows --passes 0,1 --lengths "$PRIORITY_1M_LENGTHS" --only "$PRIORITY_1M" \
@@ -1107,7 +1108,7 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
         keep_log /tmp/fla_warm.log gpu_rest.log "fla's warm-up (fla's processes)" 200
     fi
     # the bench and fla's rows until PACK_S s before the end, then the pack (as in `first`);
-    # first the decaying terms' 1M rows, if `first` left them (the general pass reaches them last)
+    # first the 1M rows (PRIORITY_1M), if `first` left them (the general pass reaches them last)
     pack_s=${PACK_S:-35}
     rest_1m=$(( SECONDS + ${PRIORITY_1M_S:-120} )) rest_end=$(( rest_s - fla_rest - pack_s ))
     rows_1m $(( rest_1m < rest_end ? rest_1m : rest_end )) gpu_rest.log

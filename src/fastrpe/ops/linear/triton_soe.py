@@ -692,8 +692,8 @@ def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: 
     dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
     near = dict(K=0, q_offset=q_offset, LB=length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, NEAR=True, ACCUM=False,
                 SCALED=scaled, **meta)
-    _dq_kernel(meta["MODE"])[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, wq, H, Lq, Lk, F, Dv, N,
-                           NS=NS, **near)
+    _dq_kernel(meta["MODE"])[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, wq, H, Lq, Lk, F,
+                                          Dv, N, NS=NS, **near)
     _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lgk, wq, wq, dk, dv, dv, H, Lq, Lk, F,
                                     Dv, N, DV_BF16=False, LAST=True, **near)
     dwq = _walk.far_backward(phi_q, phi_k, v, wq, lgk, dnum, inv, dden, dq, dk, dv, q_offset, T, NB, meta, scaled,
