@@ -254,7 +254,7 @@ def prf_sweep_launches(L: int = 65536) -> None:
         choices = tp.parse_launch(spec)._asdict()
         for is_query in (True, False):
             tp.prf_forward_launch(x, w, shift, phi, kern, is_query, **choices)
-            tp.prf_backward_launch(x, w, phi, dphi, dx, kern, is_query, **choices)
+            tp.prf_backward_launch(x, w, shift, dphi, dx, kern, is_query, **choices)
 
 
 def record(out: Path, families, lengths, decode: bool, prf: bool, log=print, only=()) -> dict:

@@ -15,11 +15,13 @@ against the library's launch (the default choice) first.
     python benchmarks/prf_sweep.py --device cpu --lengths 40 --configs 16:4:ieee  # interpreter
     python benchmarks/prf_sweep.py --choose runs/gpu/prf_sweep.json   # the config to adopt, or nothing
 
-`choose` adopts the fastest config whose four launches (q and k maps, forward and backward)
-take at most ADOPT_SHARE of the library's, with results within ADOPT_RTOL of the library's
-launch. benchmarks/gpu_run.sh sets FASTRPE_PRF_LAUNCH to it (`triton_prf` reads it when
-imported) for the bench rows it times after the sweep; the rows' run records the choice
-(gpu.json's `envs`, `prf_launch`). Making it the default is then a one-line change in triton_prf.
+`choose` takes, for each pass, the fastest config whose q and k maps' results are within
+ADOPT_RTOL of the library's launch's, and adopts the pair ("FWD" or "FWD/BWD") where its four
+launches take at most ADOPT_SHARE of the library's. A query map's backward is fed the dφ an
+attention call gives it (`attention_like_query_grad`). benchmarks/gpu_run.sh sets
+FASTRPE_PRF_LAUNCH to it (`triton_prf` reads it when imported) for the bench rows it times
+after the sweep; the rows' run records the choice (gpu.json's `envs`, `prf_launch`). Making
+it the default is then a one-line change in triton_prf.
 """
 from __future__ import annotations
 
@@ -40,16 +42,17 @@ from fastrpe.bench.runner import _time as time_call
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked as tc
 
-#: BR:num_warps:precision[:tiles], each tried in turn (the first is the library's own choice,
-#: triton_prf's BLOCK_ROWS, NUM_WARPS, PRECISION and TILES). tf32x3 shapes since it won on the
-#: H100 (2026-11-27: the four launches 0.75 ms against ieee's 1.71), 64:4:ieee as the control: 32
-#: rows halve tf32x3's 48 KiB of shared memory, which holds the forward to 4 programs per SM
-#: (docs/RESULTS.md, "The PRF maps per row"). Since 2026-11-28 programs that walk 4 or 8 row
-#: tiles each (`triton_prf.TILES`, their loads pipelined): at one tile a program the maps moved
-#: about a third of the H100's bandwidth
-CONFIGS = tuple(dict.fromkeys((tp.launch_choice(), "64:4:tf32x3:4", "64:4:tf32x3:8", "32:4:tf32x3:8",
-                                "64:4:bf16x3", "64:4:bf16x3:4", "32:4:tf32x3", "64:8:tf32x3", "64:4:ieee")))
-
+#: BR:num_warps:precision[:tiles], each tried in turn (the first are the library's own choices,
+#: triton_prf's forward and backward launches). tf32x3 shapes since it won on the H100
+#: (2026-11-27: the four launches 0.75 ms against ieee's 1.71). The seventh H100 session
+#: (2026-11-28) found row tiles no faster (":4" 0.983 ms, ":8" 0.988, against 0.925) and bf16x3
+#: faster (0.771); since, each pass has its own pick (`choose`), and the shapes tried are those
+#: that hold more rows or warps an SM (registers and shared memory per program, ptxas for sm_90:
+#: benchmarks/prf_ptxas.py, results/prf_ptxas-sm90.json): the backward's 64 rows and 4 warps
+#: hold 2 programs an SM in tf32x3, 3 in bf16x3; 16 rows and 4 warps 6; 32 rows and 8 warps 3
+CONFIGS = tuple(dict.fromkeys((tp.forward_launch().spec(), tp.backward_launch().spec(), "64:4:bf16x3", "16:4:bf16x3",
+                                "32:8:bf16x3", "64:8:bf16x3", "128:8:bf16x3", "16:2:bf16x3", "32:4:tf32x3",
+                                "64:4:bf16x3:4")))
 
 def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, launch):
     """The library's launch (`triton_prf.prf_forward_launch` / `prf_backward_launch`) with
@@ -70,10 +73,23 @@ def _time(fn, device, repeats: int) -> float:
     return time_call(fn, device, repeats, warmup=1, cpu_peak=False)[0]
 
 
+def attention_like_query_grad(dphi: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """dφ less, in each row, its part along φ: what a query map receives from normalized
+    attention, whose output `φ(q)·S / φ(q)·z` does not change when a row of φ(q) is scaled, so
+    that `Σ_f dφ·φ = 0` in every row (to round-off: 3e-15 in float64, ALiBi and KERPLE-log,
+    the dense backend). Fed a random dφ instead, the query map's backward sends the row's
+    `Σ dφ·φ` to the feature of its largest exponent, and two precisions that pick different
+    features in a near tie differ by that much times the gap of their projections: 0.30 of
+    0.98 for bf16x3 on the H100 (2026-11-28, h100-2026-11-28-profile.json), a difference no
+    attention call can see."""
+    return dphi - phi * ((dphi * phi).sum(-1, keepdim=True) / (phi * phi).sum(-1, keepdim=True).clamp_min(1e-30))
+
+
 def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, D: int = 64, features: int = 32,
           dtype=torch.bfloat16, log=print) -> list[dict]:
     """One row per (config, map: query or key, direction), seconds per launch and the largest
-    difference from the first config's result."""
+    difference from the first config's result (a query's backward fed
+    `attention_like_query_grad`)."""
     kern = kernels.get_kernel("nprf", head_dim=D, num_features=features)
     kern = kern.to(device) if isinstance(kern, torch.nn.Module) else kern
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -82,7 +98,7 @@ def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, 
     shift = kern.key_log_shift().to(device=device, dtype=torch.float32).reshape(-1)
     F = kern.num_features(D)
     dphi = torch.randn(1, H, L, F, generator=g).to(device)
-    rows, ref = [], {}
+    rows, ref, dphi_q = [], {}, {}
     for spec in configs:
         launch = tp.parse_launch(spec)
         for is_query in (True, False):
@@ -93,9 +109,12 @@ def sweep(device: torch.device, L: int, configs, repeats: int = 20, H: int = 8, 
                     phi_in = ref[(is_query, "fwd")]
                 else:
                     phi_in = phi
+                g = dphi
+                if is_query and which == "bwd":
+                    g = dphi_q.setdefault("g", attention_like_query_grad(dphi, ref[(True, "fwd")]))
 
-                def call(which=which, phi_in=phi_in, dx=dx, is_query=is_query, launch=launch):
-                    _launch(which, x, w, shift, phi_in, dphi, dx, kern, is_query, launch)
+                def call(which=which, phi_in=phi_in, g=g, dx=dx, is_query=is_query, launch=launch):
+                    _launch(which, x, w, shift, phi_in, g, dx, kern, is_query, launch)
                 row = {"config": spec, "BR": launch.block_rows, "num_warps": launch.num_warps,
                        "precision": launch.precision, "tiles": launch.tiles,
                        "map": "query" if is_query else "key", "pass": which}
@@ -124,30 +143,51 @@ ADOPT_RTOL = {"fwd": 1e-4, "bwd": 2.0 ** -7}
 ADOPT_SHARE = 0.95
 
 
-def choose(rows: list[dict], L: int) -> tuple[str | None, dict]:
-    """`(config to adopt or None, totals)`: the fastest config at length L over the four
-    launches, if every one of its results is within `ADOPT_RTOL` of the first config's (the
-    library's) and its total is at most `ADOPT_SHARE` of the first's; totals in seconds."""
+def library(configs) -> list[str]:
+    """`[forward, backward]`: the library's launches where `configs` has both, else its first
+    config for both (what `choose` compares against)."""
+    lib = [tp.forward_launch().spec(), tp.backward_launch().spec()]
+    return lib if all(c in configs for c in lib) else [configs[0], configs[0]]
+
+
+def choose(rows: list[dict], L: int, library: tuple[str, str] | None = None) -> tuple[str | None, dict]:
+    """`(launch to adopt or None, totals)` at length L: for each pass (forward, backward) the
+    config whose two launches (q's and k's maps) take least time among those whose results are
+    within `ADOPT_RTOL` of the library's launch's (and whose four launches all ran); adopted as "FWD" (one config for both) or
+    "FWD/BWD" (`triton_prf.parse_launches`) when the four launches take at most `ADOPT_SHARE`
+    of the library's (`library`: its forward and backward configs, default the rows' first).
+    `totals`: each config's four launches, seconds."""
     at = [r for r in rows if r.get("L", L) == L]
     if not at:
         return None, {}
-    first = at[0]["config"]
+    lib = library or (at[0]["config"], at[0]["config"])
     by: dict[str, list[dict]] = {}
     for r in at:
         by.setdefault(r["config"], []).append(r)
-    totals = {c: sum(r["seconds"] for r in rs) for c, rs in by.items()
-              if len(rs) == 4 and all("seconds" in r and "error" not in r for r in rs)}
+
+    def timed(rs):
+        return all("seconds" in r and "error" not in r for r in rs)
 
     def close(r):
         return ("max_abs_diff" in r
                 and r["max_abs_diff"] <= ADOPT_RTOL[r["pass"]] * max(r.get("ref_max_abs", 0.0), 1e-30))
 
-    ok = {c: t for c, t in totals.items() if all(close(r) for r in by[c])}
-    if first not in totals or not ok:
+    totals = {c: sum(r["seconds"] for r in rs) for c, rs in by.items() if len(rs) == 4 and timed(rs)}
+    per: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}  # pass -> config -> its two launches
+    for c, rs in by.items():
+        if c not in totals:  # a config with a launch that failed is taken for neither pass
+            continue
+        for w in per:
+            two = [r for r in rs if r["pass"] == w]
+            if len(two) == 2 and timed(two) and all(close(r) for r in two):
+                per[w][c] = sum(r["seconds"] for r in two)
+    if lib[0] not in per["fwd"] or lib[1] not in per["bwd"]:
         return None, totals
-    best = min(ok, key=ok.get)
-    return (best if best != first and ok[best] <= ADOPT_SHARE * totals[first] else None), totals
-
+    best = {w: min(per[w], key=per[w].get) for w in per}
+    now = per["fwd"][lib[0]] + per["bwd"][lib[1]]
+    if (best["fwd"], best["bwd"]) == lib or per["fwd"][best["fwd"]] + per["bwd"][best["bwd"]] > ADOPT_SHARE * now:
+        return None, totals
+    return best["fwd"] + ("" if best["bwd"] == best["fwd"] else "/" + best["bwd"]), totals
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -165,9 +205,10 @@ def main(argv=None) -> int:
     if args.choose:
         res = json.loads(Path(args.choose).read_text())
         Ls = sorted({r["L"] for r in res.get("rows", [])})
-        pick, _ = choose(res.get("rows", []), Ls[-1]) if Ls else (None, {})
+        lib = res.get("library")
+        pick, _ = choose(res.get("rows", []), Ls[-1], tuple(lib) if lib else None) if Ls else (None, {})
         try:  # what triton_prf would refuse when imported is not offered
-            tp.parse_launch(pick or "")
+            tp.parse_launches(pick or "")
         except Exception:  # noqa: BLE001 - nothing to adopt
             pick = None
         print(pick or "")
@@ -194,14 +235,14 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.machine()}), "
                      "Triton interpreter: not a timing", "torch": torch.__version__,
            "command": "python benchmarks/prf_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "rows": []}
+           "library": library(configs), "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for L in (int(s) for s in args.lengths.split(",")):
         res["rows"] += [{"L": L, **r} for r in sweep(dev, L, configs, args.repeats)]
         out.write_text(json.dumps(res, indent=1))
     for L in sorted({r["L"] for r in res["rows"]}):
-        pick, tot = choose(res["rows"], L)
+        pick, tot = choose(res["rows"], L, tuple(res["library"]))
         if not tot:
             continue
         best = min(tot, key=tot.get)

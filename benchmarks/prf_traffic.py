@@ -3,7 +3,8 @@
 B·H = 8), forward and backward of q's and k's maps. Counted on CPU: every aten op the PyTorch
 map dispatches (a `TorchDispatchMode`) adds the bytes of its tensor inputs and outputs (views
 and ops that launch nothing are left out); the Triton kernels' bytes are what they read and
-write (x, w, φ forward; x, w, φ, dφ, dx backward). Time at the H100's HBM3 peak (3.35 TB/s) is
+write (x, w, φ forward; x, w, dφ, dx backward: since 2026-11-28, third session, the backward
+computes φ again from x instead of reading the forward's). Time at the H100's HBM3 peak (3.35 TB/s) is
 a lower bound for each, as if every op ran at full bandwidth; per-op launch overhead comes on
 top (launch counts in the JSON).
 
@@ -60,7 +61,7 @@ def pytorch_bytes(L: int, H: int, D: int, F: int) -> dict:
 def triton_bytes(L: int, H: int, D: int, F: int) -> dict:
     rows, x, phi, w = H * L, 2 * D, 4 * F, 4 * F * D
     one = {"forward_bytes": rows * (x + phi) + w, "forward_launches": 1,
-           "backward_bytes": rows * (x + 2 * phi + x) + w, "backward_launches": 1}  # x, φ, dφ in; dx out
+           "backward_bytes": rows * (x + phi + x) + w, "backward_launches": 1}  # x, dφ in; dx out
     return {"q": dict(one), "k": dict(one)}
 
 

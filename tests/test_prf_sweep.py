@@ -65,3 +65,48 @@ def test_choose_adopts_a_clearly_faster_config_that_agrees(tmp_path, capsys):
     assert mod.main(["--choose", str(f)]) == 0 and capsys.readouterr().out.strip() == "128:8:ieee"
     f.write_text(json.dumps({"rows": _rows({lib: 1.0})}))
     assert mod.main(["--choose", str(f)]) == 0 and capsys.readouterr().out.strip() == ""
+
+
+def _pass_rows(times: dict, L: int = 65536) -> list[dict]:
+    """Rows for configs timed `times[config] = (forward, backward)` seconds per launch."""
+    return [{"L": L, "config": c, "map": m, "pass": w, "seconds": t[w == "bwd"], "max_abs_diff": 0.0,
+             "ref_max_abs": 1.0} for c, t in times.items() for m in ("query", "key") for w in ("fwd", "bwd")]
+
+
+def test_choose_takes_each_pass_fastest_and_the_library_pair(tmp_path, capsys):
+    """Each pass has its own pick ("FWD/BWD" where they differ, as triton_prf parses it), the
+    library's own pair is what is compared against, and a pair no faster than it stays."""
+    mod = _sweep()
+    lib = "64:4:tf32x3"
+    times = {lib: (1.0, 2.0), "64:4:bf16x3": (0.5, 1.9), "16:4:bf16x3": (0.9, 1.0)}
+    assert mod.choose(_pass_rows(times), 65536)[0] == "64:4:bf16x3/16:4:bf16x3"
+    assert mod.tp.parse_launches("64:4:bf16x3/16:4:bf16x3")[1] == (16, 4, "bf16x3", 1)
+    # one config fastest both ways: no "/"
+    assert mod.choose(_pass_rows({lib: (1.0, 2.0), "64:4:bf16x3": (0.5, 1.0)}), 65536)[0] == "64:4:bf16x3"
+    # the library runs 16:4:bf16x3 backward already: the pick adds the forward's
+    assert mod.choose(_pass_rows(times), 65536, (lib, "16:4:bf16x3"))[0] == "64:4:bf16x3/16:4:bf16x3"
+    # ... and the library already runs the fastest pair: nothing
+    assert mod.choose(_pass_rows(times), 65536, ("64:4:bf16x3", "16:4:bf16x3"))[0] is None
+    # a backward that disagrees with the library's is not taken, the forward still is
+    rows = _pass_rows(times)
+    for r in rows:
+        if r["config"] == "16:4:bf16x3" and r["pass"] == "bwd":
+            r["max_abs_diff"] = 0.5
+    assert mod.choose(rows, 65536)[0] == "64:4:bf16x3"
+    f = tmp_path / "sweep.json"
+    f.write_text(json.dumps({"library": ["64:4:bf16x3", "16:4:bf16x3"], "rows": _pass_rows(times)}))
+    assert mod.main(["--choose", str(f)]) == 0 and capsys.readouterr().out.strip() == ""
+
+
+def test_the_query_maps_backward_is_fed_an_attention_like_gradient():
+    """What normalized attention gives a query map: each row of dφ orthogonal to its φ (the
+    output does not change when a row of φ(q) is scaled), so the stabilizer's share is
+    round-off and a near tie at the row's maximum cannot move dx."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    phi, dphi = torch.rand(3, 40, 8, generator=g) + 0.1, torch.randn(3, 40, 8, generator=g)
+    out = _sweep().attention_like_query_grad(dphi, phi)
+    assert (out * phi).sum(-1).abs().max() < 1e-5 * (dphi * phi).sum(-1).abs().max()
+    # nothing else moves: the part orthogonal to φ is dφ's own
+    assert torch.allclose(out - dphi, phi * ((out - dphi) / phi)[..., :1], atol=1e-6)

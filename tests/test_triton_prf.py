@@ -79,7 +79,7 @@ def test_programs_walking_several_row_tiles_give_the_one_tile_results(monkeypatc
             phi = torch.empty(B, H, L, F, device=DEV)
             dx = torch.empty(B, H, L, D, device=DEV)
             triton_prf.prf_forward_launch(x, w, shift, phi, kern, is_query, block_rows=16, tiles=t)
-            triton_prf.prf_backward_launch(x, w, phi, dphi, dx, kern, is_query, block_rows=16, tiles=t)
+            triton_prf.prf_backward_launch(x, w, shift, dphi, dx, kern, is_query, block_rows=16, tiles=t)
             out.append((phi, dx))
         assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
@@ -206,6 +206,40 @@ def test_launch_choices_from_the_environment_and_bad_ones_in_one_line():
                               check=False)
 
     assert launch(FASTRPE_PRF_LAUNCH="32:2:tf32x3:4").stdout.strip() == "32:2:tf32x3:4"
+    assert launch(FASTRPE_PRF_LAUNCH="64:4:bf16x3/16:4:bf16x3").stdout.strip() == "64:4:bf16x3/16:4:bf16x3"
+    assert launch(FASTRPE_PRF_LAUNCH="64:4:bf16x3/64:4:bf16x3").stdout.strip() == "64:4:bf16x3"  # one for both
     assert launch(FASTRPE_PRF_LAUNCH="").stdout.strip() == "64:4:tf32x3"  # empty: the defaults
-    out = launch(FASTRPE_PRF_LAUNCH="64:4:fast")
-    assert out.returncode != 0 and "FASTRPE_PRF_LAUNCH: expected" in out.stderr.strip().splitlines()[-1]
+    for bad in ("64:4:fast", "64:4:ieee/16:4:fast", "64:4:ieee/"):
+        out = launch(FASTRPE_PRF_LAUNCH=bad)
+        assert out.returncode != 0 and "FASTRPE_PRF_LAUNCH: expected" in out.stderr.strip().splitlines()[-1]
+
+
+def test_the_backward_under_its_own_launch_choices(monkeypatch):
+    """`BWD_LAUNCH` (the sweep's "FWD/BWD"): the backward computes φ again under other choices
+    than the forward's (another row tile, another precision of the projection), and its dx
+    still matches the float64 map's, queries and keys, across the row tiles' edges (L = 70);
+    the choices in force at the forward are the ones its backward takes."""
+    B, H, D, M, L = 1, 2, 10, 6, 70
+    kern = PRF(D, M, seed=1, normalize=True).to(DEV)
+    g = torch.Generator().manual_seed(11)
+    seen = []
+    real = triton_prf.prf_backward_launch
+
+    def spy(*a, **kw):
+        seen.append((kw["block_rows"], kw["num_warps"], kw["precision"], kw["tiles"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(triton_prf, "prf_backward_launch", spy)
+    monkeypatch.setattr(triton_prf, "BLOCK_ROWS", 64)
+    monkeypatch.setattr(triton_prf, "BWD_LAUNCH", triton_prf.Launch(16, 4, "ieee"))
+    for is_query in (True, False):
+        x = torch.randn(B, H, L, D, generator=g).to(DEV).requires_grad_(True)
+        dphi = torch.randn(B, H, L, kern.num_features(D), generator=g).to(DEV)
+        phi = prf_features_triton(x, kern, is_query)
+        monkeypatch.setattr(triton_prf, "BWD_LAUNCH", None)  # after the forward: not what its backward takes
+        phi.backward(dphi)
+        monkeypatch.setattr(triton_prf, "BWD_LAUNCH", triton_prf.Launch(16, 4, "ieee"))
+        ref, ref_dx = _reference(kern, x, is_query, dphi)
+        torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-4, atol=1e-6)
+    assert seen == [(16, 4, "ieee", 1)] * 2
+    assert triton_prf.launch_choice() == f"64:{triton_prf.NUM_WARPS}:{triton_prf.PRECISION}/16:4:ieee"

@@ -10,11 +10,13 @@ Why: PyTorch runs q's and k's maps, forward and backward, as 70 launches, most o
 elementwise over float32 `[B, H, L, D]` tensors. For the GPU bench's maps (NPRF, bf16,
 B·H = 8, D = 64, 32 features) at 65,536 tokens they move 11.0 GiB: at least 3.5 ms at an
 H100's peak bandwidth, more than fla's whole geometric-decay step (3.3 ms, issue 12's table).
-These kernels move 0.75 GiB in 4 launches, at least 0.24 ms
-(`benchmarks/prf_traffic.py`, counted on CPU; `benchmarks/results/prf_traffic.json`).
+These kernels move 0.63 GiB in 4 launches, at least 0.20 ms
+(`benchmarks/prf_traffic.py`, counted on CPU; `benchmarks/results/prf_traffic.json`; 0.75 GiB
+until their backward computed φ again from x instead of reading the forward's, 2026-11-28).
 
-Backward: `de = dφ·φ`; a query's subtracted maximum sends `−Σde` to its maximal entries,
-split evenly among ties (the entries are found again from e₀ computed as the forward did);
+Backward: `de = dφ·φ`, φ computed again from x as the forward did; a query's subtracted
+maximum sends `−Σde` to its maximal entries, split evenly among ties (the entries are found
+again from e₀ computed as the forward did);
 `dxs = dwx·w − xs·Σde₀`, `dwx = de₊ − de₋` (two-sided); through `xs = s·x̂` and the
 normalization `dx = (dx̂ − x̂(x̂·dx̂))/‖x‖` (`dx̂/1e-12` below the clamp: no radial part).
 
@@ -109,7 +111,8 @@ if HAS_TRITON:
             tl.store(out + M, tl.exp(e2 - c) * inv_sqrt_f, mask=keep)
 
     @triton.jit
-    def _prf_bwd_kernel(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, scale,
+    def _prf_bwd_kernel(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
+                        inv_sqrt_f,
                         BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
                         QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr,
                         TILES: tl.constexpr = 1):
@@ -118,50 +121,72 @@ if HAS_TRITON:
         as the GPU rounds), as `_prf_fwd_kernel` walks them."""
         bh = tl.program_id(1).to(tl.int64)
         for t in tl.range(0, TILES):
-            _prf_bwd_tile(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, bh, (tl.program_id(0) * TILES + t) * BR, H, L, D,
-                          M, F, sxb, sxh, sxl, swh, scale, BR, BD, BM, NORMALIZE, QUERY, TWO_SIDED, MODE, DX_BF16)
+            _prf_bwd_tile(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, bh, (tl.program_id(0) * TILES + t) * BR, H, L, D,
+                          M, F, sxb, sxh, sxl, swh, s_shift, scale, inv_sqrt_f, BR, BD, BM, NORMALIZE, QUERY,
+                          TWO_SIDED, MODE, DX_BF16)
 
     @triton.jit
-    def _prf_bwd_tile(x_ptr, w_ptr, phi_ptr, dphi_ptr, dx_ptr, bh, r0, H, L, D, M, F, sxb, sxh, sxl, swh, scale,
-                      BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
-                      QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr):
-        """`_prf_bwd_kernel`'s tile of BR positions from r0."""
-        r, ok, xh, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale, BR, BD,
-                                                BM, NORMALIZE, MODE)
+    def _prf_bwd_tile(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, bh, r0, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift,
+                      scale, inv_sqrt_f, BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                      NORMALIZE: tl.constexpr, QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr,
+                      DX_BF16: tl.constexpr):
+        """`_prf_bwd_kernel`'s tile of BR positions from r0. φ is computed again from x, as the
+        forward computed it (the same `_prf_rows`, the same operations in the same order), not
+        read: the forward's float32 φ would be half of the launch's bytes besides dφ."""
+        r, ok, _, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale, BR, BD,
+                                               BM, NORMALIZE, MODE)
         m, d = tl.arange(0, BM), tl.arange(0, BD)
         live = (m < M)[None, :]
         keep = ok[:, None] & live
+        e1 = wx - half[:, None]
+        e2 = -wx - half[:, None]
+        if QUERY:  # its own largest exponent, over both halves, as the forward found it
+            c = tl.max(tl.where(live, e1, float("-inf")), 1)
+            if TWO_SIDED:
+                c = tl.maximum(c, tl.max(tl.where(live, e2, float("-inf")), 1))
+            c = c[:, None]
+        else:
+            c = tl.load(shift_ptr + (bh % H) * s_shift)
         at = (bh * L + r)[:, None] * F + m[None, :]
-        de1 = tl.load(dphi_ptr + at, mask=keep, other=0.0) * tl.load(phi_ptr + at, mask=keep, other=0.0)
+        de1 = tl.load(dphi_ptr + at, mask=keep, other=0.0) * (tl.exp(e1 - c) * inv_sqrt_f)
         de2 = tl.zeros_like(de1)
         if TWO_SIDED:
-            de2 = tl.load(dphi_ptr + at + M, mask=keep, other=0.0) * tl.load(phi_ptr + at + M, mask=keep, other=0.0)
+            de2 = tl.load(dphi_ptr + at + M, mask=keep, other=0.0) * (tl.exp(e2 - c) * inv_sqrt_f)
         if QUERY:  # the maximum's share, at the entries the forward's maximum found
-            e1 = tl.where(live, wx - half[:, None], float("-inf"))
-            e2 = tl.where(live, -wx - half[:, None], float("-inf"))
-            c = tl.max(e1, 1)
-            if TWO_SIDED:
-                c = tl.maximum(c, tl.max(e2, 1))
-            top1 = (e1 == c[:, None]).to(tl.float32)
+            top1 = (live & (e1 == c)).to(tl.float32)
             top2 = tl.zeros_like(top1)
             if TWO_SIDED:
-                top2 = (e2 == c[:, None]).to(tl.float32)
+                top2 = (live & (e2 == c)).to(tl.float32)
             share = (tl.sum(de1, 1) + tl.sum(de2, 1)) / (tl.sum(top1, 1) + tl.sum(top2, 1))
             de1 = de1 - top1 * share[:, None]
             de2 = de2 - top2 * share[:, None]
         sde = tl.sum(de1, 1) + tl.sum(de2, 1)
         dwx = de1 - de2  # de2 = 0 one-sided
-        dx = _dot(dwx, w, tl.float32, tl.float32, MODE) * scale - (scale * scale) * xh * sde[:, None]  # (BR, BD)
+        # dx = s·(dwx·w) − s²·x̂·Σde, less its radial part x̂(x̂·dx) where normalized: with
+        # x̂·(dwx·w) = Σ_m dwx·wx / s, x̂·dx = Σ_m dwx·wx − s²·Σde·‖x̂‖² (‖x̂‖² = 2·half/s²). So each row's
+        # coefficient of x̂ comes from [BR, BM] tiles, and x̂, read again below, is not held
+        # across the product (ptxas, sm_90, 64 rows, 4 warps: 193 registers a thread where 210
+        # held it, tf32x3; bf16x3 163 where 173, 3 programs an SM instead of 2)
+        coef = (scale * scale) * sde
         if NORMALIZE:  # the radial part goes, unless ‖x‖ was clamped
-            radial = tl.where(nrm > 1e-12, tl.sum(xh * dx, 1), 0.0)
-            dx = (dx - xh * radial[:, None]) * (1.0 / nrm)[:, None]
+            coef = coef + tl.where(nrm > 1e-12, tl.sum(dwx * wx, 1) - coef * (2.0 * half / (scale * scale)), 0.0)
+        dx = _dot(dwx, w, tl.float32, tl.float32, MODE) * scale
+        b, h = bh // H, bh % H
+        xt = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                     other=0.0).to(tl.float32)
+        if NORMALIZE:
+            xt = xt * (1.0 / nrm)[:, None]
+            dx = (dx - xt * coef[:, None]) * (1.0 / nrm)[:, None]
+        else:
+            dx = dx - xt * coef[:, None]
         _store_tile(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx, ok[:, None] & (d < D)[None, :], DX_BF16)
 
 
 #: positions per program (a power of two >= 16, `tl.dot`'s least), warps per program and the
 #: projection's product precision (`triton_chunked.PRECISIONS`): the launch choices
 #: benchmarks/prf_sweep.py times against each other (its first config is this one).
-#: `$FASTRPE_PRF_LAUNCH` ("BR:num_warps:precision[:tiles]", read when this module is imported)
+#: `$FASTRPE_PRF_LAUNCH` ("BR:num_warps:precision[:tiles]", read when this module is imported;
+#: "FWD/BWD": the backward's own after "/", `BWD_LAUNCH`)
 #: sets them (and `TILES`): the GPU bench's script sets it to the sweep's fastest choice for the rows it
 #: times after the sweep, so that one GPU session can both find a better launch and measure it.
 #: "tf32x3" since the sweep on the H100 of 2026-11-27 (second session,
@@ -175,7 +200,9 @@ NUM_WARPS = 4
 PRECISION = "tf32x3"
 #: row tiles a program walks in turn (1: one; more: fewer programs, whose loop's loads Triton
 #: pipelines; at most as many as leave `MIN_PROGRAMS` programs, so that short calls keep the
-#: SMs busy): a launch choice the sweep times since 2026-11-28, not yet on a GPU. At one tile a
+#: SMs busy): a launch choice the sweep times since 2026-11-28; on the H100 that day (seventh
+#: session, h100-2026-11-28-profile.json) 4 and 8 tiles took 0.983 and 0.988 ms for the four
+#: launches against one tile's 0.925, so it stays 1. At one tile a
 #: program the maps moved a third of the H100's bandwidth (a forward launch 0.12 ms for its
 #: 128 MiB, tf32x3; h100-2026-11-27b-profile.json): each program loads its tile and waits, and
 #: its 48 KiB of shared memory (sm_90, 4 warps, tf32x3; 92 registers) leave 4 programs an SM.
@@ -184,6 +211,14 @@ PRECISION = "tf32x3"
 #: results/prf_ptxas-sm90.json)
 TILES = 1
 MIN_PROGRAMS = 1024
+#: the backward's own launch choices (a `Launch`), or None: the forward's. The backward holds
+#: more per row than the forward (dφ, e₀, dx: ptxas, sm_90, 64 rows, 4 warps, bf16x3: 63
+#: registers a thread forward, about 170 backward; benchmarks/prf_ptxas.py), so its best shape
+#: need not be the forward's: the sweep times each pass's choices and may pick two
+#: (`$FASTRPE_PRF_LAUNCH` "FWD/BWD"). It computes φ again under its own choices, which may
+#: differ from the forward's φ in the last bits (another tiling or precision of the projection):
+#: the gradient's error is then that of φ's own round-off, far below dx's bf16 rounding
+BWD_LAUNCH = None
 
 
 class Launch(NamedTuple):
@@ -194,6 +229,10 @@ class Launch(NamedTuple):
     precision: str
     tiles: int = 1
 
+    def spec(self) -> str:
+        """"BR:num_warps:precision", ":tiles" after it where not 1 (`parse_launch`'s input)."""
+        return f"{self.block_rows}:{self.num_warps}:{self.precision}" + (f":{self.tiles}" if self.tiles != 1 else "")
+
 
 def parse_launch(spec: str, what: str = "FASTRPE_PRF_LAUNCH") -> Launch:
     """The `Launch` of "BR:num_warps:precision" or "BR:num_warps:precision:tiles" (prf_sweep's
@@ -201,23 +240,43 @@ def parse_launch(spec: str, what: str = "FASTRPE_PRF_LAUNCH") -> Launch:
     from .linear.triton_chunked import PRECISIONS
 
     parts = spec.split(":")
-    pow2 = (lambda x: x.isdecimal() and x.isascii() and int(x) > 0 and int(x) & (int(x) - 1) == 0)
+
+    def pow2(x: str) -> bool:
+        return x.isdecimal() and x.isascii() and int(x) > 0 and int(x) & (int(x) - 1) == 0
+
     if (len(parts) not in (3, 4) or not pow2(parts[0]) or int(parts[0]) < 16 or not pow2(parts[1])
             or int(parts[1]) > 32 or parts[2] not in PRECISIONS or (len(parts) == 4 and not pow2(parts[3]))):
         raise FastRPEError(f"{what}: expected BR:num_warps:precision[:tiles] (BR a power of two >= 16, num_warps a "
                            f"power of two <= 32, precision one of {', '.join(PRECISIONS)}, tiles a power of two), "
-                           f"got {spec!r}")
+                           f"optionally a second one after '/' for the backward, got {spec!r}")
     return Launch(int(parts[0]), int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 1)
 
 
+def parse_launches(spec: str, what: str = "FASTRPE_PRF_LAUNCH") -> tuple[Launch, Launch | None]:
+    """`(forward, backward or None)` of "FWD" or "FWD/BWD", each as `parse_launch` reads it."""
+    fwd, sep, bwd = spec.partition("/")
+    return parse_launch(fwd, what), (parse_launch(bwd, what) if sep else None)
+
+
 if os.environ.get("FASTRPE_PRF_LAUNCH"):
-    BLOCK_ROWS, NUM_WARPS, PRECISION, TILES = parse_launch(os.environ["FASTRPE_PRF_LAUNCH"])
+    (BLOCK_ROWS, NUM_WARPS, PRECISION, TILES), BWD_LAUNCH = parse_launches(os.environ["FASTRPE_PRF_LAUNCH"])
+
+
+def forward_launch() -> Launch:
+    """The forward's launch choices in force (`BLOCK_ROWS`, `NUM_WARPS`, `PRECISION`, `TILES`)."""
+    return Launch(BLOCK_ROWS, NUM_WARPS, PRECISION, TILES)
+
+
+def backward_launch() -> Launch:
+    """The backward's: `BWD_LAUNCH`, or the forward's where it is None."""
+    return BWD_LAUNCH or forward_launch()
 
 
 def launch_choice() -> str:
     """The launch choices in force, as "BR:num_warps:precision" (":tiles" after it where TILES
-    is not 1; the GPU bench records it)."""
-    return f"{BLOCK_ROWS}:{NUM_WARPS}:{PRECISION}" + (f":{TILES}" if TILES != 1 else "")
+    is not 1; "/" and the backward's where it has its own; the GPU bench records it)."""
+    fwd, bwd = forward_launch(), backward_launch()
+    return fwd.spec() + ("" if bwd == fwd else "/" + bwd.spec())
 
 
 def _launch_args(x: Tensor, w: Tensor, block_rows: int | None, num_warps: int | None, precision: str | None,
@@ -248,43 +307,47 @@ def prf_forward_launch(x: Tensor, w: Tensor, shift: Tensor, phi: Tensor, kern, i
                           **meta)
 
 
-def prf_backward_launch(x: Tensor, w: Tensor, phi: Tensor, dphi: Tensor, dx: Tensor, kern, is_query: bool, *,
+def prf_backward_launch(x: Tensor, w: Tensor, shift: Tensor, dphi: Tensor, dx: Tensor, kern, is_query: bool, *,
                         block_rows: int | None = None, num_warps: int | None = None,
                         precision: str | None = None, tiles: int | None = None) -> None:
-    """dx (`[B, H, L, D]` contiguous, x's dtype) from `dphi` by one `_prf_bwd_kernel` launch;
-    the launch choices as `prf_forward_launch`'s."""
+    """dx (`[B, H, L, D]` contiguous, x's dtype) from `dphi` by one `_prf_bwd_kernel` launch,
+    φ computed again from x (the forward's shift, the same launch choices: the same φ); the
+    launch choices as `prf_forward_launch`'s."""
     grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision, tiles)
     bf16 = dx.dtype == torch.bfloat16
-    _prf_bwd_kernel[grid](x, w, phi, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
-                          *dims, phi.shape[-1], *strides, float(kern.input_scale), NORMALIZE=kern.normalize,
-                          QUERY=bool(is_query), TWO_SIDED=kern.two_sided, DX_BF16=bf16, **meta)
+    F = dphi.shape[-1]
+    _prf_bwd_kernel[grid](x, w, shift, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
+                          *dims, F, *strides, int(shift.numel() > 1), float(kern.input_scale), F ** -0.5,
+                          NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided, DX_BF16=bf16,
+                          **meta)
 
 
 class _PRFTriton(torch.autograd.Function):
     """`φ` by `_prf_fwd_kernel`, saving x and φ (as `kernels._PRFFeatures`); dx by
-    `_prf_bwd_kernel`, or by the differentiable PyTorch backward under create_graph."""
+    `_prf_bwd_kernel` under the backward's launch choices in force at the forward (the
+    forward's unless `BWD_LAUNCH`), or by the differentiable PyTorch backward under create_graph."""
 
     @staticmethod
     @on_device_of(1)
     def forward(ctx, x: Tensor, kern, is_query: bool, w: Tensor, shift: Tensor) -> Tensor:
         B, H, L, D = x.shape
         phi = torch.empty(B, H, L, kern.num_features(D), dtype=torch.float32, device=x.device)
-        prf_forward_launch(x, w, shift, phi, kern, is_query)
-        ctx.kern, ctx.is_query = kern, is_query
-        ctx.save_for_backward(x, phi, w)
+        prf_forward_launch(x, w, shift, phi, kern, is_query, **forward_launch()._asdict())
+        ctx.kern, ctx.is_query, ctx.launch = kern, is_query, backward_launch()
+        ctx.save_for_backward(x, phi, w, shift)
         return phi
 
     @staticmethod
     @on_device_of(1)
     def backward(ctx, dphi: Tensor):
-        x, phi, w = ctx.saved_tensors
+        x, phi, w, shift = ctx.saved_tensors
         kern = ctx.kern
         if torch.is_grad_enabled():  # create_graph: the PyTorch backward is made of differentiable ops
             from ..kernels import _prf_input_grad
 
             return _prf_input_grad(kern, x, phi, dphi, ctx.is_query, inplace=False), None, None, None, None
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        prf_backward_launch(x, w, phi, dphi, dx, kern, ctx.is_query)
+        prf_backward_launch(x, w, shift, dphi, dx, kern, ctx.is_query, **ctx.launch._asdict())
         return dx, None, None, None, None
 
 
