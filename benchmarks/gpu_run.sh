@@ -654,13 +654,16 @@ PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+bf16x3,*+compiled'
 # Flex (gpu.ANCHORS) and every fastrpe Triton row (gpu.CHANGED, epoch 2: the PRF products'
 # default), the rows the 15x and 20x criteria read (2026-11-27: ALiBi 14.65x, KERPLE-log 17.9x
 # against the third session's Flex); within one call the bench runs the shortest length first
-PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3'
+PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3,*+fused-maps'
 PRIORITY_LONG_LENGTHS=65536
 # the window's families in this order (the bench runs a length's problems in --families' order):
 # the learned tables first, whose 64k rows no window has reached in seven sessions (2026-11-28:
 # `auto`'s tf32x3 triton_tiled 230 ms against Flex's 130; its bf16x3 and bf16-features rows, 2-3x
-# faster at 4k under CUDA graphs, never timed at 64k)
-PRIORITY_LONG_FAMILIES=learned,learned_full,alibi,kerple_log,kerple_power,t5
+# faster at 4k under CUDA graphs, never timed at 64k); since the third CPU session of 2026-11-28
+# ALiBi before them: its resumed rows stand, and what it adds is seconds, `auto` (bf16x3 since
+# epoch 7, the PRF backward of epoch 8) and the fused maps' row (`+fused-maps`), the likeliest
+# pass of the "no slower than fla" criterion (3.15 ms against 2.72 last time)
+PRIORITY_LONG_FAMILIES=alibi,learned,learned_full,kerple_log,kerple_power,t5
 # then the 1M rows of the decaying terms (forward+backward within 60 ms and 8 GiB), which no
 # session reached (the general pass runs the learned tables' 262k rows, seconds per call, first):
 # their kernels are the 64k rows' (nothing to compile), a few seconds each
@@ -984,7 +987,7 @@ case "$phase" in
         -q -m gpu -p no:cacheprovider -rfEs --tb=short \
         tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
-        -k "sixteen_bit or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16"
+        -k "sixteen_bit or fused_maps or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16"
     # 1b. where an eager decoding step's host time goes (cProfile, about 15 s, while the warm-up
     #     ends): the sixth session's fused steps took 307-488 µs eagerly against 21-28 µs replayed
     #     from a CUDA graph, and the 5x criterion needs about 184 µs; the CPU's own profile

@@ -30,6 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 #: (pass, precision, row tiles, rows a tile) compiled
 CASES = [(p, prec, t, 64) for p in ("fwd", "bwd") for prec in ("tf32x3", "bf16x3") for t in (1, 4, 8)]
+#: and the PRF sweep's one-tile shapes (rows, warps) in bf16x3, both passes: what each holds an SM
+SWEEP_SHAPES = ((16, 4), (32, 8), (64, 8), (128, 8), (16, 2), (32, 4))
+CASES += [(p, "bf16x3", 1, rows, warps) for p in ("fwd", "bwd") for rows, warps in SWEEP_SHAPES]
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Programs an sm_90 SM holds: 64K registers (allocated per thread in steps of 8), 228 KiB of
+    shared memory (1 KiB of it reserved per program), 32 programs at most."""
+    regs = -(-registers // 8) * 8
+    return min(65536 // (regs * 32 * num_warps), (228 * 1024) // (shared_bytes + 1024), 32)
 #: the ints that are multiples of 16 at the bench's launches (as tests/test_triton_compile.py)
 ALIGNED = ("D", "L", "M", "F", "sxb", "sxh", "sxl", "swh")
 
@@ -74,13 +84,14 @@ def compile_case(which: str, precision: str, tiles: int, rows: int, num_warps: i
     from fastrpe.ops.linear.triton_chunked import dot_mode
 
     fn = tp._prf_fwd_kernel if which == "fwd" else tp._prf_bwd_kernel
-    consts = {"BR": rows, "BD": 64, "BM": 32, "NORMALIZE": True, "QUERY": True, "TWO_SIDED": False,
-              "MODE": dot_mode(precision), "TILES": tiles, **({"DX_BF16": True} if which == "bwd" else {})}
+    consts = {"BR": rows, "BD": 64, "NORMALIZE": True, "QUERY": True, "MODE": dot_mode(precision), "TILES": tiles,
+              **({"BF": 32, "DX_BF16": True} if which == "bwd" else {"BM": 32, "TWO_SIDED": False})}
     k, regs, spilled = compile_sm90(fn, consts, {"x_ptr": "bf16", "dx_ptr": "i16"}, ALIGNED, num_warps, num_stages,
                                     floats=("scale", "inv_sqrt_f"))
     return {"pass": which, "precision": precision, "tiles": tiles, "rows": rows, "num_warps": num_warps,
             "num_stages": num_stages, "registers": regs, "spilled_bytes": spilled,
             "shared_bytes": k.metadata.shared,
+            "programs_per_sm": None if regs is None else programs_per_sm(regs, num_warps, k.metadata.shared),
             "async_copies": len(re.findall(r"async_copy_global_to_local", k.asm["ttgir"]))}
 
 
@@ -93,7 +104,8 @@ def main(argv=None) -> int:
     for case in CASES:
         r = compile_case(*case)
         rows.append(r)
-        print(f"{r['pass']} {r['precision']:7s} tiles {r['tiles']}: {r['registers']} registers, "
+        print(f"{r['pass']} {r['precision']:7s} {r['rows']:3d} rows {r['num_warps']} warps tiles {r['tiles']}: "
+              f"{r['programs_per_sm']} programs an SM, {r['registers']} registers, "
               f"{r['spilled_bytes']} B spilled, {r['shared_bytes'] // 1024} KiB shared, "
               f"{r['async_copies']} async copies", flush=True)
     if a.out:

@@ -47,11 +47,12 @@ from fastrpe.ops.linear import triton_chunked as tc
 #: (2026-11-27: the four launches 0.75 ms against ieee's 1.71). The seventh H100 session
 #: (2026-11-28) found row tiles no faster (":4" 0.983 ms, ":8" 0.988, against 0.925) and bf16x3
 #: faster (0.771); since, each pass has its own pick (`choose`), and the shapes tried are those
-#: that hold more rows or warps an SM (registers and shared memory per program, ptxas for sm_90:
-#: benchmarks/prf_ptxas.py, results/prf_ptxas-sm90.json): the backward's 64 rows and 4 warps
-#: hold 2 programs an SM in tf32x3, 3 in bf16x3; 16 rows and 4 warps 6; 32 rows and 8 warps 3
+#: that hold more rows or warps an SM (ptxas for sm_90, results/prf_ptxas-sm90.json,
+#: `programs_per_sm`): the backward holds 2 programs of 64 rows and 4 warps an SM in tf32x3 (191
+#: registers a thread), 3 in bf16x3 (168), 5 of 16 rows and 4 warps, 4 of 32 rows and 4 warps,
+#: 6 of 16 rows and 2 warps; the forward in bf16x3 8 of 64 rows and 4 warps, 4 of 128 and 8
 CONFIGS = tuple(dict.fromkeys((tp.forward_launch().spec(), tp.backward_launch().spec(), "64:4:bf16x3", "16:4:bf16x3",
-                                "32:8:bf16x3", "64:8:bf16x3", "128:8:bf16x3", "16:2:bf16x3", "32:4:tf32x3",
+                                "32:4:bf16x3", "16:2:bf16x3", "128:8:bf16x3", "64:8:bf16x3", "32:4:tf32x3",
                                 "64:4:bf16x3:4")))
 
 def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, launch):

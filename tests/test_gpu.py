@@ -81,6 +81,20 @@ def test_sixteen_bit_products_match_float64_at_4096(backend, family, mode):
         _check_against_float64(backend, family, "nprf", LOWP_FACTOR * (2 if mode == "bf16-features" else 1))
 
 
+@pytest.mark.parametrize("mode", ["bf16x3", "tf32x3"])
+def test_fused_maps_match_float64_at_4096(mode, count_calls):
+    """triton_chunked with the PRF maps' backward in its gradient kernels
+    (`backends_triton.FUSED_MAPS`, `triton_chunked_prf`), ALiBi, NPRF, bf16: within LOWP_FACTOR
+    of dense bf16's error, as the unfused path is; and the fused path ran."""
+    from fastrpe import backends_triton as bt
+    from fastrpe.ops.linear import triton_chunked_prf as tcp
+
+    calls = count_calls(tcp, "prf_chunked_attention")
+    with bt.use_fused_maps(True), bt.use_float32_products(mode):
+        _check_against_float64("triton_chunked", "alibi", "nprf", LOWP_FACTOR)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "dense"])

@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr, triton_tiled as tt
 from fastrpe.ops.linear import triton_soe_walk as tw
 from fastrpe.ops import triton_prf as tp
+from fastrpe.ops.linear import triton_chunked_prf as tcp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN, "ptxas")) if os.path.exists(p)), None)
@@ -156,14 +157,21 @@ def all_cases():
             # by tf32x3 (triton_prf.PRECISION, the GPU's default) and by bf16x3 (the sweep's other)
             prf = {"x_ptr": "bf16", "w_ptr": acc, "shift_ptr": acc, "phi_ptr": acc, "dphi_ptr": acc, "dx_ptr": "i16",
                    "scale": acc, "inv_sqrt_f": acc}
-            tiles = dict(BR=64, BD=64, BM=32, NORMALIZE=True, QUERY=True, TWO_SIDED=False, MODE=mode)
-            cases += [(tp._prf_fwd_kernel, prf, tiles), (tp._prf_bwd_kernel, prf, dict(DX_BF16=True, **tiles))]
+            tiles = dict(BR=64, BD=64, NORMALIZE=True, QUERY=True, MODE=mode)
+            cases += [(tp._prf_fwd_kernel, prf, dict(BM=32, TWO_SIDED=False, **tiles)),
+                      (tp._prf_bwd_kernel, prf, dict(BF=32, DX_BF16=True, **tiles))]
             qdd = {"do_ptr": "bf16", "o_ptr": "bf16", "den_ptr": acc, "inv_ptr": acc, "dd_ptr": acc}
             cases += [(tc._quotient_dd_kernel, qdd, dict(BR=64, BC=64, ACC=A, THR=1e-31, DD=True)),
                       (tc._quotient_dd_kernel, qdd, dict(BR=64, BC=16, ACC=A, THR=1e-31, DD=False))]  # inverse_rows
             # float32 features, bf16 values: dv written as bf16 bits
             cases.append((tc._bwd_dkv_kernel, {**geo_b, "v_ptr": "bf16", "dv_ptr": "i16"},
                           dict(STRICT=True, DV_BF16=True, **tile, **sc)))
+            # the same with NPRF's backward inside (triton_chunked_prf): bf16 q and k in, their bf16 grads out
+            fm = {"x_ptr": "bf16", "w_ptr": acc, "shift_ptr": acc, "dx_ptr": "i16", "scale": acc, "inv_sqrt_f": acc}
+            cases += [(tcp._bwd_dkv_map_kernel, {**geo_b, **fm, "v_ptr": "bf16", "dv_ptr": "i16"},
+                       dict(STRICT=False, DV_BF16=True, BD=64, NORMALIZE=True, DX_BF16=True, **tile, **sc)),
+                      (tcp._bwd_dq_map_kernel, {**geo_b, **fm}, dict(STRICT=False, BD=64, NORMALIZE=True,
+                                                                     DX_BF16=True, **tile, **sc))]
             # T5's band in one launch (triton_band), bf16 v: dv written as bf16 bits
             cases.append((ts._soe_bwd_dkv_kernel, {**soe_b, "v_ptr": "bf16", "dv_ptr": "i16", "dvlo_ptr": "i16"},
                           dict(NB=3, NEAR=True, ACCUM=False, DV_BF16=True, **tile, **sc)))
@@ -221,7 +229,7 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 in each) and the
 #: float32 modes' extras
-N_COMPILED = 3 * (14 + 5 + 2 * 6) + 2 * 17 + 1
+N_COMPILED = 3 * (14 + 5 + 2 * 6) + 2 * 19 + 1
 
 
 @pytest.mark.slow

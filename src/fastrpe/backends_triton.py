@@ -78,6 +78,13 @@ LOWP_FEATURES = "float32"
 FLOAT32_PRODUCTS = "bf16x3"
 
 
+#: The PRF maps' backward inside triton_chunked's gradient kernels (`ops/linear/
+#: triton_chunked_prf.py`): no float32 dφq, dφk written and read again, no separate backward
+#: launches of the maps (0.62 of ALiBi's 3.15 ms at 65,536 tokens on the H100, 2026-11-28).
+#: Off by default until a GPU has timed it (the bench's `+fused-maps` rows); where on, calls it
+#: does not cover (`triton_chunked_prf.fused_reasons`) run the unfused path.
+FUSED_MAPS = False
+
 _LOWP = (torch.bfloat16, torch.float16)
 
 
@@ -100,6 +107,11 @@ def use_lowp_features(name: str):
 def use_float32_products(name: str):
     """`FLOAT32_PRODUCTS = name` inside the block, restored after it."""
     return _setting("FLOAT32_PRODUCTS", name)
+
+
+def use_fused_maps(on: bool):
+    """`FUSED_MAPS = on` inside the block, restored after it."""
+    return _setting("FUSED_MAPS", bool(on))
 
 
 def lowp_dots(p: Problem) -> tuple[torch.dtype | None, str]:
@@ -235,8 +247,17 @@ class TritonChunkedBackend(Backend):
                                           dot_dtype=dot_dtype, precision=precision, divide=divide,
                                           state_dtype=state_dtype)
 
+        def with_feature_maps(q, k, v, kernel, coeffs, *, causal, q_offset, key_padding_mask):
+            from .ops.linear import triton_chunked_prf as tcp
+
+            if not FUSED_MAPS or tcp.fused_reasons(q, k, kernel, coeffs, key_padding_mask, causal, dot_dtype):
+                return None
+            return tcp.prf_chunked_attention(q, k, v, kernel, gamma=coeffs, q_offset=q_offset, precision=precision,
+                                             state_dtype=state_dtype)
+
         num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
         num_den.divides = True
+        num_den.with_feature_maps = with_feature_maps
         return _compose(q, k, v, p, kpm, num_den, gamma)
 
 

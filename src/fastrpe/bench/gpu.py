@@ -102,7 +102,8 @@ CRITERIA_ROWS = {
     "alibi": ("fla-chunk_simple_gla", "flex", "fastrpe-triton_chunked", "fastrpe-triton_chunked+sequential-scan",
               "fastrpe-auto", "fastrpe-triton_chunked+compiled", "flex+cudagraphs", "fastrpe-triton_chunked+cudagraphs",
               "fastrpe-triton_chunked+blocked-scan+cudagraphs", "fastrpe-triton_chunked+compiled+cudagraphs",
-              "fastrpe-triton_chunked+bf16-features", "fastrpe-triton_chunked+bf16x3"),
+              "fastrpe-triton_chunked+bf16-features", "fastrpe-triton_chunked+bf16x3",
+              "fastrpe-triton_chunked+bf16x3+fused-maps"),
     "kerple_log": _KERPLE_ROWS,
     "kerple_power": _KERPLE_ROWS,
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
@@ -716,7 +717,8 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
                   compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
-                  graphed: bool = False, float32_products: str | None = None, far_field: str | None = None):
+                  graphed: bool = False, float32_products: str | None = None, far_field: str | None = None,
+                  fused_maps: bool | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None for a Triton
@@ -727,9 +729,10 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     `triton_chunked.compile_opaque`), up to `cfg.compiled_max_length`, in `mode` (default:
     `cfg.compile_mode`; `+compiled+cudagraphs`: "reduce-overhead"); `saved_states`, triton_soe's
     `SAVE_STATES_BYTES` (`+saved-states`: the forward's states kept for the backward); `far_field`,
-    its `FAR_FIELD` (`+walk`: the far field walked in blocks, no stored states);
-    `graphed`, the eager call replayed from a CUDA graph (`captured`; `+cudagraphs`), up to
-    `cfg.compiled_max_length`."""
+    its `FAR_FIELD` (`+walk`: the far field walked in blocks, no stored states); `fused_maps`,
+    `backends_triton.FUSED_MAPS` (`+fused-maps`: the PRF maps' backward in triton_chunked's
+    gradient kernels, `triton_chunked_prf`); `graphed`, the eager call replayed from a CUDA
+    graph (`captured`; `+cudagraphs`), up to `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
     if float32_products is None and backend.startswith("triton_"):
         float32_products = "tf32x3"  # (the rows' meaning since before the library's default changed)
@@ -737,7 +740,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     def setup(p: Problem, device, dtype):
         import fastrpe as fr
         from fastrpe.api import _problem
-        from fastrpe.backends_triton import use_float32_products, use_lowp_features
+        from fastrpe.backends_triton import use_float32_products, use_fused_maps, use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
         from fastrpe.ops.linear.triton_soe import use_far_field, use_saved_states
@@ -790,6 +793,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                     stack.enter_context(use_saved_states(saved_states))
                 if far_field is not None:
                     stack.enter_context(use_far_field(far_field))
+                if fused_maps is not None:
+                    stack.enter_context(use_fused_maps(fused_maps))
                 return attend(q, k, v)
 
         if lowp_features is not None:
@@ -802,6 +807,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["saved_states_bytes"] = saved_states
         if far_field is not None:
             extra["far_field"] = far_field
+        if fused_maps is not None:
+            extra["fused_maps"] = fused_maps
         skips = cudagraph_skips_mark()
         if compiled:
             raise_recompile_limits()
@@ -911,6 +918,11 @@ def registry(cfg: GpuConfig) -> dict:
             reg[f"fastrpe-{name}+bf16-features"] = fastrpe_setup(name, cfg, lowp_features="bfloat16")
             # the float32 features multiplied by bf16 halves (half of tf32x3's passes)
             reg[f"fastrpe-{name}+bf16x3"] = fastrpe_setup(name, cfg, float32_products="bf16x3")
+    # the PRF maps' backward inside triton_chunked's gradient kernels (`backends_triton.FUSED_MAPS`,
+    # off by default until timed here), with the library's default products for bf16 (bf16x3)
+    if "triton_chunked" in BACKENDS:
+        reg["fastrpe-triton_chunked+bf16x3+fused-maps"] = fastrpe_setup("triton_chunked", cfg,
+                                                                       float32_products="bf16x3", fused_maps=True)
     # the chunk-state passes as STATE_SCAN's "auto" does not run them at the bench's lengths
     # (triton_chunked.auto_blocked): triton_chunked and triton_band blocked from 16k on, so
     # their sequential twins; triton_soe sequential (its terms fill the SMs), so its blocked one
@@ -1462,7 +1474,12 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: the plain Triton rows keep tf32x3, named), so its rows are measured again; and the fused decoding
 #: steps' fast launch pads its grid to three dims, as Triton's runner reads them (the
 #: "..., fast launch" decode rows stopped with an IndexError there: `CHANGED_DECODE`).
-CODE_EPOCH = 7
+#: Epoch 8 (the third CPU session of 2026-11-28): the PRF maps' backward computes φ again from x
+#: instead of reading it, and may take launch choices of its own (`triton_prf.BWD_LAUNCH`, the
+#: sweep's "FWD/BWD" pick), in every fastrpe Triton row; no row moves for it (the `auto` rows move
+#: for epoch 7 and carry it, the criteria's best rows among them); the new row
+#: `fastrpe-triton_chunked+bf16x3+fused-maps` (`backends_triton.FUSED_MAPS`) is timed as any new row.
+CODE_EPOCH = 8
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),

@@ -90,6 +90,10 @@ class NumDen(Protocol):
     returns the quotient `num/den` (rows without weight 0, as `safe_divide`) in that dtype in
     place of num: the composition asks for it when nothing is added to the sums (no Shaw),
     so that no float32 num is kept for backward and no float32 gradient of it is made.
+    An algorithm with the attribute `with_feature_maps` (a function of `(q, k, v, kernel,
+    coeffs, *, causal, q_offset, key_padding_mask)`) may take a call with no Shaw or FastRPB
+    term whole, feature maps included, and return its output, or None to leave it to the
+    composition (`triton_chunked_prf`: the maps' backward inside its gradient kernels).
     """
 
     def __call__(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, coeffs, *, causal: bool, q_offset: int,
@@ -309,6 +313,13 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, kernel, num_den: NumDe
         `[B, H, Lq, Dv]` in q's dtype; a row with no weight is 0.
     """
     with torch.autocast(q.device.type, enabled=False):
+        # an algorithm that runs the feature maps itself (their backward in its own kernels:
+        # `triton_chunked_prf`) takes the call whole where it can, else says None
+        whole = getattr(num_den, "with_feature_maps", None)
+        if whole is not None and not shaw and not fastrpb:
+            out = whole(q, k, v, kernel, coeffs, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)
+            if out is not None:
+                return out.to(q.dtype)
         phi_q = kernel(q, is_query=True)  # (B, H, Lq, F), float32/64
         phi_k, s = kernel.key_features(k, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, Lk, F)
         warn_underflowed_rows(kernel, phi_q, phi_k)  # exp/prf at huge norms: zero rows, said once

@@ -48,17 +48,15 @@ if HAS_TRITON:
     from .linear.triton_chunked import _dot, _store_tile
 
     @triton.jit
-    def _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale,
-                  BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
-                  MODE: tl.constexpr):
-        """One tile of rows: `(rows, ok, x̂ [BR, BD], ‖x‖ clamped [BR], w [BM, BD], e₀₊ [BR, BM],
-        ‖xs‖²/2 [BR])`, in float32. Per row, not per entry: the normalization's reciprocal (one
-        division a row, then products) and ‖xs‖² from ‖x‖² (one reduction over D, not two)."""
+    def _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, M, sxb, sxh, sxl, swh, scale,
+                  BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr, MODE: tl.constexpr):
+        """The rows r (int64: r·sxl overflows int32 on a head-split view, sxl = H·D, once
+        L·H·D >= 2^31; `ok` those < L) of head bh: `(x̂ [BR, BD], ‖x‖ clamped [BR], w [BM, BD],
+        w·xs [BR, BM], ‖xs‖²/2 [BR])`, in float32. Per row, not per entry: the normalization's
+        reciprocal (one division a row, then products) and ‖xs‖² from ‖x‖² (one reduction over
+        D, not two)."""
         b, h = bh // H, bh % H
-        # int64: r·sxl overflows int32 on a head-split view (sxl = H·D) once L·H·D >= 2^31
-        r = (r0 + tl.arange(0, BR)).to(tl.int64)
         d, m = tl.arange(0, BD), tl.arange(0, BM)
-        ok = r < L
         x = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
                     other=0.0).to(tl.float32)
         sq = tl.sum(x * x, 1)
@@ -71,7 +69,7 @@ if HAS_TRITON:
                     other=0.0).to(tl.float32)
         wx = _dot(x * scale, tl.trans(w), tl.float32, tl.float32, MODE)  # (BR, BM)
         half = sq * (scale * scale / 2)
-        return r, ok, x, nrm, w, wx, half
+        return x, nrm, w, wx, half
 
     @triton.jit
     def _prf_fwd_kernel(x_ptr, w_ptr, shift_ptr, phi_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
@@ -91,8 +89,10 @@ if HAS_TRITON:
                       inv_sqrt_f, BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
                       QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr):
         """`_prf_fwd_kernel`'s tile of BR positions from r0."""
-        r, ok, x, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale, BR, BD,
-                                               BM, NORMALIZE, MODE)
+        r = (r0 + tl.arange(0, BR)).to(tl.int64)
+        ok = r < L
+        x, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, M, sxb, sxh, sxl, swh, scale, BD, BM,
+                                        NORMALIZE, MODE)
         m = tl.arange(0, BM)
         live = (m < M)[None, :]
         e1 = wx - half[:, None]
@@ -111,75 +111,66 @@ if HAS_TRITON:
             tl.store(out + M, tl.exp(e2 - c) * inv_sqrt_f, mask=keep)
 
     @triton.jit
-    def _prf_bwd_kernel(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
+    def _prf_bwd_kernel(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, H, L, D, F, sxb, sxh, sxl, swh, s_shift, scale,
                         inv_sqrt_f,
-                        BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr,
-                        QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr,
-                        TILES: tl.constexpr = 1):
+                        BR: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, NORMALIZE: tl.constexpr,
+                        QUERY: tl.constexpr, MODE: tl.constexpr, DX_BF16: tl.constexpr, TILES: tl.constexpr = 1):
         """Grid (L/(BR·TILES), B·H): dx of TILES tiles of BR positions of one head (`[B, H, L, D]`
         contiguous, x's dtype; DX_BF16: dx_ptr is the int16 view of a bf16 dx, rounded to nearest
-        as the GPU rounds), as `_prf_fwd_kernel` walks them."""
+        as the GPU rounds), as `_prf_fwd_kernel` walks them. w_ptr: the stacked projection
+        (`stacked_projection`), F rows."""
         bh = tl.program_id(1).to(tl.int64)
         for t in tl.range(0, TILES):
-            _prf_bwd_tile(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, bh, (tl.program_id(0) * TILES + t) * BR, H, L, D,
-                          M, F, sxb, sxh, sxl, swh, s_shift, scale, inv_sqrt_f, BR, BD, BM, NORMALIZE, QUERY,
-                          TWO_SIDED, MODE, DX_BF16)
+            r = ((tl.program_id(0) * TILES + t) * BR + tl.arange(0, BR)).to(tl.int64)
+            ok = r < L
+            f, d = tl.arange(0, BF), tl.arange(0, BD)
+            dphi = tl.load(dphi_ptr + (bh * L + r)[:, None] * F + f[None, :], mask=ok[:, None] & (f < F)[None, :],
+                           other=0.0)
+            dx = prf_grad_rows(dphi, x_ptr, w_ptr, shift_ptr, bh, r, ok, H, D, F, sxb, sxh, sxl, swh, s_shift, scale,
+                               inv_sqrt_f, BR, BD, BF, NORMALIZE, QUERY, MODE)
+            _store_tile(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx, ok[:, None] & (d < D)[None, :], DX_BF16)
 
     @triton.jit
-    def _prf_bwd_tile(x_ptr, w_ptr, shift_ptr, dphi_ptr, dx_ptr, bh, r0, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift,
-                      scale, inv_sqrt_f, BR: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-                      NORMALIZE: tl.constexpr, QUERY: tl.constexpr, TWO_SIDED: tl.constexpr, MODE: tl.constexpr,
-                      DX_BF16: tl.constexpr):
-        """`_prf_bwd_kernel`'s tile of BR positions from r0. φ is computed again from x, as the
-        forward computed it (the same `_prf_rows`, the same operations in the same order), not
-        read: the forward's float32 φ would be half of the launch's bytes besides dφ."""
-        r, ok, _, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r0, H, L, D, M, sxb, sxh, sxl, swh, scale, BR, BD,
-                                               BM, NORMALIZE, MODE)
-        m, d = tl.arange(0, BM), tl.arange(0, BD)
-        live = (m < M)[None, :]
-        keep = ok[:, None] & live
-        e1 = wx - half[:, None]
-        e2 = -wx - half[:, None]
-        if QUERY:  # its own largest exponent, over both halves, as the forward found it
-            c = tl.max(tl.where(live, e1, float("-inf")), 1)
-            if TWO_SIDED:
-                c = tl.maximum(c, tl.max(tl.where(live, e2, float("-inf")), 1))
-            c = c[:, None]
-        else:
-            c = tl.load(shift_ptr + (bh % H) * s_shift)
-        at = (bh * L + r)[:, None] * F + m[None, :]
-        de1 = tl.load(dphi_ptr + at, mask=keep, other=0.0) * (tl.exp(e1 - c) * inv_sqrt_f)
-        de2 = tl.zeros_like(de1)
-        if TWO_SIDED:
-            de2 = tl.load(dphi_ptr + at + M, mask=keep, other=0.0) * (tl.exp(e2 - c) * inv_sqrt_f)
-        if QUERY:  # the maximum's share, at the entries the forward's maximum found
-            top1 = (live & (e1 == c)).to(tl.float32)
-            top2 = tl.zeros_like(top1)
-            if TWO_SIDED:
-                top2 = (live & (e2 == c)).to(tl.float32)
-            share = (tl.sum(de1, 1) + tl.sum(de2, 1)) / (tl.sum(top1, 1) + tl.sum(top2, 1))
-            de1 = de1 - top1 * share[:, None]
-            de2 = de2 - top2 * share[:, None]
-        sde = tl.sum(de1, 1) + tl.sum(de2, 1)
-        dwx = de1 - de2  # de2 = 0 one-sided
-        # dx = s·(dwx·w) − s²·x̂·Σde, less its radial part x̂(x̂·dx) where normalized: with
-        # x̂·(dwx·w) = Σ_m dwx·wx / s, x̂·dx = Σ_m dwx·wx − s²·Σde·‖x̂‖² (‖x̂‖² = 2·half/s²). So each row's
-        # coefficient of x̂ comes from [BR, BM] tiles, and x̂, read again below, is not held
-        # across the product (ptxas, sm_90, 64 rows, 4 warps: 193 registers a thread where 210
-        # held it, tf32x3; bf16x3 163 where 173, 3 programs an SM instead of 2)
-        coef = (scale * scale) * sde
-        if NORMALIZE:  # the radial part goes, unless ‖x‖ was clamped
-            coef = coef + tl.where(nrm > 1e-12, tl.sum(dwx * wx, 1) - coef * (2.0 * half / (scale * scale)), 0.0)
-        dx = _dot(dwx, w, tl.float32, tl.float32, MODE) * scale
+    def prf_grad_rows(dphi, x_ptr, w_ptr, shift_ptr, bh, r, ok, H, D, F, sxb, sxh, sxl, swh, s_shift, scale,
+                      inv_sqrt_f, BR: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, NORMALIZE: tl.constexpr,
+                      QUERY: tl.constexpr, MODE: tl.constexpr):
+        """dx `[BR, BD]` (float32) of the rows r (int64, `ok` those < L) of head bh from their dφ
+        `[BR, BF]` (float32 in registers, 0 past F and on rows not ok): the map's backward for
+        `_prf_bwd_kernel` and for attention kernels that make dφ themselves
+        (`triton_chunked_prf`). w_ptr: the stacked projection `[F, D]` (or `[H, F, D]`, head
+        stride swh): `[w; −w]` two-sided, so that `e₀ = s·x̂·W_fᵀ − ‖xs‖²/2` for every feature f.
+
+        φ is computed again from x, as the forward computed it, not read: the forward's float32 φ
+        would be half of a standalone launch's bytes besides dφ. dx = s·(de·W) − s²·x̂·Σde, less
+        its radial part x̂(x̂·dx) where normalized: with x̂·(de·W) = Σ_f de·wx / s,
+        x̂·dx = Σ_f de·wx − s²·Σde·‖x̂‖² (‖x̂‖² = 2·half/s²), so each row's coefficient of x̂ comes
+        from [BR, BF] tiles, and x̂, read again at the end, is not held across the products.
+        With both, the standalone kernel (64 rows, 4 warps, sm_90) holds 191 registers a thread
+        in tf32x3 where it held 235, 168 in bf16x3 where 214: 3 programs an SM instead of 2
+        (`benchmarks/prf_ptxas.py`, results/prf_ptxas-sm90.json, before and after 2026-11-28)."""
         b, h = bh // H, bh % H
+        f, d = tl.arange(0, BF), tl.arange(0, BD)
+        _, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, F, sxb, sxh, sxl, swh, scale, BD, BF,
+                                        NORMALIZE, MODE)
+        live = (f < F)[None, :]
+        e = wx - half[:, None]
+        if QUERY:  # its own largest exponent, as the forward found it
+            c = tl.max(tl.where(live, e, float("-inf")), 1)[:, None]
+        else:
+            c = tl.load(shift_ptr + h * s_shift)
+        de = tl.where(live, dphi * (tl.exp(e - c) * inv_sqrt_f), 0.0)  # (dφ past F: 0 wherever it came from)
+        if QUERY:  # the maximum's share, at the entries the forward's maximum found
+            top = (live & (e == c)).to(tl.float32)
+            de = de - top * (tl.sum(de, 1) / tl.sum(top, 1))[:, None]
+        coef = (scale * scale) * tl.sum(de, 1)
+        if NORMALIZE:  # the radial part goes, unless ‖x‖ was clamped
+            coef = coef + tl.where(nrm > 1e-12, tl.sum(de * wx, 1) - coef * (2.0 * half / (scale * scale)), 0.0)
+        dx = _dot(de, w, tl.float32, tl.float32, MODE) * scale
         xt = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
                      other=0.0).to(tl.float32)
         if NORMALIZE:
-            xt = xt * (1.0 / nrm)[:, None]
-            dx = (dx - xt * coef[:, None]) * (1.0 / nrm)[:, None]
-        else:
-            dx = dx - xt * coef[:, None]
-        _store_tile(dx_ptr + (bh * L + r)[:, None] * D + d[None, :], dx, ok[:, None] & (d < D)[None, :], DX_BF16)
+            return (dx - xt * (1.0 / nrm)[:, None] * coef[:, None]) * (1.0 / nrm)[:, None]
+        return dx - xt * coef[:, None]
 
 
 #: positions per program (a power of two >= 16, `tl.dot`'s least), warps per program and the
@@ -307,19 +298,26 @@ def prf_forward_launch(x: Tensor, w: Tensor, shift: Tensor, phi: Tensor, kern, i
                           **meta)
 
 
+def stacked_projection(w: Tensor, two_sided: bool) -> Tensor:
+    """The projection the backward reads, one row per feature: `w` (`[M, D]` or `[H, M, D]`,
+    float32), `[w; −w]` along M where the map is two-sided (φ₋'s exponent is −w·xs − ‖xs‖²/2)."""
+    return torch.cat([w, -w], dim=-2).contiguous() if two_sided else w
+
+
 def prf_backward_launch(x: Tensor, w: Tensor, shift: Tensor, dphi: Tensor, dx: Tensor, kern, is_query: bool, *,
                         block_rows: int | None = None, num_warps: int | None = None,
                         precision: str | None = None, tiles: int | None = None) -> None:
     """dx (`[B, H, L, D]` contiguous, x's dtype) from `dphi` by one `_prf_bwd_kernel` launch,
-    φ computed again from x (the forward's shift, the same launch choices: the same φ); the
-    launch choices as `prf_forward_launch`'s."""
-    grid, dims, strides, meta = _launch_args(x, w, block_rows, num_warps, precision, tiles)
+    φ computed again from x (w the map's projection, as the forward takes it; shift the
+    forward's); the launch choices as `prf_forward_launch`'s."""
+    wf = stacked_projection(w, kern.two_sided)
+    grid, dims, strides, meta = _launch_args(x, wf, block_rows, num_warps, precision, tiles)
+    meta["BF"] = meta.pop("BM")
     bf16 = dx.dtype == torch.bfloat16
     F = dphi.shape[-1]
-    _prf_bwd_kernel[grid](x, w, shift, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
-                          *dims, F, *strides, int(shift.numel() > 1), float(kern.input_scale), F ** -0.5,
-                          NORMALIZE=kern.normalize, QUERY=bool(is_query), TWO_SIDED=kern.two_sided, DX_BF16=bf16,
-                          **meta)
+    _prf_bwd_kernel[grid](x, wf, shift, dphi.to(torch.float32).contiguous(), dx.view(torch.int16) if bf16 else dx,
+                          *dims, *strides, int(shift.numel() > 1), float(kern.input_scale), F ** -0.5,
+                          NORMALIZE=kern.normalize, QUERY=bool(is_query), DX_BF16=bf16, **meta)
 
 
 class _PRFTriton(torch.autograd.Function):

@@ -524,6 +524,21 @@ if HAS_TRITON:
         DV_BF16: dv_ptr is the int16 view of a bf16 dv. SCALED as `_bwd_state_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
+        dk, pos, km = _dkv_tiles(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, dv_ptr,
+                                 bh, n, H, Lq, Lk, F, Dv, N, q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED,
+                                 DV_BF16)
+        f = tl.arange(0, BF)
+        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & (f[None, :] < F))
+
+    @triton.jit
+    def _dkv_tiles(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, dh_ptr, dz_ptr, dv_ptr, bh, n,
+                   H, Lq, Lk, F, Dv, N, q_offset,
+                   BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                   STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                   SCALED: tl.constexpr, DV_BF16: tl.constexpr):
+        """`_bwd_dkv_kernel`'s chunk n of head bh: stores dv, returns `(dφk [BT, BF] in ACC,
+        positions [BT], their mask)` for the caller to store (or to take through the key map's
+        backward, `triton_chunked_prf`)."""
         lg = tl.load(lg_ptr + bh % H).to(ACC)
         # 16-bit operands: dAᵀ and Aᵀ formed key-major (`HOPPER_TRANS_NOTE`)
         KEY_MAJOR: tl.constexpr = DT == tl.bfloat16 or DT == tl.float16 or MODE >= 3
@@ -552,8 +567,8 @@ if HAS_TRITON:
             dv = _dot(tl.trans(_dot(q, tl.trans(k), DT, ACC, MODE) * D * inv[:, None]), do, DT, ACC, MODE)
         dk += kdec[:, None] * (_dot(v, tl.trans(dS), DT, ACC, MODE) + dz[None, :])
         dv += _dot(k * kdec[:, None], dS, DT, ACC, MODE)
-        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=km[:, None] & fm)
         _store_tile(dv_ptr + bh * Lk * Dv + pos[:, None] * Dv + c[None, :], dv, km[:, None] & cm, DV_BF16)
+        return dk, pos, km
 
     @triton.jit(do_not_specialize=["LB"])
     def _bwd_dq_kernel(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, dq_ptr,
@@ -565,6 +580,19 @@ if HAS_TRITON:
         SCALED as `_bwd_state_kernel`'s."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
+        dq, qi, qm = _dq_tile(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, bh, n, H, Lq, Lk, F, Dv,
+                              N, q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED)
+        f = tl.arange(0, BF)
+        tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
+
+    @triton.jit
+    def _dq_tile(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg_ptr, h_ptr, z_ptr, bh, n, H, Lq, Lk, F, Dv, N, q_offset,
+                 BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
+                 STRICT: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                 SCALED: tl.constexpr):
+        """`_bwd_dq_kernel`'s chunk n of head bh: `(dφq [BT, BF] in ACC, query rows [BT], their
+        mask)` for the caller to store (or to take through the query map's backward,
+        `triton_chunked_prf`)."""
         lg = tl.load(lg_ptr + bh % H).to(ACC)
         k, v, do, dd, inv, D, dA = _chunk_tiles(k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, lg, bh, n, H, Lq, Lk, F, Dv,
                                                 q_offset, BT, BF, BDV, STRICT, DT, ACC, MODE, SCALED)
@@ -580,7 +608,7 @@ if HAS_TRITON:
         qdec = tl.exp(lg * (pos - tl.minimum(n * BT, Lk) + 1).to(ACC))
         dq = _dot(dA, k, DT, ACC, MODE) + qdec[:, None] * (inv[:, None] * _dot(do, tl.trans(S), DT, ACC, MODE)
                                                               + dd[:, None] * z[None, :])
-        tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=qm[:, None] & (f[None, :] < F))
+        return dq, qi, qm
 
 
 #: How the chunk-state passes (forward and backward; triton_soe's and triton_band's per term
@@ -971,6 +999,17 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
                       scan: str, want_dlg: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`(dφq, dφk, dv, dlog γ, dinit)` of `_ChunkedDecay` (dlog γ None unless `want_dlg`,
     dinit unless there is an initial state)."""
+    return chunked_backward(phi_q, phi_k, v, log_g, h, z, state, init, den, dnum, dden, dstate, q_offset, chunk,
+                            strict, mode, scan, want_dlg)
+
+
+def chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h: Tensor, z: Tensor,
+                     state: Tensor | None, init: Tensor | None, den: Tensor | None, dnum: Tensor | None,
+                     dden: Tensor | None, dstate: Tensor | None, q_offset: int, chunk: int, strict: bool, mode: int,
+                     scan: str, want_dlg: bool, maps=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`_chunked_backward` (the custom op's body), and with `maps` (`triton_chunked_prf.MapGrads`,
+    not with `want_dlg`) the PRF maps' backward in its gradient kernels: `(dq, dk, ...)` of the
+    maps' inputs, in their dtype, in place of dφq, dφk."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -987,13 +1026,22 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
         phi_q, dnum, inv, dden, log_g, dh, dz, c, cz, H, Lq, Lk, F, Dv, N, G, NB, q_offset,
         BT=BT, BF=BF, BV=BVS, BDV=BDV, PHASE=phase, **meta), dh, dz, log_g, N, BT, Lk, reverse=True, mode=scan,
         programs=B * H * (BDV // BVS))
-    dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
     dv_bf16 = dv_in_bf16(v, dt)
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
     tiles = dict(BT=BT, BF=BF, BDV=BDV, STRICT=strict, **meta)
-    _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
-                                dv.view(torch.int16) if dv_bf16 else dv, H, Lq, Lk, F, Dv, N, q_offset,
-                                length_bucket(N), DV_BF16=dv_bf16, **tiles)
+    dims = (H, Lq, Lk, F, Dv, N, q_offset)
+    if maps is not None:
+        from . import triton_chunked_prf as tcp
+
+        if want_dlg:
+            raise ValueError("triton_chunked: the decay's gradient needs dφ, which the fused maps do not make")
+        dk = tcp.launch_dkv(maps, (N, B * H), (phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz), dv, dims,
+                            length_bucket(N), dv_bf16, tiles)
+    else:
+        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+        _bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, log_g, dh, dz, dk,
+                                    dv.view(torch.int16) if dv_bf16 else dv, *dims, length_bucket(N),
+                                    DV_BF16=dv_bf16, **tiles)
     dinit = None
     if init is not None:
         dinit = torch.cat([dh[:, 0, :F, :Dv], dz[:, 0, :F, None]], -1).reshape(B, H, F, Dv + 1)
@@ -1002,9 +1050,11 @@ def _chunked_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, h:
         cross = _state_dots(h[:, 1:], dh[:, 1:]) + (z[:, 1:] * dz[:, 1:]).sum((1, 2), dtype=torch.float64)
     # the states' gradients are spent before dφq is made: the two are never held together
     del dh, dz
+    if maps is not None:
+        dq = tcp.launch_dq(maps, (N, B * H), (phi_k, v, dnum, inv, dden, log_g, h, z), dims, length_bucket(N), tiles)
+        return dq, dk, dv.to(v.dtype), None, dinit.to(init.dtype) if init is not None else None
     dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-    _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, H, Lq, Lk, F, Dv, N, q_offset,
-                               length_bucket(N), **tiles)
+    _bwd_dq_kernel[(N, B * H)](phi_k, v, dnum, inv, dden, log_g, h, z, dq, *dims, length_bucket(N), **tiles)
     dlg = None
     if want_dlg:
         # every weight is γ^(p_i - j); split p_i - j = (p_i mod T) - (j mod T) + T·(chunks
