@@ -147,6 +147,23 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the third CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - ALiBi against fla (3.15 ms, fla 2.72; the maps' backward launches 0.62 of it): two levers,
+#   both timed by this script's `first` before the learned tables (PRIORITY_LONG_FAMILIES now
+#   starts with alibi). (1) The maps' backward computes φ again from x (640 MiB for the four
+#   launches at 64k, was 768) and holds fewer registers (bf16x3: 3 programs an SM, was 2); the
+#   PRF sweep (PRF_S=20) now feeds a query's backward the dφ attention gives it, so bf16x3
+#   (0.771 ms against 0.925 last time, refused for a tie artefact) can be adopted, and picks
+#   each pass's launch ("FWD/BWD", `triton_prf.BWD_LAUNCH`): read its `adopt:` line in
+#   gpu_first.log and `prf_sweep` in gpu_profile.json; every row after it runs the pick.
+#   (2) `fastrpe-triton_chunked+bf16x3+fused-maps` (`backends_triton.FUSED_MAPS`, opt-in): the
+#   maps' backward inside triton_chunked's dq and dk/dv kernels (`triton_chunked_prf`), no dφ
+#   written or read; its GPU test `test_fused_maps_match_float64_at_4096` runs with the first
+#   tests. If that row beats `+bf16x3` and fla, make FUSED_MAPS the default;
+# - CODE_EPOCH 8 (no row moves for it: `auto`'s move for epoch 7 and carry it);
+# - the pack: the last one with the PRF kernels and triton_chunked's dq and dk/dv recompiled and
+#   the fused kernels added (62 entries; `verify` 0 compiled for ALiBi, KERPLE-power, T5 and the
+#   learned table at 4k and 64k), 19.5 MB; the carry 66.1 of 67.1 MB.
 # New since the seventh H100 session (2026-11-28), for the next to read first:
 # - it ran `first` (418 s) and `rest` (299 s) at 347678a: 19 pass, 6 fail, 5 missing
 #   (docs/RESULTS.md, "Seventh H100 session"); resume h100-2026-11-28.json (above; .gpu_runs/

@@ -77,9 +77,10 @@ def _time(fn, device, repeats: int) -> float:
 def attention_like_query_grad(dphi: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     """dφ less, in each row, its part along φ: what a query map receives from normalized
     attention, whose output `φ(q)·S / φ(q)·z` does not change when a row of φ(q) is scaled, so
-    that `Σ_f dφ·φ = 0` in every row (to round-off: 3e-15 in float64, ALiBi and KERPLE-log,
-    the dense backend). Fed a random dφ instead, the query map's backward sends the row's
-    `Σ dφ·φ` to the feature of its largest exponent, and two precisions that pick different
+    that `Σ_f dφ·φ = 0` in every row (to round-off: tests/test_prf_sweep.py,
+    `test_attention_gives_a_query_map_a_gradient_orthogonal_to_its_features`, float64). Fed a
+    random dφ instead, the query map's backward sends the row's `Σ dφ·φ` to the feature of its
+    largest exponent, and two precisions that pick different
     features in a near tie differ by that much times the gap of their projections: 0.30 of
     0.98 for bf16x3 on the H100 (2026-11-28, h100-2026-11-28-profile.json), a difference no
     attention call can see."""

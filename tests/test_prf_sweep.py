@@ -110,3 +110,37 @@ def test_the_query_maps_backward_is_fed_an_attention_like_gradient():
     assert (out * phi).sum(-1).abs().max() < 1e-5 * (dphi * phi).sum(-1).abs().max()
     # nothing else moves: the part orthogonal to φ is dφ's own
     assert torch.allclose(out - dphi, phi * ((out - dphi) / phi)[..., :1], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["alibi", "kerple_log"])
+def test_attention_gives_a_query_map_a_gradient_orthogonal_to_its_features(family):
+    """The premise of `attention_like_query_grad`: normalized kernelized attention (float64,
+    NPRF, the dense backend) hands its query map a dφ with `Σ_f dφ·φ = 0` in every row, to
+    round-off (the output does not change when a row of φ(q) is scaled)."""
+    import torch
+
+    import fastrpe as fr
+    from fastrpe import kernels, positions
+
+    B, H, L, D = 1, 2, 50, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    kern = kernels.get_kernel("nprf", head_dim=D, num_features=8).double()
+    seen = {}
+    forward = kern.forward
+
+    def features(x, is_query=True):
+        phi = forward(x, is_query)
+        if is_query and phi.requires_grad:
+            phi.retain_grad()
+            seen["phi"] = phi
+        return phi
+
+    kern.forward = features
+    q.requires_grad_(True)
+    pos = positions.make(family, H, causal=True, max_len=L).double()
+    out = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="dense")
+    out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    phi = seen["phi"]
+    along = (phi.grad * phi).sum(-1).abs()
+    assert along.max() < 1e-13 * (phi.grad.abs() * phi.abs()).sum(-1).max()
