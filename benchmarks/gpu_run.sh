@@ -162,8 +162,8 @@
 #   tests. If that row beats `+bf16x3` and fla, make FUSED_MAPS the default;
 # - CODE_EPOCH 8 (no row moves for it: `auto`'s move for epoch 7 and carry it);
 # - the pack: the last one with the PRF kernels and triton_chunked's dq and dk/dv recompiled and
-#   the fused kernels added (62 entries; `verify` 0 compiled for ALiBi, KERPLE-power, T5 and the
-#   learned table at 4k and 64k), 19.5 MB; the carry 66.1 of 67.1 MB.
+#   the fused kernels added (62 entries; `verify` at 4k and 64k compiled nothing for any family),
+#   19.5 MB; the carry 66.1 of 67.1 MB.
 # New since the seventh H100 session (2026-11-28), for the next to read first:
 # - it ran `first` (418 s) and `rest` (299 s) at 347678a: 19 pass, 6 fail, 5 missing
 #   (docs/RESULTS.md, "Seventh H100 session"); resume h100-2026-11-28.json (above; .gpu_runs/

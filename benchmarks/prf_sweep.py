@@ -55,6 +55,7 @@ CONFIGS = tuple(dict.fromkeys((tp.forward_launch().spec(), tp.backward_launch().
                                 "32:4:bf16x3", "16:2:bf16x3", "128:8:bf16x3", "64:8:bf16x3", "32:4:tf32x3",
                                 "64:4:bf16x3:4")))
 
+
 def _launch(which: str, x, w, shift, phi, dphi, dx, kern, is_query: bool, launch):
     """The library's launch (`triton_prf.prf_forward_launch` / `prf_backward_launch`) with
     these choices (a `triton_prf.Launch`)."""
@@ -80,10 +81,9 @@ def attention_like_query_grad(dphi: torch.Tensor, phi: torch.Tensor) -> torch.Te
     that `Σ_f dφ·φ = 0` in every row (to round-off: tests/test_prf_sweep.py,
     `test_attention_gives_a_query_map_a_gradient_orthogonal_to_its_features`, float64). Fed a
     random dφ instead, the query map's backward sends the row's `Σ dφ·φ` to the feature of its
-    largest exponent, and two precisions that pick different
-    features in a near tie differ by that much times the gap of their projections: 0.30 of
-    0.98 for bf16x3 on the H100 (2026-11-28, h100-2026-11-28-profile.json), a difference no
-    attention call can see."""
+    largest exponent, and two precisions that pick different features in a near tie differ by
+    that much times the gap of their projections: 0.30 of 0.98 for bf16x3 on the H100
+    (2026-11-28, h100-2026-11-28-profile.json), a difference no attention call can see."""
     return dphi - phi * ((dphi * phi).sum(-1, keepdim=True) / (phi * phi).sum(-1, keepdim=True).clamp_min(1e-30))
 
 
@@ -145,7 +145,7 @@ ADOPT_RTOL = {"fwd": 1e-4, "bwd": 2.0 ** -7}
 ADOPT_SHARE = 0.95
 
 
-def library(configs) -> list[str]:
+def library_launches(configs) -> list[str]:
     """`[forward, backward]`: the library's launches where `configs` has both, else its first
     config for both (what `choose` compares against)."""
     lib = [tp.forward_launch().spec(), tp.backward_launch().spec()]
@@ -155,10 +155,11 @@ def library(configs) -> list[str]:
 def choose(rows: list[dict], L: int, library: tuple[str, str] | None = None) -> tuple[str | None, dict]:
     """`(launch to adopt or None, totals)` at length L: for each pass (forward, backward) the
     config whose two launches (q's and k's maps) take least time among those whose results are
-    within `ADOPT_RTOL` of the library's launch's (and whose four launches all ran); adopted as "FWD" (one config for both) or
-    "FWD/BWD" (`triton_prf.parse_launches`) when the four launches take at most `ADOPT_SHARE`
-    of the library's (`library`: its forward and backward configs, default the rows' first).
-    `totals`: each config's four launches, seconds."""
+    within `ADOPT_RTOL` of the library's launch's (and whose four launches all ran); adopted as
+    "FWD" (one config for both) or "FWD/BWD" (`triton_prf.parse_launches`) when the four
+    launches take at most `ADOPT_SHARE` of the library's (`library`: its forward and backward
+    configs, `library_launches`; default the rows' first config for both). `totals`: each
+    config's four launches, seconds."""
     at = [r for r in rows if r.get("L", L) == L]
     if not at:
         return None, {}
@@ -190,6 +191,7 @@ def choose(rows: list[dict], L: int, library: tuple[str, str] | None = None) -> 
     if (best["fwd"], best["bwd"]) == lib or per["fwd"][best["fwd"]] + per["bwd"][best["bwd"]] > ADOPT_SHARE * now:
         return None, totals
     return best["fwd"] + ("" if best["bwd"] == best["fwd"] else "/" + best["bwd"]), totals
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.machine()}), "
                      "Triton interpreter: not a timing", "torch": torch.__version__,
            "command": "python benchmarks/prf_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "library": library(configs), "rows": []}
+           "library": library_launches(configs), "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for L in (int(s) for s in args.lengths.split(",")):

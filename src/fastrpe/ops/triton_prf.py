@@ -16,9 +16,11 @@ until their backward computed φ again from x instead of reading the forward's, 
 
 Backward: `de = dφ·φ`, φ computed again from x as the forward did; a query's subtracted
 maximum sends `−Σde` to its maximal entries, split evenly among ties (the entries are found
-again from e₀ computed as the forward did);
-`dxs = dwx·w − xs·Σde₀`, `dwx = de₊ − de₋` (two-sided); through `xs = s·x̂` and the
+again from e₀ computed as the forward did); `dxs = de·W − xs·Σde` with W the projection
+stacked per feature (`[w; −w]` two-sided: `de·W = de₊·w − de₋·w`); through `xs = s·x̂` and the
 normalization `dx = (dx̂ − x̂(x̂·dx̂))/‖x‖` (`dx̂/1e-12` below the clamp: no radial part).
+`prf_grad_rows` is that backward on a tile of rows whose dφ is in registers: the standalone
+backward kernel's, and the attention kernels' that make dφ themselves (`triton_chunked_prf`).
 
 Notation: B batch, H heads, L positions, D head width, M projections, F features (M, or 2M
 two-sided), BR rows per program, BD/BM tile widths.
@@ -135,7 +137,7 @@ if HAS_TRITON:
                       inv_sqrt_f, BR: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, NORMALIZE: tl.constexpr,
                       QUERY: tl.constexpr, MODE: tl.constexpr):
         """dx `[BR, BD]` (float32) of the rows r (int64, `ok` those < L) of head bh from their dφ
-        `[BR, BF]` (float32 in registers, 0 past F and on rows not ok): the map's backward for
+        `[BR, BF]` (float32 in registers; its columns past F are not read): the map's backward for
         `_prf_bwd_kernel` and for attention kernels that make dφ themselves
         (`triton_chunked_prf`). w_ptr: the stacked projection `[F, D]` (or `[H, F, D]`, head
         stride swh): `[w; −w]` two-sided, so that `e₀ = s·x̂·W_fᵀ − ‖xs‖²/2` for every feature f.

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .triton_chunked import HAS_TRITON, INTERPRETED, _pow2, _tuned
+from .triton_chunked import HAS_TRITON, _pow2, _tuned
 
 if HAS_TRITON:
     import triton
@@ -78,11 +78,10 @@ if HAS_TRITON:
         d = tl.arange(0, BD)
         _store_tile(dx_ptr + (bh * Lk + r)[:, None] * D + d[None, :], dx, km[:, None] & (d < D)[None, :], DX_BF16)
 
-    if not INTERPRETED:
-        _bwd_dq_map_kernel = _tuned(_bwd_dq_map_kernel, ["F", "Dv", "D", "LB", "STRICT", "SCALED", "MODE",
-                                                         "NORMALIZE"])
-        _bwd_dkv_map_kernel = _tuned(_bwd_dkv_map_kernel, ["F", "Dv", "D", "LB", "STRICT", "SCALED", "DV_BF16",
-                                                           "MODE", "NORMALIZE"])
+    # autotuned as triton_chunked's own gradient kernels (as they are under the interpreter)
+    _bwd_dq_map_kernel = _tuned(_bwd_dq_map_kernel, ["F", "Dv", "D", "LB", "STRICT", "SCALED", "MODE", "NORMALIZE"])
+    _bwd_dkv_map_kernel = _tuned(_bwd_dkv_map_kernel, ["F", "Dv", "D", "LB", "STRICT", "SCALED", "DV_BF16", "MODE",
+                                                       "NORMALIZE"])
 
 
 class MapGrads(NamedTuple):
