@@ -188,6 +188,25 @@ def test_no_host_sync_in_the_backend_hot_path(backend, family):
     assert err is None, f"{backend} {family}: {err}"
 
 
+def test_no_host_sync_with_the_fused_maps(count_calls):
+    """triton_chunked with the PRF maps' backward in its kernels (`FUSED_MAPS`), ALiBi, through
+    the public call, forward+backward: no host synchronization, and the fused path ran."""
+    from fastrpe import backends_triton as bt
+    from fastrpe.ops.linear import triton_chunked_prf as tcp
+
+    q, k, v, kern, pos, causal, _, _ = _setup("triton_chunked", "alibi")
+    calls = count_calls(tcp, "prf_chunked_attention")
+
+    def fwd_bwd():
+        with bt.use_fused_maps(True):
+            fr.attention(q, k, v, kernel=kern, position=pos, causal=causal,
+                         backend="triton_chunked").float().sum().backward()
+
+    err = _sync_error(fwd_bwd)
+    assert err is None, f"fused maps: {err}"
+    assert len(calls) >= 1
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("backend", SYNC_BACKENDS)
 def test_no_host_sync_through_the_public_call(backend, family):
