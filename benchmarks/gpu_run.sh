@@ -151,7 +151,8 @@
 # - ALiBi against fla (3.15 ms, fla 2.72; the maps' backward launches 0.62 of it): two levers,
 #   both timed by this script's `first` before the learned tables (PRIORITY_LONG_FAMILIES now
 #   starts with alibi). (1) The maps' backward computes φ again from x (640 MiB for the four
-#   launches at 64k, was 768) and holds fewer registers (bf16x3: 3 programs an SM, was 2); the
+#   launches at 64k, was 768) and both passes hold fewer registers (the projection multiplies
+#   bf16 x as stored: forward 6 programs an SM in tf32x3, was 4; backward 3 in bf16x3, was 2); the
 #   PRF sweep (PRF_S=20) now feeds a query's backward the dφ attention gives it, so bf16x3
 #   (0.771 ms against 0.925 last time, refused for a tie artefact) can be adopted, and picks
 #   each pass's launch ("FWD/BWD", `triton_prf.BWD_LAUNCH`): read its `adopt:` line in

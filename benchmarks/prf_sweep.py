@@ -48,9 +48,9 @@ from fastrpe.ops.linear import triton_chunked as tc
 #: (2026-11-28) found row tiles no faster (":4" 0.983 ms, ":8" 0.988, against 0.925) and bf16x3
 #: faster (0.771); since, each pass has its own pick (`choose`), and the shapes tried are those
 #: that hold more rows or warps an SM (ptxas for sm_90, results/prf_ptxas-sm90.json,
-#: `programs_per_sm`): the backward holds 2 programs of 64 rows and 4 warps an SM in tf32x3 (191
-#: registers a thread), 3 in bf16x3 (168), 5 of 16 rows and 4 warps, 4 of 32 rows and 4 warps,
-#: 6 of 16 rows and 2 warps; the forward in bf16x3 8 of 64 rows and 4 warps, 4 of 128 and 8
+#: `programs_per_sm`): the backward holds 2 programs of 64 rows and 4 warps an SM in tf32x3 (183
+#: registers a thread), 3 in bf16x3 (167), 5 of 16 rows and 4 warps, 4 of 32 rows and 4 warps,
+#: 7 of 16 rows and 2 warps; the forward 6 of 64 rows and 4 warps in tf32x3, 10 in bf16x3
 CONFIGS = tuple(dict.fromkeys((tp.forward_launch().spec(), tp.backward_launch().spec(), "64:4:bf16x3", "16:4:bf16x3",
                                 "32:4:bf16x3", "16:2:bf16x3", "128:8:bf16x3", "64:8:bf16x3", "32:4:tf32x3",
                                 "64:4:bf16x3:4")))

@@ -53,25 +53,30 @@ if HAS_TRITON:
     def _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, M, sxb, sxh, sxl, swh, scale,
                   BD: tl.constexpr, BM: tl.constexpr, NORMALIZE: tl.constexpr, MODE: tl.constexpr):
         """The rows r (int64: r·sxl overflows int32 on a head-split view, sxl = H·D, once
-        L·H·D >= 2^31; `ok` those < L) of head bh: `(x̂ [BR, BD], ‖x‖ clamped [BR], w [BM, BD],
-        w·xs [BR, BM], ‖xs‖²/2 [BR])`, in float32. Per row, not per entry: the normalization's
-        reciprocal (one division a row, then products) and ‖xs‖² from ‖x‖² (one reduction over
-        D, not two)."""
+        L·H·D >= 2^31; `ok` those < L) of head bh: `(‖x‖ clamped [BR], w [BM, BD], w·xs [BR, BM],
+        ‖xs‖²/2 [BR])`, in float32. The projection multiplies x as it is stored (a bf16 x is an
+        exact tensor-core operand: two bf16 or tf32 products against w's halves, where x̂ in
+        float32 took three and its own split) and scales each row after, `w·xs = (w·x)·s/‖x‖`;
+        per row, not per entry: the normalization's reciprocal and ‖xs‖² from ‖x‖² (one
+        reduction over D)."""
         b, h = bh // H, bh % H
         d, m = tl.arange(0, BD), tl.arange(0, BM)
         x = tl.load(x_ptr + b * sxb + h * sxh + r[:, None] * sxl + d[None, :], mask=ok[:, None] & (d < D)[None, :],
-                    other=0.0).to(tl.float32)
-        sq = tl.sum(x * x, 1)
+                    other=0.0)
+        xf = x.to(tl.float32)
+        sq = tl.sum(xf * xf, 1)
         nrm = tl.maximum(tl.sqrt(sq), 1e-12)
-        if NORMALIZE:
-            inv = 1.0 / nrm
-            x = x * inv[:, None]
-            sq = sq * (inv * inv)
         w = tl.load(w_ptr + h * swh + m[:, None] * D + d[None, :], mask=(m < M)[:, None] & (d < D)[None, :],
                     other=0.0).to(tl.float32)
-        wx = _dot(x * scale, tl.trans(w), tl.float32, tl.float32, MODE)  # (BR, BM)
+        wx = _dot(x, tl.trans(w), tl.float32, tl.float32, MODE)  # (BR, BM)
+        if NORMALIZE:
+            inv = 1.0 / nrm
+            wx = wx * (scale * inv)[:, None]
+            sq = sq * (inv * inv)
+        else:
+            wx = wx * scale
         half = sq * (scale * scale / 2)
-        return x, nrm, w, wx, half
+        return nrm, w, wx, half
 
     @triton.jit
     def _prf_fwd_kernel(x_ptr, w_ptr, shift_ptr, phi_ptr, H, L, D, M, F, sxb, sxh, sxl, swh, s_shift, scale,
@@ -93,8 +98,8 @@ if HAS_TRITON:
         """`_prf_fwd_kernel`'s tile of BR positions from r0."""
         r = (r0 + tl.arange(0, BR)).to(tl.int64)
         ok = r < L
-        x, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, M, sxb, sxh, sxl, swh, scale, BD, BM,
-                                        NORMALIZE, MODE)
+        nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, M, sxb, sxh, sxl, swh, scale, BD, BM,
+                                     NORMALIZE, MODE)
         m = tl.arange(0, BM)
         live = (m < M)[None, :]
         e1 = wx - half[:, None]
@@ -147,13 +152,14 @@ if HAS_TRITON:
         its radial part x̂(x̂·dx) where normalized: with x̂·(de·W) = Σ_f de·wx / s,
         x̂·dx = Σ_f de·wx − s²·Σde·‖x̂‖² (‖x̂‖² = 2·half/s²), so each row's coefficient of x̂ comes
         from [BR, BF] tiles, and x̂, read again at the end, is not held across the products.
-        With both, the standalone kernel (64 rows, 4 warps, sm_90) holds 191 registers a thread
-        in tf32x3 where it held 235, 168 in bf16x3 where 214: 3 programs an SM instead of 2
+        With these and the raw-x projection (`_prf_rows`), the standalone kernel (64 rows, 4
+        warps, sm_90) holds 183 registers a thread in tf32x3 where it held 235, 167 in bf16x3
+        where 214 (3 programs an SM instead of 2), and 16 KiB of shared memory where 48 and 24
         (`benchmarks/prf_ptxas.py`, results/prf_ptxas-sm90.json, before and after 2026-11-28)."""
         b, h = bh // H, bh % H
         f, d = tl.arange(0, BF), tl.arange(0, BD)
-        _, nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, F, sxb, sxh, sxl, swh, scale, BD, BF,
-                                        NORMALIZE, MODE)
+        nrm, w, wx, half = _prf_rows(x_ptr, w_ptr, bh, r, ok, H, D, F, sxb, sxh, sxl, swh, scale, BD, BF,
+                                     NORMALIZE, MODE)
         live = (f < F)[None, :]
         e = wx - half[:, None]
         if QUERY:  # its own largest exponent, as the forward found it
@@ -198,15 +204,16 @@ PRECISION = "tf32x3"
 #: launches against one tile's 0.925, so it stays 1. At one tile a
 #: program the maps moved a third of the H100's bandwidth (a forward launch 0.12 ms for its
 #: 128 MiB, tf32x3; h100-2026-11-27b-profile.json): each program loads its tile and waits, and
-#: its 48 KiB of shared memory (sm_90, 4 warps, tf32x3; 92 registers) leave 4 programs an SM.
+#: its 48 KiB of shared memory (sm_90, 4 warps, tf32x3; 92 registers) left 4 programs an SM
+#: (6 since the raw-x projection of 2026-11-28: 16 KiB, 80 registers).
 #: With 4 or 8 tiles the loop's loads are asynchronous copies, 3 stages deep (80 KiB, 128
 #: registers: 2 programs an SM; the backward 112 KiB, 255 registers; benchmarks/prf_ptxas.py,
 #: results/prf_ptxas-sm90.json)
 TILES = 1
 MIN_PROGRAMS = 1024
 #: the backward's own launch choices (a `Launch`), or None: the forward's. The backward holds
-#: more per row than the forward (dφ, e₀, dx: ptxas, sm_90, 64 rows, 4 warps, bf16x3: 63
-#: registers a thread forward, about 170 backward; benchmarks/prf_ptxas.py), so its best shape
+#: more per row than the forward (dφ, e₀, dx: ptxas, sm_90, 64 rows, 4 warps, bf16x3: 48
+#: registers a thread forward, 167 backward; benchmarks/prf_ptxas.py), so its best shape
 #: need not be the forward's: the sweep times each pass's choices and may pick two
 #: (`$FASTRPE_PRF_LAUNCH` "FWD/BWD"). It computes φ again under its own choices, which may
 #: differ from the forward's φ in the last bits (another tiling or precision of the projection):

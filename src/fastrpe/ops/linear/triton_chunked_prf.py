@@ -18,8 +18,10 @@ the unfused path.
 
 Numerics: the same kernels and sums as the unfused path up to dφ, which stays in registers in
 float32 (the unfused path stores it in float32: the same values), then the maps' backward
-(`triton_prf.prf_grad_rows`), which computes φ again from x under the forward's launch
-choices' precision.
+(`triton_prf.prf_grad_rows`), which computes φ again from x with the attention's products
+(`precision`), where the maps' forward took theirs (`triton_prf.PRECISION`): φ may differ in
+its last bits, far below dx's bf16 rounding (`triton_prf.BWD_LAUNCH` says the same of the
+standalone backward).
 """
 from __future__ import annotations
 
