@@ -157,3 +157,26 @@ def test_the_backend_takes_it_where_asked_and_covered(monkeypatch, count_calls):
     assert len(why) == 5 and any("PRF" in w for w in why) and any("padding" in w for w in why)
     monkeypatch.setattr(kernels, "TRITON_FEATURES", "never")
     assert any("Triton route" in w for w in tcp.fused_reasons(x, x, kern, None, None, True, None))
+
+
+def test_at_the_gpu_benchs_shapes_the_fused_path_gives_the_unfused_sums(monkeypatch):
+    """D = 64, 32 NPRF features, bf16, through `fastrpe.attention` (the bench's row): the same
+    output and gradients as the unfused path, to the bit under the interpreter (both sum the
+    same products exactly there), to float32 round-off on a GPU (the maps' backward there takes
+    the attention's products, the unfused one the map's own)."""
+    monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", not _CUDA)
+    monkeypatch.setattr(kernels, "TRITON_FEATURES", "always")
+    H, L, D = 2, 80, 64
+    kern = kernels.get_kernel("nprf", head_dim=D, num_features=32).to(DEV)
+    pos = positions.make("alibi", H, causal=True, max_len=L).to(DEV)
+    q, k, v, do = _inputs(1, H, L, L, D, D, dtype=torch.bfloat16, seed=9)
+    res = []
+    for on in (False, True):
+        with backends_triton.use_fused_maps(on):
+            out = fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend="triton_chunked")
+            res.append(_grads(out, (q, k, v), do))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        if _CUDA:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()), msg=name)
+        else:
+            assert torch.equal(a, b), name
