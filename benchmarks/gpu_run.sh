@@ -147,6 +147,19 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the fourth CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - the workplace now lends H200s only (`status`: kinds ["nvidia-h200"]); on one, the H100's
+#   JSON in .gpu_runs/ does not resume (another device), and `first` starts afresh. A fresh
+#   `first` used to time every criterion's rows shortest length first, 64 rows at 4k before
+#   any at 64k; now, after the tests, the warm-up and fla's rows, it takes two windows:
+#   PRIORITY_FRESH at 64k (Flex, `auto` and each family's fastest rows of the H100, 23 rows),
+#   then PRIORITY_FRESH_SHORT at 4k (Flex and fastrpe with and without CUDA graphs, 32), and the
+#   warm-up compiles those first (`--warm-first` patterns at a length, "flex@65536",
+#   `gpu.row_matches`). Run it as before (same command; .gpu_runs/ may stay: it is ignored on
+#   another GPU) and `rest` after: its 1M window (now KERPLE's bf16x3 row too), decoding and
+#   the host-sync check, then the rest. The check's criteria are the H100's, read on an H200
+#   (the same Hopper chip, 1.4x its memory bandwidth): say so beside every verdict;
+#
 # New since the third CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - ALiBi against fla (3.15 ms, fla 2.72; the maps' backward launches 0.62 of it): two levers,
 #   both timed by this script's `first` before the learned tables (PRIORITY_LONG_FAMILIES now
@@ -690,11 +703,26 @@ PRIORITY_LONG_FAMILIES=alibi,learned,learned_full,kerple_log,kerple_power,t5
 # 40 GiB", exact) no session has reached: its memory is bounded (a 512 MiB block budget,
 # fft/plan.py), its time unknown there (64k: 0.57 s not causal, 1.2 s causal; each call capped
 # at 90 s)
-PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states,fastrpe-triton_soe,fastrpe-fft'
+# (KERPLE's: the states kept, tf32x3 as timed before and bf16x3, the library's products for
+# bf16 calls since epoch 7 and 5-20% faster at 64k; the plain row, as fast as the kept states'
+# at 1M on the H100 and 57 s of autotuning in its first call, left to the general pass)
+PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-fft'
 # the table over all offsets first (not causal: no recursion over blocks, the likelier to finish
 # a call within the 90-s cap; CPU estimate at 1M: 4.8 TFLOP a forward, 18.7 GiB, `plan.estimate_fft_cost`)
 PRIORITY_1M_FAMILIES=learned_full,learned,alibi,kerple_log,kerple_power
 PRIORITY_1M_LENGTHS=1048576
+# A fresh `first` (no JSON of this GPU to resume: since 2026-11-28 the workplace lends H200s
+# only, and the H100's JSON does not resume on one): the fewest rows that decide each ratio
+# criterion at 64k, both sides, in one window before anything else (fla's rows go before it,
+# as when resuming): Flex, `auto`, and each family's fastest rows on the H100 (bf16x3 products,
+# the fused maps, KERPLE's kept states, the tables' bf16 features); then, in a second window,
+# the 4k criteria's rows, Flex's and fastrpe's calls replayed from CUDA graphs, where the H100
+# passed all six. `rest` then takes the 1M rows, decoding, the host-sync check and the others.
+# Their kernels are compiled first (`--warm-first` with "@L": at those lengths only).
+PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_band+bf16x3,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features'
+PRIORITY_FRESH_FAMILIES=alibi,kerple_log,kerple_power,t5,learned,learned_full
+PRIORITY_FRESH_SHORT='flex,flex+cudagraphs,fastrpe-triton_*+cudagraphs,fastrpe-auto'
+PRIORITY_FRESH_SHORT_LENGTH=4096
 PRF_ARGS=()
 # the profile (PROFILE_S, 45 s): where the 64k time goes in the rows still short of their
 # criteria: the FFT path for a learned table over all offsets (651 ms, six criteria), KERPLE-log
@@ -707,6 +735,7 @@ if [ -n "${SMOKE:-}" ]; then
     PRIORITY_LENGTHS=48,96
     PRIORITY_LONG_LENGTHS=96
     PRIORITY_1M_LENGTHS=96
+    PRIORITY_FRESH_SHORT_LENGTH=48
     PROFILE_ARGS=(--device cpu --lengths 64 --cases fastrpe-chunked:alibi)
     PRF_ARGS=(--device cpu --lengths 20 --configs 16:4:ieee,32:2:tf32x3)
 fi
@@ -770,6 +799,16 @@ bench_until() {
         for a in "${args[@]}"; do [ "$a" = --resume ] || [ "$a" = --retry-errors ] || next+=("$a"); done
         args=("${next[@]}")
     done
+}
+
+# at_length PATTERNS L: each of the comma-separated competitor PATTERNS at length L only
+# ("flex,fastrpe-auto" 65536 -> "flex@65536,fastrpe-auto@65536", for --warm-first); no glob
+# expansion of the patterns' stars
+at_length() {
+    local pats=() i
+    IFS=, read -ra pats <<< "$1"
+    for i in "${!pats[@]}"; do pats[i]="${pats[i]}@$2"; done
+    (IFS=,; echo "${pats[*]}")
 }
 
 # rows_1m END LOG: the 1M rows of the decaying terms and of the learned tables' FFT path
@@ -971,8 +1010,13 @@ case "$phase" in
     #    until FIRST_WARM_S s after the start at the latest
     #    (resuming: the priority rows of 1c first, which would otherwise compile last, in the
     #    middle of their own timing)
-    warm_first=()
-    [ "${#resume[@]}" -gt 0 ] && warm_first=(--warm-first "$PRIORITY_ONLY")
+    #    (fresh: the rows of its two windows, at their lengths)
+    if [ "${#resume[@]}" -gt 0 ]; then
+        warm_first=(--warm-first "$PRIORITY_ONLY")
+    else
+        warm_first=(--warm-first "$(at_length "$PRIORITY_FRESH" "$PRIORITY_LONG_LENGTHS"),$(at_length \
+            "$PRIORITY_FRESH_SHORT" "$PRIORITY_FRESH_SHORT_LENGTH")")
+    fi
     warm_until "${FIRST_WARM_S:-170}" first "${warm_first[@]}" &
     warm_pid=$!
     fla_warm "${FIRST_WARM_S:-170}" first &
@@ -1100,6 +1144,14 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
         # (at least 150 s for the rest: bench_until keeps 85 s of each call's window in hand)
         bench_until "$(capped $(( priority_end > SECONDS + 150 ? priority_end : SECONDS + 150 )))" gpu_first.log \
             --resume --sections rows --passes 0,1 --lengths "$PRIORITY_LENGTHS" --only "$PRIORITY_ONLY"
+    elif [ "${PRIORITY_S:-150}" -gt 0 ]; then
+        # fresh (PRIORITY_FRESH above): the 64k criteria's deciding rows, then the 4k ones';
+        # a window ends early when its rows are done (at least 110 s each: bench_until keeps
+        # 85 s of a call's window in hand)
+        bench_until "$(capped $(( SECONDS + ${PRIORITY_S:-150} )))" gpu_first.log --resume --sections rows --passes 0 \
+            --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_FRESH" --families "$PRIORITY_FRESH_FAMILIES"
+        bench_until "$(capped $(( SECONDS + ${PRIORITY_SHORT_S:-110} )))" gpu_first.log --resume --sections rows \
+            --passes 0 --lengths "$PRIORITY_FRESH_SHORT_LENGTH" --only "$PRIORITY_FRESH_SHORT"
     fi
     # 2. every row a criterion reads (gpu.reads), shortest length first, then decoding, then the
     #    host-sync check, until PACK_S s (default 35) before the end

@@ -275,6 +275,40 @@ def test_warm_first_puts_the_rows_a_resumed_run_times_first_at_the_front():
     assert [it for it, h in zip(front, hit) if not h] == [it for it in plain if it not in front[:sum(hit)]]
 
 
+def test_warm_first_at_a_length_puts_only_that_lengths_rows_first():
+    """A fresh `first` (another GPU's JSON, or none) times the 64k criteria's rows before the
+    4k ones: its warm-up compiles `flex@65536` first, and Flex at 4k where the bench's order
+    has it."""
+    cfg = gpu.GpuConfig(lengths=(gpu.L_SHORT, gpu.L_CHECK), skip=("fla-*",))
+    plain = warm_items(cfg, "first")
+    front = warm_items(replace(cfg, warm_first=(f"flex@{gpu.L_CHECK}",)), "first")
+    n_long = sum(1 for p, n in plain if n == "flex" and p.L == gpu.L_CHECK)
+    assert n_long > 0 and sorted(front, key=plain.index) == plain
+    assert all(n == "flex" and p.L == gpu.L_CHECK for p, n in front[:n_long])
+    assert front[n_long:] == [it for it in plain if it not in front[:n_long]]
+    assert any(n == "flex" and p.L == gpu.L_SHORT for p, n in front[n_long:])
+    # two lengths' groups: the one named first goes first, though the bench runs 4k first
+    both = warm_items(replace(cfg, warm_first=(f"flex@{gpu.L_CHECK}", f"flex@{gpu.L_SHORT}")), "first")
+    n_short = sum(1 for p, n in plain if n == "flex" and p.L == gpu.L_SHORT)
+    assert n_short > 0 and [(p.L, n) for p, n in both[:n_long + n_short]] == (
+        [(gpu.L_CHECK, "flex")] * n_long + [(gpu.L_SHORT, "flex")] * n_short)
+
+
+def test_row_matches_reads_a_length_after_the_at_sign():
+    short, long = (Problem(L=L, position="alibi") for L in (gpu.L_SHORT, gpu.L_CHECK))
+    assert gpu.row_matches(long, "flex", ("flex@65536",)) and not gpu.row_matches(short, "flex", ("flex@65536",))
+    assert gpu.row_matches(short, "flex", ("fl*",)) and gpu.row_matches(long, "flex", ("fl*",))
+    assert not gpu.row_matches(long, "flex+cudagraphs", ("flex@65536",))
+    assert gpu.row_matches(long, "fastrpe-auto", ("flex@4096", "fastrpe-*@65536"))
+
+
+@pytest.mark.parametrize("pats, says", [("flex@4k", "expected a length"), ("flux@4096", "matches no competitor")])
+def test_warm_first_at_a_length_is_checked_by_the_cli(tmp_path, capsys, pats, says):
+    rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--warm-first", pats, "--out", str(tmp_path)])
+    err = capsys.readouterr()
+    assert rc == 2 and says in (err.out + err.err)
+
+
 def test_warm_first_is_an_option_of_the_cli(tmp_path, capsys):
     rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--warm-first", "nothing-*",
                "--out", str(tmp_path)])

@@ -239,8 +239,8 @@ class GpuConfig:
     #: with another triton (benchmarks/fla_site.sh), and the rest with `skip=("fla-*",)`
     only: tuple = ()
     skip: tuple = ()
-    #: the warm-up (`--warm`) compiles the rows matching these patterns first: those a resumed
-    #: run times first (gpu_run.sh's priority rows)
+    #: the warm-up (`--warm`) compiles the rows matching these patterns first (`row_matches`:
+    #: "name" or "name@L"): those the run times first (gpu_run.sh's priority rows)
     warm_first: tuple = ()
     smoke: bool = False
     device: str = "cuda"
@@ -995,6 +995,17 @@ _APPLIES = {
 def matches(name: str, patterns) -> bool:
     """Whether competitor `name` matches one of `patterns` (fnmatch, case kept)."""
     return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+def row_matches(p: Problem, name: str, patterns) -> bool:
+    """Whether the row of competitor `name` on problem `p` matches one of `patterns`: a
+    competitor pattern (`matches`), at every length, or with `@L` at that length only
+    (`flex@65536`: compiled Flex at 65,536 tokens, not at 4,096)."""
+    for pat in patterns:
+        pat, _, at = pat.partition("@")
+        if fnmatch.fnmatchcase(name, pat) and (not at or p.L == int(at)):
+            return True
+    return False
 
 
 def wanted(cfg: GpuConfig, name: str) -> bool:
@@ -2145,7 +2156,8 @@ def add_arguments(p) -> None:
     g.add_argument("--skip", default=None, metavar="PATTERNS",
                    help="comma-separated competitor name patterns: leave these rows to another run")
     g.add_argument("--warm-first", default=None, metavar="PATTERNS",
-                   help="with --warm: compile the rows of these competitor patterns first")
+                   help="with --warm: compile the rows of these competitor patterns first; a pattern "
+                        "ending in @L, at that length only (flex@65536)")
     g.add_argument("--passes", default=None, metavar="0,1,2",
                    help="the rows section's passes to run: 0 the rows the criteria read, 1 those of them "
                         "under torch.compile, 2 every other row (default all)")
@@ -2165,14 +2177,19 @@ def _ints(s: str, what: str) -> tuple:
     return vals
 
 
-def _patterns(s: str, what: str, cfg: GpuConfig) -> tuple:
+def _patterns(s: str, what: str, cfg: GpuConfig, at_length: bool = False) -> tuple:
     """Comma-separated competitor patterns, each matching some competitor (a typo would
-    silently select nothing)."""
+    silently select nothing); with `at_length`, each may end in `@L`, a length (`row_matches`)."""
     from .._validate import FastRPEError
 
     pats = tuple(x.strip() for x in s.split(",") if x.strip())
     names = list(registry(cfg))
-    bad = [x for x in pats if not any(matches(n, (x,)) for n in names)]
+    if at_length:
+        lengths = [x.partition("@")[2] for x in pats if "@" in x]
+        odd = [x for x in lengths if not x.isdigit() or int(x) < 1]
+        if odd:
+            raise FastRPEError(f"{what}: after '@', expected a length in tokens, got {', '.join(map(repr, odd))}")
+    bad = [x for x in pats if not any(matches(n, (x.partition("@")[0] if at_length else x,)) for n in names)]
     if not pats or bad:
         raise FastRPEError(f"{what}: {', '.join(map(repr, bad)) or repr(s)} matches no competitor; "
                            f"known: {', '.join(names)}")
@@ -2205,7 +2222,7 @@ def config_from_args(args) -> GpuConfig:
         kw["passes"] = tuple(sorted(int(x) for x in passes))
     for opt in ("only", "skip", "warm_first"):
         if getattr(args, opt, None) is not None:
-            kw[opt] = _patterns(getattr(args, opt), f"--{opt.replace('_', '-')}", cfg)
+            kw[opt] = _patterns(getattr(args, opt), f"--{opt.replace('_', '-')}", cfg, at_length=opt == "warm_first")
     if not isinstance(args.dtype, _Unset):
         kw["dtype"] = args.dtype
     if not isinstance(args.repeats, _UnsetInt):

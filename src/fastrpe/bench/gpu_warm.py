@@ -43,10 +43,10 @@ from .gpu import (
     compiled_row,
     done_pairs,
     lost_elsewhere,
-    matches,
     problems,
     registry,
     retry_errors,
+    row_matches,
     row_pass,
     versions,
     wanted,
@@ -88,8 +88,9 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
     fla) in the order the bench runs them: `which="first"`, those the criteria read (its
     passes 0 and 1, `row_pass`); `"rest"`, those of every pass; either less those in `done`
     (`(tag, competitor)` pairs, what a resumed bench skips), and those `cfg` does not time
-    (`gpu.wanted`); the rows of `cfg.warm_first` come first. `auto` is left out: it would time
-    its candidates beside the other workers, and they are the Triton and PyTorch rows anyway."""
+    (`gpu.wanted`); the rows of `cfg.warm_first` come first (`gpu.row_matches`: a pattern, or
+    one at a length, "flex@65536"). `auto` is left out: it would time its candidates beside
+    the other workers, and they are the Triton and PyTorch rows anyway."""
     if which not in ("first", "rest"):
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
     names = list(registry(cfg))
@@ -97,7 +98,19 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
              if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n) and row_pass(p, n) == rank
              and (p.tag(), n) not in done]
     # the rows of `cfg.warm_first` before the others (stable: each group in the bench's order)
-    return sorted(items, key=lambda it: not matches(it[1], cfg.warm_first))
+    return sorted(items, key=lambda it: warm_rank(it[0], it[1], cfg.warm_first))
+
+
+def warm_rank(p: Problem, name: str, patterns) -> int:
+    """Where the warm-up puts a row of `patterns` (`GpuConfig.warm_first`): the patterns at one
+    length ("flex@65536") form a group, those at none another, each group ranked where its
+    first pattern stands, the rows matching none last. So "flex@65536,flex@4096" compiles Flex
+    at 64k before Flex at 4k, whatever the bench's order (shortest first)."""
+    groups = list(dict.fromkeys(pat.partition("@")[2] for pat in patterns))
+    for rank, at in enumerate(groups):
+        if row_matches(p, name, [pat for pat in patterns if pat.partition("@")[2] == at]):
+            return rank
+    return len(groups)
 
 
 #: the warm-up's worker processes at least: with fewer autotuner configs than this, several
