@@ -131,7 +131,9 @@ def all_cases():
                        dict(BV=64, DIVIDE=True, THR=1e-31, OUT_BF16=True, **first, **tile, **m)),
                       (ts._soe_out_kernel, soe, dict(BV=64, **later, **tile, **m)),
                       (ts._soe_bwd_state_kernel, soe_b, dict(BV=64, NB=NB, **tile, **sc)),
-                      (ts._soe_bwd_dq_kernel, soe_b, dict(**first, **tile, **sc)),
+                      # a frozen term's (the bench's: no far weights' gradient) and a trainable one's
+                      (ts._soe_bwd_dq_kernel, soe_b, dict(DWQ=False, **first, **tile, **sc)),
+                      (ts._soe_bwd_dq_kernel, soe_b, dict(DWQ=True, **first, **tile, **sc)),
                       (ts._soe_bwd_dkv_kernel, soe_b, dict(**first, **tile, **sc)),
                       (ts._soe_bwd_dcn_kernel, soe_b, dict(NB=NB, **tile, **sc))]
         # the far field walked in blocks (triton_soe_walk), four terms a state, float32 sums
@@ -229,7 +231,7 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 in each) and the
 #: float32 modes' extras
-N_COMPILED = 3 * (14 + 5 + 2 * 6) + 2 * 19 + 1
+N_COMPILED = 3 * (14 + 5 + 2 * 7) + 2 * 19 + 1
 
 
 @pytest.mark.slow

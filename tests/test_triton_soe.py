@@ -87,6 +87,25 @@ def test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, bud
         assert_close(a, b, msg=name)
 
 
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-group", "a-term-per-launch"])
+@pytest.mark.parametrize("trains", ["nothing", "a", "corr"])
+def test_soe_gradients_without_the_far_weights_gradient(trains, budget):
+    """A term whose far weights take no gradient (frozen: the bench's KERPLE rows) runs the dq
+    kernel without its dwq sums (`DWQ`): q's, k's and v's gradients are those of the call
+    whose plan trains, bit for bit, and what trains has the trainable call's gradient."""
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
+    full = _plan(2, 8, 4)
+    part = SoEPlan(full.gamma, full.a.detach().requires_grad_(trains == "a"),
+                   full.corr.detach().requires_grad_(trains == "corr"), full.window, full.fit_length)
+    grads = []
+    for plan in (full, part):
+        num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16, state_budget=budget)
+        named = {"dq": q, "dk": k, "dv": v, **{n: x for n, x in (("a", plan.a), ("corr", plan.corr)) if x.requires_grad}}
+        grads.append(dict(zip(named, weighted_grads((num, den), tuple(named.values())))))
+    for name, g in grads[1].items():
+        assert torch.equal(g, grads[0][name]), name
+
+
 QUOTIENT_CASES = [c for c in CASES if c.id in ("T63-F12-Dv10-W8-C16", "T1", "T40-Dv72-two-value-blocks",
                                                 "T45-W20-three-near-chunks", "decode-Lq5-Lk60-off55",
                                                 "T63-a-term-per-launch", "off10-a-term-per-launch")]

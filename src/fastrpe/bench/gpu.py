@@ -1490,11 +1490,18 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: sweep's "FWD/BWD" pick), in every fastrpe Triton row; no row moves for it (the `auto` rows move
 #: for epoch 7 and carry it, the criteria's best rows among them); the new row
 #: `fastrpe-triton_chunked+bf16x3+fused-maps` (`backends_triton.FUSED_MAPS`) is timed as any new row.
-CODE_EPOCH = 8
+#: Epoch 9 (the fourth CPU session of 2026-11-28): triton_soe's dq kernel, which triton_band
+#: runs too, forms the far weights' gradient only when they take one (`DWQ`; the bench's terms
+#: are frozen), and then in registers, stored once per program, where it read and wrote it
+#: back in memory once per term and chunk: the rows its criteria read move (the others keep
+#: their times, of the kernel before).
+CODE_EPOCH = 9
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),
-           ("fastrpe-auto", "*", 0, 7))
+           ("fastrpe-auto", "*", 0, 7), ("fastrpe-triton_soe+bf16x3", "*", 0, 9),
+           ("fastrpe-triton_soe+saved-states*", "*", 0, 9), ("fastrpe-triton_band+bf16x3", "*", 0, 9),
+           ("fastrpe-auto", "t5", 0, 9))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on

@@ -229,9 +229,11 @@ if HAS_TRITON:
                            H, Lq, Lk, F, Dv, N, K, NS, q_offset, LB,
                            BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr,
                            NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr,
-                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
-        """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and this program's sums for
-        the far weights' gradient dwq `[K, BT]`. K, NEAR, ACCUM as `_soe_out_kernel`'s."""
+                           DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
+                           DWQ: tl.constexpr = True):
+        """Grid (NS, B·H), query chunks n = g, g + NS, ...: dφq, and (DWQ) this program's sums
+        for the far weights' gradient dwq `[K, BT]`. K, NEAR, ACCUM as `_soe_out_kernel`'s.
+        Without DWQ (the weights take no gradient: a frozen term) none of it is formed."""
         gi = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         hh = bh % H
@@ -267,9 +269,10 @@ if HAS_TRITON:
                     zs = tl.load(z_ptr + off + f)
                     Y = _dot(don, tl.trans(S), DT, ACC, MODE)  # (BT, BF): do·Sᵀ
                     dq += w[:, None] * (inv[:, None] * Y + ddn[:, None] * zs[None, :])
-                    # the weight's gradient q·S·doᵀ per row is Σ_f q ⊙ (do·Sᵀ): Y again, no [BT, BDV] q·S
-                    dw = inv * tl.sum(qn * Y, 1) + tl.sum(qn * zs[None, :], 1) * ddn
-                    tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
+                    if DWQ:
+                        # the weight's gradient q·S·doᵀ per row is Σ_f q ⊙ (do·Sᵀ): Y again, no [BT, BDV] q·S
+                        dw = inv * tl.sum(qn * Y, 1) + tl.sum(qn * zs[None, :], 1) * ddn
+                        tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
             dqm = qm[:, None] & (f[None, :] < F)
             if ACCUM:
                 dq += tl.load(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=dqm, other=0.0)
@@ -387,9 +390,9 @@ if HAS_TRITON:
     _soe_out_kernel = _tuned(_soe_out_kernel, _KEY + ["DIVIDE", "OUT_BF16"], restore=["num_ptr", "den_ptr"])
     # bf16x3 (MODE 3) tunes over pipelined configs only (`SOE_DQ_BF16X3_NOTE`); one JIT function,
     # so the two autotuners share its compiled variants
-    _soe_bwd_dq_kernel_bf16x3 = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"],
+    _soe_bwd_dq_kernel_bf16x3 = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED", "DWQ"], reset=["dwq_ptr"],
                                        restore=["dq_ptr"], min_stages=2)
-    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED"], reset=["dwq_ptr"], restore=["dq_ptr"])
+    _soe_bwd_dq_kernel = _tuned(_soe_bwd_dq_kernel, _KEY + ["SCALED", "DWQ"], reset=["dwq_ptr"], restore=["dq_ptr"])
     _soe_bwd_dkv_kernel = _tuned(_soe_bwd_dkv_kernel, _KEY + ["SCALED", "DV_BF16", "LAST"],
                                  restore=["dk_ptr", "dv_ptr", "dvlo_ptr"])
     _soe_bwd_dcn_kernel = _tuned(_soe_bwd_dcn_kernel, ["F", "Dv", "BT", "NB", "LB", "SCALED", "MODE"])
@@ -629,10 +632,12 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
             h, z = kept_h, kept_z
         else:
             h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
-        dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev)
+        # each program's sums of the far weights' gradient (`DWQ`), or none: a frozen term's
+        # (one float in their place, which the autotuner's reset may zero)
+        dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev) if want_dwq else dq.new_zeros(1)
         dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF, BDV=BDV,
-                               **flags, **meta, **scaled)
+                               DWQ=want_dwq, **flags, **meta, **scaled)
         del h, z
         if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
             dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
@@ -692,8 +697,10 @@ def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: 
     dv = torch.empty(B, H, Lk, Dv, dtype=acc, device=dev)
     near = dict(K=0, q_offset=q_offset, LB=length_bucket(N), BT=T, BF=BF, BDV=BDV, NB=NB, NEAR=True, ACCUM=False,
                 SCALED=scaled, **meta)
-    _dq_kernel(meta["MODE"])[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, wq, H, Lq, Lk, F,
-                                          Dv, N, NS=NS, **near)
+    # (no far field: no dwq; its pointer a float of its own, which the autotuner's reset may zero:
+    # it zeroed wq, passed there before, which the walk reads after)
+    _dq_kernel(meta["MODE"])[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wq, wq, wq, dq, dq.new_zeros(1), H,
+                                          Lq, Lk, F, Dv, N, NS=NS, DWQ=False, **near)
     _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lgk, wq, wq, dk, dv, dv, H, Lq, Lk, F,
                                     Dv, N, DV_BF16=False, LAST=True, **near)
     dwq = _walk.far_backward(phi_q, phi_k, v, wq, lgk, dnum, inv, dden, dq, dk, dv, q_offset, T, NB, meta, scaled,
