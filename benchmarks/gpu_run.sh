@@ -152,7 +152,7 @@
 #   JSON in .gpu_runs/ does not resume (another device), and `first` starts afresh. A fresh
 #   `first` used to time every criterion's rows shortest length first, 64 rows at 4k before
 #   any at 64k; now, after the tests, the warm-up and fla's rows, it takes two windows:
-#   PRIORITY_FRESH at 64k (Flex, `auto` and each family's fastest rows of the H100, 23 rows),
+#   PRIORITY_FRESH at 64k (Flex, `auto` and each family's fastest rows of the H100, 31 rows),
 #   then PRIORITY_FRESH_SHORT at 4k (Flex and fastrpe with and without CUDA graphs, 32), and the
 #   warm-up compiles those first (`--warm-first` patterns at a length, "flex@65536",
 #   `gpu.row_matches`). Run it as before (same command; .gpu_runs/ may stay: it is ignored on
@@ -685,7 +685,7 @@ PRIORITY_ONLY='flex+cudagraphs,fastrpe-triton_*+cudagraphs,*+bf16x3,*+compiled'
 # Flex (gpu.ANCHORS) and every fastrpe Triton row (gpu.CHANGED, epoch 2: the PRF products'
 # default), the rows the 15x and 20x criteria read (2026-11-27: ALiBi 14.65x, KERPLE-log 17.9x
 # against the third session's Flex); within one call the bench runs the shortest length first
-PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3,*+fused-maps'
+PRIORITY_LONG='flex,*-scan,*+saved-states,fastrpe-triton_chunked,fastrpe-triton_soe,fastrpe-triton_band,fastrpe-auto,fastrpe-triton_tiled,fastrpe-triton_tiled+bf16-features,*+bf16x3,*+fused-maps,*+stacked-states'
 PRIORITY_LONG_LENGTHS=65536
 # the window's families in this order (the bench runs a length's problems in --families' order):
 # the learned tables first, whose 64k rows no window has reached in seven sessions (2026-11-28:
@@ -719,7 +719,9 @@ PRIORITY_1M_LENGTHS=1048576
 # the 4k criteria's rows, Flex's and fastrpe's calls replayed from CUDA graphs, where the H100
 # passed all six. `rest` then takes the 1M rows, decoding, the host-sync check and the others.
 # Their kernels are compiled first (`--warm-first` with "@L": at those lengths only).
-PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_band+bf16x3,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features'
+# (KERPLE's bf16x3 rows count only beside their tf32x3 twins, `gpu.precision_twin`: both go;
+# and the stacked state passes, `triton_soe.STATE_TERMS`, the KERPLE criteria's likeliest pass)
+PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_band+bf16x3,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features'
 PRIORITY_FRESH_FAMILIES=alibi,kerple_log,kerple_power,t5,learned,learned_full
 PRIORITY_FRESH_SHORT='flex,flex+cudagraphs,fastrpe-triton_*+cudagraphs,fastrpe-auto'
 PRIORITY_FRESH_SHORT_LENGTH=4096

@@ -1,6 +1,9 @@
 """Bytes the SoE far field's kernels move through memory: the stored states
 (`triton_soe.FAR_FIELD = "states"`, term groups of `STATE_BUDGET`) against the walk
-(`"walk"`, `triton_soe_walk`), forward and backward, for the GPU bench's KERPLE calls (B·H = 8,
+(`"walk"`, `triton_soe_walk`), and the stored states with `STACK` terms' states a program in
+the state passes (`triton_soe.STATE_TERMS`, `triton_soe_stacked`: each chunk's inputs read
+once a stack, in fewer programs, which the H100's "auto" scan blocks), forward and backward,
+for the GPU bench's KERPLE calls (B·H = 8,
 NPRF's 32 float32 features, bf16 values and output gradient, Dv = 64, T = 64, two near chunks,
 the output as a bf16 quotient, bf16 states as the bench's calls store them).
 
@@ -11,7 +14,8 @@ fewer than 66 programs over 256 chunks or more), the output, dq, dk/dv kernels w
 near field in the first group, float32 sums read again by each later group, dv as a bf16
 pair between groups; the walk's near-field launches, totals, carries (the forward's kept for
 the backward), walks adding to float32 num/dq/dk/dv, and the casts at the end. The feature
-maps and the near table's gradient, the same in both, are left out. Time at the H100's HBM3 peak (3.35 TB/s) bounds each from below.
+maps and the near table's gradient, the same in both, are left out. Time at the H100's HBM3
+peak (3.35 TB/s) bounds each from below.
 
     python benchmarks/soe_traffic.py --out benchmarks/results/soe_traffic.json
 """
@@ -31,6 +35,8 @@ PHI, VAL, ACC, ST = 4, 2, 4, 2  # bytes: float32 features, bf16 v/do/output, flo
 #: (family, L, terms of its fit) as the sixth H100 session's rows had them (docs/RESULTS.md)
 CASES = [("kerple_log", 65536, 11), ("kerple_power", 65536, 9), ("kerple_log", 1048576, 15),
          ("kerple_power", 1048576, 9)]
+#: the stacked passes' terms a program (the bench's `+stacked-states` rows)
+STACK = 4
 
 
 def _state_pass_passes(programs: int, N: int) -> int:
@@ -40,8 +46,11 @@ def _state_pass_passes(programs: int, N: int) -> int:
     return 2 if N >= AUTO_BLOCKED_MIN_CHUNKS and programs < AUTO_BLOCKED_SM_SHARE * 132 else 1
 
 
-def stored_bytes(L: int, K: int) -> dict:
+def stored_bytes(L: int, K: int, stack: int = 1) -> dict:
+    """The stored states' bytes; `stack`: `triton_soe.STATE_TERMS` (up to that many terms' states
+    a program in the state passes, `triton_soe_stacked`: each chunk's inputs read once a stack)."""
     from fastrpe.ops.linear.soe import terms_per_group
+    from fastrpe.ops.linear.triton_soe_stacked import stack_size
 
     N = L // T
     group = terms_per_group(BH, N, F, DV, ST, K)
@@ -54,14 +63,15 @@ def stored_bytes(L: int, K: int) -> dict:
     multi = len(groups) > 1
     for i, kg in enumerate(groups):
         first, later = i == 0, i > 0
-        passes = _state_pass_passes(BH * kg, N)
-        states = BH * kg * (passes * (k + v) + state)
+        stacks = -(-kg // stack_size(kg, stack))  # programs a (batch·head) of the state passes
+        passes = _state_pass_passes(BH * stacks, N)
+        states = BH * (stacks * passes * (k + v) + kg * state)
         out["fwd_states"] += states
         out["bwd_states"] += states  # made again for the backward
         sums = L * DV * ACC if multi else L * DV * VAL  # num (float32 between groups) or the bf16 quotient
         out["fwd_out"] += BH * (q + first * NB * (k + v) + kg * state + sums * (1 + later) + L * ACC * (1 + later))
         out["bwd_dq"] += BH * (q + do + rows + first * NB * (k + v) + kg * state + L * F * ACC * (1 + later))
-        out["bwd_dstates"] += BH * kg * (_state_pass_passes(BH * kg, N) * (q + do + rows) + state)
+        out["bwd_dstates"] += BH * (stacks * passes * (q + do + rows) + kg * state)
         dv = L * DV * (2 * VAL if multi and i < len(groups) - 1 else VAL)  # the bf16 pair between groups
         out["bwd_dkv"] += BH * (k + v + first * NB * (q + do + rows) + kg * state + L * F * ACC * (1 + later)
                                 + dv * (1 + later))
@@ -101,13 +111,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = []
     for fam, L, K in CASES:
-        s, w = stored_bytes(L, K), walk_bytes(L, K)
-        rows.append({"family": fam, "L": L, "terms": K, "stored": s, "walk": w,
+        s, w, st = stored_bytes(L, K), walk_bytes(L, K), stored_bytes(L, K, STACK)
+        rows.append({"family": fam, "L": L, "terms": K, "stored": s, "walk": w, f"stored_stack{STACK}": st,
                      "stored_ms_at_peak": s["total"] / HBM_BYTES_PER_S * 1e3,
-                     "walk_ms_at_peak": w["total"] / HBM_BYTES_PER_S * 1e3})
+                     "walk_ms_at_peak": w["total"] / HBM_BYTES_PER_S * 1e3,
+                     f"stored_stack{STACK}_ms_at_peak": st["total"] / HBM_BYTES_PER_S * 1e3})
         print(f"{fam:12s} L={L:8d} K={K:2d}: stored {s['total'] / 1e9:6.1f} GB ({len(s['groups'])} groups, "
-              f"{rows[-1]['stored_ms_at_peak']:5.1f} ms at peak), walk {w['total'] / 1e9:6.1f} GB ({w['passes']} passes, "
-              f"{rows[-1]['walk_ms_at_peak']:5.1f} ms)")
+              f"{rows[-1]['stored_ms_at_peak']:5.1f} ms at peak), {STACK} terms a state program "
+              f"{st['total'] / 1e9:6.1f} GB ({rows[-1][f'stored_stack{STACK}_ms_at_peak']:5.1f} ms), "
+              f"walk {w['total'] / 1e9:6.1f} GB ({w['passes']} passes, {rows[-1]['walk_ms_at_peak']:5.1f} ms)")
     if a.out:
         meta = {"command": "python benchmarks/soe_traffic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "model": "loads and stores of each launch's programs, no cache reuse; PRF maps and dcn left out",

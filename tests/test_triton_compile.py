@@ -26,7 +26,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr, triton_tiled as tt
-from fastrpe.ops.linear import triton_soe_walk as tw
+from fastrpe.ops.linear import triton_soe_walk as tw, triton_soe_stacked as tss
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked_prf as tcp
 
@@ -144,6 +144,11 @@ def all_cases():
                   (tw._walk_dq_kernel, walk_b, dict(NB=2, **wt, **sc)),
                   (tw._walk_rtotals_kernel, walk_b, dict(BV=64, NB=2, **wt, **sc)),
                   (tw._walk_dkv_kernel, walk_b, dict(NB=2, **wt, **sc))]
+        # the chunk-state passes with four terms' states stacked a program (triton_soe_stacked, 8 warps)
+        st = dict(BV=64, KG=4, **tile)
+        cases += [(tss._stacked_state_kernel, soe, dict(PHASE=phase, **st, **m)) for phase in (0, 1, 2)]
+        cases += [(tss._stacked_bwd_state_kernel, soe_b, dict(NB=nb, PHASE=phase, **st, **sc))
+                  for nb, phase in ((2, 0), (3, 1), (3, 2))]
         if dt == "fp32":
             cases.append((tr._step_kernel, {**geo, "h_ptr": acc}, dict(BF=32, BC=64)))
             # the blocked scan's carries (forward from a bf16 start state; reverse from zero)
@@ -229,9 +234,9 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
             print(dt, consts["MODE"], k.metadata.name, consts.get("NB"), hopper_trans_stores(k))
 """
 
-#: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 in each) and the
+#: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 and the stacked passes' 6 in each) and the
 #: float32 modes' extras
-N_COMPILED = 3 * (14 + 5 + 2 * 7) + 2 * 19 + 1
+N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 19 + 1
 
 
 @pytest.mark.slow

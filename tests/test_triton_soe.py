@@ -326,6 +326,19 @@ def test_soe_gpu_realistic_size_bf16_blocked_scan():
         test_soe_gpu_realistic_size_bf16()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", ["auto", "sequential"])
+def test_soe_gpu_realistic_size_bf16_stacked_states(scan):
+    """The same with four terms' states a program in the state passes (`STATE_TERMS = 4`, the
+    bench's `+stacked-states` rows), blocked as "auto" blocks them on a GPU, and sequential."""
+    if not _CUDA:
+        pytest.skip("needs CUDA")
+    from fastrpe.ops.linear.triton_chunked import use_state_scan
+
+    with use_state_scan(scan), ts.use_state_terms(4):
+        test_soe_gpu_realistic_size_bf16()
+
+
 @pytest.fixture
 def interpret_on_cpu(monkeypatch):
     from fastrpe import backends_triton
@@ -470,3 +483,79 @@ def test_which_calls_keep_their_states():
     assert not ts._keeps_states(phi, v, 16, 0, 64, 8, bf16, need)  # two groups of 8 terms
     with pytest.raises(FastRPEError, match="max_bytes"), ts.use_saved_states(-2):
         pass
+
+
+STACKED_IDS = ("T63-F12-Dv10-W8-C16", "T1", "T40-Dv72-two-value-blocks", "T45-W20-three-near-chunks",
+               "decode-Lq5-Lk60-off55", "queries-past-keys", "T63-a-term-per-launch")
+
+
+def _count_stacked(monkeypatch) -> list:
+    """The stacked passes' launches, as ("forward" | "backward", KG) each."""
+    from fastrpe.ops.linear import triton_soe_stacked as st
+
+    ran = []
+    for name in ("forward_states", "backward_states"):
+        real = getattr(st, name)
+        monkeypatch.setattr(st, name, lambda *a, real=real, name=name: ran.append((name, a[-1])) or real(*a))
+    return ran
+
+
+@pytest.mark.parametrize("stack,terms", [(2, 5), (4, 5), (4, 3)], ids=["KG2-K5", "KG4-K5-padded", "KG4-K3-padded"])
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", [c for c in CASES if c.id in STACKED_IDS])
+def test_stacked_state_passes_match_reference(monkeypatch, stack, terms, B, H, Lq, Lk, F, Dv, q_offset, window, chunk,
+                                              budget):
+    """`STATE_TERMS` (`triton_soe_stacked`): the states of up to KG terms a program, the last
+    stack padded past K, forward and backward: the dense reference's outputs and gradients (the
+    plan's `a` and `corr` included), term groups too (one term a group: no stack)."""
+    ran = _count_stacked(monkeypatch)
+    with ts.use_state_terms(stack):
+        test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget, "ieee", terms=terms)
+    # the forward's states, the backward's again (not kept), then their gradients
+    assert ran == ([] if budget == 1 else [("forward_states", stack)] * 2 + [("backward_states", stack)]), ran
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", QUOTIENT_CASES)
+def test_stacked_state_passes_match_reference_as_a_quotient(monkeypatch, B, H, Lq, Lk, F, Dv, q_offset, window, chunk,
+                                                            budget):
+    """The same for the quotient the kernels divide themselves, whose backward scales each
+    query row by 1/den inside the stacked gradient pass (SCALED)."""
+    ran = _count_stacked(monkeypatch)
+    with ts.use_state_terms(2):
+        test_soe_quotient_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget)
+    assert [r[0] for r in ran] == ([] if budget == 1 else ["forward_states"] * 2 + ["backward_states"]), ran
+
+
+@pytest.mark.parametrize("B,H,Lq,Lk,F,Dv,q_offset,window,chunk,budget", [c for c in CASES if c.id in BLOCKED_IDS])
+def test_stacked_state_passes_in_blocks_match_reference(blocked_scan, monkeypatch, B, H, Lq, Lk, F, Dv, q_offset,
+                                                        window, chunk, budget):
+    """The stacked passes in blocks walked side by side from their carries (PHASE 1 and 2), as
+    STATE_SCAN's "auto" runs them where the stacks fill few SMs: the same against the reference."""
+    from fastrpe.ops.linear import triton_chunked as tc
+
+    carries, real = [], tc._block_carries
+    monkeypatch.setattr(tc, "_block_carries", lambda *a: carries.append(a[-1]) or real(*a))
+    ran = _count_stacked(monkeypatch)
+    with ts.use_state_terms(4):
+        test_soe_matches_reference(B, H, Lq, Lk, F, Dv, q_offset, window, chunk, budget, "ieee", terms=5)
+    assert False in carries and True in carries  # forward states and their gradients, in blocks
+    assert [r[0] for r in ran] == ([] if budget == 1 else ["forward_states"] * 2 + ["backward_states"]), ran
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "f16", "float32-features"])
+def test_stacked_state_passes_in_low_precision(monkeypatch, dtype):
+    """bf16 and fp16 calls, and float32 features with bf16 states (the GPU bench's bf16 call),
+    through the stacked passes: as close to float64 as the per-term passes' tests ask."""
+    ran = _count_stacked(monkeypatch)
+    with ts.use_state_terms(4):
+        if dtype is None:
+            test_soe_float32_features_with_bf16_states()
+        else:
+            test_soe_low_precision_against_float64(dtype)
+    assert {r[0] for r in ran} == {"forward_states", "backward_states"} and {r[1] for r in ran} == {4}, ran
+
+
+def test_state_terms_is_checked():
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(FastRPEError, match="STATE_TERMS"):
+            with ts.use_state_terms(bad):
+                pass

@@ -87,7 +87,8 @@ _KERPLE_ROWS = ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
                 "fastrpe-triton_soe+compiled", "flex+cudagraphs", "fastrpe-triton_soe+cudagraphs",
                 "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
                 "fastrpe-triton_soe+bf16x3", "fastrpe-triton_soe+saved-states+bf16x3",
-                "fastrpe-triton_soe+walk", "fastrpe-triton_soe+walk+bf16x3")
+                "fastrpe-triton_soe+walk", "fastrpe-triton_soe+walk+bf16x3",
+                "fastrpe-triton_soe+saved-states+stacked-states", "fastrpe-triton_soe+saved-states+bf16x3+stacked-states")
 #: the rows of the learned tables' criteria, causal and not
 _TABLE_ROWS = ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
@@ -718,7 +719,7 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
                   compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
                   graphed: bool = False, float32_products: str | None = None, far_field: str | None = None,
-                  fused_maps: bool | None = None):
+                  fused_maps: bool | None = None, state_terms: int | None = None):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None for a Triton
@@ -731,8 +732,10 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     `SAVE_STATES_BYTES` (`+saved-states`: the forward's states kept for the backward); `far_field`,
     its `FAR_FIELD` (`+walk`: the far field walked in blocks, no stored states); `fused_maps`,
     `backends_triton.FUSED_MAPS` (`+fused-maps`: the PRF maps' backward in triton_chunked's
-    gradient kernels, `triton_chunked_prf`); `graphed`, the eager call replayed from a CUDA
-    graph (`captured`; `+cudagraphs`), up to `cfg.compiled_max_length`."""
+    gradient kernels, `triton_chunked_prf`); `state_terms`, triton_soe's `STATE_TERMS`
+    (`+stacked-states`: several terms' states a program in the chunk-state passes,
+    `triton_soe_stacked`); `graphed`, the eager call replayed from a CUDA graph (`captured`;
+    `+cudagraphs`), up to `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
     if float32_products is None and backend.startswith("triton_"):
         float32_products = "tf32x3"  # (the rows' meaning since before the library's default changed)
@@ -743,7 +746,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         from fastrpe.backends_triton import use_float32_products, use_fused_maps, use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
-        from fastrpe.ops.linear.triton_soe import use_far_field, use_saved_states
+        from fastrpe.ops.linear.triton_soe import use_far_field, use_saved_states, use_state_terms
 
         if p.position == "none":
             return "runs the positional families"
@@ -795,6 +798,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                     stack.enter_context(use_far_field(far_field))
                 if fused_maps is not None:
                     stack.enter_context(use_fused_maps(fused_maps))
+                if state_terms is not None:
+                    stack.enter_context(use_state_terms(state_terms))
                 return attend(q, k, v)
 
         if lowp_features is not None:
@@ -809,6 +814,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["far_field"] = far_field
         if fused_maps is not None:
             extra["fused_maps"] = fused_maps
+        if state_terms is not None:
+            extra["state_terms"] = state_terms
         skips = cudagraph_skips_mark()
         if compiled:
             raise_recompile_limits()
@@ -950,6 +957,16 @@ def registry(cfg: GpuConfig) -> dict:
                                                               float32_products="bf16x3")
         # (not for triton_band: T5's one term fits one launch group at any length; its walk is
         # tested, not timed, and its binaries would not fit in the compile pack beside these)
+        # the chunk-state passes with four terms' states a program (`triton_soe.STATE_TERMS`,
+        # off by default until timed here): each chunk's inputs read once for four terms, where
+        # the per-term passes (about 40% of the call on the H100) read them once a term; with
+        # 9-11 terms, 24 programs, which STATE_SCAN "auto" blocks (results/soe_traffic.json); in
+        # tf32x3 too, the bf16x3 row's `precision_twin`, without which KERPLE's criteria would
+        # not count it
+        reg["fastrpe-triton_soe+saved-states+stacked-states"] = fastrpe_setup(
+            "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, state_terms=4)
+        reg["fastrpe-triton_soe+saved-states+bf16x3+stacked-states"] = fastrpe_setup(
+            "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, float32_products="bf16x3", state_terms=4)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:

@@ -47,7 +47,7 @@ from ..._memo import ByIdentity, kept
 from ..._validate import FastRPEError
 from .soe import MAX_NEAR, STATE_BUDGET, SoEPlan, near_chunks, terms_per_group  # noqa: F401  (re-exported)
 from ..common import quotient
-from . import triton_chunked as _tc, triton_soe_walk as _walk
+from . import triton_chunked as _tc, triton_soe_stacked as _stacked, triton_soe_walk as _walk
 from .triton_chunked import (_TL_DTYPE, DEFAULT_CHUNK, HAS_TRITON, _numerator_grads, _pow2, _state_pass, _tuned,
                              acc_dtype, compile_opaque, dot_mode, dv_in_bf16, length_bucket, quotient_flags,
                              triton_unavailable_reason, value_dtype, with_quotient_grad)
@@ -433,7 +433,11 @@ def _soe_sum_dtypes(dt: torch.dtype, out_dtype: torch.dtype, divide: torch.dtype
 
 def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
     """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K =
-    lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`)."""
+    lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`); several terms a
+    program where `STATE_TERMS` says so (`triton_soe_stacked`)."""
+    KG = _stacked.stack_size(lgk.numel(), STATE_TERMS)
+    if KG > 1:
+        return _stacked.forward_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan, KG)
     B, H, Lk, F = phi_k.shape
     Dv, K = v.shape[3], lgk.numel()
     h = torch.empty(B * H, K, N, BF, BDV, dtype=hdt, device=phi_k.device)
@@ -442,6 +446,28 @@ def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
         phi_k, v, lgk, h, z, c, cz, Lk, F, Dv, N, K, G, NBK, BT=T, BF=BF, BV=BV, BDV=BDV, PHASE=phase, **meta),
         h, z, lgk, N, T, N * T, reverse=False, mode=scan, programs=B * H * (BDV // BV) * K, from_zero=True)
     return h, z
+
+
+#: The chunk-state passes' terms a program (`triton_soe_stacked`): 1, the default, runs a
+#: program per term (`_soe_state_kernel`, `_soe_bwd_state_kernel`), each reading the chunk's
+#: keys and values (backward: queries, output gradients, row scales) again; n > 1 stacks up to n
+#: (a power of two) terms' states in a program, which reads them once for all, in fewer programs
+#: (so STATE_SCAN's "auto" blocks the pass where they fill few SMs). Opt-in until a GPU has timed
+#: it (the bench's `+stacked-states` rows: 4); the bytes it spares: benchmarks/soe_traffic.py.
+STATE_TERMS = 1
+
+
+@contextlib.contextmanager
+def use_state_terms(n: int):
+    """`STATE_TERMS = n` inside the block."""
+    global STATE_TERMS
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise FastRPEError(f"triton_soe.STATE_TERMS: expected a positive int, got {n!r}")
+    before, STATE_TERMS = STATE_TERMS, n
+    try:
+        yield
+    finally:
+        STATE_TERMS = before
 
 
 #: The forward keeps its states for the backward, instead of making them again there, when
@@ -644,11 +670,16 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         del dwq_g
         dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=state_dtype, device=dev)
         dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-        _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
-            (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
-                                         q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
-                                         **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
-                                         programs=B * H * (BDV // BV) * Kg, from_zero=True)
+        KG = _stacked.stack_size(Kg, STATE_TERMS)
+        if KG > 1:
+            _stacked.backward_states(phi_q, dnum, inv, dden, wg, lg, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta,
+                                     scaled, scan, KG)
+        else:
+            _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
+                (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
+                                             q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
+                                             **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
+                        programs=B * H * (BDV // BV) * Kg, from_zero=True)
         _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                         *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
                                           else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
