@@ -35,6 +35,14 @@ if HAS_TRITON:
     from .triton_soe_walk import _carry_at, _key_step, _stack, _store_total, _terms
 
     @triton.jit
+    def _stack_program(NBK, BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, KG: tl.constexpr):
+        """A stacked pass's program of grid (B·H, BDV/BV, stacks·NBK): `(bh, value block iv,
+        first term k0, chunk block blk, t, f, c)`, c the block's value columns."""
+        iv = tl.program_id(1)
+        return (tl.program_id(0).to(tl.int64), iv, (tl.program_id(2) // NBK) * KG, tl.program_id(2) % NBK,
+                tl.arange(0, BT), tl.arange(0, BF), iv * BV + tl.arange(0, BV))
+
+    @triton.jit
     def _stacked_start(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF: tl.constexpr, BV: tl.constexpr,
                        BDV: tl.constexpr, KG: tl.constexpr, ACC: tl.constexpr, PHASE: tl.constexpr):
         """A stacked pass's start: the block's carries (PHASE 2), else zero."""
@@ -63,13 +71,7 @@ if HAS_TRITON:
         """Grid (B·H, BDV/BV, ceil(K/KG)·NBK): `triton_soe._soe_state_kernel`'s states of the
         terms k0 .. k0+KG-1 (k0 = KG · program_id(2) // NBK), over chunks blk·GB .. of block
         blk; PHASE as its (1: the block's totals alone, into c/cz; 2: from the carries)."""
-        bh = tl.program_id(0).to(tl.int64)
-        iv = tl.program_id(1)
-        k0 = (tl.program_id(2) // NBK) * KG
-        blk = tl.program_id(2) % NBK
-        t = tl.arange(0, BT)
-        f = tl.arange(0, BF)
-        c = iv * BV + tl.arange(0, BV)
+        bh, iv, k0, blk, t, f, c = _stack_program(NBK, BT, BF, BV, KG)
         kk = k0 + tl.arange(0, KG)
         ok = kk < K
         lg = tl.load(lgk_ptr + kk, mask=ok, other=0.0).to(ACC)  # (padding: γ = 1, never stored)
@@ -94,13 +96,7 @@ if HAS_TRITON:
         """Grid (B·H, BDV/BV, ceil(K/KG)·NBK): `triton_soe._soe_bwd_state_kernel`'s gradients of
         the states of terms k0 .. k0+KG-1, chunks blk·GB+GB-1 down to blk·GB; dh[bh, k, N] stays
         0; PHASE as `_stacked_state_kernel`'s."""
-        bh = tl.program_id(0).to(tl.int64)
-        iv = tl.program_id(1)
-        k0 = (tl.program_id(2) // NBK) * KG
-        blk = tl.program_id(2) % NBK
-        t = tl.arange(0, BT)
-        f = tl.arange(0, BF)
-        c = iv * BV + tl.arange(0, BV)
+        bh, iv, k0, blk, t, f, c = _stack_program(NBK, BT, BF, BV, KG)
         ok, w, _, g = _terms(lgk_ptr, wq_ptr, bh % H, k0, K, t, BT, KG, BF, ACC)
         D, dz = _stacked_start(c_ptr, cz_ptr, bh, k0, K, blk, NBK, f, c, ok, BF, BV, BDV, KG, ACC, PHASE)
         row = (bh * K + k0 + tl.arange(0, KG)) * (N + 1)
