@@ -159,6 +159,16 @@
 #   another GPU) and `rest` after: its 1M window (now KERPLE's bf16x3 row too), decoding and
 #   the host-sync check, then the rest. The check's criteria are the H100's, read on an H200
 #   (the same Hopper chip, 1.4x its memory bandwidth): say so beside every verdict;
+# - KERPLE's "at most 2x fla" (6.33 / 7.36 ms against 5.44 on the H100): the chunk-state passes
+#   with four terms' states a program (`triton_soe.STATE_TERMS`, opt-in, `triton_soe_stacked`;
+#   24 programs, which the auto scan blocks), rows `fastrpe-triton_soe+saved-states+stacked-states`
+#   and `+saved-states+bf16x3+stacked-states` in the 64k window: if the bf16x3 one beats
+#   `+saved-states+bf16x3`, make STATE_TERMS = 4 the default (and read whether its blocked scan or a
+#   sequential one pays: its GPU test runs both); its GPU test
+#   `test_soe_gpu_realistic_size_bf16_stacked_states` checks it against float64 at 4k;
+# - CODE_EPOCH 9: triton_soe's dq kernel skips the far weights' gradient for frozen terms (`DWQ`,
+#   fewer spills: results/soe_dq_ptxas-sm90.json); on an H100 KERPLE's and T5's rows move;
+# - the pack: triton_soe's dq and dk/dv recompiled, the stacked passes added (see RESULTS.md);
 #
 # New since the third CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - ALiBi against fla (3.15 ms, fla 2.72; the maps' backward launches 0.62 of it): two levers,
