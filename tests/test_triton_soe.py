@@ -559,3 +559,15 @@ def test_state_terms_is_checked():
         with pytest.raises(FastRPEError, match="STATE_TERMS"):
             with ts.use_state_terms(bad):
                 pass
+
+
+def test_the_backward_stacks_as_its_forward_did(monkeypatch):
+    """`STATE_TERMS` as the forward saw it serves its backward too, as STATE_SCAN's does: the
+    GPU bench sets it around the call, and autograd runs the backward after the block ends."""
+    ran = _count_stacked(monkeypatch)
+    q, k, v = features_and_values(1, 2, 63, 63, 12, 10, dtype=torch.float64, device=DEV)
+    plan = _plan(2, 8, 5)
+    with ts.use_state_terms(4):
+        num, den, _ = ts.kernelized_num_den_triton_soe(q, k, v, plan, chunk_size=16)
+    (num.sum() + den.sum()).backward()
+    assert ran == [("forward_states", 4)] * 2 + [("backward_states", 4)], ran

@@ -431,11 +431,11 @@ def _soe_sum_dtypes(dt: torch.dtype, out_dtype: torch.dtype, divide: torch.dtype
     return fused, sum_dtype, acc if divide is not None else sum_dtype
 
 
-def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan):
+def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan, state_terms: int = 1):
     """`h: [B·H, K, N, BF, BDV]`, `z: [B·H, K, N, BF]`: S_k(n) for every chunk n (K =
-    lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`); several terms a
-    program where `STATE_TERMS` says so (`triton_soe_stacked`)."""
-    KG = _stacked.stack_size(lgk.numel(), STATE_TERMS)
+    lgk.numel()), over the chunks as `scan` says (`triton_chunked.STATE_SCAN`); up to
+    `state_terms` terms a program (`STATE_TERMS`, `triton_soe_stacked`)."""
+    KG = _stacked.stack_size(lgk.numel(), state_terms)
     if KG > 1:
         return _stacked.forward_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan, KG)
     B, H, Lk, F = phi_k.shape
@@ -534,7 +534,7 @@ def _keeps_states(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int, group
 
 def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, q_offset: int, T: int,
                  NB: int, out_dtype: torch.dtype, mode: int, state_dtype: torch.dtype, group: int,
-                 divide: torch.dtype | None, scan: str, keep_bytes: int = -1, far: str = "states"
+                 divide: torch.dtype | None, scan: str, keep_bytes: int = -1, far: str = "states", state_terms: int = 1
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`(num, den, h, z)` of `_SoE`: the near field once, the far field term group by term
     group (each group's K·N states built, read and freed before the next: memory bounded by
@@ -556,7 +556,7 @@ def _soe_forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
     keep = _keeps_states(phi_q, v, lgk.numel(), q_offset, T, group, state_dtype, keep_bytes)
     kept_h = kept_z = None
     for i, (k0, k1) in enumerate(groups):
-        h, z = _soe_states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
+        h, z = _soe_states(phi_k, v, lgk[k0:k1], N, T, BF, BDV, BV, state_dtype, acc, meta, scan, state_terms)
         _soe_out_kernel[(N, B * H, BDV // BV)](phi_q, phi_k, v, cn, wq[:, k0:k1].contiguous(), h, z,
                                                num.view(torch.int16) if out_bf16 else num, den,
                                                H, Lq, Lk, F, Dv, N, k1 - k0, q_offset, length_bucket(N),
@@ -600,7 +600,7 @@ def _soe_forward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: T
 
 
 def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode, state_dtype, group, divide,
-                      scan, keep_bytes=-1, far="states"):
+                      scan, keep_bytes=-1, far="states", state_terms=1):
     B, H, Lq, _ = phi_q.shape
     Dv = v.shape[3]
     if divide is None:
@@ -623,7 +623,8 @@ def _soe_forward_fake(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, 
 def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, den: Tensor | None,
                   dnum: Tensor | None, dden: Tensor | None, q_offset: int, T: int, NB: int, mode: int,
                   state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool,
-                  kept_h: Tensor | None = None, kept_z: Tensor | None = None, far: str = "states"
+                  kept_h: Tensor | None = None, kept_z: Tensor | None = None, far: str = "states",
+                  state_terms: int = 1
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`(dφq, dφk, dv, dcn, dwq)` of `_SoE` (dcn, dwq None unless wanted); the states are
     made again, group by group, as the forward made them, unless the forward kept them
@@ -657,7 +658,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         if kept_h is not None and kept_h.numel():  # (kept for one group only: `_keeps_states`)
             h, z = kept_h, kept_z
         else:
-            h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan)
+            h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan, state_terms)
         # each program's sums of the far weights' gradient (`DWQ`), or none: a frozen term's
         # (one float in their place, which the autotuner's reset may zero)
         dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev) if want_dwq else dq.new_zeros(1)
@@ -670,7 +671,7 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         del dwq_g
         dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=state_dtype, device=dev)
         dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-        KG = _stacked.stack_size(Kg, STATE_TERMS)
+        KG = _stacked.stack_size(Kg, state_terms)
         if KG > 1:
             _stacked.backward_states(phi_q, dnum, inv, dden, wg, lg, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta,
                                      scaled, scan, KG)
@@ -741,7 +742,7 @@ def _soe_backward_walk(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: 
 
 
 def _soe_backward_fake(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode, state_dtype, group,
-                       scan, want_dcn, want_dwq, kept_h=None, kept_z=None, far="states"):
+                       scan, want_dcn, want_dwq, kept_h=None, kept_z=None, far="states", state_terms=1):
     return (torch.empty_like(phi_q), phi_k.new_empty(phi_k.shape, dtype=phi_q.dtype), torch.empty_like(v),
             cn.new_empty(cn.shape) if want_dcn else phi_q.new_empty(0),
             wq.new_empty(wq.shape) if want_dwq else phi_q.new_empty(0))
@@ -759,18 +760,19 @@ class _SoE(torch.autograd.Function):
                 group: int, divide=None):
         keep_bytes = SAVE_STATES_BYTES if any(ctx.needs_input_grad[:5]) else -1  # (inference keeps none)
         num, den, h, z = _soe_forward_op(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode,
-                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes, FAR_FIELD)
+                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes, FAR_FIELD, STATE_TERMS)
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None, h, z)
-        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN, FAR_FIELD)
+        # (the backward keeps the forward's settings, which a context manager may have set)
+        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN, FAR_FIELD, STATE_TERMS)
         return num, den
 
     @staticmethod
     def backward(ctx, dnum, dden):
         phi_q, phi_k, v, cn, wq, lgk, den, h, z = ctx.saved_tensors
-        q_offset, T, NB, hdt, mode, group, scan, far = ctx.cfg
+        q_offset, T, NB, hdt, mode, group, scan, far, terms = ctx.cfg
         want_dcn, want_dwq = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dq, dk, dv, dcn, dwq = _soe_backward_op(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode,
-                                                hdt, group, scan, want_dcn, want_dwq, h, z, far)
+                                                hdt, group, scan, want_dcn, want_dwq, h, z, far, terms)
         return (dq, dk, dv, dcn if want_dcn else None, dwq if want_dwq else None,
                 None, None, None, None, None, None, None, None, None)
 
