@@ -58,13 +58,13 @@ def _collect_after_each_launch() -> None:
     interpreter.GridExecutor.__call__ = collecting
 
 
-def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32) -> dict:
+def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32, state_terms: int = 1) -> dict:
     import fastrpe as fr
     from fastrpe import backends_triton
     from fastrpe.bench.gpu import _closure, make_position
     from fastrpe import kernels
     from fastrpe.bench.memory import allocator_peak_bytes
-    from fastrpe.ops.linear import soe
+    from fastrpe.ops.linear import soe, triton_soe
 
     backends_triton.INTERPRET_ON_CPU = True
     if backend.startswith("triton_"):
@@ -77,15 +77,18 @@ def measure(backend: str, family: str, L: int, H: int, D: int = 64, F: int = 32)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, generator=g).bfloat16().requires_grad_() for _ in range(3))
     # the GPU bench's own call: out.float().sum().backward(), gradients accumulated in .grad
-    call = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend),
-                    q, k, v, backward=True)
+    def attend(q, k, v):
+        with triton_soe.use_state_terms(state_terms):  # (the backward keeps the forward's)
+            return fr.attention(q, k, v, kernel=kern, position=pos, causal=True, backend=backend)
+
+    call = _closure(attend, q, k, v, backward=True)
     try:
         call()  # warm-up: the .grad tensors, and one-time allocations (plans, fits), are not counted
         peak, _ = allocator_peak_bytes(call)
     finally:
         soe.STATE_BUDGET, kernels.PRF_BLOCK_BYTES = budget, block
     per_token = peak / (H * L)
-    return {"backend": backend, "family": family, "L": L, "H": H, "D": D, "features": F,
+    return {"backend": backend, "family": family, "L": L, "H": H, "D": D, "features": F, "state_terms": state_terms,
             "peak_bytes": peak, "bytes_per_token": per_token, "gib_at_1m": per_token * TOKENS_1M / 2**30}
 
 
@@ -94,13 +97,16 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--rows", default=None, help="comma-separated backend:family (default: all)")
+    ap.add_argument("--state-terms", type=int, default=None,
+                    help="triton_soe.STATE_TERMS: the state passes' terms a program, and a launch group's "
+                         "whole stacks (triton_soe_stacked.stacked_group); default 1")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = [tuple(r.split(":")) for r in a.rows.split(",")] if a.rows else ROWS
     res = []
     print(f"{'backend':16s} {'family':14s} {'B/token':>8s} {'GiB at 1M x 8 heads':>20s}")
     for backend, family in rows:
-        r = measure(backend, family, a.length, a.heads)
+        r = measure(backend, family, a.length, a.heads, state_terms=a.state_terms or 1)
         res.append(r)
         print(f"{backend:16s} {family:14s} {r['bytes_per_token']:8.0f} {r['gib_at_1m']:20.2f}")
     if a.out:

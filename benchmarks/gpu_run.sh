@@ -716,9 +716,14 @@ PRIORITY_LONG_FAMILIES=alibi,learned,learned_full,kerple_log,kerple_power,t5
 # fft/plan.py), its time unknown there (64k: 0.57 s not causal, 1.2 s causal; each call capped
 # at 90 s)
 # (KERPLE's: the states kept, tf32x3 as timed before and bf16x3, the library's products for
-# bf16 calls since epoch 7 and 5-20% faster at 64k; the plain row, as fast as the kept states'
-# at 1M on the H100 and 57 s of autotuning in its first call, left to the general pass)
-PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-fft'
+# bf16 calls since epoch 7 and 5-20% faster at 64k, and stacked four terms a state program, four a
+# launch group where the 1 GiB budget holds one (`triton_soe_stacked.stacked_group`; by the byte
+# count 320 -> 132 GB for power's call, results/soe_traffic.json; its memory, CPU estimate, 9.2
+# GiB where the per-term groups' is 7.7, which the H100 measured as 4.6: results/
+# composition_memory-stacked4.json). A bf16x3 row counts at 1M by its and its twin's errors at
+# 64k (`gpu._accuracy_row`). The plain row, as fast as the kept states' at 1M on the H100 and 57 s
+# of autotuning in its first call, is left to the general pass)
+PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-fft'
 # the table over all offsets first (not causal: no recursion over blocks, the likelier to finish
 # a call within the 90-s cap; CPU estimate at 1M: 4.8 TFLOP a forward, 18.7 GiB, `plan.estimate_fft_cost`)
 PRIORITY_1M_FAMILIES=learned_full,learned,alibi,kerple_log,kerple_power

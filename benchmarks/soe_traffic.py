@@ -50,10 +50,10 @@ def stored_bytes(L: int, K: int, stack: int = 1) -> dict:
     """The stored states' bytes; `stack`: `triton_soe.STATE_TERMS` (up to that many terms' states
     a program in the state passes, `triton_soe_stacked`: each chunk's inputs read once a stack)."""
     from fastrpe.ops.linear.soe import terms_per_group
-    from fastrpe.ops.linear.triton_soe_stacked import stack_size
+    from fastrpe.ops.linear.triton_soe_stacked import stack_size, stacked_group
 
     N = L // T
-    group = terms_per_group(BH, N, F, DV, ST, K)
+    group = stacked_group(terms_per_group(BH, N, F, DV, ST, K), K, stack)  # (whole stacks a group)
     groups = [min(group, K - k0) for k0 in range(0, K, group)]
     q = k = L * F * PHI
     v = do = L * DV * VAL

@@ -1342,3 +1342,22 @@ def test_fla_tiles_as_large_as_their_dimension_are_pruned_as_fla_prunes_its_gla_
     assert gpu.prune_fla_oversized_tiles(("fake_fla_chunk_o",)) == ["fake_fla_chunk_o.tiled"]
     monkeypatch.setenv(gpu.FLA_PRUNE_ENV, "0")
     assert gpu.prune_fla_oversized_tiles(("fake_fla_chunk_o",)) == []
+
+
+def test_a_precision_variant_at_1m_is_judged_by_its_accuracy_length_errors():
+    """At 1M no row measures its accuracy: a `+bf16x3` row there counts by its own and its
+    twin's errors at the accuracy length (the twin need not be timed at 1M), and not where
+    those say its products cost the bf16 call something."""
+    acc, big = 65536, 1048576
+    name = "fastrpe-triton_soe+saved-states+bf16x3+stacked-states"
+    rows = [_row("kerple_power", acc, "fastrpe-triton_soe+saved-states+stacked-states", 7.0, exact=False,
+                 max_abs_err_fp32=3e-5, max_abs_err=7e-3),
+            _row("kerple_power", acc, name, 6.0, exact=False, max_abs_err_fp32=3e-5, max_abs_err=7e-3),
+            _row("kerple_power", big, "fastrpe-triton_soe+saved-states", 0.155, exact=False),
+            _row("kerple_power", big, name, 0.07, exact=False)]
+    res = _result(rows)
+    assert gpu.precision_twin(name) == "fastrpe-triton_soe+saved-states+stacked-states"
+    got, row = gpu.best_fastrpe(res, "kerple_power", big, tol=1e-3)
+    assert got == name and row["max_abs_err_fp32"] == 3e-5
+    rows[1]["max_abs_err"] = 8e-3  # costs the bf16 call something at 64k: not counted at 1M either
+    assert gpu.best_fastrpe(res, "kerple_power", big, tol=1e-3)[0] == "fastrpe-triton_soe+saved-states"

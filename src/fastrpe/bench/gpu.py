@@ -1776,9 +1776,13 @@ def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
         twin = precision_twin(r["competitor"])
         if tol is not None and twin is not None:
             # its float32-input error is its twin's (float32 calls never take its products): it
-            # counts where its products cost nothing in the call it times (`PRECISION_VARIANTS`)
+            # counts where its products cost nothing in the call it times (`PRECISION_VARIANTS`),
+            # judged where both were measured: at L, else at the accuracy length (1M has none)
+            mine_row = r if r.get("max_abs_err") is not None else _accuracy_row(res, fam, r["competitor"])
             t = _row(res, fam, L, base_competitor(twin))
-            mine, theirs = r.get("max_abs_err"), (t or {}).get("max_abs_err")
+            if (t or {}).get("max_abs_err") is None:
+                t = _accuracy_row(res, fam, base_competitor(twin))
+            mine, theirs = (mine_row or {}).get("max_abs_err"), (t or {}).get("max_abs_err")
             if mine is None or theirs is None or not mine <= theirs:
                 continue
             if t.get("max_abs_err_fp32") is not None:
@@ -1790,6 +1794,13 @@ def best_fastrpe(res: dict, fam: str, L: int, *, exact_only: bool = False,
         if best is None or r["seconds"] < best[1]["seconds"]:
             best = (r["competitor"], r)
     return best
+
+
+def _accuracy_row(res: dict, fam: str, name: str) -> dict | None:
+    """Competitor `name`'s row on family `fam` that holds its accuracy (`max_abs_err`: the
+    accuracy length's), at any length, or None."""
+    return next((r for r in res["rows"] if r["problem"]["position"] == fam and r["competitor"] == name
+                 and r.get("max_abs_err") is not None), None)
 
 
 def _failed_at_scale(reason: str) -> bool:

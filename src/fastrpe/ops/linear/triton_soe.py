@@ -848,7 +848,8 @@ def kernelized_num_den_triton_soe(
         state_budget: bytes the states of one launch may take (default `STATE_BUDGET`, 1 GiB):
             terms beyond it run in further launches that add to the first (`terms_per_group`),
             so memory stays bounded at any length (L = 1M, B·H = 8: one term's states are 0.5 GB
-            in bf16).
+            in bf16). With `STATE_TERMS` > 1 a launch takes whole stacks of terms, one at least
+            (`triton_soe_stacked.stacked_group`), past the budget if need be.
         divide: a dtype: the quotient `num/den` in it in place of num, as
             `triton_chunked.kernelized_num_den_triton_chunked` returns it.
 
@@ -879,6 +880,7 @@ def kernelized_num_den_triton_soe(
     # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
     sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
     group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
+    group = _stacked.stacked_group(group, plan.num_terms, STATE_TERMS)  # (whole stacks: `STATE_TERMS`)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
                           cn, wq, lgk, int(q_offset), T, NB, out_dtype or dt,
                           dot_mode(precision), sdt, group, divide)

@@ -135,6 +135,19 @@ def stack_size(K: int, terms: int) -> int:
     return KG
 
 
+def stacked_group(group: int, K: int, terms: int) -> int:
+    """The terms a launch group of K takes where the state passes stack up to `terms` a program,
+    from the state budget's `group` (`soe.terms_per_group`): all K where the budget holds them,
+    else whole stacks, at least one even past the budget. At L = 1M, B·H = 8 the budget (1 GiB)
+    holds one term's states (0.55 GB in bf16); a group of one stacks nothing, so four terms a
+    program take four a group: 2.2 GB of states, and as much again for their gradients in the
+    backward (`benchmarks/composition_memory.py --state-terms 4` for the call's peak)."""
+    KG = stack_size(K, terms)
+    if KG == 1 or group >= K:
+        return group
+    return max(KG, group // KG * KG)
+
+
 def forward_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan, KG: int):
     """`triton_soe._soe_states` by `_stacked_state_kernel`: `(h [B·H, K, N, BF, BDV],
     z [B·H, K, N, BF])`."""
