@@ -166,6 +166,10 @@
 #   `+saved-states+bf16x3`, make STATE_TERMS = 4 the default (and read whether its blocked scan or a
 #   sequential one pays: its GPU test runs both); its GPU test
 #   `test_soe_gpu_realistic_size_bf16_stacked_states` checks it against float64 at 4k;
+# - KERPLE at 1M (60 ms and 8 GiB): the stacked row there takes four terms a launch group
+#   (`stacked_group`, past the 1 GiB budget): by the byte count 320 -> 132 GB for power; read its
+#   time AND its peak (CPU estimate 9.2 GiB against the per-term 7.7, which the H100 measured as
+#   4.6); a bf16x3 row now counts at 1M by its and its twin's 64k errors (`gpu._accuracy_row`);
 # - CODE_EPOCH 9: triton_soe's dq kernel skips the far weights' gradient for frozen terms (`DWQ`,
 #   fewer spills: results/soe_dq_ptxas-sm90.json); on an H100 KERPLE's and T5's rows move;
 # - the pack: triton_soe's dq and dk/dv recompiled, the stacked passes added, the two kernels'
