@@ -153,7 +153,8 @@
 #   `first` used to time every criterion's rows shortest length first, 64 rows at 4k before
 #   any at 64k; now, after the tests, the warm-up and fla's rows, it takes two windows:
 #   PRIORITY_FRESH at 64k (Flex, `auto` and each family's fastest rows of the H100, 31 rows),
-#   then PRIORITY_FRESH_SHORT at 4k (Flex and fastrpe with and without CUDA graphs, 32), and the
+#   then, if 110 s are left, PRIORITY_FRESH_SHORT at 4k (Flex and fastrpe with and without CUDA
+#   graphs, 32; else `rest` runs them), and the
 #   warm-up compiles those first (`--warm-first` patterns at a length, "flex@65536",
 #   `gpu.row_matches`). Run it as before (same command; .gpu_runs/ may stay: it is ignored on
 #   another GPU) and `rest` after: its 1M window (now KERPLE's bf16x3 row too), decoding and
@@ -1170,8 +1171,12 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
     elif [ "${PRIORITY_S:-150}" -gt 0 ]; then
         # fresh (PRIORITY_FRESH above): the 64k criteria's deciding rows, then the 4k ones';
         # a window ends early when its rows are done (at least 110 s each: bench_until keeps
-        # 85 s of a call's window in hand)
-        bench_until "$(capped $(( SECONDS + ${PRIORITY_S:-150} )))" gpu_first.log --resume --sections rows --passes 0 \
+        # 85 s of a call's window in hand). The 64k window may take all that is left
+        # (PRIORITY_FRESH_S, 200 s: after the tests, warm-up, PRF sweep and fla's rows about
+        # 200 s remain, of which bench_until's 85 s in hand leave some 115 s of new rows): the
+        # 4k rows passed on the H100 by 1.5-10x with CUDA graphs, the 64k ratios are the open
+        # ones; what it leaves, `rest` runs
+        bench_until "$(capped $(( SECONDS + ${PRIORITY_FRESH_S:-200} )))" gpu_first.log --resume --sections rows --passes 0 \
             --lengths "$PRIORITY_LONG_LENGTHS" --only "$PRIORITY_FRESH" --families "$PRIORITY_FRESH_FAMILIES"
         bench_until "$(capped $(( SECONDS + ${PRIORITY_SHORT_S:-110} )))" gpu_first.log --resume --sections rows \
             --passes 0 --lengths "$PRIORITY_FRESH_SHORT_LENGTH" --only "$PRIORITY_FRESH_SHORT"
