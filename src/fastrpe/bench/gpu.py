@@ -1509,9 +1509,9 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: `fastrpe-triton_chunked+bf16x3+fused-maps` (`backends_triton.FUSED_MAPS`) is timed as any new row.
 #: Epoch 9 (the fourth CPU session of 2026-11-28): triton_soe's dq kernel, which triton_band
 #: runs too, forms the far weights' gradient only when they take one (`DWQ`; the bench's terms
-#: are frozen), and then in registers, stored once per program, where it read and wrote it
-#: back in memory once per term and chunk: the rows its criteria read move (the others keep
-#: their times, of the kernel before).
+#: are frozen), where it formed it, and read and wrote it back in memory, once per term and
+#: chunk in every call: the rows its criteria read move (the others keep their times, of the
+#: kernel before).
 CODE_EPOCH = 9
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),

@@ -448,6 +448,23 @@ def _soe_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan, state_te
     return h, z
 
 
+def _soe_state_grads(phi_q, dnum, inv, dden, wq, lgk, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta, scaled: dict,
+                     scan, state_terms: int = 1) -> None:
+    """The gradients of `_soe_states`' states into `dh`, `dz` (zeros, `[B·H, K, N+1, ...]`: the
+    state read by query chunk n + NB - 1 and every later one), in reverse over the chunks as
+    `scan` says; up to `state_terms` terms a program, as `_soe_states`."""
+    KG = _stacked.stack_size(lgk.numel(), state_terms)
+    if KG > 1:
+        return _stacked.backward_states(phi_q, dnum, inv, dden, wq, lgk, dh, dz, N, T, NB, BF, BDV, BV, q_offset,
+                                        meta, scaled, scan, KG)
+    B, H, Lq, F = phi_q.shape
+    Dv, K = dnum.shape[3], lgk.numel()
+    _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase: _soe_bwd_state_kernel[(B * H, BDV // BV, K * nb)](
+        phi_q, dnum, inv, dden, wq, lgk, dh, dz, c, cz, H, Lq, F, Dv, N, K, G, NBK, q_offset, BT=T, BF=BF, BV=BV,
+        BDV=BDV, NB=NB, PHASE=phase, **meta, **scaled), dh, dz, lgk, N, T, N * T, reverse=True, mode=scan,
+        programs=B * H * (BDV // BV) * K, from_zero=True)
+
+
 #: The chunk-state passes' terms a program (`triton_soe_stacked`): 1, the default, runs a
 #: program per term (`_soe_state_kernel`, `_soe_bwd_state_kernel`), each reading the chunk's
 #: keys and values (backward: queries, output gradients, row scales) again; n > 1 stacks up to n
@@ -671,16 +688,8 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         del dwq_g
         dh = torch.zeros(B * H, Kg, N + 1, BF, BDV, dtype=state_dtype, device=dev)
         dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
-        KG = _stacked.stack_size(Kg, state_terms)
-        if KG > 1:
-            _stacked.backward_states(phi_q, dnum, inv, dden, wg, lg, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta,
-                                     scaled, scan, KG)
-        else:
-            _state_pass(lambda nb, dh, dz, c, cz, G, NBK, phase, Kg=Kg, wg=wg, lg=lg: _soe_bwd_state_kernel[
-                (B * H, BDV // BV, Kg * nb)](phi_q, dnum, inv, dden, wg, lg, dh, dz, c, cz, H, Lq, F, Dv, N, Kg, G, NBK,
-                                             q_offset, BT=T, BF=BF, BV=BV, BDV=BDV, NB=NB, PHASE=phase, **meta,
-                                             **scaled), dh, dz, lg, N, T, N * T, reverse=True, mode=scan,
-                        programs=B * H * (BDV // BV) * Kg, from_zero=True)
+        _soe_state_grads(phi_q, dnum, inv, dden, wg, lg, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta, scaled, scan,
+                         state_terms)
         _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                         *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
                                           else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
@@ -757,13 +766,13 @@ class _SoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, cn, wq, lgk, q_offset: int, T: int, NB: int, out_dtype, mode: int, state_dtype,
-                group: int, divide=None):
+                group: int, divide=None, state_terms: int = 1):
         keep_bytes = SAVE_STATES_BYTES if any(ctx.needs_input_grad[:5]) else -1  # (inference keeps none)
         num, den, h, z = _soe_forward_op(phi_q, phi_k, v, cn, wq, lgk, q_offset, T, NB, out_dtype, mode,
-                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes, FAR_FIELD, STATE_TERMS)
+                                         state_dtype, group, divide, _tc.STATE_SCAN, keep_bytes, FAR_FIELD, state_terms)
         ctx.save_for_backward(phi_q, phi_k, v, cn, wq, lgk, den if divide is not None else None, h, z)
         # (the backward keeps the forward's settings, which a context manager may have set)
-        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN, FAR_FIELD, STATE_TERMS)
+        ctx.cfg = (q_offset, T, NB, state_dtype, mode, group, _tc.STATE_SCAN, FAR_FIELD, state_terms)
         return num, den
 
     @staticmethod
@@ -774,7 +783,7 @@ class _SoE(torch.autograd.Function):
         dq, dk, dv, dcn, dwq = _soe_backward_op(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode,
                                                 hdt, group, scan, want_dcn, want_dwq, h, z, far, terms)
         return (dq, dk, dv, dcn if want_dcn else None, dwq if want_dwq else None,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 #: the kernel tables of plans that take no gradient, per plan: a frozen term's plan is
@@ -879,11 +888,12 @@ def kernelized_num_den_triton_soe(
     # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
     # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
     sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
+    terms = STATE_TERMS  # (read once: the groups, the forward's passes and the backward's)
     group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
-    group = _stacked.stacked_group(group, plan.num_terms, STATE_TERMS)  # (whole stacks: `STATE_TERMS`)
+    group = _stacked.stacked_group(group, plan.num_terms, terms)  # (whole stacks)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
                           cn, wq, lgk, int(q_offset), T, NB, out_dtype or dt,
-                          dot_mode(precision), sdt, group, divide)
+                          dot_mode(precision), sdt, group, divide, terms)
     if divide is not None:
         num = with_quotient_grad(num, den)
     return num, den, plan.log_scale(Lq, den.dtype)
