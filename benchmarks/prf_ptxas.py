@@ -113,6 +113,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def resources(k, regs: int | None, spilled: int | None, num_warps: int, num_stages: int) -> dict:
+    """A compiled kernel's row fields: its launch (warps, stages) and what it holds of an SM."""
+    return {"num_warps": num_warps, "num_stages": num_stages, "registers": regs, "spilled_bytes": spilled,
+            "shared_bytes": k.metadata.shared,
+            "programs_per_sm": None if regs is None else programs_per_sm(regs, num_warps, k.metadata.shared)}
+
+
+def resource_line(r: dict) -> str:
+    """`resources`' fields as the scripts print them."""
+    return (f"warps {r['num_warps']} stages {r['num_stages']}: {r['registers']} registers, {r['spilled_bytes']} B "
+            f"spilled, {r['shared_bytes'] // 1024} KiB shared, {r['programs_per_sm']} an SM")
+
+
 def write_rows(out: str, script: str, argv, rows: list) -> None:
     """The compiled cases' rows as JSON at `out`, with the command, triton and machine."""
     import triton

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prf_ptxas import compile_sm90, programs_per_sm, write_rows  # noqa: E402
+from prf_ptxas import compile_sm90, resource_line, resources, write_rows  # noqa: E402
 
 #: (features, precision) of the bench's rows: float32 features by three tf32 products (the plain
 #: rows), by bf16 halves (`+bf16x3`, the library's default for bf16 calls), and bf16 features
@@ -58,10 +58,7 @@ def compile_case(features: str, precision: str, NB: int, dwq: bool | None, num_w
            "do_ptr": "bf16", "h_ptr": "bf16"}
     k, regs, spilled = compile_sm90(fn, consts, ptr, ALIGNED, num_warps, num_stages)
     return {"kernel": "_soe_bwd_dq_kernel", "dwq": ("wanted" if dwq else "not wanted") if has else "always",
-            "features": features, "precision": precision, "NB": NB,
-            "num_warps": num_warps, "num_stages": num_stages, "registers": regs, "spilled_bytes": spilled,
-            "shared_bytes": k.metadata.shared,
-            "programs_per_sm": None if regs is None else programs_per_sm(regs, num_warps, k.metadata.shared)}
+            "features": features, "precision": precision, "NB": NB, **resources(k, regs, spilled, num_warps, num_stages)}
 
 
 def main(argv=None) -> int:
@@ -83,9 +80,7 @@ def main(argv=None) -> int:
                     for st in (int(x) for x in a.stages.split(",")):
                         r = compile_case(features, precision, NB, dwq, w, st)
                         rows.append(r)
-                        print(f"{precision:7s} NB {NB} dwq {r['dwq']:10s} warps {w} stages {st}: {r['registers']} "
-                              f"registers, {r['spilled_bytes']} B spilled, {r['shared_bytes'] // 1024} KiB shared",
-                              flush=True)
+                        print(f"{precision:7s} NB {NB} dwq {r['dwq']:10s} {resource_line(r)}", flush=True)
     if a.out:
         write_rows(a.out, "soe_dq_ptxas.py", argv, rows)
     return 0
