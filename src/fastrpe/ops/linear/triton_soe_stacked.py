@@ -118,7 +118,6 @@ if HAS_TRITON:
             _store_total(c_ptr, cz_ptr, D, dz, bh, k0, K, blk, NBK, f, c, ok, iv, BF, BDV, KG, BV)
 
 
-
 #: the stacked passes' warps: at four terms a program and 4 warps the walk's totals kernel, this
 #: forward pass less its stores, spilled 244-632 B a thread with float32 features (sm_90, triton
 #: 3.6.0, results/walk_ptxas-sm90.json); at 8 warps 0-52 B. Like the per-term passes, not tuned
@@ -166,7 +165,7 @@ def forward_states(phi_k, v, lgk, N, T, BF, BDV, BV, hdt, acc, meta, scan, KG: i
 def backward_states(phi_q, dnum, inv, dden, wq, lgk, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta, scaled: dict,
                     scan, KG: int) -> None:
     """The gradients of the states into `dh`, `dz` (zeros, `[B·H, K, N+1, ...]`), as
-    `triton_soe._soe_backward`'s pass by `_soe_bwd_state_kernel`, by `_stacked_bwd_state_kernel`."""
+    `triton_soe._soe_state_grads` makes them by `_soe_bwd_state_kernel`, by `_stacked_bwd_state_kernel`."""
     B, H, Lq, F = phi_q.shape
     Dv, K = dnum.shape[3], lgk.numel()
     stacks = -(-K // KG)
