@@ -108,13 +108,30 @@ def test_every_row_within_1e4_with_many_causal_levels(name, monkeypatch):
     test_every_row_within_1e4_of_float64(name, True, "elu", "fft")
 
 
+@pytest.mark.parametrize("name", SHARP + ["kerple_log", "t5", "learned"])
+def test_every_row_within_1e4_through_the_blocked_product(name, monkeypatch):
+    """The same bound with the causal pairs across 32 chunks of 128 positions by the blocked
+    product (`fft.causal.BLOCKED`, the GPU's default), the chunks' own pairs dense."""
+    import fastrpe.ops.linear.fft as fftmod
+
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *args, **kwargs: 128)
+    monkeypatch.setattr(fftmod.causal, "BLOCKED", "always")
+    test_every_row_within_1e4_of_float64(name, True, "elu", "fft")
+
+
 @pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fft_rows_within_1e4_for_tables_up_to_30(seed, causal):
+@pytest.mark.parametrize("causal,blocked", [(False, "never"), (True, "never"), (True, "always")],
+                         ids=["full", "causal", "causal-blocked"])
+def test_fft_rows_within_1e4_for_tables_up_to_30(seed, causal, blocked, monkeypatch):
     """Issue 14 item 7: tables with entries up to ±30 (other draws than `table_-30_30`, and
     exp-type NPRF features), every FFT row within 1e-4 of float64: the row certificate
     judges each numerator against its own norm (a row reached 1.08e-4 when only the
-    denominator was judged)."""
+    denominator was judged). Causal, by the recursion and by the blocked product (32 chunks)."""
+    import fastrpe.ops.linear.fft as fftmod
+
+    monkeypatch.setattr(fftmod.causal, "BLOCKED", blocked)
+    if blocked == "always":  # 32 chunks (the default leaf follows the memory budget: 2,048 here)
+        monkeypatch.setattr(fftmod, "causal_leaf", lambda *args, **kwargs: 128)
     g = torch.Generator().manual_seed(100 + seed)
     t = P.LearnedTable(H, max_distance=L)
     with torch.no_grad():

@@ -8,7 +8,9 @@ Encoding" (NeurIPS 2021), Eq. 10-13. One job per module:
 - `scale`: each row's own largest coefficient and the rescaling of products to it;
 - `product`: the FFT product in blocks of feature channels (a custom autograd function);
 - `band`: the near band of non-causal products, dense;
-- `causal`: the divide-and-conquer recursion for causal calls;
+- `causal`: causal calls: the pairs across chunks by one blocked product, each chunk's own by
+  the divide-and-conquer recursion;
+- `blocked`: the blocked product (one FFT per chunk, a lower-triangular sum per frequency);
 - `certify`: per-row round-off certificates and the exact recomputation of failing rows.
 
 Nothing in the hot path reads a tensor value on the host: every size and loop comes from

@@ -1,9 +1,11 @@
 """Causal products by divide and conquer over positions, decided from shapes alone.
 
-The positions are split in halves down to dense diagonal leaves; every pair (later half's
-queries, earlier half's keys) is one full FFT product with no mask, so no computation for
-query i ever reads a key after i (the future cannot leak into the past, even through
-round-off). O(L log² L) time; the schedule depends on `(Lq, Lk, q_offset, leaf)` only.
+The positions are cut into chunks (`plan.causal_chunk`); the pairs across chunks are one
+blocked product (`blocked.py`: each chunk transformed once, a lower-triangular sum per
+frequency), and inside each chunk the positions are split in halves down to dense diagonal
+leaves, every pair (later half's queries, earlier half's keys) one full FFT product with no
+mask. No computation for query i ever reads a key after i (the future cannot leak into the
+past, even through round-off). The schedule depends on `(Lq, Lk, q_offset, leaf, chunk)` only.
 """
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ...common import device_route
-from .plan import CAUSAL_LEAF, fft_block_size, fft_channel_block
+from .blocked import blocked_product, chunk_layout
+from .plan import CAUSAL_LEAF, blocked_block, causal_chunk, fft_block_size, fft_channel_block
 from .product import scaled_product
 
 
-def _tree(Lq: int, Lk: int, q_offset: int, leaf: int):
-    """`causal_segments` with each cross segment's half size h (its offsets lie in `[-(2h-1), -1]`)."""
+def _tree(Lq: int, Lk: int, q_offset: int, leaf: int, chunk: int | None = None):
+    """`causal_segments` with each cross segment's half size h (its offsets lie in `[-(2h-1), -1]`);
+    with `chunk` (a power of two), only the pairs inside each chunk of that many positions."""
 
     def solve(lo: int, hi: int):
         qa, qb = max(0, lo - q_offset), min(Lq, hi - q_offset)  # queries with positions in [lo, hi)
@@ -36,7 +40,11 @@ def _tree(Lq: int, Lk: int, q_offset: int, leaf: int):
             yield "cross", qa2, qb2, ka2, kb2, mid - lo
 
     end = q_offset + Lq  # keys after the last query are never needed
-    yield from solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
+    if chunk is None:
+        yield from solve(0, max(1, 1 << max(0, (end - 1).bit_length())))
+    else:
+        for c in range(q_offset // chunk, -(-end // chunk)):
+            yield from solve(c * chunk, (c + 1) * chunk)
 
 
 def causal_segments(Lq: int, Lk: int, q_offset: int, leaf: int = CAUSAL_LEAF):
@@ -72,25 +80,43 @@ def _leaf_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lcs: Tensor, scale: 
 SEGMENT_BLOCKS = "cuda"
 
 
+#: where the pairs across chunks go through one blocked product (`blocked.py`): "cuda" (the
+#: default), "always" or "never" (the halving recursion over the whole length, the path
+#: before). On the CPU the recursion is the faster: the blocked product's transposes to and
+#: from frequency-major order and its small batched matmuls cost more there than the FFT
+#: levels they replace (B = 1, H = 2, F = 32, Dv = 64, causal, forward + backward: 31.7 s
+#: against 19.6 at 32,768 tokens, 16 chunks of 2,048); what it moves on a GPU is counted by
+#: benchmarks/table_paths.py --causal-blocked
+BLOCKED = "cuda"
+
+
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
                    memory_budget_bytes: int | None = None, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
     """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
-    round-off per entry (`scaled_product`), over `causal_segments`:
-    diagonal leaves dense, the rest FFT products each rescaled by its own largest
-    coefficient. `lc` is already masked (`-inf` for `r > 0`). Every segment is computed:
-    the schedule is static. Each product's feature blocks fit the memory budget, sized from
-    its own segment or from the whole call (`SEGMENT_BLOCKS`)."""
+    round-off per entry (`scaled_product`): the pairs across chunks by one blocked product
+    (`BLOCKED`), those inside each chunk over the recursion's segments, diagonal leaves
+    dense, the rest FFT products each rescaled by its own largest coefficient. `lc` is
+    already masked (`-inf` for `r > 0`). Every segment is computed: the schedule is static.
+    Each product's feature blocks fit the memory budget, sized from its own segment or from
+    the whole call (`SEGMENT_BLOCKS`)."""
     B, H, Lq, F = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
+    blocked = device_route(BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", phi_q.device)
+    chunk = causal_chunk(Lq, q_offset, leaf) if blocked else None
     # each part is added in place as it comes (index_add_: its backward passes the gradient
     # through and gathers the part's rows, no full-size copy): holding every part for one
     # scatter at the end kept one [B, H, Lq, C] tensor per level of the recursion, and as
     # many round-off estimates (46 GB at L = 1M, B·H = 8, Dv = 64); adding each into a
     # fresh copy (out of place) allocated O(L) per segment, O(L²/leaf) in all
-    y = phi_q.new_zeros(B, H, Lq, C)
-    err = phi_q.new_zeros(B, H, Lq, C)  # dense leaves add no FFT round-off
+    _, nb, na = (0, 0, 0) if chunk is None else chunk_layout(Lq, Lk, q_offset, chunk)
+    if na:  # the pairs across chunks first, the chunks' own pairs added to them
+        block = blocked_block(B, H, nb, na, chunk, F, C - 1, phi_q.dtype, memory_budget_bytes)
+        y, err = blocked_product(phi_q, phi_k, vv, lc, scale, q_offset, chunk, block)
+    else:
+        y = phi_q.new_zeros(B, H, Lq, C)
+        err = phi_q.new_zeros(B, H, Lq, C)  # dense leaves add no FFT round-off
     per_segment = device_route(SEGMENT_BLOCKS, "fastrpe.ops.linear.fft.causal.SEGMENT_BLOCKS", phi_q.device)
-    for kind, qa, qb, ka, kb in causal_segments(Lq, Lk, q_offset, leaf):
+    for kind, qa, qb, ka, kb, _ in _tree(Lq, Lk, q_offset, leaf, chunk):
         s = ka - qb + Lq  # offsets of queries qa..qb-1 against keys ka..kb-1
         lcs = lc[:, s: s + (qb - qa) + (kb - ka) - 1]
         args = (phi_q[:, :, qa:qb], phi_k[:, :, ka:kb], vv[:, :, ka:kb], lcs, scale[:, qa:qb])

@@ -1,7 +1,7 @@
 """Memory and work planning for the FFT path, from shapes alone.
 
 Everything here is a host-side function of the problem's shapes, dtype and memory budget:
-the schedule it fixes (feature block, causal leaf, how many rows may be recomputed
+the schedule it fixes (feature block, causal leaf and chunk, how many rows may be recomputed
 exactly) never depends on tensor values, so the op has no data-dependent control flow and
 no host synchronization (it can be captured by CUDA graphs and `torch.compile`).
 
@@ -130,6 +130,45 @@ def estimate_fft_cost(B: int, H: int, Lq: int, Lk: int, F: int, Dv: int, dtype=t
     peak = (block * cb * _bytes_per_feature(B, H, Lq, Lk, Dv, el) // C
             + 3 * B * H * (Lq * (F + C) + Lk * (F + C)) * el)
     return flops, int(peak)
+
+
+#: the most chunks the causal path cuts the positions into (`blocked.py`). Its per-frequency
+#: sum costs about N/2 complex multiply-adds per position and channel for N chunks (4·N flops;
+#: four such matmuls forward + backward), while every halving of the chunks adds one FFT level
+#: inside them (roughly 100 bytes per position and channel a pass): at an H100's fp32 CUDA-core
+#: rate (~60 TFLOP/s) and HBM (3.35 TB/s), 64 chunks' four matmuls cost about half a level
+BLOCKED_CHUNKS = 64
+
+
+#: fewer chunks than this and the causal path stays the recursion: with 4 chunks the blocked
+#: product replaces two FFT levels, about what its own transposes and matmuls move
+BLOCKED_MIN_CHUNKS = 8
+
+
+def causal_chunk(Lq: int, q_offset: int, leaf: int) -> int | None:
+    """Chunk length of the causal path: the smallest power-of-two multiple of the leaf that
+    cuts the positions `0..q_offset+Lq-1` into at most BLOCKED_CHUNKS chunks (the leaf itself
+    up to 64 leaves: 131,072 tokens with 2,048-position leaves), or None below
+    BLOCKED_MIN_CHUNKS chunks."""
+    T, end = leaf, q_offset + Lq
+    while -(-end // T) > BLOCKED_CHUNKS:
+        T *= 2
+    return T if -(-end // T) >= BLOCKED_MIN_CHUNKS else None
+
+
+def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,
+                  memory_budget_bytes: int | None = None) -> tuple[int, int]:
+    """`(features, channels)` per block of the blocked product (`blocked.py`), within the
+    budget: per channel, backward (the larger) holds the key and query chunks' padded
+    channels, their spectra, both in frequency-major copies, the two matmuls' results and
+    their inverse transforms: about `12·(na + nb)·T` reals."""
+    C = Dv + 1
+    budget = budget_or_default(memory_budget_bytes)
+    per_channel = max(1, B * H * element_size(dtype) * 12 * (na + nb) * T)
+    channels = max(1, budget // per_channel)
+    if channels >= C:
+        return int(min(F, channels // C)), C
+    return 1, int(channels)
 
 
 def causal_leaf(B: int, H: int, dtype=torch.float32, memory_budget_bytes: int | None = None) -> int:
