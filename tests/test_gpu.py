@@ -135,6 +135,26 @@ def _check_against_float64(backend, family, kernel, factor):
             f"{e_naive:.3g}")
 
 
+@pytest.fixture
+def fft_chunks(monkeypatch):
+    """The causal FFT path at 4,096 tokens cut into 16 chunks of 256 positions, so that the
+    blocked product runs (`fft.causal.BLOCKED`; the default leaf here, 2,048, makes 2 chunks,
+    below `fft.plan.BLOCKED_MIN_CHUNKS`)."""
+    import fastrpe.ops.linear.fft as fftmod
+
+    monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 256)
+
+
+def test_fft_blocked_product_matches_float64_at_4096(fft_chunks):
+    """The causal learned table through the blocked product: bf16 output and q/k/v gradients
+    against the float64 reference, as every backend's."""
+    _check_against_float64("fft", "learned", "nprf", LOWP_FACTOR)
+
+
+def test_no_host_sync_in_the_fft_blocked_product(fft_chunks):
+    test_no_host_sync_in_the_backend_hot_path("fft", "learned")
+
+
 def test_dense_bf16_itself_is_close_to_float64():
     """The yardstick above is sane: dense bf16 within bf16's tolerance of float64."""
     pos = make_position("kerple_log", H, L).to(DEV)

@@ -1512,13 +1512,17 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: are frozen), where it formed it, and read and wrote it back in memory, once per term and
 #: chunk in every call: the rows its criteria read move (the others keep their times, of the
 #: kernel before).
-CODE_EPOCH = 9
+#: Epoch 10 (the fifth CPU session of 2026-11-28): the causal FFT path on CUDA takes the pairs
+#: across chunks by one blocked product (`fft.causal.BLOCKED`, `fft/blocked.py`) instead of the
+#: halving recursion over the whole length, so the causal table's `fft` rows, and its `auto` rows,
+#: which may run it, move (the not-causal table's keep their times).
+CODE_EPOCH = 10
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),
            ("fastrpe-auto", "*", 0, 7), ("fastrpe-triton_soe+bf16x3", "*", 0, 9),
            ("fastrpe-triton_soe+saved-states*", "*", 0, 9), ("fastrpe-triton_band+bf16x3", "*", 0, 9),
-           ("fastrpe-auto", "t5", 0, 9))
+           ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 10), ("fastrpe-auto", "learned", 0, 10))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
