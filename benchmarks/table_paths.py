@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--families", default="learned,learned_full", help="comma-separated, of learned, learned_full")
     ap.add_argument("--segment-blocks", choices=("always", "never", "cuda"), default=None,
                     help="fft.causal.SEGMENT_BLOCKS for the run (default: the library's)")
+    ap.add_argument("--causal-blocked", choices=("always", "never", "cuda"), default=None,
+                    help="fft.causal.BLOCKED for the run: the pairs across chunks by one blocked product (always), "
+                         "or the halving recursion over the whole length (never); default: the library's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     H, D, F = a.heads, 64, 32
@@ -88,6 +91,8 @@ def main() -> None:
 
     if a.segment_blocks is not None:
         fft_causal.SEGMENT_BLOCKS = a.segment_blocks
+    if a.causal_blocked is not None:
+        fft_causal.BLOCKED = a.causal_blocked
     rows = []
     for L in (int(x) for x in a.lengths.split(",")):
         for fam in a.families.split(","):
@@ -101,7 +106,7 @@ def main() -> None:
     out = {"meta": {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
                     "torch": torch.__version__, "command": "python benchmarks/table_paths.py " + " ".join(sys.argv[1:]),
                     "problem": {"B": 1, "H": H, "D": D, "features": F, "kernel": "nprf", "dtype": "bfloat16"},
-                    "segment_blocks": fft_causal.SEGMENT_BLOCKS,
+                    "segment_blocks": fft_causal.SEGMENT_BLOCKS, "causal_blocked": fft_causal.BLOCKED,
                     "hbm_bytes_per_s": HBM_BYTES_PER_S, "tensor_peaks": PEAK},
            "rows": rows}
     if a.out:
