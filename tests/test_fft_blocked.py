@@ -161,3 +161,14 @@ def test_float32_matches_float64(blocked):
     got = kernelized_num_den_fft(pq.float(), pk.float(), v.float(), lc.float(), causal=True)
     for a, b in zip(got[:2], want[:2]):
         assert ((a.double() - b).abs() / b.abs().clamp_min(1e-6)).max() < 1e-4
+
+
+def test_the_cost_models_levels_follow_the_path():
+    """`plan.causal_levels`, what `auto`'s cost of the causal FFT path counts above the leaves:
+    the recursion's halvings, or the blocked product's worth (fewer from 8 chunks on)."""
+    from fastrpe.ops.linear.fft.plan import causal_levels
+
+    assert [causal_levels(2048 * n, 0, 2048, False) for n in (1, 2, 8, 64)] == [0.0, 1.0, 3.0, 6.0]
+    assert causal_levels(2048 * 4, 0, 2048, True) == 2.0  # 4 chunks: the recursion
+    for n in (8, 64, 512):
+        assert causal_levels(2048 * n, 0, 2048, True) < causal_levels(2048 * n, 0, 2048, False)

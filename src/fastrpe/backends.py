@@ -9,7 +9,6 @@ Notation: B batch, H heads, Lq/Lk lengths, D head dim, Dv value dim, F features.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -260,7 +259,10 @@ class FFTBackend(Backend):
         return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
+        from .ops.common import device_route
+        from .ops.linear.fft import causal as fft_causal
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
+        from .ops.linear.fft.plan import causal_levels
 
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
         grad = 3 if p.requires_grad else 1
@@ -268,12 +270,14 @@ class FFTBackend(Backend):
         if not p.causal:
             # FFTs are memory-bound: ~7x below the flop rate (measured: benchmarks/fft_memory.py)
             return Cost(machine_time(p.device, 7 * flops, 2 * peak, calls=30, working_set=peak), peak)
-        # divide and conquer: dense diagonal leaves (every row sees up to `leaf` keys), and
-        # about 0.6 of a full-length FFT product per level above them; a call no longer than
-        # one leaf is all leaf (auto_cpu_check: L = 1024 ran 32 ms, not a full product's 260)
+        # dense diagonal leaves (every row sees up to `leaf` keys), and about 0.6 of a
+        # full-length FFT product per level above them (the recursion's, or the blocked
+        # product's worth: `plan.causal_levels`); a call no longer than one leaf is all leaf
+        # (auto_cpu_check: L = 1024 ran 32 ms, not a full product's 260)
         L = max(p.Lq, p.Lk)
         leaf = causal_leaf(p.B, p.H, p.dtype)
-        levels = max(0.0, math.log2(L / leaf))
+        blocked = device_route(fft_causal.BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", p.device)
+        levels = causal_levels(p.Lq, p.q_offset, leaf, blocked)
         pairs = p.B * p.H * p.Lq * min(L, leaf)
         leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again
         leaf_flops = leaf_grad * pairs * (2 * (p.F + p.Dv + 1) + 10)
@@ -281,8 +285,7 @@ class FFTBackend(Backend):
         leaf_set = p.B * p.H * min(L, leaf) ** 2 * p.bytes_per_el * 3
         seconds = machine_time(p.device, leaf_flops, leaf_bytes, calls=100, working_set=leaf_set)
         if levels > 0:
-            seconds += machine_time(p.device, 7 * flops * 0.6 * math.ceil(levels), 2 * peak, calls=30,
-                                    working_set=peak)
+            seconds += machine_time(p.device, 7 * flops * 0.6 * levels, 2 * peak, calls=30, working_set=peak)
         return Cost(seconds, peak)
 
     def run(self, q, k, v, p, kpm):

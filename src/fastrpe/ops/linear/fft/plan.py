@@ -156,6 +156,25 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int) -> int | None:
     return T if -(-end // T) >= BLOCKED_MIN_CHUNKS else None
 
 
+#: the blocked product's work in halving levels' worth (each a full-length FFT product of
+#: every channel): counted on the CPU (aten bytes of the causal product, forward + backward,
+#: B = H = 1, F = 32, Dv = 64, 2,048-position leaves), a level moved 7.0 GiB per 16,384 tokens
+#: and the blocked product 2.1 levels' worth at 8 chunks, 2.36 at 16: about 1.85 + N/32 for N
+#: chunks (its lag matrices are read per block of channels)
+BLOCKED_LEVELS = 1.85
+
+
+def causal_levels(Lq: int, q_offset: int, leaf: int, blocked: bool) -> float:
+    """The causal path's FFT work above its dense leaves, in full-length product levels: the
+    recursion's `log2(L/leaf)`, or with the blocked product (`blocked`, where it applies)
+    `BLOCKED_LEVELS + N/32` for its N chunks plus the recursion's levels inside a chunk."""
+    end = q_offset + Lq
+    chunk = causal_chunk(Lq, q_offset, leaf) if blocked else None
+    if chunk is None:
+        return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
+    return BLOCKED_LEVELS + -(-end // chunk) / 32 + math.log2(chunk // leaf)
+
+
 def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,
                   memory_budget_bytes: int | None = None) -> tuple[int, int]:
     """`(features, channels)` per block of the blocked product (`blocked.py`), within the
