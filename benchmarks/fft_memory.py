@@ -25,6 +25,8 @@ import fastrpe as fr
 L, H, D, F, causal = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 budget = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "default" else None
 import fastrpe.ops.linear.fft as fftmod
+if len(sys.argv) > 7 and sys.argv[7] != "default":
+    fftmod.causal.BLOCKED = sys.argv[7]
 if budget is not None:
     import fastrpe.ops.linear.fft.plan as fftplan
     fftplan.DEFAULT_BUDGET = budget
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--features", type=int, default=64)
     ap.add_argument("--budget", default="default", help="memory_budget_bytes of the op (default: its own)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--causal-blocked", choices=["default", "always", "never", "cuda"], default="default",
+                    help="fft.causal.BLOCKED: the causal pairs across chunks by the blocked product, or the recursion")
     ap.add_argument("--out", default="benchmarks/results/fft_memory.json")
     a = ap.parse_args()
     import torch
@@ -82,7 +86,7 @@ def main() -> None:
           f"{'block':>5} | {'dense would need GiB':>20}")
     for causal in modes:
         res = subprocess.run([sys.executable, "-c", CHILD, str(a.length), str(a.heads), str(a.dim), str(a.features),
-                              "1" if causal else "0", a.budget], capture_output=True, text=True)
+                              "1" if causal else "0", a.budget, a.causal_blocked], capture_output=True, text=True)
         if res.returncode != 0:
             sys.exit(f"child failed (causal={causal}):\n{res.stderr}")
         r = json.loads(res.stdout.strip().splitlines()[-1])
@@ -94,7 +98,8 @@ def main() -> None:
               f"{r['estimated_peak_bytes'] / gib:9.3f} | {r['block']:5d} | {dense / gib:20.0f}")
     meta = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(), "L": a.length,
             "H": a.heads, "D": a.dim, "Dv": a.dim, "features": a.features, "dtype": "float32",
-            "budget": a.budget, "rows": rows, "command": "python benchmarks/fft_memory.py " + " ".join(sys.argv[1:])}
+            "budget": a.budget, "causal_blocked": a.causal_blocked, "rows": rows,
+            "command": "python benchmarks/fft_memory.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(meta, f, indent=2)
