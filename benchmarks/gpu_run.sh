@@ -147,6 +147,18 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the fifth CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - the causal FFT path on CUDA takes the pairs across chunks by one blocked product
+#   (`fft.causal.BLOCKED` = "cuda", `fft/blocked.py`): one FFT per chunk of T positions and, per
+#   frequency, a lower-triangular sum over earlier chunks (a batched complex matmul), instead of
+#   log2(L/T) halving levels; inside each chunk the recursion as before. Causality stays bitwise.
+#   By the CPU byte count (benchmarks/table_paths.py --causal-blocked, H = 1) it moves 38% fewer
+#   bytes at 64k with half the launches. CODE_EPOCH 10 moves the causal table's `fft` and `auto`
+#   rows. Read: the 1M window's `fastrpe-fft` on the causal table (time and peak against 40 GiB)
+#   and, if `rest` reaches them, the 262k rows. Its GPU tests (`test_fft_blocked_product_*`,
+#   `test_no_host_sync_in_the_fft_blocked_product`) run it at 4k in 16 chunks. To time the
+#   recursion on the GPU, set BLOCKED = "never".
+#
 # New since the fourth CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - the workplace now lends H200s only (`status`: kinds ["nvidia-h200"]); on one, the H100's
 #   JSON in .gpu_runs/ does not resume (another device), and `first` starts afresh. A fresh
