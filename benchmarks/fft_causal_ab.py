@@ -1,7 +1,8 @@
 """The causal FFT path on this machine: the pairs across chunks by the blocked product, or the
 halving recursion over the whole length (`fastrpe.ops.linear.fft.causal.BLOCKED`), timed in one
 process on the same inputs, forward + backward, best of `--repeats`, with their largest
-difference.
+difference; and the bytes every aten op of one call reads and writes (`prf_traffic.ByteCounter`:
+a lower bound on a GPU's memory traffic, which the CPU's time does not follow).
 
 A learned table over all offsets (`N(0, 0.5²)` log-coefficients), uniform positive features,
 normal values, float32, `B = 1`; the chunks and leaves are the library's for the shapes
@@ -19,6 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prf_traffic import ByteCounter  # noqa: E402
 
 
 def main() -> None:
@@ -57,8 +61,13 @@ def main() -> None:
             t2 = time.perf_counter()
             best_f, best_b = min(best_f, t1 - t), min(best_b, t2 - t1)
         outs[mode] = (num.detach(), den.detach())
-        rows.append({"blocked": mode, "forward_s": best_f, "backward_s": best_b, "total_s": best_f + best_b})
-        print(f"BLOCKED={mode:6s} forward {best_f:7.2f} s  backward {best_b:7.2f} s", flush=True)
+        with ByteCounter() as count:
+            num, den, ls = kernelized_num_den_fft(pq, pk, v, lc, causal=True)
+            (num.sum() + den.sum()).backward()
+        rows.append({"blocked": mode, "forward_s": best_f, "backward_s": best_b, "total_s": best_f + best_b,
+                     "gib_moved": count.bytes / 2**30, "launches": count.launches})
+        print(f"BLOCKED={mode:6s} forward {best_f:7.2f} s  backward {best_b:7.2f} s  "
+              f"{count.bytes / 2**30:8.2f} GiB in {count.launches} ops", flush=True)
     (na, da), (nr, dr) = outs["always"], outs["never"]
     diff = {"num_max_abs_over_max": ((na - nr).abs().max() / nr.abs().max()).item(),
             "den_max_rel": ((da - dr).abs() / dr.abs()).max().item()}

@@ -105,8 +105,33 @@ def _from_freq_major(y: Tensor, B: int) -> Tensor:
 MATRIX_BYTES = 128 << 20
 
 
+class _LagSlice:
+    """One slice of frequencies of the lag matrices, `m: [H, p, nb, na]`, with what the
+    products derive from it made once (`energy` for the round-off estimate, `adjoint` for the
+    backward's transposed product), however many blocks of channels use it."""
+
+    def __init__(self, m: Tensor):
+        self.m = m
+        self._energy = self._adjoint = None
+
+    @property
+    def energy(self) -> Tensor:
+        """`[H, nb, p·na]`: `|m|²` laid out for `_pair_energy`'s matmul."""
+        if self._energy is None:
+            H, p, nb, na = self.m.shape
+            self._energy = torch.view_as_real(self.m).square().sum(-1).permute(0, 2, 1, 3).reshape(H, nb, p * na)
+        return self._energy
+
+    @property
+    def adjoint(self) -> Tensor:
+        """`[H, p, na, nb]`: the conjugate transpose, contiguous."""
+        if self._adjoint is None:
+            self._adjoint = self.m.conj().transpose(-1, -2).resolve_conj().contiguous()
+        return self._adjoint
+
+
 class _LagMatrices:
-    """`W[b, a]·K_{b-a}(f)` (0 off the pairs) as `[H, p, nb, na]` slices of frequencies."""
+    """`W[b, a]·K_{b-a}(f)` (0 off the pairs) as `_LagSlice`s of `[H, p, nb, na]`."""
 
     def __init__(self, ks: Tensor, lag: Tensor, valid: Tensor, W: Tensor):
         H, _, P = ks.shape
@@ -117,8 +142,8 @@ class _LagMatrices:
         self.ks, self.lag, self.w = ks, lag, torch.where(valid, W, torch.zeros_like(W))[..., None]
         self.kept = [self._build(f0, f1) for f0, f1 in self.slices] if len(self.slices) == 1 else None
 
-    def _build(self, f0: int, f1: int) -> Tensor:
-        return (self.ks[:, :, f0:f1][:, self.lag] * self.w).permute(0, 3, 1, 2)  # (H, p, nb, na)
+    def _build(self, f0: int, f1: int) -> _LagSlice:
+        return _LagSlice((self.ks[:, :, f0:f1][:, self.lag] * self.w).permute(0, 3, 1, 2))  # (H, p, nb, na)
 
     def __iter__(self):
         for n, (f0, f1) in enumerate(self.slices):
@@ -139,14 +164,13 @@ class _Parts:
             self.whole[:, f0:f1] = part
 
 
-def _pair_energy(m: Tensor, xs: Tensor) -> Tensor:
-    """`[H, nb, q]`: `Σ_a Σ_f |m(f)|²·|x_a(f)|²` for lag matrices `m: [H, p, nb, na]` and
-    spectra `xs: [H, p, na, q]`: each pair's `‖P_ba‖²`, summed over the pairs (one matmul
-    over frequencies and key chunks together; `|x|²` from the real view)."""
-    H, p, nb, na = m.shape
-    m2 = torch.view_as_real(m).square().sum(-1).permute(0, 2, 1, 3).reshape(H, nb, p * na)
+def _pair_energy(m: _LagSlice, xs: Tensor) -> Tensor:
+    """`[H, nb, q]`: `Σ_a Σ_f |m(f)|²·|x_a(f)|²` for a slice of lag matrices and spectra
+    `xs: [H, p, na, q]`: each pair's `‖P_ba‖²`, summed over the pairs (one matmul over
+    frequencies and key chunks together; `|x|²` from the real view)."""
+    H, p, na, _ = xs.shape
     x2 = torch.view_as_real(xs).square().sum(-1).reshape(H, p * na, -1)
-    return torch.bmm(m2, x2)
+    return torch.bmm(m.energy, x2)
 
 
 class _BlockedNumDen(torch.autograd.Function):
@@ -173,8 +197,8 @@ class _BlockedNumDen(torch.autograd.Function):
             xs = _to_freq_major(torch.fft.rfft(_channels(kf[:, :, s:e], vf[:, :, cs:ce], 2 * T), dim=-1), H, na)
             out = _Parts(mats, (H, P, nb, B * f * c), xs)
             e2 = qc.new_zeros(H, nb, B * f * c)
-            for f0, f1, m in mats:  # m: (H, p, nb, na)
-                part = torch.matmul(m, xs[:, f0:f1])
+            for f0, f1, m in mats:
+                part = torch.matmul(m.m, xs[:, f0:f1])  # (H, p, nb, B·f·c)
                 out.put(f0, f1, part)
                 # the sum's ‖Σ_a P_ba‖² (what the inverse transform's round-off follows; all of
                 # it where the pairs are coherent) and each pair's ‖P_ba‖² (where they are not);
@@ -215,11 +239,11 @@ class _BlockedNumDen(torch.autograd.Function):
             zs = _to_freq_major(torch.fft.rfft(_channels(qf[:, :, s:e], gf[:, :, cs:ce], 2 * T), dim=-1), H, nb)
             out = _Parts(mats, (H, P, nb, B * f * c), xs) if need_q else None
             back = _Parts(mats, (H, P, na, B * f * c), xs) if (need_k or need_v) else None
-            for f0, f1, m in mats:  # m: (H, p, nb, na)
+            for f0, f1, m in mats:
                 if out is not None:
-                    out.put(f0, f1, torch.matmul(m, xs[:, f0:f1]))
+                    out.put(f0, f1, torch.matmul(m.m, xs[:, f0:f1]))
                 if back is not None:  # the adjoint: each pair's kernel reversed, conj in the spectrum
-                    back.put(f0, f1, torch.matmul(m.conj().transpose(-1, -2), zs[:, f0:f1]))
+                    back.put(f0, f1, torch.matmul(m.adjoint, zs[:, f0:f1]))
                 if need_c:
                     # each pair's cross-correlation of the output gradient with its key chunk,
                     # in the spectrum, weighted by W and summed into the pair's lag
