@@ -82,11 +82,12 @@ SEGMENT_BLOCKS = "cuda"
 
 #: where the pairs across chunks go through one blocked product (`blocked.py`): "cuda" (the
 #: default), "always" or "never" (the halving recursion over the whole length, the path
-#: before). On the CPU the recursion is the faster: the blocked product's transposes to and
-#: from frequency-major order and its small batched matmuls cost more there than the FFT
-#: levels they replace (B = 1, H = 2, F = 32, Dv = 64, causal, forward + backward: 31.7 s
-#: against 19.6 at 32,768 tokens, 16 chunks of 2,048); what it moves on a GPU is counted by
-#: benchmarks/table_paths.py --causal-blocked
+#: before). It moves fewer bytes, in far fewer ops (B = 1, H = 2, F = 32, Dv = 64, causal,
+#: forward + backward, 32,768 tokens in 16 chunks: 92.3 against 127.4 GiB, 2,500 ops against
+#: 20,245), but on the CPU the recursion is the faster: the blocked product's transposes to
+#: and from frequency-major order and its small batched complex matmuls cost more there than
+#: the FFT levels they replace (26.8 s against 18.6; benchmarks/fft_causal_ab.py,
+#: results/fft_causal_ab-32k-h2.json). A GPU has not timed it yet
 BLOCKED = "cuda"
 
 

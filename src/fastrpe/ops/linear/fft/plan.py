@@ -157,22 +157,24 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int) -> int | None:
 
 
 #: the blocked product's work in halving levels' worth (each a full-length FFT product of
-#: every channel): counted on the CPU (aten bytes of the causal product, forward + backward,
-#: B = H = 1, F = 32, Dv = 64, 2,048-position leaves), a level moved 7.0 GiB per 16,384 tokens
-#: and the blocked product 2.1 levels' worth at 8 chunks, 2.36 at 16: about 1.85 + N/32 for N
-#: chunks (its lag matrices are read per block of channels)
-BLOCKED_LEVELS = 1.85
+#: every channel), from the bytes each path's aten ops move on the CPU (forward + backward,
+#: B = 1, F = 32, Dv = 64, 2,048-position leaves): the blocked path moved 0.90 of the
+#: recursion's bytes at 8 chunks (3 levels: 41.2 against 45.9 GiB, H = 2), 0.72 at 16 (4 levels:
+#: 92.3 against 127.4) and 0.62 at 32 (5 levels, the whole attention call, H = 1: 77.3 against
+#: 124.5; benchmarks/fft_causal_ab.py, results/fft_causal_ab-*-h2.json,
+#: table_paths-blocked-*-65536-h1.json): about 2.5 + N/50 levels for N chunks
+BLOCKED_LEVELS = 2.5
 
 
 def causal_levels(Lq: int, q_offset: int, leaf: int, blocked: bool) -> float:
     """The causal path's FFT work above its dense leaves, in full-length product levels: the
     recursion's `log2(L/leaf)`, or with the blocked product (`blocked`, where it applies)
-    `BLOCKED_LEVELS + N/32` for its N chunks plus the recursion's levels inside a chunk."""
+    `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels inside a chunk."""
     end = q_offset + Lq
     chunk = causal_chunk(Lq, q_offset, leaf) if blocked else None
     if chunk is None:
         return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
-    return BLOCKED_LEVELS + -(-end // chunk) / 32 + math.log2(chunk // leaf)
+    return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf)
 
 
 def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,
