@@ -253,8 +253,8 @@ def test_round_off_estimate_bounds_the_actual_error(name, values):
 @pytest.mark.parametrize("name", COEFFS)
 def test_blocked_round_off_estimate_bounds_the_actual_error(name, values, T):
     """The same for the causal blocked product (`fft/blocked.py`) over 4 to 64 chunks: its
-    estimate adds the sum's and the pairs' round-off (with the pairs' alone, positive values
-    over 64 chunks came within 1.25x of the actual error)."""
+    estimate adds the sum's and the pairs' round-off (the pairs' alone left positive values
+    over 64 chunks less than this margin)."""
     from fastrpe.ops.linear.fft.blocked import blocked_product
 
     ratio = _estimate_ratio(lambda pq, pk, vv, lc, scale, block: blocked_product(pq, pk, vv, lc, scale, 0, T, block),

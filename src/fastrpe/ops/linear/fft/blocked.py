@@ -27,10 +27,10 @@ entry error `product.ROUND_OFF` bounds by `eps·sqrt(log2 N)·‖P‖₂/N`. A c
 inverse transform's round-off, which follows `‖Σ_a P_ba‖₂` (all of the error where the pairs
 are coherent: positive channels, a positive kernel's DC term), and each pair's forward
 transform's, independent across pairs, `sqrt(Σ_a ‖P_ba‖₂²)`; the estimate takes both in
-quadrature, the second summed over frequencies and pairs in one real matmul (with the second
-alone, positive values over 64 chunks came within 1.25x of the actual error). (A bound from each band's largest `|K|²` instead
-was 10x looser for a positive kernel, whose DC term dwarfs the rest: rows of signed values
-then failed the certificate where the recursion's products passed.)
+quadrature, the second summed over frequencies and pairs in one real matmul. The second
+alone left positive values over 64 chunks less than the tests' 1.5x margin; a bound from each
+band of frequencies' largest `|K|²` was far looser for a positive kernel, whose DC term dwarfs
+the rest (most rows of signed values failed the certificate where the recursion's passed).
 
 Notation: B batch, H heads, F features, C = Dv + 1 channels per feature, T chunk length,
 P = T + 1 frequencies of the length-2T real FFT, nb query chunks, na key chunks.
