@@ -172,3 +172,19 @@ def test_the_cost_models_levels_follow_the_path():
     assert causal_levels(2048 * 4, 0, 2048, True) == 2.0  # 4 chunks: the recursion
     for n in (8, 64, 512):
         assert causal_levels(2048 * n, 0, 2048, True) < causal_levels(2048 * n, 0, 2048, False)
+
+
+def test_a_lag_without_coefficients_leaves_the_chunks_units_alone():
+    """A table that is -inf beyond 20 positions (a local window), whose kept coefficients are
+    far below 1: the lags that see none do not set a chunk's units (their kernel is 0), so
+    nothing is scaled by exp(-60) and the result matches the formula."""
+    B, H, L, F, Dv, T = 1, 2, 64, 3, 4, 8
+    pq, pk, vv, lc = _inputs(B, H, L, L, F, Dv, 0, lc_scale=0.0)
+    r = torch.arange(-(L - 1), L)
+    lc = torch.where((r <= 0) & (r > -20), -60.0 + 0.1 * r, float("-inf")).double()[None].repeat(H, 1)
+    lc.requires_grad_()
+    scale = row_scale(lc, L, L)
+    want = _dense_across(pq, pk, vv, lc, 0, T) * torch.exp(-scale)[None, :, :, None]
+    # float32: a unit 60 nats off its rows would pass `fft.scale`'s 40-nat clamp
+    y, _ = blocked_product(*(t.detach().float() for t in (pq, pk, vv, lc, scale)), 0, T, 2)
+    assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-5
