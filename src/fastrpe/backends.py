@@ -259,9 +259,8 @@ class FFTBackend(Backend):
         return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
-        from .ops.common import device_route
-        from .ops.linear.fft import causal as fft_causal
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
+        from .ops.linear.fft.causal import chunk_on
         from .ops.linear.fft.plan import causal_levels
 
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
@@ -276,8 +275,7 @@ class FFTBackend(Backend):
         # (auto_cpu_check: L = 1024 ran 32 ms, not a full product's 260)
         L = max(p.Lq, p.Lk)
         leaf = causal_leaf(p.B, p.H, p.dtype)
-        blocked = device_route(fft_causal.BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", p.device)
-        levels = causal_levels(p.Lq, p.q_offset, leaf, blocked)
+        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf))
         pairs = p.B * p.H * p.Lq * min(L, leaf)
         leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again
         leaf_flops = leaf_grad * pairs * (2 * (p.F + p.Dv + 1) + 10)

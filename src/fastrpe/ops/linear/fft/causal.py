@@ -91,6 +91,14 @@ SEGMENT_BLOCKS = "cuda"
 BLOCKED = "cuda"
 
 
+def chunk_on(device: torch.device, Lq: int, q_offset: int, leaf: int) -> int | None:
+    """The chunk length `causal_product` cuts the positions into on `device` (`BLOCKED`,
+    `plan.causal_chunk`), or None: the recursion over the whole length. `auto`'s cost of the
+    path reads it too (`plan.causal_levels`)."""
+    blocked = device_route(BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", device)
+    return causal_chunk(Lq, q_offset, leaf) if blocked else None
+
+
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
                    memory_budget_bytes: int | None = None, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
     """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
@@ -102,8 +110,7 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
     the whole call (`SEGMENT_BLOCKS`)."""
     B, H, Lq, F = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
-    blocked = device_route(BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", phi_q.device)
-    chunk = causal_chunk(Lq, q_offset, leaf) if blocked else None
+    chunk = chunk_on(phi_q.device, Lq, q_offset, leaf)
     # each part is added in place as it comes (index_add_: its backward passes the gradient
     # through and gathers the part's rows, no full-size copy): holding every part for one
     # scatter at the end kept one [B, H, Lq, C] tensor per level of the recursion, and as

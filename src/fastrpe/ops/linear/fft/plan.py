@@ -166,12 +166,12 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int) -> int | None:
 BLOCKED_LEVELS = 2.5
 
 
-def causal_levels(Lq: int, q_offset: int, leaf: int, blocked: bool) -> float:
+def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None) -> float:
     """The causal path's FFT work above its dense leaves, in full-length product levels: the
-    recursion's `log2(L/leaf)`, or with the blocked product (`blocked`, where it applies)
-    `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels inside a chunk."""
+    recursion's `log2(L/leaf)` (`chunk` None), or with the blocked product over chunks of
+    `chunk` positions `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels
+    inside a chunk."""
     end = q_offset + Lq
-    chunk = causal_chunk(Lq, q_offset, leaf) if blocked else None
     if chunk is None:
         return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
     return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf)
