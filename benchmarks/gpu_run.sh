@@ -36,7 +36,9 @@
 # gpu_warm.json, and from `first` and `rest` compile_cache.tar.xz (below): 8 files from `first`,
 # all a device call brings back.
 #
-# Before the first call, on the machine with network (repo root):
+# Before the first call, on the machine with network (repo root): `bash benchmarks/gpu_prep.sh`
+# does all of what follows from a fresh checkout (fla's site, both venvs, the precompiled pack;
+# see its header for how long each step took); the steps one by one, for reference:
 #   grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 #   grep -qx '/.gpu_runs/' .git/info/exclude || echo '/.gpu_runs/' >> .git/info/exclude
 #   grep -qx '/.gpu_cache/' .git/info/exclude || echo '/.gpu_cache/' >> .git/info/exclude
@@ -146,6 +148,13 @@
 # folder misses everything (only compile_cache.py's pack and unpack rewrite them). `verify`
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
+#
+# New since the sixth CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - a session's checkout now starts fresh: .fla_site, .gpu_cache, .gpu_runs and runs/ are gone.
+#   `bash benchmarks/gpu_prep.sh` builds them again before the first call (the whole list below,
+#   one command); `first` resumes the newest committed JSON of the GPU it runs on when
+#   .gpu_runs/ holds none (`gpu.resume_source`): commit each session's gpu.json under
+#   benchmarks/results/gpu/ (h200-DATE.json) so that the next H200 session goes on from it.
 #
 # New since the fifth CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - the causal FFT path on CUDA takes the pairs across chunks by one blocked product
@@ -745,6 +754,13 @@ PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states+bf16x3,fastr
 # a call within the 90-s cap; CPU estimate at 1M: 4.8 TFLOP a forward, 18.7 GiB, `plan.estimate_fft_cost`)
 PRIORITY_1M_FAMILIES=learned_full,learned,alibi,kerple_log,kerple_power
 PRIORITY_1M_LENGTHS=1048576
+# `rest` then times the learned tables at 262,144 (">= 4x faster than Flex", never reached by
+# any session: the general pass takes the 4k rows first), Flex and the FFT path, for at most
+# PRIORITY_262K_S s (default 120); Flex there is quadratic, about 2 s a call on the H100
+# (130 ms at 64k), so each row is timed once past the bench's 2-s limit
+PRIORITY_262K='flex,fastrpe-fft,fastrpe-auto'
+PRIORITY_262K_FAMILIES=learned,learned_full
+PRIORITY_262K_LENGTHS=262144
 # A fresh `first` (no JSON of this GPU to resume: since 2026-11-28 the workplace lends H200s
 # only, and the H100's JSON does not resume on one): the fewest rows that decide each ratio
 # criterion at 64k, both sides, in one window before anything else (fla's rows go before it,
@@ -754,8 +770,10 @@ PRIORITY_1M_LENGTHS=1048576
 # passed all six. `rest` then takes the 1M rows, decoding, the host-sync check and the others.
 # Their kernels are compiled first (`--warm-first` with "@L": at those lengths only).
 # (KERPLE's bf16x3 rows count only beside their tf32x3 twins, `gpu.precision_twin`: both go;
-# and the stacked state passes, `triton_soe.STATE_TERMS`, the KERPLE criteria's likeliest pass)
-PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_band+bf16x3,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features'
+# and the stacked state passes, `triton_soe.STATE_TERMS`, the KERPLE criteria's likeliest pass;
+# and the FFT path on the learned tables alone, "competitor:family": the 64k criterion of the
+# table over all offsets has no row yet, and the FFT is the exact linear-time candidate at 262k)
+PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_band+bf16x3,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*'
 PRIORITY_FRESH_FAMILIES=alibi,kerple_log,kerple_power,t5,learned,learned_full
 PRIORITY_FRESH_SHORT='flex,flex+cudagraphs,fastrpe-triton_*+cudagraphs,fastrpe-auto'
 PRIORITY_FRESH_SHORT_LENGTH=4096
@@ -771,6 +789,7 @@ if [ -n "${SMOKE:-}" ]; then
     PRIORITY_LENGTHS=48,96
     PRIORITY_LONG_LENGTHS=96
     PRIORITY_1M_LENGTHS=96
+    PRIORITY_262K_LENGTHS=96
     PRIORITY_FRESH_SHORT_LENGTH=48
     PROFILE_ARGS=(--device cpu --lengths 64 --cases fastrpe-chunked:alibi)
     PRF_ARGS=(--device cpu --lengths 20 --configs 16:4:ieee,32:2:tf32x3)
@@ -995,14 +1014,22 @@ EOF
 # (default "default"; "reduce-overhead" adds CUDA graphs to both). A carried JSON of another
 # mode or device does not mix with this run's rows: it starts afresh.
 COMPILE_MODE=${COMPILE_MODE:-default}
-if [ -f .gpu_runs/gpu.json ] && [ ! -f "$OUT_DIR/gpu.json" ]; then
-    if COMPILE_MODE="$COMPILE_MODE" python3 -c 'import json, os, sys, torch
-r = json.load(open(".gpu_runs/gpu.json"))
-sys.exit(r.get("device") != torch.cuda.get_device_name()
-         or r.get("config", {}).get("compile_mode", "default") != os.environ["COMPILE_MODE"])'; then
-        cp .gpu_runs/gpu.json "$OUT_DIR/gpu.json"
+# (a fresh checkout has no .gpu_runs/: then the newest committed JSON of this GPU, if any,
+# benchmarks/results/gpu/, `gpu.resume_source`)
+if [ ! -f "$OUT_DIR/gpu.json" ] && [ -z "${SMOKE:-}" ]; then
+    src=$(COMPILE_MODE="$COMPILE_MODE" python3 -c 'import os, sys, torch
+from pathlib import Path
+from fastrpe.bench.gpu import resume_source
+if not torch.cuda.is_available():
+    sys.exit(0)
+p = resume_source(Path(".gpu_runs/gpu.json"), sorted(Path("benchmarks/results/gpu").glob("*.json")),
+                  torch.cuda.get_device_name(), os.environ["COMPILE_MODE"])
+print(p or "")')
+    if [ -n "$src" ]; then
+        echo "resuming $src (measured on this GPU)"
+        cp "$src" "$OUT_DIR/gpu.json"
     else
-        echo ".gpu_runs/gpu.json is from another device or compile mode: starting afresh"
+        echo "no JSON of this GPU and compile mode in .gpu_runs/ or benchmarks/results/gpu/: starting afresh"
     fi
 fi
 resume=()
@@ -1221,10 +1248,14 @@ json.dump(p, open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/gpu_profile.json" /tmp
         keep_log /tmp/fla_warm.log gpu_rest.log "fla's warm-up (fla's processes)" 200
     fi
     # the bench and fla's rows until PACK_S s before the end, then the pack (as in `first`);
-    # first the 1M rows (PRIORITY_1M), if `first` left them (the general pass reaches them last)
+    # first the 1M rows (PRIORITY_1M), if `first` left them (the general pass reaches them last),
+    # then the learned tables at 262k (PRIORITY_262K)
     pack_s=${PACK_S:-35}
     rest_1m=$(( SECONDS + ${PRIORITY_1M_S:-120} )) rest_end=$(( rest_s - fla_rest - pack_s ))
     rows_1m $(( rest_1m < rest_end ? rest_1m : rest_end )) gpu_rest.log
+    rest_262k=$(( SECONDS + ${PRIORITY_262K_S:-120} ))
+    bench_until $(( rest_262k < rest_end ? rest_262k : rest_end )) gpu_rest.log --resume --sections rows --passes 0,1 \
+        --lengths "$PRIORITY_262K_LENGTHS" --only "$PRIORITY_262K" --families "$PRIORITY_262K_FAMILIES"
     bench_until "$(( rest_s - fla_rest - pack_s ))" gpu_rest.log --resume
     fla_left=$(( rest_s - pack_s - SECONDS - 20 ))
     fla_rows "$(( fla_rest < fla_left ? fla_rest : fla_left ))"

@@ -779,6 +779,18 @@ def test_only_and_skip_choose_the_competitors_and_a_pattern_matching_none_is_a_o
     assert len(msg) == 1 and "--only" in msg[0] and "'fla_*'" in msg[0] and "matches no competitor" in msg[0]
 
 
+def test_only_with_a_family_times_that_competitor_on_those_families_alone(tmp_path):
+    """`--only 'flex,fastrpe-fft:learned*'`: Flex on every family, the FFT path on the learned
+    tables only (gpu_run.sh's fresh 64k window: the FFT rows the learned criteria read, not
+    ALiBi's or KERPLE's, which other backends decide)."""
+    base = ["bench", "--suite", "gpu", "--smoke", "--lengths", "40", "--families", "alibi,learned_full",
+            "--sections", "rows", "--out", str(tmp_path)]
+    assert main([*base, "--only", "flex,fastrpe-fft:learned*"]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    rows = {(r["problem"]["position"], r["competitor"]) for r in res["rows"]}
+    assert rows == {("alibi", "flex"), ("learned_full", "flex"), ("learned_full", "fastrpe-fft")}
+
+
 def test_a_row_that_broke_the_context_runs_again_under_other_versions_only(tmp_path, monkeypatch):
     """fla-core 0.6.0 broke the CUDA context under triton 3.6 (H100 image, 2026-11-26): under
     the same versions its row stays and fla is not run again; a run whose torch, triton or fla
@@ -1361,3 +1373,32 @@ def test_a_precision_variant_at_1m_is_judged_by_its_accuracy_length_errors():
     assert got == name and row["max_abs_err_fp32"] == 3e-5
     rows[1]["max_abs_err"] = 8e-3  # costs the bf16 call something at 64k: not counted at 1M either
     assert gpu.best_fastrpe(res, "kerple_power", big, tol=1e-3)[0] == "fastrpe-triton_soe+saved-states"
+
+
+def test_resume_source_takes_the_carried_json_of_this_gpu_else_the_newest_committed_one(tmp_path):
+    """A fresh checkout carries no .gpu_runs/: `first` then resumes the newest committed JSON
+    measured on the same GPU in the same Flex mode, never another device's, a smoke run's, or
+    a warm-up's record."""
+    def put(name, **kw):
+        p = tmp_path / name
+        p.write_text(json.dumps({"suite": "gpu", "smoke": False, "rows": [], "config": {}, **kw}))
+        return p
+
+    h100a = put("h100-2026-11-27.json", device="H100", finished="2026-11-27T10:00:00Z")
+    h100b = put("h100-2026-11-28.json", device="H100", finished="2026-11-28T10:00:00Z")
+    h200 = put("h200-2026-11-26.json", device="H200", finished="2026-11-26T10:00:00Z")
+    cuda_graphs = put("h200-2026-11-29.json", device="H200", finished="2026-11-29T10:00:00Z",
+                      config={"compile_mode": "reduce-overhead"})
+    smoke = put("smoke.json", device="H200", smoke=True, finished="2026-11-30T10:00:00Z")
+    (tmp_path / "h200-warm.json").write_text(json.dumps({"device": "H200", "workers": []}))
+    (tmp_path / "broken.json").write_text("{")
+    committed = sorted(tmp_path.glob("*.json"))
+    missing = tmp_path / "runs" / "gpu.json"
+    assert gpu.resume_source(missing, committed, "H100") == h100b
+    assert gpu.resume_source(missing, committed, "H200") == h200
+    assert gpu.resume_source(missing, committed, "H200", "reduce-overhead") == cuda_graphs
+    assert gpu.resume_source(None, committed, "B200") is None
+    # the last call's JSON wins over a newer committed one, if it is this GPU's
+    assert gpu.resume_source(h100a, committed, "H100") == h100a
+    assert gpu.resume_source(h100a, committed, "H200") == h200
+    assert gpu.resume_source(smoke, committed, "H200") == h200

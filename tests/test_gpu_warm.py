@@ -302,7 +302,18 @@ def test_row_matches_reads_a_length_after_the_at_sign():
     assert gpu.row_matches(long, "fastrpe-auto", ("flex@4096", "fastrpe-*@65536"))
 
 
-@pytest.mark.parametrize("pats, says", [("flex@4k", "expected a length"), ("flux@4096", "matches no competitor")])
+def test_row_matches_reads_a_family_after_the_colon():
+    learned, alibi = (Problem(L=gpu.L_CHECK, position=f) for f in ("learned_full", "alibi"))
+    assert gpu.row_matches(learned, "fastrpe-fft", ("fastrpe-fft:learned*",))
+    assert not gpu.row_matches(alibi, "fastrpe-fft", ("fastrpe-fft:learned*",))
+    assert gpu.row_matches(learned, "fastrpe-fft", ("fastrpe-fft:learned_full@65536",))
+    assert not gpu.row_matches(learned, "fastrpe-fft", ("fastrpe-fft:learned_full@4096",))
+    assert gpu.split_pattern("flex") == ("flex", "*", None)
+    assert gpu.split_pattern("fastrpe-*:t5@4096") == ("fastrpe-*", "t5", 4096)
+
+
+@pytest.mark.parametrize("pats, says", [("flex@4k", "expected a length"), ("flux@4096", "matches no competitor"),
+                                        ("flex:learnt@4096", "matches none of")])
 def test_warm_first_at_a_length_is_checked_by_the_cli(tmp_path, capsys, pats, says):
     rc = main(["bench", "--suite", "gpu", "--smoke", "--warm", "first", "--warm-first", pats, "--out", str(tmp_path)])
     err = capsys.readouterr()

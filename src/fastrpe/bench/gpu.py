@@ -1014,20 +1014,34 @@ def matches(name: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
+def split_pattern(pat: str) -> tuple[str, str, int | None]:
+    """A row pattern's parts: `competitor[:family][@L]` -> (competitor pattern, family pattern,
+    length or None); "fastrpe-fft:learned*@65536" is the FFT path on both learned tables at
+    65,536 tokens. The family part is an fnmatch pattern too ("*" when absent)."""
+    pat, _, at = pat.partition("@")
+    name, _, fam = pat.partition(":")
+    return name, fam or "*", int(at) if at else None
+
+
 def row_matches(p: Problem, name: str, patterns) -> bool:
-    """Whether the row of competitor `name` on problem `p` matches one of `patterns`: a
-    competitor pattern (`matches`), at every length, or with `@L` at that length only
-    (`flex@65536`: compiled Flex at 65,536 tokens, not at 4,096)."""
+    """Whether the row of competitor `name` on problem `p` matches one of `patterns`
+    (`split_pattern`): a competitor pattern (`matches`), at every length and family, or with
+    `:family` for those families only, `@L` at that length only (`flex@65536`: compiled Flex at
+    65,536 tokens, not at 4,096)."""
     for pat in patterns:
-        pat, _, at = pat.partition("@")
-        if fnmatch.fnmatchcase(name, pat) and (not at or p.L == int(at)):
+        comp, fam, at = split_pattern(pat)
+        if fnmatch.fnmatchcase(name, comp) and fnmatch.fnmatchcase(p.position, fam) and (at is None or p.L == at):
             return True
     return False
 
 
-def wanted(cfg: GpuConfig, name: str) -> bool:
-    """Whether this run times competitor `name` (`GpuConfig.only` and `.skip`)."""
-    return (not cfg.only or matches(name, cfg.only)) and not matches(name, cfg.skip)
+def wanted(cfg: GpuConfig, name: str, p: Problem | None = None) -> bool:
+    """Whether this run times competitor `name` (`GpuConfig.only` and `.skip`), on problem `p`
+    (`row_matches`); without a problem by the patterns' competitor parts alone."""
+    def hit(pats):
+        return row_matches(p, name, pats) if p is not None else matches(name, [split_pattern(x)[0] for x in pats])
+
+    return (not cfg.only or hit(cfg.only)) and not hit(cfg.skip)
 
 
 def applies(p: Problem, name: str) -> bool:
@@ -1384,7 +1398,7 @@ def lost_elsewhere(res: dict, rows: list[dict], now: dict, cfg: GpuConfig) -> li
     old versions' (fla-core 0.6.0 under triton 3.6 on the H100 image, 2026-11-26), so that row
     is measured again. Under the same versions it stays, and its competitor is not run again."""
     key = _version_key(now)
-    return [r for r in rows if not (r.get("context_lost") and wanted(cfg, r["competitor"])
+    return [r for r in rows if not (r.get("context_lost") and wanted(cfg, r["competitor"], Problem(**r["problem"]))
                                     and _version_key(run_versions(res, r)) != key)]
 
 
@@ -1430,7 +1444,7 @@ def retry_errors(rows: list[dict], cfg: GpuConfig | None = None) -> list[dict]:
     one run; a row that broke the CUDA context stays (it would break it again). With `cfg`,
     only the competitors it times count and go (`wanted`): another run times the rest."""
     def mine(r):
-        return cfg is None or wanted(cfg, r["competitor"])
+        return cfg is None or wanted(cfg, r["competitor"], Problem(**r["problem"]))
 
     def failed(r):
         return mine(r) and r.get("skipped", "").startswith("error:") and not r.get("context_lost")
@@ -1642,6 +1656,30 @@ def anchor_drift(res: dict) -> list[dict]:
     return out
 
 
+def resume_source(carried: Path | None, committed: list[Path], device: str,
+                  compile_mode: str = "default") -> Path | None:
+    """The JSON a bench on `device` resumes: `carried` (the last device call's, in .gpu_runs/)
+    if it was measured on a GPU of that name in `compile_mode`, else the newest such among
+    `committed` (benchmarks/results/gpu/: the sessions' JSONs, by their last run's time), else
+    None (start afresh). Timings of different devices or Flex modes never mix; other JSONs
+    there (warm-ups, profiles, tests, smoke runs) are not bench results and are passed over."""
+    def fits(p: Path) -> tuple[str, str] | None:
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(r, dict) or r.get("suite") != "gpu" or r.get("smoke") or "rows" not in r:
+            return None
+        if r.get("device") != device or r.get("config", {}).get("compile_mode", "default") != compile_mode:
+            return None
+        return (r.get("finished") or r.get("started") or "", p.name)
+
+    if carried is not None and carried.exists() and fits(carried):
+        return carried
+    ok = [(key, p) for p in committed if (key := fits(p))]
+    return max(ok)[1] if ok else None
+
+
 def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool = False, retry: bool = False,
                   log=print) -> dict:
     """Run everything `cfg` asks for, writing `out/gpu.json` after every row (a run cut short
@@ -1715,7 +1753,7 @@ def run_gpu_suite(cfg: GpuConfig, out: Path, *, command: str = "", resume: bool 
     lost = {r["competitor"] for r in rows if r.get("context_lost")}
 
     def select(p, name):
-        return applies(p, name) and wanted(cfg, name) and name not in lost and not over()
+        return applies(p, name) and wanted(cfg, name, p) and name not in lost and not over()
 
     def keep(section):
         def on_row(row):
@@ -2191,12 +2229,13 @@ def add_arguments(p) -> None:
                         "after OUT/gpu.json (rest), one process per Triton autotuner config side by side, "
                         "within --budget-s (default 150); fastrpe.bench.gpu_warm")
     g.add_argument("--only", default=None, metavar="PATTERNS",
-                   help="comma-separated competitor name patterns (fnmatch, e.g. 'fla-*'): time only these rows")
+                   help="comma-separated row patterns, competitor[:family][@L] (fnmatch, e.g. 'fla-*', "
+                        "'fastrpe-fft:learned*@65536'): time only these rows")
     g.add_argument("--skip", default=None, metavar="PATTERNS",
-                   help="comma-separated competitor name patterns: leave these rows to another run")
+                   help="comma-separated row patterns (as --only): leave these rows to another run")
     g.add_argument("--warm-first", default=None, metavar="PATTERNS",
-                   help="with --warm: compile the rows of these competitor patterns first; a pattern "
-                        "ending in @L, at that length only (flex@65536)")
+                   help="with --warm: compile the rows of these patterns (as --only) first: "
+                        "flex@65536 is Flex at that length only")
     g.add_argument("--passes", default=None, metavar="0,1,2",
                    help="the rows section's passes to run: 0 the rows the criteria read, 1 those of them "
                         "under torch.compile, 2 every other row (default all)")
@@ -2216,22 +2255,27 @@ def _ints(s: str, what: str) -> tuple:
     return vals
 
 
-def _patterns(s: str, what: str, cfg: GpuConfig, at_length: bool = False) -> tuple:
-    """Comma-separated competitor patterns, each matching some competitor (a typo would
-    silently select nothing); with `at_length`, each may end in `@L`, a length (`row_matches`)."""
+def _patterns(s: str, what: str, cfg: GpuConfig) -> tuple:
+    """Comma-separated row patterns (`split_pattern`: `competitor[:family][@L]`), each
+    competitor part matching some competitor and each family part some family (a typo would
+    silently select nothing)."""
     from .._validate import FastRPEError
 
     pats = tuple(x.strip() for x in s.split(",") if x.strip())
     names = list(registry(cfg))
-    if at_length:
-        lengths = [x.partition("@")[2] for x in pats if "@" in x]
-        odd = [x for x in lengths if not x.isdigit() or int(x) < 1]
-        if odd:
-            raise FastRPEError(f"{what}: after '@', expected a length in tokens, got {', '.join(map(repr, odd))}")
-    bad = [x for x in pats if not any(matches(n, (x.partition("@")[0] if at_length else x,)) for n in names)]
+    lengths = [x.partition("@")[2] for x in pats if "@" in x]
+    odd = [x for x in lengths if not x.isdigit() or int(x) < 1]
+    if odd:
+        raise FastRPEError(f"{what}: after '@', expected a length in tokens, got {', '.join(map(repr, odd))}")
+    parts = [split_pattern(x) for x in pats]
+    bad = [x for x, (comp, _, _) in zip(pats, parts) if not any(matches(n, (comp,)) for n in names)]
     if not pats or bad:
         raise FastRPEError(f"{what}: {', '.join(map(repr, bad)) or repr(s)} matches no competitor; "
                            f"known: {', '.join(names)}")
+    fams = ("none", *FAMILIES)
+    bad = [x for x, (_, fam, _) in zip(pats, parts) if not any(fnmatch.fnmatchcase(f, fam) for f in fams)]
+    if bad:
+        raise FastRPEError(f"{what}: the family of {', '.join(map(repr, bad))} matches none of {', '.join(fams)}")
     return pats
 
 
@@ -2261,7 +2305,7 @@ def config_from_args(args) -> GpuConfig:
         kw["passes"] = tuple(sorted(int(x) for x in passes))
     for opt in ("only", "skip", "warm_first"):
         if getattr(args, opt, None) is not None:
-            kw[opt] = _patterns(getattr(args, opt), f"--{opt.replace('_', '-')}", cfg, at_length=opt == "warm_first")
+            kw[opt] = _patterns(getattr(args, opt), f"--{opt.replace('_', '-')}", cfg)
     if not isinstance(args.dtype, _Unset):
         kw["dtype"] = args.dtype
     if not isinstance(args.repeats, _UnsetInt):

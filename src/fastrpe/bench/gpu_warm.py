@@ -95,7 +95,7 @@ def warm_items(cfg: GpuConfig, which: str = "first", done=frozenset()) -> list[t
         raise ValueError(f"which: expected 'first' or 'rest', got {which!r}")
     names = list(registry(cfg))
     items = [(p, n) for rank in ((0, 1) if which == "first" else (0, 1, 2)) for p in problems(cfg) for n in names
-             if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n) and row_pass(p, n) == rank
+             if (tuned(n) or shared(n)) and applies(p, n) and wanted(cfg, n, p) and row_pass(p, n) == rank
              and (p.tag(), n) not in done]
     # the rows of `cfg.warm_first` before the others (stable: each group in the bench's order)
     return sorted(items, key=lambda it: warm_rank(it[0], it[1], cfg.warm_first))
