@@ -10,19 +10,22 @@
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=540)
 #
 # Steps (each skipped when its result is already here; the log says how long each took; the
-# times in brackets are this script's on a 2-core CPU machine, 2026-11-28, at ec9231f: about
-# 37 minutes in all, so start it first thing and read the docs meanwhile):
+# times in brackets are this script's on a 2-core CPU machine, 2026-11-28, at 453c9fa, with the
+# record as fast as since: about 16 minutes in all, so start it first thing):
 # 1. .fla_site/site.tar.xz: fla-core 0.6.0 and a trimmed triton 3.7.1 (benchmarks/fla_site.sh)
 #    [82 s, 35 MiB];
 # 2. the image's triton_key() under Python 3.12 and triton 3.6.0 (a venv without torch) [6 s];
 # 3. a venv with the image's torch 2.11.0 and triton 3.6.0 (PyPI's CUDA build, about 3 GB: it
 #    runs on the CPU here) and this project with its test tools [53 s, and 36 s for the tools];
 # 4. `precompile.py record` of every row the bench times at 4k-262k and of the 1M window's
-#    families, the two at once (one thread each) [1,122 s: 452 specializations of 30 kernels;
-#    1,830 s: 302 of 26 at 1M];
+#    families, the two at once (one thread each) [470 s: 452 specializations of 30 kernels;
+#    504 s: 302 of 26 at 1M; before the record skipped the autotuners' copies and the inputs'
+#    values, 1,122 and 1,830 s for the same specializations];
 # 5. `precompile.py compile` for sm_90 under the image's key, then the pack
 #    (.gpu_cache/compile_cache.tar.xz, under 16 MiB) and its record (.gpu_cache/precompiled.json)
-#    [532 kernels in 144 s; 5.7 MiB without Triton's intermediate stages];
+#    [532 kernels in 144 s; 5.7 MiB without Triton's intermediate stages; `precompile.py verify`
+#    after it, the bench's rows at 4k and 64k compiled from that folder: 318 kernels from the
+#    cache, 0 compiled, 260 s: not a step here];
 # 6. the carry's size against the device tool's 64 MiB [9 MiB of tree, 40 of carried folders],
 #    and `gpu_run.sh first` in its CPU smoke mode (SMOKE=0 skips it), which checks the script
 #    itself [95 s].

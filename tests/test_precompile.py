@@ -109,6 +109,34 @@ def test_record_runs_a_bench_row_as_on_the_gpu(tmp_path):
     assert not list((tmp_path / "default_cache").glob("**/*.cubin"))  # nothing was compiled
 
 
+def test_recording_spares_the_autotuners_copies_and_the_inputs_values(tmp_path):
+    """Nothing runs while recording: the autotuners zero and restore no outputs around their
+    configs (at 1M the copies of the kept states took most of a row's time) and the bench's
+    inputs are zeros; both come back after."""
+    out = _run('''
+        import json, torch, precompile
+        from fastrpe.bench import gpu
+        from fastrpe.bench.registry import Problem
+        from fastrpe.ops.linear import triton_chunked as tc, triton_soe  # noqa: F401
+        hooks = lambda: [(list(t.reset_to_zero), list(t.restore_value)) for t in tc.TUNED]
+        with precompile.on_a_gpu():
+            pass  # (it imports every Triton backend: their autotuners join tc.TUNED)
+        before = hooks()
+        p = Problem(position="alibi", kernel="nprf", causal=True, L=64, B=1, H=2, D=16, features=8)
+        with precompile.on_a_gpu():
+            inside = hooks()
+            q, k, v = gpu._qkv(p, torch.device("cpu"), torch.bfloat16)
+        q2 = gpu._qkv(p, torch.device("cpu"), torch.bfloat16)[0]
+        print(json.dumps({"some": any(r or s for r, s in before), "inside": any(r or s for r, s in inside),
+                          "restored": hooks() == before, "zeros": bool((q == 0).all() and (v == 0).all()),
+                          "grad": q.requires_grad, "dtype": str(q.dtype), "shape": list(k.shape),
+                          "seeded_after": bool((q2 != 0).any())}))
+    ''', tmp_path)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"some": True, "inside": False, "restored": True, "zeros": True, "grad": True,
+                   "dtype": "torch.bfloat16", "shape": [1, 2, 64, 16], "seeded_after": True}
+
+
 def test_key_hash_says_whether_the_pack_was_built_for_this_triton(tmp_path):
     out = _run('''
         import hashlib, json, precompile
