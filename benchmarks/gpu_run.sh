@@ -72,7 +72,7 @@
 #   PYTHONPATH=src python3 benchmarks/precompile.py key-hash --expect .gpu_cache/precompiled.json
 #     # (here it says "another triton": this Python's; what matters is no "changed since" list,
 #     # else `compile` again from the kept specs, runs/precompile/*.json, about 1 s per kernel
-#     # changed, and pack; `record` again, 20 minutes, only when the bench's rows changed)
+#     # changed, and pack; `record` again, 8 minutes, only when the bench's rows changed)
 #   run(command="bash benchmarks/gpu_run.sh first", carry=[".fla_site", ".gpu_runs", ".gpu_cache"], timeout_s=540)
 # (no kind: a first call takes an H100 if one opens within 90 s, else an H200, where the H100's
 # JSON does not resume and the run starts afresh.) Check the script here first:
@@ -136,7 +136,7 @@
 #   /tmp/venv211/bin/pip install torch==2.11.0 triton==3.6.0 -e .)
 #   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py record --out runs/precompile/specs.json
 #   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py record --out runs/precompile/specs_1m.json \
-#       --families alibi,kerple_log,kerple_power,t5 --lengths 1048576 --no-prf-sweep   # 13 minutes
+#       --families alibi,kerple_log,kerple_power,t5 --lengths 1048576 --no-prf-sweep   # 8 minutes
 #   PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py compile --specs runs/precompile/specs*.json \
 #       --triton-key-file runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton --jobs 2 \
 #       --info .gpu_cache/precompiled.json
