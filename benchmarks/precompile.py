@@ -123,8 +123,8 @@ def _zero_qkv(p, device, dtype, layout: str = "bhld", k_width: int | None = None
     import torch
 
     shape = (p.B, p.H, p.L) if layout == "bhld" else (p.B, p.L, p.H)
-    return tuple(torch.zeros(*shape, w, device=device, dtype=dtype, requires_grad=p.backward)
-                 for w in (p.D if k_width is None else k_width, p.D if k_width is None else k_width, p.D))
+    kw = p.D if k_width is None else k_width
+    return tuple(torch.zeros(*shape, w, device=device, dtype=dtype, requires_grad=p.backward) for w in (kw, kw, p.D))
 
 
 @contextlib.contextmanager

@@ -1035,13 +1035,10 @@ def row_matches(p: Problem, name: str, patterns) -> bool:
     return False
 
 
-def wanted(cfg: GpuConfig, name: str, p: Problem | None = None) -> bool:
-    """Whether this run times competitor `name` (`GpuConfig.only` and `.skip`), on problem `p`
-    (`row_matches`); without a problem by the patterns' competitor parts alone."""
-    def hit(pats):
-        return row_matches(p, name, pats) if p is not None else matches(name, [split_pattern(x)[0] for x in pats])
-
-    return (not cfg.only or hit(cfg.only)) and not hit(cfg.skip)
+def wanted(cfg: GpuConfig, name: str, p: Problem) -> bool:
+    """Whether this run times competitor `name` on problem `p` (`GpuConfig.only` and `.skip`,
+    `row_matches`)."""
+    return (not cfg.only or row_matches(p, name, cfg.only)) and not row_matches(p, name, cfg.skip)
 
 
 def applies(p: Problem, name: str) -> bool:
@@ -1674,7 +1671,7 @@ def resume_source(carried: Path | None, committed: list[Path], device: str,
             return None
         return (r.get("finished") or r.get("started") or "", p.name)
 
-    if carried is not None and carried.exists() and fits(carried):
+    if carried is not None and fits(carried):
         return carried
     ok = [(key, p) for p in committed if (key := fits(p))]
     return max(ok)[1] if ok else None
