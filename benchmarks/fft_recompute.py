@@ -1,5 +1,5 @@
 """What the FFT path's fixed exact-row recomputation costs, against the FFT product itself,
-counted on CPU (every aten op's tensor bytes, `prf_traffic.ByteCounter`; a lower bound on
+counted on CPU (every aten op's tensor bytes, `byte_count.ByteCounter`; a lower bound on
 memory traffic, as in table_paths.py): the GPU bench's problem per head (B = 1, H = 1, D = 64,
 NPRF with 32 features, bf16 q/k/v, a frozen table over all offsets, forward + backward).
 
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prf_traffic import HBM_BYTES_PER_S, ByteCounter
+from byte_count import ByteCounter  # noqa: E402
+from prf_traffic import HBM_BYTES_PER_S  # noqa: E402
 
 F, D = 32, 64
 

@@ -1,8 +1,8 @@
 """Bytes that PRF's feature maps move through memory, PyTorch ops against the Triton kernels
 (`ops/triton_prf.py`), for the GPU bench's maps (NPRF, D = 64, 32 features, bf16 q and k,
 B·H = 8), forward and backward of q's and k's maps. Counted on CPU: every aten op the PyTorch
-map dispatches (a `TorchDispatchMode`) adds the bytes of its tensor inputs and outputs (views
-and ops that launch nothing are left out); the Triton kernels' bytes are what they read and
+map dispatches adds the bytes it reads and writes (`byte_count.ByteCounter`: each tensor
+once; views and allocations count nothing); the Triton kernels' bytes are what they read and
 write (x, w, φ forward; x, w, dφ, dx backward: since 2026-11-28, third session, the backward
 computes φ again from x instead of reading the forward's). Time at the H100's HBM3 peak (3.35 TB/s) is
 a lower bound for each, as if every op ran at full bandwidth; per-op launch overhead comes on
@@ -16,26 +16,14 @@ import argparse
 import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM, HBM3 peak
 
-
-class ByteCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.bytes, self.launches = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or func in (torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default):
-            return out
-        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        self.launches += 1
-        return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from byte_count import ByteCounter  # noqa: E402
 
 
 def pytorch_bytes(L: int, H: int, D: int, F: int) -> dict:

@@ -2,8 +2,8 @@
 (B = 1, H = 8, D = 64, NPRF with 32 features, bf16 q/k/v, forward + backward), counted on CPU:
 
 * `fft` (Luo et al. 2021's Toeplitz product by FFT): every aten op it dispatches is counted
-  with a `TorchDispatchMode` (bytes of its tensor inputs and outputs, views and free ops left
-  out; `prf_traffic.ByteCounter`), so the bytes are a lower bound on its memory traffic and
+  with a `TorchDispatchMode` (what it reads and writes, each tensor once, views and
+  allocations left out; `byte_count.ByteCounter`), so the bytes are a lower bound on its memory traffic and
   `bytes / 3.35 TB/s` (the H100's HBM3 peak) a lower bound on its time; each launch adds its
   overhead on top.
 * `triton_tiled` (flash-style tiles, `ops/linear/triton_tiled.py`): its work is in its three
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prf_traffic import HBM_BYTES_PER_S, ByteCounter  # noqa: E402
+from byte_count import ByteCounter  # noqa: E402
+from prf_traffic import HBM_BYTES_PER_S  # noqa: E402
 
 #: H100 SXM dense tensor-core peaks, flop/s
 PEAK = {"bf16": 989e12, "tf32": 495e12, "tf32x3": 495e12 / 3}
@@ -59,6 +60,7 @@ def fft_row(family: str, L: int, H: int, D: int, F: int) -> dict:
         call()
     return {"backend": "fft", "family": family, "causal": causal, "L": L, "gib_moved": c.bytes / 2**30,
             "launches": c.launches, "ms_at_hbm_peak": c.bytes / HBM_BYTES_PER_S * 1e3,
+            "by_op": [{"op": op, "gib": b / 2**30, "launches": n} for op, b, n in c.top(12)],
             "cpu_seconds": time.perf_counter() - t, "cpu_seconds_uncounted": uncounted}
 
 
@@ -107,7 +109,9 @@ def main() -> None:
                     "torch": torch.__version__, "command": "python benchmarks/table_paths.py " + " ".join(sys.argv[1:]),
                     "problem": {"B": 1, "H": H, "D": D, "features": F, "kernel": "nprf", "dtype": "bfloat16"},
                     "segment_blocks": fft_causal.SEGMENT_BLOCKS, "causal_blocked": fft_causal.BLOCKED,
-                    "hbm_bytes_per_s": HBM_BYTES_PER_S, "tensor_peaks": PEAK},
+                    "hbm_bytes_per_s": HBM_BYTES_PER_S, "tensor_peaks": PEAK,
+                    "byte_count": "each op's reads and writes, each tensor once (benchmarks/byte_count.py, "
+                                  "since 2026-11-28's seventh CPU session)"},
            "rows": rows}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

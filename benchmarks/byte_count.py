@@ -1,0 +1,97 @@
+"""Bytes a PyTorch call moves through memory, counted on CPU op by op: a lower bound on its
+traffic on a GPU, where each aten op is (at least) one kernel that reads its inputs from and
+writes its outputs to device memory.
+
+`ByteCounter` is a `TorchDispatchMode`. Each aten op it sees adds
+
+* what it reads: its tensor inputs, each once, except the ones it only writes (the `out=`
+  argument, the target of `zero_`, `fill_` or `copy_`, the template of `new_zeros` or
+  `zeros_like`), and for a gather (`index`, `index_select`, `gather`) no more of the source
+  than it returns;
+* what it writes: its outputs, each once (an in-place op's target is written once, and read
+  once besides only where the op reads it, as `mul_` does).
+
+Views, `detach` and the allocations that touch no memory (`empty`, `new_empty`, ...) count
+nothing and are no launch. Until 2026-11-28 (seventh CPU session) the count added every
+tensor an op named, inputs and outputs alike: an allocation's bytes, `zero_`'s target twice,
+an `out=` product's target twice, and so it was not the lower bound the scripts called it
+(the FFT path's own zero-padding buffers: about a sixth of its count at 16k).
+
+`by_op` keeps the split per aten op (bytes, launches), for a profile of where they go.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+#: allocations that touch no memory
+NO_TRAFFIC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+              aten.new_empty_strided.default, aten.empty_like.default, aten.detach.default,
+              aten._unsafe_view.default}
+#: ops whose tensor arguments are written or used for their shape and dtype only
+WRITE_ONLY = {"zero_", "fill_", "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
+#: gathers: they read at most what they return from their source
+GATHERS = {"index", "index_select", "gather"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [a for a in torch.utils._pytree.tree_leaves(tree) if isinstance(a, torch.Tensor)]
+
+
+def op_bytes(func, args: tuple, kwargs: dict, out) -> int | None:
+    """The bytes one aten op reads and writes (None: no traffic and no launch)."""
+    if func.is_view or func in NO_TRAFFIC:
+        return None
+    name = func._schema.name.split("::")[-1]
+    written = {id(t): t for t in _tensors(out)}
+    for t in _tensors(kwargs.get("out")):  # an `out=` target: written, not read
+        written[id(t)] = t
+    reads = {}
+    if name not in WRITE_ONLY:
+        for i, t in enumerate(_tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))):
+            if name == "copy_" and i == 0:  # copy_'s target: written only
+                continue
+            reads[id(t)] = t
+    n_out = sum(_nbytes(t) for t in written.values())
+    if name in GATHERS and args:
+        src = args[0]
+        reads.pop(id(src), None)
+        n_in = sum(_nbytes(t) for t in reads.values()) + min(_nbytes(src), n_out)
+    else:
+        n_in = sum(_nbytes(t) for t in reads.values())
+    return n_in + n_out
+
+
+class ByteCounter(TorchDispatchMode):
+    """`with ByteCounter() as c: ...` then `c.bytes`, `c.launches` and `c.by_op`
+    (`{op name: [bytes, launches]}`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.launches = 0, 0
+        self.by_op: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        n = op_bytes(func, args, kwargs, out)
+        if n is not None:
+            self.bytes += n
+            self.launches += 1
+            entry = self.by_op.setdefault(str(func), [0, 0])
+            entry[0] += n
+            entry[1] += 1
+        return out
+
+    def top(self, k: int = 20) -> list[tuple[str, int, int]]:
+        """The k ops that moved the most bytes: `(op, bytes, launches)`."""
+        c = Counter({op: b for op, (b, _) in self.by_op.items()})
+        return [(op, b, self.by_op[op][1]) for op, b in c.most_common(k)]
