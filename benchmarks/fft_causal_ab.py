@@ -1,7 +1,7 @@
 """The causal FFT path on this machine: the pairs across chunks by the blocked product, or the
 halving recursion over the whole length (`fastrpe.ops.linear.fft.causal.BLOCKED`), timed in one
 process on the same inputs, forward + backward, best of `--repeats`, with their largest
-difference; and the bytes every aten op of one call reads and writes (`prf_traffic.ByteCounter`:
+difference; and the bytes every aten op of one call reads and writes (`byte_count.ByteCounter`:
 a lower bound on a GPU's memory traffic, which the CPU's time does not follow).
 
 A learned table over all offsets (`N(0, 0.5²)` log-coefficients), uniform positive features,
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prf_traffic import ByteCounter  # noqa: E402
+from byte_count import ByteCounter  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     import fastrpe.ops.linear.fft as fftmod
     from fastrpe.ops.linear.fft import causal as fft_causal
     from fastrpe.ops.linear.fft import kernelized_num_den_fft
-    from fastrpe.ops.linear.fft.plan import causal_chunk
+    from fastrpe.ops.linear.fft.plan import Shape, causal_chunk
 
     if a.leaf is not None:
         fftmod.causal_leaf = lambda *args, **kwargs: a.leaf
@@ -76,7 +76,7 @@ def main() -> None:
     out = {"meta": {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
                     "command": "python benchmarks/fft_causal_ab.py " + " ".join(sys.argv[1:]),
                     "problem": {"B": 1, "H": H, "L": L, "features": F, "value_dim": Dv, "dtype": "float32",
-                                "leaf": leaf, "chunk": causal_chunk(L, 0, leaf)}},
+                                "leaf": leaf, "chunk": causal_chunk(L, 0, leaf, Shape(1, H, F, Dv))}},
            "rows": rows, "difference": diff}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

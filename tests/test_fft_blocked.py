@@ -15,7 +15,7 @@ import fastrpe.ops.linear.fft as fftmod
 from fastrpe.ops.common import causal_offset_mask
 from fastrpe.ops.linear.fft import kernelized_num_den_fft
 from fastrpe.ops.linear.fft.blocked import blocked_product, chunk_layout
-from fastrpe.ops.linear.fft.plan import BLOCKED_CHUNKS, BLOCKED_MIN_CHUNKS, blocked_block, causal_chunk
+from fastrpe.ops.linear.fft.plan import BLOCKED_CHUNKS, BLOCKED_MIN_CHUNKS, Shape, blocked_block, causal_chunk
 from fastrpe.ops.linear.fft.scale import row_scale
 from fastrpe.testing import assert_close
 
@@ -76,6 +76,29 @@ def test_blocked_product_matches_the_dense_pairs_across_chunks(case, block):
         assert_close(a, b, msg=f"grad {name}")
 
 
+@pytest.mark.parametrize("block", [(1, 2), 64], ids=["channel-parts", "whole"])
+@pytest.mark.parametrize("case", CASES[1:2] + CASES[-1:], ids=_id)
+def test_lag_matrices_built_a_slice_of_frequencies_at_a_time_give_the_same_product(case, block, monkeypatch):
+    """Matrices over `MATRIX_BYTES` are built per slice of frequencies for every block of
+    channels, and the coefficients' gradient is then summed into the lags block by block (with
+    the matrices whole, the blocks' pair correlations add up first): the same results."""
+    import fastrpe.ops.linear.fft.blocked as blocked_mod
+
+    B, H, Lq, Lk, off, F, Dv, T = case
+    pq, pk, vv, lc = _inputs(B, H, Lq, Lk, F, Dv, off)
+    scale = row_scale(lc, Lq, Lk)
+    g = torch.randn(B, H, Lq, Dv + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run():
+        y, _ = blocked_product(pq, pk, vv, lc, scale, off, T, block)
+        return (y, *torch.autograd.grad((y * g).sum(), [pq, pk, vv, lc]))
+
+    whole = run()
+    monkeypatch.setattr(blocked_mod, "MATRIX_BYTES", 1)  # one frequency a slice
+    for name, a, b in zip(("y", "phi_q", "phi_k", "vv", "log_coeff"), run(), whole):
+        assert_close(a, b, msg=name)
+
+
 def test_chunk_layout_names_the_chunks_with_pairs_across():
     assert chunk_layout(40, 40, 0, 8) == (0, 5, 4)  # query chunks 0..4, keys seen across in 0..3
     assert chunk_layout(1, 100, 99, 16) == (6, 1, 6)  # the one query in chunk 6 sees chunks 0..5
@@ -83,11 +106,42 @@ def test_chunk_layout_names_the_chunks_with_pairs_across():
     assert chunk_layout(37, 60, 23, 8) == (2, 6, 7)  # keys past the last query are not needed
 
 
+#: the GPU bench's problem, one head (B, H, F, Dv)
+ONE_HEAD = Shape(1, 1, 32, 64)
+
+
 def test_causal_chunk_keeps_the_recursion_below_its_minimum():
-    assert causal_chunk(2048 * (BLOCKED_MIN_CHUNKS - 1), 0, 2048) is None
-    assert causal_chunk(2048 * BLOCKED_MIN_CHUNKS, 0, 2048) == 2048
-    assert causal_chunk(2048 * BLOCKED_CHUNKS * 4, 0, 2048) == 2048 * 4  # at most BLOCKED_CHUNKS chunks
-    assert causal_chunk(100, 0, 4) == 4
+    assert causal_chunk(2048 * (BLOCKED_MIN_CHUNKS - 1), 0, 2048, ONE_HEAD) is None
+    assert causal_chunk(2048 * BLOCKED_MIN_CHUNKS, 0, 2048, ONE_HEAD) == 2048
+    assert causal_chunk(2048 * 32, 0, 2048, ONE_HEAD) == 2048  # as many chunks as leaves, while few
+    assert causal_chunk(100, 0, 4, ONE_HEAD) == 4
+
+
+@pytest.mark.parametrize("H", [1, 8])
+@pytest.mark.parametrize("n", [8, 32, 64, 128, 512])
+def test_causal_chunk_takes_the_cheapest_of_the_chunk_counts_it_may_take(n, H):
+    """Among the power-of-two multiples of the leaf that make BLOCKED_MIN_CHUNKS to
+    BLOCKED_CHUNKS chunks, and the recursion, the pick has the least `causal_levels`."""
+    from fastrpe.ops.linear.fft.plan import causal_levels
+
+    L, shape = 2048 * n, Shape(1, H, 32, 64)
+    T = causal_chunk(L, 0, 2048, shape)
+    options = [None] + [2048 << s for s in range(10) if BLOCKED_MIN_CHUNKS <= -(-L // (2048 << s)) <= BLOCKED_CHUNKS]
+    assert T in options
+    assert causal_levels(L, 0, 2048, T, shape) == min(causal_levels(L, 0, 2048, t, shape) for t in options)
+
+
+def test_with_many_heads_long_sequences_take_the_recursion():
+    """B = 1, H = 8, F = 32, Dv = 64, the default budget: from 262,144 tokens on a block of the
+    blocked product holds 1 or 2 channels, and the lag matrices it reads for each would cost
+    dozens of levels (`plan.matrix_levels`): the recursion. At 65,536 tokens, 32 chunks."""
+    from fastrpe.ops.linear.fft.plan import causal_leaf, matrix_levels
+
+    bench = Shape(1, 8, 32, 64)
+    leaf = causal_leaf(1, 8)
+    assert causal_chunk(65536, 0, leaf, bench) == 2048
+    assert causal_chunk(262144, 0, leaf, bench) is None and causal_chunk(1 << 20, 0, leaf, bench) is None
+    assert matrix_levels(1 << 20, 0, (1 << 20) // 64, bench) > 50  # what 64 chunks would have moved
 
 
 def test_blocked_block_follows_the_budget():
@@ -169,7 +223,7 @@ def test_the_cost_models_levels_follow_the_path():
     from fastrpe.ops.linear.fft.plan import causal_levels
 
     def blocked(n):  # the levels where the blocked product runs, at 2,048 * n tokens
-        return causal_levels(2048 * n, 0, 2048, causal_chunk(2048 * n, 0, 2048))
+        return causal_levels(2048 * n, 0, 2048, causal_chunk(2048 * n, 0, 2048, ONE_HEAD), ONE_HEAD)
 
     assert [causal_levels(2048 * n, 0, 2048, None) for n in (1, 2, 8, 64)] == [0.0, 1.0, 3.0, 6.0]
     assert blocked(4) == 2.0  # 4 chunks: the recursion

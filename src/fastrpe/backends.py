@@ -261,7 +261,7 @@ class FFTBackend(Backend):
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
         from .ops.linear.fft.causal import chunk_on
-        from .ops.linear.fft.plan import causal_levels
+        from .ops.linear.fft.plan import Shape, causal_levels
 
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
         grad = 3 if p.requires_grad else 1
@@ -275,7 +275,8 @@ class FFTBackend(Backend):
         # (auto_cpu_check: L = 1024 ran 32 ms, not a full product's 260)
         L = max(p.Lq, p.Lk)
         leaf = causal_leaf(p.B, p.H, p.dtype)
-        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf))
+        shape = Shape(p.B, p.H, p.F, p.Dv, p.dtype)
+        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf, shape), shape)
         pairs = p.B * p.H * p.Lq * min(L, leaf)
         leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again
         leaf_flops = leaf_grad * pairs * (2 * (p.F + p.Dv + 1) + 10)

@@ -1527,13 +1527,17 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: across chunks by one blocked product (`fft.causal.BLOCKED`, `fft/blocked.py`) instead of the
 #: halving recursion over the whole length, so the causal table's `fft` rows, and its `auto` rows,
 #: which may run it, move (the not-causal table's keep their times).
-CODE_EPOCH = 10
+#: Epoch 11 (the seventh CPU session of 2026-11-28): the causal FFT path picks its chunks from a
+#: byte model that counts the blocked product's lag matrices (`fft.plan.causal_chunk`: with the
+#: bench's 8 heads the recursion from 262,144 tokens on), keeps them contiguous and sums the
+#: coefficients' gradient after the blocks (`fft/blocked.py`): the same rows move again.
+CODE_EPOCH = 11
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),
            ("fastrpe-auto", "*", 0, 7), ("fastrpe-triton_soe+bf16x3", "*", 0, 9),
            ("fastrpe-triton_soe+saved-states*", "*", 0, 9), ("fastrpe-triton_band+bf16x3", "*", 0, 9),
-           ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 10), ("fastrpe-auto", "learned", 0, 10))
+           ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 11), ("fastrpe-auto", "learned", 0, 11))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on

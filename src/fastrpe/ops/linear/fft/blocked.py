@@ -143,7 +143,9 @@ class _LagMatrices:
         self.kept = [self._build(f0, f1) for f0, f1 in self.slices] if len(self.slices) == 1 else None
 
     def _build(self, f0: int, f1: int) -> _LagSlice:
-        return _LagSlice((self.ks[:, :, f0:f1][:, self.lag] * self.w).permute(0, 3, 1, 2))  # (H, p, nb, na)
+        # contiguous once: a permuted view was copied again by every matmul that read it, once
+        # per block of channels (2 of the 6 matrix-sized reads and writes a block made forward)
+        return _LagSlice((self.ks[:, :, f0:f1][:, self.lag] * self.w).permute(0, 3, 1, 2).contiguous())  # (H, p, nb, na)
 
     def __iter__(self):
         for n, (f0, f1) in enumerate(self.slices):
@@ -171,6 +173,23 @@ def _pair_energy(m: _LagSlice, xs: Tensor) -> Tensor:
     H, p, na, _ = xs.shape
     x2 = torch.view_as_real(xs).square().sum(-1).reshape(H, p * na, -1)
     return torch.bmm(m.energy, x2)
+
+
+def _add_pair_correlations(pairs: Tensor, zs: Tensor, xs: Tensor) -> None:
+    """`pairs += zs·xsᴴ` per head and frequency, in place (`[H, P, nb, na]` from `zs: [H, P,
+    nb, q]` and `xs: [H, P, na, q]`): each pair of chunks' correlation, summed over a block's
+    channels by the product and over the blocks by the accumulation."""
+    H, P, nb, na = pairs.shape
+    pairs.view(H * P, nb, na).baddbmm_(zs.reshape(H * P, nb, -1), xs.reshape(H * P, na, -1).conj().transpose(-1, -2))
+
+
+def _lag_correlations(corr: Tensor, pairs: Tensor, Wv: Tensor, lag: Tensor) -> None:
+    """`corr[:, lag[b, a]] += W[b, a]·pairs[:, :, b, a]` (`corr: [H, lags, p]`, `pairs: [H, p,
+    nb, na]`): each pair's cross-correlation of the output gradient with its key chunk, in the
+    spectrum, weighted by W and summed into the pair's lag."""
+    H, p, nb, na = pairs.shape
+    q = (pairs * Wv[:, None]).permute(0, 2, 3, 1).reshape(H, nb * na, p)
+    corr.index_add_(1, lag.flatten(), q)
 
 
 class _BlockedNumDen(torch.autograd.Function):
@@ -230,6 +249,10 @@ class _BlockedNumDen(torch.autograd.Function):
         g_k = torch.zeros_like(kc) if need_k else None
         g_v = torch.zeros_like(vc) if need_v else None
         corr = torch.zeros_like(ks) if need_c else None  # each lag's cross-correlations, in the spectrum
+        # with the matrices kept whole, every block's pair correlations `zs·xsᴴ` ([H, P, nb, na])
+        # add up in one tensor, weighted and summed into their lags once after the blocks; per
+        # block that took five matrix-sized reads and writes more (`_lag_correlations`)
+        pairs = ks.new_zeros(H, P, nb, lag.shape[1]) if need_c and len(mats.slices) == 1 else None
         gt = gy.transpose(-1, -2).contiguous()  # (B, H, nb, C, T)
         kf, vf, qf, gf = kc.flatten(1, 2), vc.flatten(1, 2), qc.flatten(1, 2), gt.flatten(1, 2)
         Wv = torch.where(valid, W, torch.zeros_like(W))
@@ -244,12 +267,11 @@ class _BlockedNumDen(torch.autograd.Function):
                     out.put(f0, f1, torch.matmul(m.m, xs[:, f0:f1]))
                 if back is not None:  # the adjoint: each pair's kernel reversed, conj in the spectrum
                     back.put(f0, f1, torch.matmul(m.adjoint, zs[:, f0:f1]))
-                if need_c:
-                    # each pair's cross-correlation of the output gradient with its key chunk,
-                    # in the spectrum, weighted by W and summed into the pair's lag
-                    q = torch.matmul(zs[:, f0:f1], xs[:, f0:f1].conj().transpose(-1, -2))  # (H, p, nb, na)
-                    q = (q * Wv[:, None]).permute(0, 2, 3, 1).reshape(H, nb * na, f1 - f0)
-                    corr[:, :, f0:f1].index_add_(1, lag.flatten(), q)
+                if pairs is not None:
+                    _add_pair_correlations(pairs, zs, xs)
+                elif need_c:
+                    _lag_correlations(corr[:, :, f0:f1], torch.matmul(zs[:, f0:f1], xs[:, f0:f1].conj().transpose(-1, -2)),
+                                      Wv, lag)
             del xs, zs
             if out is not None:
                 t = torch.fft.irfft(_from_freq_major(out.whole, B), n=2 * T, dim=-1)[..., :T].view(B, H, nb, f, c, T)
@@ -263,6 +285,8 @@ class _BlockedNumDen(torch.autograd.Function):
                     g_k[:, :, :, s:e] += _row_sum(g, vc[:, :, :, None, cs:ce], 4)
                 if need_v:
                     g_v[:, :, :, cs:ce] += _row_sum(g, kc[:, :, :, s:e, None], 3)
+        if pairs is not None:
+            _lag_correlations(corr, pairs, Wv, lag)
         # d loss / d circ_δ[p] = Σ_pairs W·Σ_s ȳ_b[s]·x_a[s-p], a circular cross-correlation whose
         # spectrum is Ȳ·conj(X) (pairs off the triangle added zeros: their W is 0)
         g_circ = torch.fft.irfft(corr, n=2 * T, dim=-1) if need_c else None

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...common import device_route
 from .blocked import blocked_product, chunk_layout
-from .plan import CAUSAL_LEAF, blocked_block, causal_chunk, fft_block_size, fft_channel_block
+from .plan import CAUSAL_LEAF, Shape, blocked_block, causal_chunk, fft_block_size, fft_channel_block
 from .product import scaled_product
 
 
@@ -87,16 +87,18 @@ SEGMENT_BLOCKS = "cuda"
 #: 20,245), but on the CPU the recursion is the faster: the blocked product's transposes to
 #: and from frequency-major order and its small batched complex matmuls cost more there than
 #: the FFT levels they replace (26.8 s against 18.6; benchmarks/fft_causal_ab.py,
-#: results/fft_causal_ab-32k-h2.json). A GPU has not timed it yet
+#: results/fft_causal_ab-32k-h2.json). A GPU has not timed it yet. Where it may run,
+#: `plan.causal_chunk` still weighs it against the recursion, its lag matrices' traffic
+#: included: with many heads and long sequences (B·H = 8 from 262,144 tokens) the recursion
 BLOCKED = "cuda"
 
 
-def chunk_on(device: torch.device, Lq: int, q_offset: int, leaf: int) -> int | None:
-    """The chunk length `causal_product` cuts the positions into on `device` (`BLOCKED`,
-    `plan.causal_chunk`), or None: the recursion over the whole length. `auto`'s cost of the
-    path reads it too (`plan.causal_levels`)."""
+def chunk_on(device: torch.device, Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
+    """The chunk length `causal_product` cuts the positions into on `device` (`BLOCKED`, then
+    `plan.causal_chunk`'s cost), or None: the recursion over the whole length. `auto`'s cost
+    of the path reads it too (`plan.causal_levels`)."""
     blocked = device_route(BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", device)
-    return causal_chunk(Lq, q_offset, leaf) if blocked else None
+    return causal_chunk(Lq, q_offset, leaf, shape) if blocked else None
 
 
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
@@ -110,7 +112,7 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
     the whole call (`SEGMENT_BLOCKS`)."""
     B, H, Lq, F = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
-    chunk = chunk_on(phi_q.device, Lq, q_offset, leaf)
+    chunk = chunk_on(phi_q.device, Lq, q_offset, leaf, Shape(B, H, F, C - 1, phi_q.dtype, memory_budget_bytes))
     # each part is added in place as it comes (index_add_: its backward passes the gradient
     # through and gathers the part's rows, no full-size copy): holding every part for one
     # scatter at the end kept one [B, H, Lq, C] tensor per level of the recursion, and as

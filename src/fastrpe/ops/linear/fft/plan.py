@@ -11,6 +11,7 @@ channels per feature, N FFT length >= Lq + Lk - 1.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -145,15 +146,37 @@ BLOCKED_CHUNKS = 64
 BLOCKED_MIN_CHUNKS = 8
 
 
-def causal_chunk(Lq: int, q_offset: int, leaf: int) -> int | None:
-    """Chunk length of the causal path: the smallest power-of-two multiple of the leaf that
-    cuts the positions `0..q_offset+Lq-1` into at most BLOCKED_CHUNKS chunks (the leaf itself
-    up to 64 leaves: 131,072 tokens with 2,048-position leaves), or None below
-    BLOCKED_MIN_CHUNKS chunks."""
-    T, end = leaf, q_offset + Lq
+class Shape(NamedTuple):
+    """What the causal chunk's cost depends on besides the positions: batch, heads, features,
+    value width, the FFT's dtype and the memory budget (None: `DEFAULT_BUDGET`)."""
+    B: int
+    H: int
+    F: int
+    Dv: int
+    dtype: torch.dtype = torch.float32
+    budget: int | None = None
+
+
+def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
+    """Chunk length of the causal path: of the power-of-two multiples of the leaf that cut the
+    positions `0..q_offset+Lq-1` into BLOCKED_MIN_CHUNKS to BLOCKED_CHUNKS chunks, the one whose
+    work in full-length product levels (`causal_levels`, the lag matrices' traffic included) is
+    least, or None where the recursion over the whole length (`log2(L/leaf)` levels) costs no
+    more. With many heads and long sequences few channels fit a block, and the matrices then
+    cost more than the levels the chunks save (B = 1, H = 8, F = 32, Dv = 64, the 512 MiB
+    budget: the recursion from 262,144 tokens on; before, 64 chunks there moved the matrices
+    about 26 times per channel, 1,056 blocks of 2 channels: `benchmarks/fft_blocked_traffic.py`)."""
+    end = q_offset + Lq
+    T = leaf
     while -(-end // T) > BLOCKED_CHUNKS:
         T *= 2
-    return T if -(-end // T) >= BLOCKED_MIN_CHUNKS else None
+    best, cost = None, causal_levels(Lq, q_offset, leaf, None)
+    while -(-end // T) >= BLOCKED_MIN_CHUNKS:
+        c = causal_levels(Lq, q_offset, leaf, T, shape)
+        if c < cost:
+            best, cost = T, c
+        T *= 2
+    return best
 
 
 #: the blocked product's work in halving levels' worth (each a full-length FFT product of
@@ -165,16 +188,49 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int) -> int | None:
 #: table_paths-blocked-*-65536-h1.json): about 2.5 + N/50 levels for N chunks
 BLOCKED_LEVELS = 2.5
 
+#: bytes one full-length FFT product level moves per position and feature channel, forward +
+#: backward with the coefficients' gradient, float32 (the causal recursion at 8,192, 16,384
+#: and 32,768 tokens, H = 1, F = 32, Dv = 64: 158 and 176 more per level;
+#: benchmarks/fft_blocked_traffic.py, results/fft_blocked_traffic.json)
+LEVEL_BYTES = 170
+#: the lag matrices' reads and writes per block of channels, in matrices' worth (`[H, T+1, nb,
+#: na]` complex), forward + backward with the coefficients' gradient: kept whole (the product
+#: and the round-off estimate forward, the product and its adjoint backward, the pair
+#: correlations' accumulation), and built a slice of frequencies at a time for every block
+#: (the same JSON: 5.6 and 26.2)
+MATRIX_PASSES_KEPT = 5.6
+MATRIX_PASSES_SLICED = 26.2
 
-def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None) -> float:
+
+def matrix_levels(Lq: int, q_offset: int, T: int, shape: Shape) -> float:
+    """The blocked product's lag matrices' traffic over chunks of T positions, in full-length
+    product levels (`LEVEL_BYTES`): every block of channels (`blocked_block`) reads them, and
+    where they are over `blocked.MATRIX_BYTES` builds them again."""
+    from . import blocked
+
+    B, H, F, Dv, dtype, budget = shape
+    end = q_offset + Lq
+    _, nb, na = blocked.chunk_layout(Lq, end, q_offset, T)
+    if na == 0:
+        return 0.0
+    el = element_size(dtype)
+    f, c = blocked_block(B, H, nb, na, T, F, Dv, dtype, budget)
+    blocks = -(-F // f) * -(-(Dv + 1) // c)
+    m = H * (T // 2 + 1) * 2 * nb * na * 2 * el  # the rfft of 2T positions: T + 1 frequencies
+    passes = MATRIX_PASSES_KEPT if m <= blocked.MATRIX_BYTES else MATRIX_PASSES_SLICED
+    return blocks * passes * m / (LEVEL_BYTES * el / 4 * B * H * F * (Dv + 1) * end)
+
+
+def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape | None = None) -> float:
     """The causal path's FFT work above its dense leaves, in full-length product levels: the
     recursion's `log2(L/leaf)` (`chunk` None), or with the blocked product over chunks of
     `chunk` positions `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels
-    inside a chunk."""
+    inside a chunk, plus the lag matrices' traffic (`matrix_levels`, given the shape)."""
     end = q_offset + Lq
     if chunk is None:
         return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
-    return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf)
+    matrices = 0.0 if shape is None else matrix_levels(Lq, q_offset, chunk, shape)
+    return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf) + matrices
 
 
 def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,
