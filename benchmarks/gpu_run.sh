@@ -149,6 +149,16 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the seventh CPU session of 2026-11-28 (no GPU), for the next to read first:
+# - the causal FFT path picks its chunks from a byte model that counts the blocked product's lag
+#   matrices (`fft.plan.causal_chunk`, CODE_EPOCH 11): with the bench's 8 heads it takes the
+#   recursion from 262,144 tokens on (the 1M window's `fastrpe-fft:learned` row: about 9 levels'
+#   worth of traffic where 64 chunks moved about 85), and 32 chunks at 64k as before, with 13%
+#   fewer bytes (benchmarks/fft_blocked_traffic.py; table_paths-learned-64k-h8*.json). Read the
+#   1M learned rows' time and peak against 40 GiB, and at 64k the causal table's `fastrpe-fft`
+#   row: by the count it moves at least 740 GiB, 154 ms at the H200's peak, so the criterion
+#   there rests on `triton_tiled` (+bf16x3, +bf16-features), as planned.
+#
 # New since the sixth CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - a session's checkout now starts fresh: .fla_site, .gpu_cache, .gpu_runs and runs/ are gone.
 #   `bash benchmarks/gpu_prep.sh` builds them again before the first call (the whole list below,

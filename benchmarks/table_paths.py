@@ -86,10 +86,16 @@ def main() -> None:
     ap.add_argument("--causal-blocked", choices=("always", "never", "cuda"), default=None,
                     help="fft.causal.BLOCKED for the run: the pairs across chunks by one blocked product (always), "
                          "or the halving recursion over the whole length (never); default: the library's")
+    ap.add_argument("--budget-mib", type=int, default=None,
+                    help="fft.plan.DEFAULT_BUDGET for the run, MiB (default: the library's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     H, D, F = a.heads, 64, 32
     from fastrpe.ops.linear.fft import causal as fft_causal
+    from fastrpe.ops.linear.fft import plan as fft_plan
+
+    if a.budget_mib is not None:
+        fft_plan.DEFAULT_BUDGET = a.budget_mib << 20
 
     if a.segment_blocks is not None:
         fft_causal.SEGMENT_BLOCKS = a.segment_blocks
@@ -109,6 +115,7 @@ def main() -> None:
                     "torch": torch.__version__, "command": "python benchmarks/table_paths.py " + " ".join(sys.argv[1:]),
                     "problem": {"B": 1, "H": H, "D": D, "features": F, "kernel": "nprf", "dtype": "bfloat16"},
                     "segment_blocks": fft_causal.SEGMENT_BLOCKS, "causal_blocked": fft_causal.BLOCKED,
+                    "budget_bytes": fft_plan.DEFAULT_BUDGET,
                     "hbm_bytes_per_s": HBM_BYTES_PER_S, "tensor_peaks": PEAK,
                     "byte_count": "each op's reads and writes, each tensor once (benchmarks/byte_count.py, "
                                   "since 2026-11-28's seventh CPU session)"},

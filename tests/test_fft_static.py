@@ -328,3 +328,38 @@ def test_no_event_query_while_a_cuda_graph_is_captured(monkeypatch):
     monkeypatch.setattr(certify, "_PENDING", _reads((Done(), torch.tensor(True))))
     with pytest.warns(RuntimeWarning, match="sync_recompute"):
         certify._warn_pending()
+
+
+@pytest.mark.parametrize("gb, want", [(16, 512 << 20), (80, int(80e9 / 32)), (141, 4 << 30)])
+def test_a_gpus_default_budget_is_a_share_of_its_memory(gb, want, monkeypatch):
+    """`plan.device_budget`: 1/32 of a card's memory, from the CPU's 512 MiB up to 4 GiB, read
+    once per device; the CPU keeps DEFAULT_BUDGET."""
+    from types import SimpleNamespace
+
+    from fastrpe.ops.linear.fft import plan
+
+    asked = []
+    monkeypatch.setattr(plan, "_DEVICE_BUDGETS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: asked.append(i) or SimpleNamespace(total_memory=int(gb * 1e9)))
+    assert plan.device_budget(torch.device("cuda", 1)) == want
+    assert plan.device_budget(torch.device("cuda", 1)) == want and asked == [1]
+    assert plan.device_budget(torch.device("cpu")) == plan.DEFAULT_BUDGET
+
+
+def test_a_call_without_a_budget_takes_its_devices(monkeypatch):
+    """`kernelized_num_den_fft` plans with `device_budget(device)` when given no budget: here a
+    tiny one, which cuts the non-causal product into one channel a block."""
+    seen = []
+    monkeypatch.setattr(fftmod, "device_budget", lambda device: seen.append(device.type) or 1)
+    monkeypatch.setattr(fftmod, "fft_channel_block",
+                        lambda *a: seen.append(("budget", a[-1])) or 1)
+    g = torch.Generator().manual_seed(0)
+    pq, pk = torch.rand(1, 1, 300, 2, generator=g), torch.rand(1, 1, 300, 2, generator=g)
+    v = torch.randn(1, 1, 300, 3, generator=g)
+    lc = 0.1 * torch.randn(1, 599, generator=g)
+    got = kernelized_num_den_fft(pq, pk, v, lc)
+    assert seen == ["cpu", ("budget", 1)]
+    monkeypatch.undo()
+    for a, b in zip(got, kernelized_num_den_fft(pq, pk, v, lc, memory_budget_bytes=1)):
+        assert torch.equal(a, b)  # the same plan as that budget given

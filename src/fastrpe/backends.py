@@ -261,9 +261,10 @@ class FFTBackend(Backend):
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
         from .ops.linear.fft.causal import chunk_on
-        from .ops.linear.fft.plan import Shape, causal_levels
+        from .ops.linear.fft.plan import Shape, causal_levels, device_budget
 
-        flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype)
+        budget = device_budget(p.device)  # what the op takes on p's device
+        flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype, budget)
         grad = 3 if p.requires_grad else 1
         flops *= grad
         if not p.causal:
@@ -274,8 +275,8 @@ class FFTBackend(Backend):
         # product's worth: `plan.causal_levels`); a call no longer than one leaf is all leaf
         # (auto_cpu_check: L = 1024 ran 32 ms, not a full product's 260)
         L = max(p.Lq, p.Lk)
-        leaf = causal_leaf(p.B, p.H, p.dtype)
-        shape = Shape(p.B, p.H, p.F, p.Dv, p.dtype)
+        leaf = causal_leaf(p.B, p.H, p.dtype, budget)
+        shape = Shape(p.B, p.H, p.F, p.Dv, p.dtype, budget)
         levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf, shape), shape)
         pairs = p.B * p.H * p.Lq * min(L, leaf)
         leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again

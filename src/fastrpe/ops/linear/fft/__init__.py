@@ -30,14 +30,14 @@ from ...toeplitz.fft import fft_dtype_for
 from .band import NEAR_BAND, band_covers_all, band_product, far_coefficients
 from .causal import causal_product, causal_segments
 from .certify import ROW_RTOL, certify_rows, static_schedule, sync_recompute
-from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, estimate_fft_cost, fft_block_size,
-                   fft_channel_block, recompute_capacity)
+from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, device_budget, estimate_fft_cost,
+                   fft_block_size, fft_channel_block, recompute_capacity)
 from .product import scaled_product
 from .scale import row_max, sliding_max
 
 __all__ = ["kernelized_num_den_fft", "estimate_fft_cost", "fft_block_size", "fft_channel_block", "causal_leaf",
            "causal_segments", "recompute_capacity", "static_schedule", "sync_recompute", "CAUSAL_LEAF",
-           "CAUSAL_LEAF_MAX", "DEFAULT_BUDGET", "ROW_RTOL", "sliding_max"]
+           "CAUSAL_LEAF_MAX", "DEFAULT_BUDGET", "ROW_RTOL", "sliding_max", "device_budget"]
 
 
 def kernelized_num_den_fft(
@@ -57,7 +57,8 @@ def kernelized_num_den_fft(
         phi_q: `[B, H, Lq, F]`; phi_k: `[B, H, Lk, F]`; v: `[B, H, Lk, Dv]`.
         log_coeff: `[H, Lq+Lk-1]` log-coefficients (offsets `-(Lq-1+q_offset) .. Lk-1-q_offset`) or None.
         causal, q_offset, key_padding_mask: as in the naive op.
-        memory_budget_bytes: bound on one block's temporaries (default 512 MiB).
+        memory_budget_bytes: bound on one block's temporaries (default `plan.device_budget`:
+            512 MiB, on a GPU 1/32 of its memory up to 4 GiB).
 
     Returns:
         `num: [B, H, Lq, Dv]`, `den: [B, H, Lq]` and `log_scale: [H, Lq]` (true values are
@@ -68,6 +69,8 @@ def kernelized_num_den_fft(
     """
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
+    if memory_budget_bytes is None:
+        memory_budget_bytes = device_budget(phi_q.device)
     out_dt = phi_q.dtype
     dt = fft_dtype_for(out_dt)
     phi_q, phi_k = phi_q.to(dt), phi_k.to(dt)

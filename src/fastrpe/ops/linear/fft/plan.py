@@ -17,8 +17,30 @@ import torch
 
 from ...toeplitz.fft import fft_length
 
-#: bound on one block's temporaries when the caller gives none
+#: bound on one block's temporaries when the caller gives none, on the CPU (`device_budget`)
 DEFAULT_BUDGET = 512 << 20
+#: on a GPU the default budget is this share of its memory, from DEFAULT_BUDGET up to
+#: MAX_DEVICE_BUDGET (an 80 GB H100: 2.3 GiB; an H200: 4 GiB). With B·H = 8 a block of 512 MiB
+#: holds 10 channels of the causal path's blocked product at 65,536 tokens, whose lag
+#: matrices every block reads: at 4 GiB the GPU bench's causal table (forward + backward) moves
+#: 635 GiB in 2,599 aten ops instead of 740 in 11,602 (byte count on CPU,
+#: `benchmarks/table_paths.py --budget-mib`, results/table_paths-learned-64k-h8*.json)
+DEVICE_BUDGET_SHARE = 1 / 32
+MAX_DEVICE_BUDGET = 4 << 30
+_DEVICE_BUDGETS: dict[int, int] = {}
+
+
+def device_budget(device: torch.device) -> int:
+    """The memory budget of a call on `device` whose caller gives none: DEFAULT_BUDGET but on
+    CUDA, `DEVICE_BUDGET_SHARE` of the card's memory within `[DEFAULT_BUDGET,
+    MAX_DEVICE_BUDGET]` (read once per device: a property, no synchronization)."""
+    if device.type != "cuda":
+        return DEFAULT_BUDGET
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _DEVICE_BUDGETS:
+        total = torch.cuda.get_device_properties(index).total_memory
+        _DEVICE_BUDGETS[index] = int(min(MAX_DEVICE_BUDGET, max(DEFAULT_BUDGET, total * DEVICE_BUDGET_SHARE)))
+    return _DEVICE_BUDGETS[index]
 
 #: blocks of at most this many positions are done densely by the causal recursion (the
 #: smallest leaf; `causal_leaf` picks a larger one when the memory budget allows)
