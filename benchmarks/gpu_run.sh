@@ -151,13 +151,14 @@
 #
 # New since the seventh CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - the causal FFT path picks its chunks from a byte model that counts the blocked product's lag
-#   matrices (`fft.plan.causal_chunk`, CODE_EPOCH 11): with the bench's 8 heads it takes the
-#   recursion from 262,144 tokens on (the 1M window's `fastrpe-fft:learned` row: about 9 levels'
-#   worth of traffic where 64 chunks moved about 85), and 32 chunks at 64k as before, with 13%
-#   fewer bytes (benchmarks/fft_blocked_traffic.py; table_paths-learned-64k-h8*.json). Read the
-#   1M learned rows' time and peak against 40 GiB, and at 64k the causal table's `fastrpe-fft`
-#   row: by the count it moves at least 740 GiB, 154 ms at the H200's peak, so the criterion
-#   there rests on `triton_tiled` (+bf16x3, +bf16-features), as planned.
+#   matrices (`fft.plan.causal_chunk`, CODE_EPOCH 11), and on a GPU its default memory budget is
+#   1/32 of the card, up to 4 GiB (`fft.plan.device_budget`; it was 512 MiB everywhere). With
+#   the bench's 8 heads on an H200: 32 chunks at 64k as before, 16 at 262k, the recursion at 1M
+#   (about 9 levels' worth of traffic where 64 chunks moved about 85). By the CPU byte count the
+#   causal table at 64k moves 635 GiB in 2,599 ops (was 848 in 12,048; benchmarks/
+#   fft_blocked_traffic.py, results/table_paths-learned-64k-h8*.json): at least 142 ms at the
+#   H200's peak, so the "no slower than Flex" criterion there rests on `triton_tiled` (+bf16x3,
+#   +bf16-features), as planned. Read the 1M learned rows' time and peak against 40 GiB.
 #
 # New since the sixth CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - a session's checkout now starts fresh: .fla_site, .gpu_cache, .gpu_runs and runs/ are gone.
