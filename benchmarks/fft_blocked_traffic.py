@@ -11,8 +11,9 @@
 * `model`: the whole causal path at one problem for each chunk count it may take (and the
   recursion), its bytes in full-length levels against `plan.causal_levels`' estimate;
 * `plan`: the chunks `plan.causal_chunk` picks at the GPU bench's problems (B = 1, F = 32,
-  Dv = 64, the default budget) and what the blocked product over the most chunks (the choice
-  before 2026-11-28's seventh CPU session) would have cost there, in levels.
+  Dv = 64; the default budget of the CPU, an 80 GB H100 and an H200, `plan.device_budget`)
+  and what the blocked product over the most chunks (the choice before 2026-11-28's seventh
+  CPU session) would have cost there, in levels.
 
     python benchmarks/fft_blocked_traffic.py --out benchmarks/results/fft_blocked_traffic.json
 """
@@ -133,22 +134,24 @@ def plan_rows() -> list[dict]:
     from fastrpe.ops.linear.fft import plan
 
     rows = []
-    for H in (1, 8):
-        for L in (65536, 262144, 1048576):
-            leaf = plan.causal_leaf(1, H)
-            shape = plan.Shape(1, H, F, DV)
-            T = leaf
-            while -(-L // T) > plan.BLOCKED_CHUNKS:
-                T *= 2
-            most = T if -(-L // T) >= plan.BLOCKED_MIN_CHUNKS else None
-            picked = plan.causal_chunk(L, 0, leaf, shape)
-            rows.append({"H": H, "L": L, "picked_chunks": None if picked is None else L // picked,
-                         "picked_levels": plan.causal_levels(L, 0, leaf, picked, shape),
-                         "most_chunks": None if most is None else L // most,
-                         "most_chunks_levels": plan.causal_levels(L, 0, leaf, most, shape)})
-            r = rows[-1]
-            print(f"plan    H={H} L={L:7d}: picks {r['picked_chunks']} chunks ({r['picked_levels']:.1f} levels); "
-                  f"{r['most_chunks']} chunks: {r['most_chunks_levels']:.1f}", flush=True)
+    budgets = {"cpu": plan.DEFAULT_BUDGET, "H100 80GB": int(min(plan.MAX_DEVICE_BUDGET, 80e9 * plan.DEVICE_BUDGET_SHARE)),
+               "H200": int(min(plan.MAX_DEVICE_BUDGET, 141e9 * plan.DEVICE_BUDGET_SHARE))}
+    for (where, budget), H, L in ((b, H, L) for b in budgets.items() for H in (1, 8) for L in (65536, 262144, 1048576)):
+        leaf = plan.causal_leaf(1, H, torch.float32, budget)
+        shape = plan.Shape(1, H, F, DV, torch.float32, budget)
+        T = leaf
+        while -(-L // T) > plan.BLOCKED_CHUNKS:
+            T *= 2
+        most = T if -(-L // T) >= plan.BLOCKED_MIN_CHUNKS else None
+        picked = plan.causal_chunk(L, 0, leaf, shape)
+        rows.append({"budget": where, "budget_bytes": budget, "H": H, "L": L,
+                     "picked_chunks": None if picked is None else L // picked,
+                     "picked_levels": plan.causal_levels(L, 0, leaf, picked, shape),
+                     "most_chunks": None if most is None else L // most,
+                     "most_chunks_levels": plan.causal_levels(L, 0, leaf, most, shape)})
+        r = rows[-1]
+        print(f"plan    {where:9s} H={H} L={L:7d}: picks {r['picked_chunks']} chunks ({r['picked_levels']:.1f} levels); "
+              f"{r['most_chunks']} chunks: {r['most_chunks_levels']:.1f}", flush=True)
     return rows
 
 

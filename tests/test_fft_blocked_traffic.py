@@ -24,4 +24,5 @@ def test_fft_blocked_traffic_counts_the_lag_matrices_and_the_levels(tmp_path):
     assert all(r["levels_counted"] > 0 and r["launches"] > 0 for r in rows)
     best = min(rows, key=lambda r: r["levels_estimated"])
     assert res["model"]["picked_chunks"] == best["chunks"]
-    assert {(r["H"], r["L"]) for r in res["plan"]} == {(h, L) for h in (1, 8) for L in (65536, 262144, 1048576)}
+    assert {(r["budget"], r["H"], r["L"]) for r in res["plan"]} == {(b, h, L) for b in ("cpu", "H100 80GB", "H200")
+                                                              for h in (1, 8) for L in (65536, 262144, 1048576)}

@@ -363,3 +363,15 @@ def test_a_call_without_a_budget_takes_its_devices(monkeypatch):
     monkeypatch.undo()
     for a, b in zip(got, kernelized_num_den_fft(pq, pk, v, lc, memory_budget_bytes=1)):
         assert torch.equal(a, b)  # the same plan as that budget given
+
+
+def test_a_trace_reads_no_device_property(monkeypatch):
+    """Under `torch.compile`'s trace `device_budget` takes what an eager call cached, else
+    DEFAULT_BUDGET, and asks the device nothing."""
+    from fastrpe.ops.linear.fft import plan
+
+    monkeypatch.setattr(plan, "_DEVICE_BUDGETS", {0: 1 << 30})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: pytest.fail("read a property"))
+    assert plan.device_budget(torch.device("cuda", 0)) == 1 << 30
+    assert plan.device_budget(torch.device("cuda", 1)) == plan.DEFAULT_BUDGET

@@ -33,9 +33,13 @@ _DEVICE_BUDGETS: dict[int, int] = {}
 def device_budget(device: torch.device) -> int:
     """The memory budget of a call on `device` whose caller gives none: DEFAULT_BUDGET but on
     CUDA, `DEVICE_BUDGET_SHARE` of the card's memory within `[DEFAULT_BUDGET,
-    MAX_DEVICE_BUDGET]` (read once per device: a property, no synchronization)."""
+    MAX_DEVICE_BUDGET]` (read once per device: a property, no synchronization). A trace by
+    `torch.compile` reads no device property: a device no eager call has met yet takes
+    DEFAULT_BUDGET there (the same results, in smaller blocks)."""
     if device.type != "cuda":
         return DEFAULT_BUDGET
+    if torch.compiler.is_compiling():
+        return _DEVICE_BUDGETS.get(device.index, DEFAULT_BUDGET)
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _DEVICE_BUDGETS:
         total = torch.cuda.get_device_properties(index).total_memory
