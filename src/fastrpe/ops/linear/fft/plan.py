@@ -67,10 +67,12 @@ RECOMPUTE_SHARE = 1 / 8
 #: bytes moved per (recomputed row, key), forward + backward (the checkpointed dense rows of
 #: `certify._exact_rows`), and per (position, feature channel) by the FFT path, non-causal,
 #: forward + backward (`product.py`, band and certificates included); counted on CPU with
-#: benchmarks/prf_traffic.py's ByteCounter at L = 65,536, H = 1, F = 32, Dv = 64, float32
-#: FFTs (benchmarks/fft_recompute.py, results/fft_recompute.json: 143.1 and 340.0)
+#: benchmarks/byte_count.py's ByteCounter at L = 65,536, H = 1, F = 32, Dv = 64, float32
+#: FFTs (benchmarks/fft_recompute.py, results/fft_recompute.json: 142.6 and 314.0; 143.1 and
+#: 340.0 with the counter before 2026-11-28's seventh CPU session, which counted an
+#: allocation's bytes and some targets twice)
 DENSE_ROW_BYTES_PER_KEY = 143
-FFT_BYTES_PER_CHANNEL = 340
+FFT_BYTES_PER_CHANNEL = 314
 
 
 def element_size(dtype) -> int:
