@@ -59,8 +59,8 @@ CAUSAL_LEAF_MAX = 2048
 #: RECOMPUTE_SHARE of the FFT product's own (see `certify.py`). The schedule is static, so
 #: every call pays for the whole capacity, failing rows or not: one row in 128 alone costs
 #: 1/128 of dense attention, O(L²), which at L = 262,144 (F = 32, Dv = 64, forward + backward,
-#: per head) was 27 % of the non-causal path's memory traffic (262.9 GiB -> 201.0 with the
-#: cap; benchmarks/fft_recompute.py) and at 1M would be more than half
+#: per head) was 26 % of the non-causal path's memory traffic (248.1 GiB -> 184.6 with the
+#: cap, counted once; benchmarks/fft_recompute.py) and at 1M would be more than half
 RECOMPUTE_MIN_ROWS = 64
 RECOMPUTE_FRACTION = 128
 RECOMPUTE_SHARE = 1 / 8
