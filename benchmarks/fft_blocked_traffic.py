@@ -43,10 +43,7 @@ def _table(H: int, L: int, F: int, Dv: int, seed: int = 0):
 
 
 def _causal_bytes(H: int, L: int, F: int, Dv: int, budget: int | None) -> tuple[int, int]:
-    from fastrpe.ops.linear.fft import causal as fc
     from fastrpe.ops.linear.fft import kernelized_num_den_fft
-
-    fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
 
     pq, pk, v, lc = _table(H, L, F, Dv)
     with ByteCounter() as c:
@@ -58,13 +55,16 @@ def _causal_bytes(H: int, L: int, F: int, Dv: int, budget: int | None) -> tuple[
 def level_rows(lengths: list[int], F: int = F, Dv: int = DV) -> dict:
     from fastrpe.ops.linear.fft import causal as fc
 
-    fc.BLOCKED = "never"
+    saved, fc.BLOCKED = fc.BLOCKED, "never"
     rows = []
-    for L in lengths:
-        b, n = _causal_bytes(1, L, F, Dv, None)
-        rows.append({"L": L, "bytes_per_position_channel": b / (L * F * (Dv + 1)), "launches": n})
-        print(f"level   L={L:6d}  {rows[-1]['bytes_per_position_channel']:7.1f} B per position and channel", flush=True)
-    fc.BLOCKED = "cuda"
+    try:
+        for L in lengths:
+            b, n = _causal_bytes(1, L, F, Dv, None)
+            rows.append({"L": L, "bytes_per_position_channel": b / (L * F * (Dv + 1)), "launches": n})
+            print(f"level   L={L:6d}  {rows[-1]['bytes_per_position_channel']:7.1f} B per position and channel",
+                  flush=True)
+    finally:
+        fc.BLOCKED = saved
     steps = [b["bytes_per_position_channel"] - a["bytes_per_position_channel"] for a, b in zip(rows, rows[1:])]
     return {"rows": rows, "per_level": steps}
 
@@ -110,13 +110,7 @@ def model_rows(L: int, H: int, budget: int, F: int = F, Dv: int = DV) -> dict:
     rows = []
     saved = fc.chunk_on
     try:
-        T = leaf
-        choices = [None]
-        while -(-L // T) >= plan.BLOCKED_MIN_CHUNKS:
-            if -(-L // T) <= plan.BLOCKED_CHUNKS:
-                choices.append(T)
-            T *= 2
-        for T in choices:
+        for T in [None, *plan.chunk_choices(L, 0, leaf)]:
             fc.chunk_on = lambda *a, T=T, **k: T
             b, n = _causal_bytes(H, L, F, Dv, budget)
             rows.append({"chunks": None if T is None else L // T, "chunk": T, "levels_counted": b / unit,
@@ -134,15 +128,12 @@ def plan_rows() -> list[dict]:
     from fastrpe.ops.linear.fft import plan
 
     rows = []
-    budgets = {"cpu": plan.DEFAULT_BUDGET, "H100 80GB": int(min(plan.MAX_DEVICE_BUDGET, 80e9 * plan.DEVICE_BUDGET_SHARE)),
-               "H200": int(min(plan.MAX_DEVICE_BUDGET, 141e9 * plan.DEVICE_BUDGET_SHARE))}
+    budgets = {"cpu": plan.DEFAULT_BUDGET, "H100 80GB": plan.budget_for_memory(int(80e9)),
+               "H200": plan.budget_for_memory(int(141e9))}
     for (where, budget), H, L in ((b, H, L) for b in budgets.items() for H in (1, 8) for L in (65536, 262144, 1048576)):
         leaf = plan.causal_leaf(1, H, torch.float32, budget)
         shape = plan.Shape(1, H, F, DV, torch.float32, budget)
-        T = leaf
-        while -(-L // T) > plan.BLOCKED_CHUNKS:
-            T *= 2
-        most = T if -(-L // T) >= plan.BLOCKED_MIN_CHUNKS else None
+        most = next(iter(plan.chunk_choices(L, 0, leaf)), None)
         picked = plan.causal_chunk(L, 0, leaf, shape)
         rows.append({"budget": where, "budget_bytes": budget, "H": H, "L": L,
                      "picked_chunks": None if picked is None else L // picked,
@@ -165,6 +156,9 @@ def main() -> None:
     ap.add_argument("--matrix-chunk", type=int, default=256, help="T of the matrix rows (64 chunks of it)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from fastrpe.ops.linear.fft import causal as fc
+
+    fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
     L, H, budget = (int(x) for x in a.model.split(":"))
     out = {"meta": {"command": "python benchmarks/fft_blocked_traffic.py " + " ".join(sys.argv[1:]),
                     "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,

@@ -225,10 +225,10 @@ def test_the_cost_models_levels_follow_the_path():
     def blocked(n):  # the levels where the blocked product runs, at 2,048 * n tokens
         return causal_levels(2048 * n, 0, 2048, causal_chunk(2048 * n, 0, 2048, ONE_HEAD), ONE_HEAD)
 
-    assert [causal_levels(2048 * n, 0, 2048, None) for n in (1, 2, 8, 64)] == [0.0, 1.0, 3.0, 6.0]
+    assert [causal_levels(2048 * n, 0, 2048, None, ONE_HEAD) for n in (1, 2, 8, 64)] == [0.0, 1.0, 3.0, 6.0]
     assert blocked(4) == 2.0  # 4 chunks: the recursion
     for n in (8, 64, 512):
-        assert blocked(n) < causal_levels(2048 * n, 0, 2048, None)
+        assert blocked(n) < causal_levels(2048 * n, 0, 2048, None, ONE_HEAD)
 
 
 def test_a_lag_without_coefficients_leaves_the_chunks_units_alone():

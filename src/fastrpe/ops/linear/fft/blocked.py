@@ -267,11 +267,11 @@ class _BlockedNumDen(torch.autograd.Function):
                     out.put(f0, f1, torch.matmul(m.m, xs[:, f0:f1]))
                 if back is not None:  # the adjoint: each pair's kernel reversed, conj in the spectrum
                     back.put(f0, f1, torch.matmul(m.adjoint, zs[:, f0:f1]))
-                if pairs is not None:
-                    _add_pair_correlations(pairs, zs, xs)
-                elif need_c:
+                if need_c and pairs is None:  # sliced: each slice's correlations into the lags at once
                     _lag_correlations(corr[:, :, f0:f1], torch.matmul(zs[:, f0:f1], xs[:, f0:f1].conj().transpose(-1, -2)),
                                       Wv, lag)
+            if pairs is not None:
+                _add_pair_correlations(pairs, zs, xs)
             del xs, zs
             if out is not None:
                 t = torch.fft.irfft(_from_freq_major(out.whole, B), n=2 * T, dim=-1)[..., :T].view(B, H, nb, f, c, T)

@@ -42,9 +42,14 @@ def device_budget(device: torch.device) -> int:
         return _DEVICE_BUDGETS.get(device.index, DEFAULT_BUDGET)
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _DEVICE_BUDGETS:
-        total = torch.cuda.get_device_properties(index).total_memory
-        _DEVICE_BUDGETS[index] = int(min(MAX_DEVICE_BUDGET, max(DEFAULT_BUDGET, total * DEVICE_BUDGET_SHARE)))
+        _DEVICE_BUDGETS[index] = budget_for_memory(torch.cuda.get_device_properties(index).total_memory)
     return _DEVICE_BUDGETS[index]
+
+
+def budget_for_memory(total_memory: int) -> int:
+    """A GPU's default budget from its memory: `DEVICE_BUDGET_SHARE` of it, within
+    `[DEFAULT_BUDGET, MAX_DEVICE_BUDGET]`."""
+    return int(min(MAX_DEVICE_BUDGET, max(DEFAULT_BUDGET, total_memory * DEVICE_BUDGET_SHARE)))
 
 #: blocks of at most this many positions are done densely by the causal recursion (the
 #: smallest leaf; `causal_leaf` picks a larger one when the memory budget allows)
@@ -194,17 +199,27 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
     cost more than the levels the chunks save (B = 1, H = 8, F = 32, Dv = 64, the 512 MiB
     budget: the recursion from 262,144 tokens on; before, 64 chunks there moved the matrices
     about 26 times per channel, 1,056 blocks of 2 channels: `benchmarks/fft_blocked_traffic.py`)."""
+    best, cost = None, causal_levels(Lq, q_offset, leaf, None, shape)
+    for T in chunk_choices(Lq, q_offset, leaf):
+        c = causal_levels(Lq, q_offset, leaf, T, shape)
+        if c < cost:
+            best, cost = T, c
+    return best
+
+
+def chunk_choices(Lq: int, q_offset: int, leaf: int) -> list[int]:
+    """The chunk lengths `causal_chunk` weighs, most chunks first: the power-of-two multiples of
+    the leaf that cut the positions `0..q_offset+Lq-1` into BLOCKED_MIN_CHUNKS to BLOCKED_CHUNKS
+    chunks (none where there are too few positions)."""
     end = q_offset + Lq
     T = leaf
     while -(-end // T) > BLOCKED_CHUNKS:
         T *= 2
-    best, cost = None, causal_levels(Lq, q_offset, leaf, None)
+    out = []
     while -(-end // T) >= BLOCKED_MIN_CHUNKS:
-        c = causal_levels(Lq, q_offset, leaf, T, shape)
-        if c < cost:
-            best, cost = T, c
+        out.append(T)
         T *= 2
-    return best
+    return out
 
 
 #: the blocked product's work in halving levels' worth (each a full-length FFT product of
@@ -235,6 +250,7 @@ def matrix_levels(Lq: int, q_offset: int, T: int, shape: Shape) -> float:
     product levels (`LEVEL_BYTES`): every block of channels (`blocked_block`) reads them, and
     where they are over `blocked.MATRIX_BYTES` builds them again."""
     from . import blocked
+    from .product import _blocks
 
     B, H, F, Dv, dtype, budget = shape
     end = q_offset + Lq
@@ -242,23 +258,21 @@ def matrix_levels(Lq: int, q_offset: int, T: int, shape: Shape) -> float:
     if na == 0:
         return 0.0
     el = element_size(dtype)
-    f, c = blocked_block(B, H, nb, na, T, F, Dv, dtype, budget)
-    blocks = -(-F // f) * -(-(Dv + 1) // c)
+    blocks = len(_blocks(F, Dv + 1, blocked_block(B, H, nb, na, T, F, Dv, dtype, budget)))
     m = H * (T // 2 + 1) * 2 * nb * na * 2 * el  # the rfft of 2T positions: T + 1 frequencies
     passes = MATRIX_PASSES_KEPT if m <= blocked.MATRIX_BYTES else MATRIX_PASSES_SLICED
     return blocks * passes * m / (LEVEL_BYTES * el / 4 * B * H * F * (Dv + 1) * end)
 
 
-def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape | None = None) -> float:
+def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape) -> float:
     """The causal path's FFT work above its dense leaves, in full-length product levels: the
     recursion's `log2(L/leaf)` (`chunk` None), or with the blocked product over chunks of
     `chunk` positions `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels
-    inside a chunk, plus the lag matrices' traffic (`matrix_levels`, given the shape)."""
+    inside a chunk, plus the lag matrices' traffic for `shape` (`matrix_levels`)."""
     end = q_offset + Lq
     if chunk is None:
         return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
-    matrices = 0.0 if shape is None else matrix_levels(Lq, q_offset, chunk, shape)
-    return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf) + matrices
+    return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf) + matrix_levels(Lq, q_offset, chunk, shape)
 
 
 def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,
