@@ -17,7 +17,9 @@ tensor an op named, inputs and outputs alike: an allocation's bytes, `zero_`'s t
 an `out=` product's target twice, and so it was not the lower bound the scripts called it
 (the FFT path's own zero-padding buffers: about a sixth of its count at 16k).
 
-`by_op` keeps the split per aten op (bytes, launches), for a profile of where they go.
+`by_op` keeps the split per aten op (bytes, launches), for a profile of where they go. Under
+`FakeTensorMode` (shapes, no data) the count is the same as with real tensors (tested), at
+lengths no CPU could compute (`benchmarks/fft_at_scale.py`).
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 def op_bytes(func, args: tuple, kwargs: dict, out) -> int | None:
     """The bytes one aten op reads and writes (None: no traffic and no launch)."""
-    if func.is_view or func in NO_TRAFFIC:
-        return None
+    if func.is_view or func in NO_TRAFFIC or func.namespace != "aten":
+        return None  # (under FakeTensorMode, its `prim` queries of a tensor's device)
     name = func._schema.name.split("::")[-1]
     written = {id(t): t for t in _tensors(out)}
     for t in _tensors(kwargs.get("out")):  # an `out=` target: written, not read
