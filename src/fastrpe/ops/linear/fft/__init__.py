@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ...common import causal_offset_mask
 from ...toeplitz.fft import fft_dtype_for
-from .band import NEAR_BAND, band_covers_all, band_product, far_coefficients
+from .band import NEAR_BAND, band_covers_all, band_product, band_rows, far_coefficients
 from .causal import causal_product, causal_segments
 from .certify import ROW_RTOL, certify_rows, static_schedule, sync_recompute
 from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, device_budget, estimate_fft_cost,
@@ -90,7 +90,8 @@ def kernelized_num_den_fft(
     scale = torch.where(empty, torch.zeros_like(rmax), rmax)
     if not causal:
         # the near band densely, the far offsets by FFT (whose noise is then relative to them)
-        y = band_product(phi_q, phi_k, vv, lc, scale, q_offset, NEAR_BAND)
+        y = band_product(phi_q, phi_k, vv, lc, scale, q_offset, NEAR_BAND,
+                         band_rows(B, H, F, Dv, dt, memory_budget_bytes))
         lc_fft = far_coefficients(lc, Lq, q_offset, NEAR_BAND)
         err = torch.zeros_like(y.detach())
         if not band_covers_all(Lq, Lk, q_offset, NEAR_BAND):

@@ -59,11 +59,34 @@ def _band(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q
     return y[:, :, :Lq]
 
 
+def band_rows(B: int, H: int, F: int, Dv: int, dtype=torch.float32, memory_budget_bytes: int | None = None,
+              w: int = NEAR_BAND) -> int:
+    """Rows of the band computed at once (a multiple of w) so that their temporaries fit the
+    budget: per row the gathered keys' features and channels (`3·(F + C)`: each block of w rows
+    gathers 3w keys), the `[w, 3w]`
+    block's products, weights and mask (about `3·3w`) and its output (C). Unbounded, the band
+    held about 24 GiB at once at 1,048,576 tokens (B·H = 8, F = 32, Dv = 64), 27 of the 35 GiB
+    the whole non-causal call held at its peak (`benchmarks/fft_at_scale.py`)."""
+    from .plan import budget_or_default, element_size
+
+    C = Dv + 1
+    per_row = B * H * element_size(dtype) * (3 * (F + C) + 9 * w + C)
+    return max(w, budget_or_default(memory_budget_bytes) // max(1, per_row) // w * w)
+
+
 def band_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
-                 w: int = NEAR_BAND) -> Tensor:
-    """`[B, H, Lq, C]` in the rows' units `exp(scale)`: the terms with offsets `|r| <= w`, dense.
-    Recomputed in backward (checkpoint), so autograd keeps no `[Lq, 3w]` weights."""
-    args = (phi_q, phi_k, vv, lc, scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
-        return checkpoint(_band, *args, q_offset, w, use_reentrant=False)
-    return _band(*args, q_offset, w)
+                 w: int = NEAR_BAND, rows: int | None = None) -> Tensor:
+    """`[B, H, Lq, C]` in the rows' units `exp(scale)`: the terms with offsets `|r| <= w`, dense,
+    `rows` rows at a time (`band_rows`; None: all at once). Each block of rows is recomputed in
+    backward (checkpoint), so autograd keeps no `[Lq, 3w]` weights, and the backward holds one
+    block's temporaries at a time as the forward does."""
+    Lq = phi_q.shape[2]
+    step = Lq if rows is None else max(w, rows // w * w)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (phi_q, phi_k, vv, lc))
+    parts = []
+    for a in range(0, Lq, step):  # a static loop: sizes come from shapes
+        b = min(Lq, a + step)
+        # rows a..b-1 are queries at q_offset + a..; their offsets' origin in lc moves by Lq - b
+        args = (phi_q[:, :, a:b], phi_k, vv, lc[:, Lq - b:], scale[:, a:b], q_offset + a, w)
+        parts.append(checkpoint(_band, *args, use_reentrant=False) if grad else _band(*args))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

@@ -1,0 +1,126 @@
+"""The FFT path for a table over all offsets at the GPU bench's lengths, on shapes alone: bytes
+moved and memory held, forward + backward, at 65,536 to 1,048,576 tokens, where one counted
+call on this CPU took over ten minutes from 262,144 tokens on (`table_paths.py`).
+
+The call runs under `FakeTensorMode`: every op computes its output's shape and dtype and
+nothing else, so a million-token call takes seconds. The op sequence is the GPU's:
+the blocked product and the per-segment blocks (`fft.causal.BLOCKED`, `SEGMENT_BLOCKS` =
+"always", what "cuda" means there), the static recompute schedule (`static_schedule`: no host
+read, as on a GPU), and the memory budget of the GPU named (`plan.budget_for_memory`). The
+eager CPU check that q, k, v are finite reads values, which fake tensors have none of; a GPU
+call does not make it either, so it is off here.
+
+Two counts, each checked against the real call in tests/test_live_peak.py:
+
+* `byte_count.ByteCounter`: each aten op's reads and writes, a lower bound on the traffic;
+* `live_peak.LivePeak`: the bytes the call's allocations hold at their peak (what
+  `torch.cuda.max_memory_allocated` reports above the inputs, less the caching allocator's
+  rounding), with the largest storages held then.
+
+The bench's problem: B = 1, H = 8, D = 64, NPRF with 32 features, bf16 q, k, v, a frozen
+table (`bench.gpu.make_position`), `fastrpe.attention(..., backend="fft")`.
+
+    python benchmarks/fft_at_scale.py --lengths 65536,262144,1048576 --out benchmarks/results/fft_at_scale.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from byte_count import ByteCounter  # noqa: E402
+from live_peak import LivePeak  # noqa: E402
+
+#: memory of the GPUs whose default budgets the rows take (`plan.budget_for_memory`), bytes
+GPUS = {"h100-80gb": 80 * 10**9, "h200": 141 * 10**9}
+#: HBM peaks, bytes/s: the H100 SXM's HBM3 and the H200's HBM3e
+HBM = {"h100-80gb": 3.35e12, "h200": 4.8e12}
+GIB = 2 ** 30
+
+
+@contextlib.contextmanager
+def gpu_schedule(budget: int):
+    """The FFT path's GPU routing and the budget `budget`, restored after."""
+    import fastrpe.api as api
+    from fastrpe import _validate
+    from fastrpe.ops.linear.fft import causal, plan, static_schedule
+
+    saved = (causal.BLOCKED, causal.SEGMENT_BLOCKS, plan.DEFAULT_BUDGET, api.check_qkv)
+    causal.BLOCKED, causal.SEGMENT_BLOCKS, plan.DEFAULT_BUDGET = "always", "always", budget
+    api.check_qkv = functools.partial(_validate.check_qkv, check_finite=False)
+    try:
+        with static_schedule():
+            yield
+    finally:
+        causal.BLOCKED, causal.SEGMENT_BLOCKS, plan.DEFAULT_BUDGET, api.check_qkv = saved
+
+
+def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32) -> dict:
+    import fastrpe as fr
+    from fastrpe.bench.gpu import _closure, family_causal, make_position
+    from fastrpe.ops.linear.fft.plan import budget_for_memory
+
+    budget = budget_for_memory(GPUS[gpu])
+    kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
+    pos, causal = make_position(family, H, L), family_causal(family)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(), gpu_schedule(budget), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")  # fake tensors' data_ptr, read by the memo of a frozen table
+        q, k, v = (torch.empty(1, H, L, D, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        call = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=causal,
+                                                     backend="fft"), q, k, v, backward=True)
+        call()  # the frozen table's coefficients kept, as the bench's timed calls find them
+        for x in (q, k, v):
+            x.grad = None
+        with LivePeak() as m, ByteCounter() as c:
+            call()
+    inputs = 3 * H * L * D * 2 + sum(p.numel() * p.element_size() for p in (*pos.parameters(), *kern.parameters()))
+    return {"family": family, "causal": causal, "L": L, "gpu": gpu, "budget_bytes": budget,
+            "gib_moved": c.bytes / GIB, "launches": c.launches, "ms_at_hbm_peak": c.bytes / HBM[gpu] * 1e3,
+            "peak_gib_above_inputs": m.peak / GIB, "inputs_gib": inputs / GIB,
+            "peak_gib_in_all": (m.peak + inputs) / GIB,
+            "held_at_peak": [{"gib": n / GIB, "op": op} for n, op in m.at_peak],
+            "by_op": [{"op": op, "gib": b / GIB, "launches": n} for op, b, n in c.top(12)],
+            "cpu_seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="65536,262144,1048576")
+    ap.add_argument("--families", default="learned,learned_full", help="comma-separated, of learned, learned_full")
+    ap.add_argument("--gpus", default="h200,h100-80gb", help=f"comma-separated, of {', '.join(GPUS)}")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    for L in (int(x) for x in a.lengths.split(",")):
+        for fam in a.families.split(","):
+            for gpu in a.gpus.split(","):
+                r = row(fam, L, gpu)
+                rows.append(r)
+                print(f"{fam:13s} L={L:8d} {gpu:10s} budget {r['budget_bytes'] / GIB:4.2f} GiB: "
+                      f"{r['gib_moved']:9.1f} GiB moved, {r['launches']:6d} launches, >= {r['ms_at_hbm_peak']:7.1f} ms; "
+                      f"peak {r['peak_gib_above_inputs']:6.2f} GiB above the inputs, {r['peak_gib_in_all']:6.2f} in all "
+                      f"({r['cpu_seconds']:.0f} s)", flush=True)
+    out = {"meta": {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
+                    "command": "python benchmarks/fft_at_scale.py " + " ".join(sys.argv[1:]),
+                    "problem": {"B": 1, "H": 8, "D": 64, "features": 32, "kernel": "nprf", "dtype": "bfloat16",
+                                "table": "frozen", "backward": True},
+                    "gpus_bytes": GPUS, "hbm_bytes_per_s": HBM,
+                    "method": "FakeTensorMode: shapes only; benchmarks/byte_count.py and live_peak.py"},
+           "rows": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
