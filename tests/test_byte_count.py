@@ -56,3 +56,12 @@ def test_views_are_free_and_the_split_per_op_adds_up():
     assert {op.split(".")[1] for op in c.by_op} == {"clone", "mul", "sum"}  # the transposed reshape copies
     assert c.launches == 3
     assert c.top(1)[0][1] == max(b for b, _ in c.by_op.values())
+
+
+def test_an_in_place_scatter_touches_only_its_sources_entries():
+    y, part = torch.zeros(1000, 10), torch.ones(10, 10)
+    idx = torch.arange(10)
+    c = _count(lambda: y.index_add_(0, idx, part))
+    assert c.bytes == 8 * 10 + 400 + 2 * 400  # index, source, its rows of y read and written
+    c = _count(lambda: y.index_copy_(0, idx, part))
+    assert c.bytes == 8 * 10 + 400 + 400  # its rows of y written only
