@@ -1531,13 +1531,20 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: byte model that counts the blocked product's lag matrices (`fft.plan.causal_chunk`: with the
 #: bench's 8 heads the recursion from 262,144 tokens on), keeps them contiguous and sums the
 #: coefficients' gradient after the blocks (`fft/blocked.py`): the same rows move again.
-CODE_EPOCH = 11
+#: Epoch 12 (the first CPU session of 2026-11-29): the causal FFT path's segments add their
+#: gradients in place at their own rows (`fft.causal._SegmentSums`), where autograd summed one
+#: full-size gradient per segment and input (by the byte count 5% of the bench's 64k call, 18%
+#: at 262k, 42% at 1M): the same rows move again. (The not-causal path's near band now runs in
+#: blocks of rows within the budget, `fft.band.band_rows`: one block up to 208k rows with an
+#: H200's 4 GiB, so no timed row changes.)
+CODE_EPOCH = 12
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),
            ("fastrpe-auto", "*", 0, 7), ("fastrpe-triton_soe+bf16x3", "*", 0, 9),
            ("fastrpe-triton_soe+saved-states*", "*", 0, 9), ("fastrpe-triton_band+bf16x3", "*", 0, 9),
-           ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 11), ("fastrpe-auto", "learned", 0, 11))
+           ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 11), ("fastrpe-auto", "learned", 0, 11),
+           ("fastrpe-fft", "learned", 0, 12), ("fastrpe-auto", "learned", 0, 12))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
