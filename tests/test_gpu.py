@@ -81,17 +81,31 @@ def test_sixteen_bit_products_match_float64_at_4096(backend, family, mode):
         _check_against_float64(backend, family, "nprf", LOWP_FACTOR * (2 if mode == "bf16-features" else 1))
 
 
-@pytest.mark.parametrize("mode", ["bf16x3", "tf32x3"])
-def test_fused_maps_match_float64_at_4096(mode, count_calls):
-    """triton_chunked with the PRF maps' backward in its gradient kernels
-    (`backends_triton.FUSED_MAPS`, `triton_chunked_prf`), ALiBi, NPRF, bf16: within LOWP_FACTOR
-    of dense bf16's error, as the unfused path is; and the fused path ran."""
-    from fastrpe import backends_triton as bt
-    from fastrpe.ops.linear import triton_chunked_prf as tcp
+#: the backends with the PRF maps' backward in their gradient kernels (`backends_triton.FUSED_MAPS`):
+#: (backend, family, module, entry point)
+FUSED_CASES = [("triton_chunked", "alibi", "triton_chunked_prf", "prf_chunked_attention"),
+               ("triton_soe", "kerple_log", "triton_soe_prf", "prf_soe_attention"),
+               ("triton_band", "t5", "triton_soe_prf", "prf_soe_attention")]
 
-    calls = count_calls(tcp, "prf_chunked_attention")
+
+def _fused_entry(module, count_calls, name):
+    import importlib
+
+    return count_calls(importlib.import_module(f"fastrpe.ops.linear.{module}"), name)
+
+
+@pytest.mark.parametrize("mode", ["bf16x3", "tf32x3"])
+@pytest.mark.parametrize("backend,family,module,entry", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_maps_match_float64_at_4096(backend, family, module, entry, mode, count_calls):
+    """triton_chunked (ALiBi), triton_soe (KERPLE-log) and triton_band (T5) with the PRF maps'
+    backward in their gradient kernels (`backends_triton.FUSED_MAPS`, `triton_chunked_prf`,
+    `triton_soe_prf`), NPRF, bf16: within LOWP_FACTOR of dense bf16's error, as the unfused
+    path is; and the fused path ran."""
+    from fastrpe import backends_triton as bt
+
+    calls = _fused_entry(module, count_calls, entry)
     with bt.use_fused_maps(True), bt.use_float32_products(mode):
-        _check_against_float64("triton_chunked", "alibi", "nprf", LOWP_FACTOR)
+        _check_against_float64(backend, family, "nprf", LOWP_FACTOR)
     assert len(calls) == 1
 
 
@@ -208,19 +222,19 @@ def test_no_host_sync_in_the_backend_hot_path(backend, family):
     assert err is None, f"{backend} {family}: {err}"
 
 
-def test_no_host_sync_with_the_fused_maps(count_calls):
-    """triton_chunked with the PRF maps' backward in its kernels (`FUSED_MAPS`), ALiBi, through
-    the public call, forward+backward: no host synchronization, and the fused path ran."""
+@pytest.mark.parametrize("backend,family,module,entry", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_no_host_sync_with_the_fused_maps(backend, family, module, entry, count_calls):
+    """The backends with the PRF maps' backward in their kernels (`FUSED_MAPS`), through the
+    public call, forward+backward: no host synchronization, and the fused path ran."""
     from fastrpe import backends_triton as bt
-    from fastrpe.ops.linear import triton_chunked_prf as tcp
 
-    q, k, v, kern, pos, causal, _, _ = _setup("triton_chunked", "alibi")
-    calls = count_calls(tcp, "prf_chunked_attention")
+    q, k, v, kern, pos, causal, _, _ = _setup(backend, family)
+    calls = _fused_entry(module, count_calls, entry)
 
     def fwd_bwd():
         with bt.use_fused_maps(True):
             fr.attention(q, k, v, kernel=kern, position=pos, causal=causal,
-                         backend="triton_chunked").float().sum().backward()
+                         backend=backend).float().sum().backward()
 
     err = _sync_error(fwd_bwd)
     assert err is None, f"fused maps: {err}"

@@ -73,6 +73,23 @@ def test_no_host_read_in_the_walked_far_field(monkeypatch, backend, family):
     test_no_host_read_in_the_hot_path(monkeypatch, backend, family)
 
 
+@pytest.mark.parametrize("backend,family", [("triton_chunked", "alibi"), ("triton_soe", "kerple_log"),
+                                            ("triton_band", "t5")])
+def test_no_host_read_with_the_fused_maps(monkeypatch, count_calls, backend, family):
+    """The same with the PRF maps' backward inside the kernels (`backends_triton.FUSED_MAPS`,
+    the maps on their Triton route): `triton_chunked_prf`, `triton_soe_prf`; and the fused
+    path ran, in the warm-up call and in the watched one."""
+    from fastrpe import kernels
+    from fastrpe.ops.linear import triton_chunked_prf, triton_soe_prf
+
+    monkeypatch.setattr(kernels, "TRITON_FEATURES", "always")
+    monkeypatch.setattr(backends_triton, "FUSED_MAPS", True)
+    calls = (count_calls(triton_chunked_prf, "prf_chunked_attention") if backend == "triton_chunked"
+             else count_calls(triton_soe_prf, "prf_soe_attention"))
+    test_no_host_read_in_the_hot_path(monkeypatch, backend, family)
+    assert len(calls) == 2
+
+
 def test_the_watch_catches_a_host_read(monkeypatch):
     """The patch above can fail: a `bool()` of a tensor raises under it."""
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: (_ for _ in ()).throw(HostRead("bool")))

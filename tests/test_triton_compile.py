@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_recurrent as tr, triton_tiled as tt
 from fastrpe.ops.linear import triton_soe_walk as tw, triton_soe_stacked as tss
 from fastrpe.ops import triton_prf as tp
-from fastrpe.ops.linear import triton_chunked_prf as tcp
+from fastrpe.ops.linear import triton_chunked_prf as tcp, triton_soe_prf as tsp
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN, "ptxas")) if os.path.exists(p)), None)
@@ -179,6 +179,13 @@ def all_cases():
                        dict(STRICT=False, DV_BF16=True, BD=64, NORMALIZE=True, DX_BF16=True, **tile, **sc)),
                       (tcp._bwd_dq_map_kernel, {**geo_b, **fm}, dict(STRICT=False, BD=64, NORMALIZE=True,
                                                                      DX_BF16=True, **tile, **sc))]
+            # and inside the fused SoE kernels (triton_soe_prf): T5's band (three near chunks, the
+            # first: the Hopper check's) and KERPLE's (two), bf16 v, a frozen term's dq (no dwq)
+            for NB in (3, 2):
+                cases += [(tsp._soe_bwd_dkv_map_kernel, {**soe_b, **fm, "v_ptr": "bf16", "dv_ptr": "i16"},
+                           dict(NB=NB, DV_BF16=True, BD=64, NORMALIZE=True, DX_BF16=True, **tile, **sc)),
+                          (tsp._soe_bwd_dq_map_kernel, {**soe_b, **fm},
+                           dict(NB=NB, DWQ=False, BD=64, NORMALIZE=True, DX_BF16=True, **tile, **sc))]
             # T5's band in one launch (triton_band), bf16 v: dv written as bf16 bits
             cases.append((ts._soe_bwd_dkv_kernel, {**soe_b, "v_ptr": "bf16", "dv_ptr": "i16", "dvlo_ptr": "i16"},
                           dict(NB=3, NEAR=True, ACCUM=False, DV_BF16=True, **tile, **sc)))
@@ -235,8 +242,8 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 """
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 and the stacked passes' 6 in each) and the
-#: float32 modes' extras
-N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 19 + 1
+#: float32 modes' extras (the fused maps' kernels among them: triton_chunked_prf's 2, triton_soe_prf's 4)
+N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 23 + 1
 
 
 @pytest.mark.slow
@@ -264,14 +271,18 @@ def test_no_key_tile_kernel_stores_a_transposed_product_in_16_bits(tmp_path):
     """No gradient kernel feeds `tl.dot` a transposed product rounded to 16 bits, the pattern
     Triton 3.4-3.7.0 miscompiles on Hopper (`triton_chunked.HOPPER_TRANS_NOTE`; the H100's
     illegal memory accesses in bf16x3 and wrong gradients with bf16 features): the sm_90 TTGIR
-    of each key-tile kernel (chunked, soe's with its near field, tiled) in the two 16-bit modes has no
-    shared-memory store of a 16-bit `#linear` tensor, while a kernel written with the pattern
-    has one (so the check sees it). Every kernel in every mode: FASTRPE_COMPILE_CHECK=1."""
+    of each key-tile kernel (chunked, soe's with its near field, tiled, and the two with the
+    PRF maps' backward inside: `triton_chunked_prf`'s, `triton_soe_prf`'s) in the two 16-bit
+    modes has no shared-memory store of a 16-bit `#linear` tensor, while a kernel written with
+    the pattern has one (so the check sees it). Every kernel in every mode:
+    FASTRPE_COMPILE_CHECK=1."""
     kernels, out = trans_stores_of(tmp_path, "key-tile")
     assert {(x[0], x[1], x[2]) for x in kernels} >= {("bf16", "0", "_bwd_dkv_kernel"), ("fp32", "3", "_bwd_dkv_kernel"),
                                                      ("bf16", "0", "_soe_bwd_dkv_kernel"),
                                                      ("fp32", "3", "_soe_bwd_dkv_kernel"),
-                                                     ("fp32", "3", "_tiled_bwd_dkv_kernel")}, out
+                                                     ("fp32", "3", "_tiled_bwd_dkv_kernel"),
+                                                     ("fp32", "3", "_bwd_dkv_map_kernel"),
+                                                     ("fp32", "3", "_soe_bwd_dkv_map_kernel")}, out
     assert all(x[-1] == "0" for x in kernels), out
 
 

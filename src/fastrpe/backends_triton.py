@@ -78,11 +78,14 @@ LOWP_FEATURES = "float32"
 FLOAT32_PRODUCTS = "bf16x3"
 
 
-#: The PRF maps' backward inside triton_chunked's gradient kernels (`ops/linear/
-#: triton_chunked_prf.py`): no float32 dφq, dφk written and read again, no separate backward
-#: launches of the maps (0.62 of ALiBi's 3.15 ms at 65,536 tokens on the H100, 2026-11-28).
-#: Off by default until a GPU has timed it (the bench's `+fused-maps` rows); where on, calls it
-#: does not cover (`triton_chunked_prf.fused_reasons`) run the unfused path.
+#: The PRF maps' backward inside the gradient kernels of triton_chunked (`ops/linear/
+#: triton_chunked_prf.py`) and of the fused SoE kernel that triton_soe and triton_band run
+#: (`ops/linear/triton_soe_prf.py`): no float32 dφq, dφk written and read again, no separate
+#: backward launches of the maps (0.62 of ALiBi's 3.15 ms at 65,536 tokens on the H100,
+#: 2026-11-28). Off by default until a GPU has timed it (the bench's `+fused-maps` rows, which
+#: time triton_chunked's); where on, calls it does not cover (`triton_chunked_prf.fused_reasons`,
+#: `triton_soe_prf.fused_reasons`: e.g. KERPLE's terms in several launch groups) run the
+#: unfused path.
 FUSED_MAPS = False
 
 _LOWP = (torch.bfloat16, torch.float16)
@@ -305,8 +308,18 @@ def _run_fused(q, k, v, p, kpm, coeffs):
                                     dot_dtype=dot_dtype, precision=precision, state_dtype=state_dtype,
                                     divide=divide)
 
+    def with_feature_maps(q, k, v, kernel, coeffs, *, causal, q_offset, key_padding_mask):
+        from .ops.linear import triton_soe_prf as tsp
+
+        if not FUSED_MAPS or tsp.fused_reasons(q, k, v, kernel, coeffs, key_padding_mask, causal, dot_dtype,
+                                               q_offset=q_offset, state_dtype=state_dtype):
+            return None
+        return tsp.prf_soe_attention(q, k, v, kernel, coeffs, q_offset=q_offset, precision=precision,
+                                     state_dtype=state_dtype)
+
     num_den.keeps_value_dtype = True  # the kernels widen bf16/fp16 values in registers
     num_den.divides = True
+    num_den.with_feature_maps = with_feature_maps
     return _compose(q, k, v, p, kpm, num_den, coeffs)
 
 

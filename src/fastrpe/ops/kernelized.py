@@ -93,7 +93,8 @@ class NumDen(Protocol):
     An algorithm with the attribute `with_feature_maps` (a function of `(q, k, v, kernel,
     coeffs, *, causal, q_offset, key_padding_mask)`) may take a call with no Shaw or FastRPB
     term whole, feature maps included, and return its output, or None to leave it to the
-    composition (`triton_chunked_prf`: the maps' backward inside its gradient kernels).
+    composition (`triton_chunked_prf`, `triton_soe_prf`: the maps' backward inside their gradient
+    kernels).
     """
 
     def __call__(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, coeffs, *, causal: bool, q_offset: int,
@@ -314,7 +315,7 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, kernel, num_den: NumDe
     """
     with torch.autocast(q.device.type, enabled=False):
         # an algorithm that runs the feature maps itself (their backward in its own kernels:
-        # `triton_chunked_prf`) takes the call whole where it can, else says None
+        # `triton_chunked_prf`, `triton_soe_prf`) takes the call whole where it can, else says None
         whole = getattr(num_den, "with_feature_maps", None)
         if whole is not None and not shaw and not fastrpb:
             out = whole(q, k, v, kernel, coeffs, causal=causal, q_offset=q_offset, key_padding_mask=key_padding_mask)

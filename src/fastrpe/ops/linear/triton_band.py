@@ -52,6 +52,25 @@ def band_plan(b: Tensor) -> SoEPlan:
     return SoEPlan(torch.ones(1, dtype=torch.float64, device=b.device), a, c[:, :W] - a, W, EXACT, m[:, 0])
 
 
+def band_plan_of(log_coeff: Tensor, window: int, Lq: int, q_offset: int) -> SoEPlan:
+    """The exact plan (`band_plan`) of a call's `log_coeff` (`[H, Lq+Lk-1]`, as
+    `kernelized_num_den_triton_band` takes it) for a support of `window` distances; built on
+    every call where `log_coeff` is in the graph, else kept per table (`_PLANS`)."""
+    W = int(window)
+    if W < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+    def plan():
+        # b(-d), d = 0..W: offset -d sits at index Lq-1+q_offset-d; distances past the vector
+        # (longer than any pair of this call) take its last entry, which no pair reads
+        d = torch.arange(W + 1, device=log_coeff.device)
+        return band_plan(log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)])
+
+    if (torch.is_grad_enabled() and log_coeff.requires_grad) or torch.compiler.is_compiling():
+        return plan()
+    return kept(_PLANS, log_coeff, (Lq, q_offset, W, log_coeff.data_ptr(), log_coeff._version), plan, entries=4)
+
+
 def kernelized_num_den_triton_band(
     phi_q: Tensor,
     phi_k: Tensor,
@@ -86,21 +105,7 @@ def kernelized_num_den_triton_band(
         `num·exp(log_scale)` (log_scale: each head's largest `b(-d)`, `d <= W`); with
         `divide`, the quotient `num/den` in place of num.
     """
-    W = int(window)
-    if W < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    Lq = phi_q.shape[2]
-
-    def plan():
-        # b(-d), d = 0..W: offset -d sits at index Lq-1+q_offset-d; distances past the vector
-        # (longer than any pair of this call) take its last entry, which no pair reads
-        d = torch.arange(W + 1, device=log_coeff.device)
-        return band_plan(log_coeff[:, (Lq - 1 + q_offset - d).clamp_min(0)])
-
-    if (torch.is_grad_enabled() and log_coeff.requires_grad) or torch.compiler.is_compiling():
-        p = plan()
-    else:
-        p = kept(_PLANS, log_coeff, (Lq, q_offset, W, log_coeff.data_ptr(), log_coeff._version), plan, entries=4)
+    p = band_plan_of(log_coeff, window, phi_q.shape[2], q_offset)
     return kernelized_num_den_triton_soe(phi_q, phi_k, v, p, q_offset=q_offset,
                                          key_padding_mask=key_padding_mask, chunk_size=chunk_size,
                                          out_dtype=out_dtype, precision=precision, state_dtype=state_dtype,

@@ -25,7 +25,9 @@ Kernels: `_soe_state` (K states, sequential over chunks, parallel over terms),
 the far weights `wq`), `_soe_bwd_dkv` (dφk, dv) and `_soe_bwd_dcn` (the gradient of the
 near table `cn`, only when it needs one). The tables carry autograd back to the plan's `a`
 and `corr`, so a learnable positional term trains through this path. The gradient kernels
-are apart because together they spilled registers (sm_90, ptxas).
+are apart because together they spilled registers (sm_90, ptxas). The bodies of the dq and
+dk/dv kernels are tile helpers (`_soe_dq_tile`, `_soe_dkv_tiles`), which `triton_soe_prf`'s
+kernels run too, with the PRF maps' backward after them (`backends_triton.FUSED_MAPS`).
 
 Memory: the K·N chunk states are the largest buffer (K times the geometric path's), so the
 terms run in groups sized to `STATE_BUDGET` (`terms_per_group`): each group builds its
@@ -236,47 +238,63 @@ if HAS_TRITON:
         Without DWQ (the weights take no gradient: a frozen term) none of it is formed."""
         gi = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
-        hh = bh % H
-        t = tl.arange(0, BT)
         f = tl.arange(0, BF)
-        c = tl.arange(0, BDV)
-        d0 = t[:, None] - t[None, :]
-        qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
-        dob, ivb, ddb = do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
-        dwq_base = dwq_ptr + (bh * NS + gi) * K * BT
         for n in range(gi, N, NS):
-            pos = n * BT + t
-            qi = pos - q_offset
-            qm = (qi >= 0) & (qi < Lq)
-            qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
-            don = _load_rows(dob, qi, qm, c, Dv, Dv)
-            ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
-            inv = _row_inv(ivb, qi, qm, ACC, SCALED)
-            dq = tl.zeros([BT, BF], dtype=ACC)
-            if NEAR:
-                for j in tl.static_range(NB):  # key chunk n - j
-                    kp = pos - j * BT
-                    km = (kp >= 0) & (kp < Lk)
-                    kj = _load_rows(kb, kp, km, f, F, F).to(ACC)
-                    vj = _load_rows(vb, kp, km, c, Dv, Dv)
-                    G = inv[:, None] * _dot(don, tl.trans(vj), DT, ACC, MODE) + ddn[:, None]
-                    dq += _dot(G * _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC), kj, DT, ACC, MODE)
-            if n >= NB - 1:  # far field: chunk n reads S_k(n - NB + 1)
-                for kk in range(K):
-                    w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
-                    off = ((bh * K + kk) * N + n - NB + 1) * BF
-                    S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
-                    zs = tl.load(z_ptr + off + f)
-                    Y = _dot(don, tl.trans(S), DT, ACC, MODE)  # (BT, BF): do·Sᵀ
-                    dq += w[:, None] * (inv[:, None] * Y + ddn[:, None] * zs[None, :])
-                    if DWQ:
-                        # the weight's gradient q·S·doᵀ per row is Σ_f q ⊙ (do·Sᵀ): Y again, no [BT, BDV] q·S
-                        dw = inv * tl.sum(qn * Y, 1) + tl.sum(qn * zs[None, :], 1) * ddn
-                        tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
+            dq, qi, qm = _soe_dq_tile(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dwq_ptr,
+                                      bh, gi, n, H, Lq, Lk, F, Dv, N, K, NS, q_offset, BT, BF, BDV, NB, NEAR, DT, ACC,
+                                      MODE, SCALED, DWQ)
             dqm = qm[:, None] & (f[None, :] < F)
             if ACCUM:
                 dq += tl.load(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], mask=dqm, other=0.0)
             tl.store(dq_ptr + bh * Lq * F + qi[:, None] * F + f[None, :], dq, mask=dqm)
+
+    @triton.jit
+    def _soe_dq_tile(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dwq_ptr, bh, gi, n,
+                     H, Lq, Lk, F, Dv, N, K, NS, q_offset,
+                     BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, NB: tl.constexpr, NEAR: tl.constexpr,
+                     DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr,
+                     DWQ: tl.constexpr):
+        """`_soe_bwd_dq_kernel`'s query chunk n of head bh (program gi): adds its far weights'
+        gradient to the program's dwq sums (DWQ), returns `(dφq [BT, BF] in ACC of this launch's
+        terms, query rows [BT], their mask)` for the caller to store (or to take through the
+        query map's backward, `triton_soe_prf`)."""
+        hh = bh % H
+        t = tl.arange(0, BT)
+        f = tl.arange(0, BF)
+        c = tl.arange(0, BDV)
+        qb, kb, vb = q_ptr + bh * Lq * F, k_ptr + bh * Lk * F, v_ptr + bh * Lk * Dv
+        dob, ivb, ddb = do_ptr + bh * Lq * Dv, inv_ptr + bh * Lq, dd_ptr + bh * Lq
+        dwq_base = dwq_ptr + (bh * NS + gi) * K * BT
+        pos = n * BT + t
+        qi = pos - q_offset
+        qm = (qi >= 0) & (qi < Lq)
+        qn = _load_rows(qb, qi, qm, f, F, F).to(ACC)
+        don = _load_rows(dob, qi, qm, c, Dv, Dv)
+        ddn = tl.load(ddb + qi, mask=qm, other=0.0).to(ACC)
+        inv = _row_inv(ivb, qi, qm, ACC, SCALED)
+        dq = tl.zeros([BT, BF], dtype=ACC)
+        if NEAR:
+            d0 = t[:, None] - t[None, :]
+            for j in tl.static_range(NB):  # key chunk n - j
+                kp = pos - j * BT
+                km = (kp >= 0) & (kp < Lk)
+                kj = _load_rows(kb, kp, km, f, F, F).to(ACC)
+                vj = _load_rows(vb, kp, km, c, Dv, Dv)
+                G = inv[:, None] * _dot(don, tl.trans(vj), DT, ACC, MODE) + ddn[:, None]
+                dq += _dot(G * _near_table(cn_ptr, hh, d0, j, BT, NB).to(ACC), kj, DT, ACC, MODE)
+        if n >= NB - 1:  # far field: chunk n reads S_k(n - NB + 1)
+            for kk in range(K):
+                w = tl.load(wq_ptr + (hh * K + kk) * BT + t).to(ACC)
+                off = ((bh * K + kk) * N + n - NB + 1) * BF
+                S = tl.load(h_ptr + off * BDV + f[:, None] * BDV + c[None, :])
+                zs = tl.load(z_ptr + off + f)
+                Y = _dot(don, tl.trans(S), DT, ACC, MODE)  # (BT, BF): do·Sᵀ
+                dq += w[:, None] * (inv[:, None] * Y + ddn[:, None] * zs[None, :])
+                if DWQ:
+                    # the weight's gradient q·S·doᵀ per row is Σ_f q ⊙ (do·Sᵀ): Y again, no [BT, BDV] q·S
+                    dw = inv * tl.sum(qn * Y, 1) + tl.sum(qn * zs[None, :], 1) * ddn
+                    tl.store(dwq_base + kk * BT + t, tl.load(dwq_base + kk * BT + t) + dw)
+        return dq, qi, qm
 
     @triton.jit(do_not_specialize=["LB"])
     def _soe_bwd_dcn_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, p_ptr, Lq, Lk, F, Dv, N, NS, q_offset, LB,
@@ -321,6 +339,25 @@ if HAS_TRITON:
         per value where a float32 sum and its bf16 copy took 6."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
+        f = tl.arange(0, BF)
+        dk, pos, km = _soe_dkv_tiles(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr,
+                                     dv_ptr, dvlo_ptr, bh, n, H, Lq, Lk, F, Dv, N, K, q_offset, BT, BF, BDV, NB, NEAR,
+                                     ACCUM, DT, ACC, MODE, SCALED, DV_BF16, LAST)
+        dkm = km[:, None] & (f[None, :] < F)
+        if ACCUM:
+            dk += tl.load(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=dkm, other=0.0)
+        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
+
+    @triton.jit
+    def _soe_dkv_tiles(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dv_ptr, dvlo_ptr,
+                       bh, n, H, Lq, Lk, F, Dv, N, K, q_offset,
+                       BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, NB: tl.constexpr, NEAR: tl.constexpr,
+                       ACCUM: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                       SCALED: tl.constexpr, DV_BF16: tl.constexpr, LAST: tl.constexpr):
+        """`_soe_bwd_dkv_kernel`'s key chunk n of head bh: stores dv (added to the earlier
+        launches' where ACCUM), returns `(dφk [BT, BF] in ACC of this launch's terms, key
+        positions [BT], their mask)` for the caller to store (or to take through the key map's
+        backward, `triton_soe_prf`)."""
         hh = bh % H
         t = tl.arange(0, BT)
         f = tl.arange(0, BF)
@@ -366,16 +403,14 @@ if HAS_TRITON:
             dzs = tl.load(dz_ptr + off1 + f)
             dk += kdec[:, None] * (_dot(vn, tl.trans(dS), DT, ACC, MODE) + dzs[None, :])
             dv += _dot(kn * kdec[:, None], dS, DT, ACC, MODE)
-        dkm, dvm = km[:, None] & (f[None, :] < F), km[:, None] & (c[None, :] < Dv)
+        dvm = km[:, None] & (c[None, :] < Dv)
         dvo = bh * Lk * Dv + pos[:, None] * Dv + c[None, :]
         if ACCUM:
-            dk += tl.load(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], mask=dkm, other=0.0)
             if DV_BF16:
                 dv += _bf16_value(tl.load(dv_ptr + dvo, mask=dvm, other=0))
                 dv += _bf16_value(tl.load(dvlo_ptr + dvo, mask=dvm, other=0))
             else:
                 dv += tl.load(dv_ptr + dvo, mask=dvm, other=0.0)
-        tl.store(dk_ptr + bh * Lk * F + pos[:, None] * F + f[None, :], dk, mask=dkm)
         if DV_BF16:
             hi = _bf16_bits(dv)
             tl.store(dv_ptr + dvo, hi, mask=dvm)
@@ -383,6 +418,7 @@ if HAS_TRITON:
                 tl.store(dvlo_ptr + dvo, _bf16_bits(dv - _bf16_value(hi)), mask=dvm)
         else:
             tl.store(dv_ptr + dvo, dv.to(dv_ptr.dtype.element_ty), mask=dvm)
+        return dk, pos, km
 
     # NB and NEAR in the keys: a band call (three near chunks) and the near-field launch tune apart;
     # LB, the length's bucket (`triton_chunked.length_bucket`)
@@ -419,6 +455,21 @@ def _soe_sizes(phi_q: Tensor, v: Tensor, K: int, q_offset: int, T: int, group: i
     BDV = _pow2(Dv)
     groups = [(k0, min(K, k0 + group)) for k0 in range(0, K, group)]
     return _pow2(F), BDV, min(BDV, 64), -(-max(Lk, q_offset + Lq) // T), groups
+
+
+def state_storage(dt: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    """The chunk states' dtype for features of dtype `dt`: bf16/fp16 features enter tl.dot in
+    their dtype anyway, so their states are stored so (half the bytes); float32 features of a
+    bf16 call may ask for bf16 states too (`state_dtype`), else the accumulation dtype."""
+    return dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc_dtype(dt))
+
+
+def launch_group(BH: int, N: int, F: int, Dv: int, sdt: torch.dtype, K: int, state_budget: int | None,
+                 state_terms: int) -> int:
+    """The terms one launch group takes: as many of the K as `state_budget` holds the states
+    of (`terms_per_group`), in whole stacks of `state_terms` (`triton_soe_stacked.stacked_group`)."""
+    group = terms_per_group(BH, N, _pow2(F), _pow2(Dv), sdt.itemsize, K, state_budget)
+    return _stacked.stacked_group(group, K, state_terms)
 
 
 def _soe_sum_dtypes(dt: torch.dtype, out_dtype: torch.dtype, divide: torch.dtype | None, n_groups: int):
@@ -647,6 +698,19 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     made again, group by group, as the forward made them, unless the forward kept them
     (`kept_h`, `kept_z`, non-empty: one group, `SAVE_STATES_BYTES`). `far` = "walk": the far
     field's gradients by `triton_soe_walk.far_backward`."""
+    return soe_backward(phi_q, phi_k, v, cn, wq, lgk, den, dnum, dden, q_offset, T, NB, mode, state_dtype, group, scan,
+                        want_dcn, want_dwq, kept_h, kept_z, far, state_terms)
+
+
+def soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor, lgk: Tensor, den: Tensor | None,
+                 dnum: Tensor | None, dden: Tensor | None, q_offset: int, T: int, NB: int, mode: int,
+                 state_dtype: torch.dtype, group: int, scan: str, want_dcn: bool, want_dwq: bool,
+                 kept_h: Tensor | None = None, kept_z: Tensor | None = None, far: str = "states",
+                 state_terms: int = 1, maps=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`_soe_backward` (the custom op's body), and with `maps` (`triton_chunked_prf.MapGrads`;
+    one launch group, the stored states' far field) the PRF maps' backward in its dq and dk/dv
+    kernels (`triton_soe_prf`): `(dq, dk, ...)` of the maps' inputs, in their dtype, in place
+    of dφq, dφk. The plan's gradients (dcn, dwq) are made as without `maps`."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -656,12 +720,19 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
     meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
     scaled = dict(SCALED=den is not None)
     NS = min(N, 128)
+    if maps is not None and (far == "walk" or len(groups) != 1):
+        # (dφ of a launch group is a part of the sum the maps' backward needs whole)
+        raise ValueError(f"triton_soe: the fused maps need the stored states' far field in one launch group, got "
+                         f"far={far!r} and {len(groups)} groups")
     if far == "walk":
         carries = (kept_h, kept_z) if kept_h is not None and kept_h.numel() else None
         return _soe_backward_walk(phi_q, phi_k, v, cn, wq, lgk, dnum, inv, dden, q_offset, T, NB, NS, acc, meta,
                                   den is not None, want_dcn, want_dwq, carries)
-    dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
-    dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+    if maps is None:
+        dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
+        dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
+    else:
+        from . import triton_soe_prf as tsp
     # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
     dv_bf16 = dv_in_bf16(v, dt)
     dv = torch.empty(B, H, Lk, Dv, dtype=torch.bfloat16 if dv_bf16 else acc, device=dev)
@@ -678,10 +749,16 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
             h, z = _soe_states(phi_k, v, lg, N, T, BF, BDV, BV, state_dtype, acc, meta, scan, state_terms)
         # each program's sums of the far weights' gradient (`DWQ`), or none: a frozen term's
         # (one float in their place, which the autotuner's reset may zero)
-        dwq_g = torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev) if want_dwq else dq.new_zeros(1)
-        dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
-                               H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF, BDV=BDV,
-                               DWQ=want_dwq, **flags, **meta, **scaled)
+        dwq_g = (torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev) if want_dwq
+                 else torch.zeros(1, dtype=acc, device=dev))
+        if maps is None:
+            dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
+                                   H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF, BDV=BDV,
+                                   DWQ=want_dwq, **flags, **meta, **scaled)
+        else:  # dq of the queries themselves, from dφq in registers (one group: its sum is whole)
+            dq = tsp.launch_dq(maps, (NS, B * H), (phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dwq_g),
+                               (H, Lq, Lk, F, Dv, N, Kg, NS, q_offset), length_bucket(N),
+                               dict(BT=T, BF=BF, BDV=BDV, NB=NB, DWQ=want_dwq, **meta, **scaled))
         del h, z
         if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
             dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
@@ -690,17 +767,24 @@ def _soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tenso
         dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
         _soe_state_grads(phi_q, dnum, inv, dden, wg, lg, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta, scaled, scan,
                          state_terms)
-        _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
-                                        *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
-                                          else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
-                                        BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
-                                        **flags, **meta, **scaled)
+        if maps is None:
+            _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
+                                            *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
+                                              else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
+                                            BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
+                                            **flags, **meta, **scaled)
+        else:  # dk of the keys themselves, dv as above
+            dk = tsp.launch_dkv(maps, (N, B * H), (phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz), dv,
+                                (H, Lq, Lk, F, Dv, N, Kg, q_offset), length_bucket(N), dv_bf16,
+                                dict(BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled))
         del dh, dz
     del dvlo
     dwq_h = torch.cat(dwq, 1).to(wq.dtype) if want_dwq else None
     dcn = _soe_dcn(phi_q, phi_k, v, dnum, inv, dden, cn, q_offset, T, NB, NS, acc, meta, den is not None) \
         if want_dcn else None
-    return dq.to(dt), dk.to(dt), dv.to(v.dtype), dcn, dwq_h
+    if maps is None:
+        dq, dk = dq.to(dt), dk.to(dt)
+    return dq, dk, dv.to(v.dtype), dcn, dwq_h
 
 
 def _dq_kernel(mode: int):
@@ -885,12 +969,9 @@ def kernelized_num_den_triton_soe(
     acc = acc_dtype(dt)
     cn, wq, lgk = kernel_tables(plan, T, NB, acc)
     N = -(-max(v.shape[2], q_offset + Lq) // T)
-    # bf16/fp16 features enter tl.dot in their dtype anyway: store the states so (half the
-    # bytes); float32 features of a bf16 call may ask for bf16 states too (`state_dtype`)
-    sdt = dt if dt in (torch.float16, torch.bfloat16) else (state_dtype or acc)
+    sdt = state_storage(dt, state_dtype)
     terms = STATE_TERMS  # (read once: the groups, the forward's passes and the backward's)
-    group = terms_per_group(B * H, N, _pow2(F), _pow2(v.shape[3]), sdt.itemsize, plan.num_terms, state_budget)
-    group = _stacked.stacked_group(group, plan.num_terms, terms)  # (whole stacks)
+    group = launch_group(B * H, N, F, v.shape[3], sdt, plan.num_terms, state_budget, terms)
     num, den = _SoE.apply(phi_q.contiguous(), phi_k.to(dt).contiguous(), v.to(value_dtype(v, dt)).contiguous(),
                           cn, wq, lgk, int(q_offset), T, NB, out_dtype or dt,
                           dot_mode(precision), sdt, group, divide, terms)
