@@ -784,7 +784,7 @@ PRIORITY_262K_LENGTHS=262144
 # and the stacked state passes, `triton_soe.STATE_TERMS`, the KERPLE criteria's likeliest pass;
 # and the FFT path on the learned tables alone, "competitor:family": the 64k criterion of the
 # table over all offsets has no row yet, and the FFT is the exact linear-time candidate at 262k)
-PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_band+bf16x3,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*'
+PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_soe+saved-states+fused-maps,fastrpe-triton_soe+saved-states+bf16x3+fused-maps,fastrpe-triton_band+bf16x3,fastrpe-triton_band+bf16x3+fused-maps,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*'
 PRIORITY_FRESH_FAMILIES=alibi,kerple_log,kerple_power,t5,learned,learned_full
 PRIORITY_FRESH_SHORT='flex,flex+cudagraphs,fastrpe-triton_*+cudagraphs,fastrpe-auto'
 PRIORITY_FRESH_SHORT_LENGTH=4096

@@ -88,7 +88,8 @@ _KERPLE_ROWS = ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
                 "fastrpe-triton_soe+blocked-scan+cudagraphs", "fastrpe-triton_soe+compiled+cudagraphs",
                 "fastrpe-triton_soe+bf16x3", "fastrpe-triton_soe+saved-states+bf16x3",
                 "fastrpe-triton_soe+walk", "fastrpe-triton_soe+walk+bf16x3",
-                "fastrpe-triton_soe+saved-states+stacked-states", "fastrpe-triton_soe+saved-states+bf16x3+stacked-states")
+                "fastrpe-triton_soe+saved-states+stacked-states", "fastrpe-triton_soe+saved-states+bf16x3+stacked-states",
+                "fastrpe-triton_soe+saved-states+fused-maps", "fastrpe-triton_soe+saved-states+bf16x3+fused-maps")
 #: the rows of the learned tables' criteria, causal and not
 _TABLE_ROWS = ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
@@ -110,7 +111,7 @@ CRITERIA_ROWS = {
     "t5": ("flex", "fastrpe-triton_band", "fastrpe-triton_band+sequential-scan", "fastrpe-auto",
            "fastrpe-triton_band+compiled", "flex+cudagraphs", "fastrpe-triton_band+cudagraphs",
            "fastrpe-triton_band+blocked-scan+cudagraphs", "fastrpe-triton_band+compiled+cudagraphs",
-           "fastrpe-triton_band+bf16x3"),
+           "fastrpe-triton_band+bf16x3", "fastrpe-triton_band+bf16x3+fused-maps"),
     "learned": _TABLE_ROWS,
     "learned_full": _TABLE_ROWS,
 }
@@ -731,8 +732,9 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     `cfg.compile_mode`; `+compiled+cudagraphs`: "reduce-overhead"); `saved_states`, triton_soe's
     `SAVE_STATES_BYTES` (`+saved-states`: the forward's states kept for the backward); `far_field`,
     its `FAR_FIELD` (`+walk`: the far field walked in blocks, no stored states); `fused_maps`,
-    `backends_triton.FUSED_MAPS` (`+fused-maps`: the PRF maps' backward in triton_chunked's
-    gradient kernels, `triton_chunked_prf`); `state_terms`, triton_soe's `STATE_TERMS`
+    `backends_triton.FUSED_MAPS` (`+fused-maps`: the PRF maps' backward in the gradient kernels
+    of triton_chunked, `triton_chunked_prf`, and of triton_soe and triton_band, `triton_soe_prf`);
+    `state_terms`, triton_soe's `STATE_TERMS`
     (`+stacked-states`: several terms' states a program in the chunk-state passes,
     `triton_soe_stacked`); `graphed`, the eager call replayed from a CUDA graph (`captured`;
     `+cudagraphs`), up to `cfg.compiled_max_length`."""
@@ -967,6 +969,16 @@ def registry(cfg: GpuConfig) -> dict:
             "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, state_terms=4)
         reg["fastrpe-triton_soe+saved-states+bf16x3+stacked-states"] = fastrpe_setup(
             "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, float32_products="bf16x3", state_terms=4)
+        # the PRF maps' backward inside the SoE gradient kernels (`triton_soe_prf`, FUSED_MAPS;
+        # one launch group only: at 64k a bf16 call's 11-16 terms), its tf32x3 twin for KERPLE's
+        # accuracy rule
+        reg["fastrpe-triton_soe+saved-states+fused-maps"] = fastrpe_setup(
+            "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, fused_maps=True)
+        reg["fastrpe-triton_soe+saved-states+bf16x3+fused-maps"] = fastrpe_setup(
+            "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, float32_products="bf16x3", fused_maps=True)
+    if "triton_band" in BACKENDS:  # T5 through the same fused SoE kernels, one term
+        reg["fastrpe-triton_band+bf16x3+fused-maps"] = fastrpe_setup("triton_band", cfg, float32_products="bf16x3",
+                                                                    fused_maps=True)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
@@ -1536,7 +1548,10 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: full-size gradient per segment and input (by the byte count 5% of the bench's 64k call, 18%
 #: at 262k, 42% at 1M): the same rows move again. (The not-causal path's near band now runs in
 #: blocks of rows within the budget, `fft.band.band_rows`: one block up to 208k rows with an
-#: H200's 4 GiB, so no timed row changes.)
+#: H200's 4 GiB, so no timed row changes.) New rows, timed as any new row: the PRF maps'
+#: backward inside the SoE gradient kernels (`+fused-maps` of triton_soe and triton_band,
+#: `ops/linear/triton_soe_prf.py`); the kernels the others run are the same (a refactor: the
+#: interpreter's outputs bitwise equal).
 CODE_EPOCH = 12
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
