@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build, on this CPU machine, everything a GPU session's device calls carry, from a fresh
-# checkout: a session's checkout now starts without the ignored folders the last one built
-# (.fla_site, .gpu_cache, .gpu_runs, runs/), so a session lent a GPU runs this first, before its
-# first device call (device time counts from that call, not from this):
+# checkout: a session's checkout may start without the ignored folders the last one built
+# (.fla_site, .gpu_cache, .gpu_runs, runs/), or with them (2026-11-29: the sixth session's
+# pack, which the kernels' edits since had made stale: `precompile.py outdated` finds that, and
+# the pack is built again), so a session lent a GPU runs this first, before its first device
+# call (device time counts from that call, not from this):
 #
 #   bash benchmarks/gpu_prep.sh 2>&1 | tee /tmp/gpu_prep.log
 #   (.gpu_runs/ starts empty: `first` resumes the newest committed JSON of the GPU it finds,
@@ -69,6 +71,12 @@ if [ ! -x "$V211/bin/python" ]; then
 fi
 PY=(env PYTHONPATH="$PWD/src" OMP_NUM_THREADS=1 TRITON_INTERPRET=0 "$V211/bin/python")
 
+# a pack (and its record of launches) from an earlier checkout whose kernels have changed or
+# grown since is built again: a checkout may keep the ignored folders of the session before
+if [ -f .gpu_cache/precompiled.json ] && ! "${PY[@]}" benchmarks/precompile.py outdated --info .gpu_cache/precompiled.json; then
+    step "the pack is outdated: recording and compiling again"
+    rm -f "$PRE/specs.json" "$PRE/specs_1m.json" .gpu_cache/compile_cache.tar.xz .gpu_cache/precompiled.json
+fi
 if [ ! -f "$PRE/specs.json" ] || [ ! -f "$PRE/specs_1m.json" ]; then
     step "4. record the bench's launches (4k-262k, and the 1M window's families), both at once"
     "${PY[@]}" benchmarks/precompile.py record --out "$PRE/specs.json" > "$PRE/record.log" 2>&1 &
@@ -77,7 +85,7 @@ if [ ! -f "$PRE/specs.json" ] || [ ! -f "$PRE/specs_1m.json" ]; then
         --families alibi,kerple_log,kerple_power,t5 --lengths 1048576 --no-prf-sweep > "$PRE/record_1m.log" 2>&1 \
         || { tail -20 "$PRE/record_1m.log"; exit 1; }
     wait "$rec" || { tail -20 "$PRE/record.log"; exit 1; }
-    tail -2 "$PRE/record.log" "$PRE/record_1m.log"
+    tail -n 2 "$PRE/record.log" "$PRE/record_1m.log"
 fi
 
 if [ ! -f .gpu_cache/compile_cache.tar.xz ]; then

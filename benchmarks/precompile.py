@@ -386,6 +386,39 @@ def stale_kernels(built: dict) -> list[str]:
     return out
 
 
+def library_kernels() -> set[str]:
+    """Every `module:name` Triton kernel (a `triton.jit` function named `*_kernel*`, autotuned or
+    not; not the helpers they call) of fastrpe's Triton modules (`fastrpe.ops.triton_*`,
+    `fastrpe.ops.linear.triton_*`)."""
+    import pkgutil
+
+    import fastrpe.ops
+    import fastrpe.ops.linear
+
+    out = set()
+    for pkg in (fastrpe.ops, fastrpe.ops.linear):
+        for m in pkgutil.iter_modules(pkg.__path__):
+            if not m.name.startswith("triton_"):
+                continue
+            mod = importlib.import_module(f"{pkg.__name__}.{m.name}")
+            for name, obj in vars(mod).items():
+                f = obj
+                while f is not None and not hasattr(f, "preload"):
+                    f = getattr(f, "fn", None)
+                if f is not None and "_kernel" in name and getattr(f, "__module__", mod.__name__) == mod.__name__:
+                    out.add(f"{mod.__name__}:{name}")
+    return out
+
+
+def pack_outdated(built: dict) -> list[str]:
+    """Why a pack's record no longer covers the library: kernels edited since (`stale_kernels`)
+    and kernels added to the library since it was built (a record before 2026-11-29 lists no
+    library: its changed kernels only); empty: it does."""
+    stale = stale_kernels(built)
+    new = sorted(n.partition(":")[2] for n in library_kernels() - set(built.get("library", library_kernels())))
+    return [f"changed: {n}" for n in stale] + [f"new: {n}" for n in new]
+
+
 def compile_all(specs_files, key: str, triton_dir: Path, jobs: int, log=print) -> dict:
     """Preload every specialization of `specs_files` (one path or several, `record`'s JSON; a
     specialization in several is built once) in `jobs` processes; `precompiled.json`'s record."""
@@ -408,7 +441,7 @@ def compile_all(specs_files, key: str, triton_dir: Path, jobs: int, log=print) -
     for f in failed:
         log("  failed: " + f)
     info = {"triton_key_sha256": hashlib.sha256(key.encode()).hexdigest(), "compiled": done, "failed": len(failed),
-            "kernels": kernel_keys({name for name, _ in items}),
+            "kernels": kernel_keys({name for name, _ in items}), "library": sorted(library_kernels()),
             "seconds": round(time.perf_counter() - t0, 1), "specs": [str(f) for f in files],
             "made": time.strftime("%Y-%m-%d %H:%M:%S")}
     log(f"compiled {done} of {len(items)} in {info['seconds']} s into {triton_dir}")
@@ -428,6 +461,8 @@ def main(argv=None) -> int:
     r.add_argument("--only", default="", help="comma-separated fnmatch patterns of the rows to run (default all)")
     r.add_argument("--no-decode", action="store_true")
     r.add_argument("--no-prf-sweep", action="store_true")
+    o = sub.add_parser("outdated", help="exit 1 and say why when precompiled.json no longer covers the library's kernels")
+    o.add_argument("--info", type=Path, required=True)
     v = sub.add_parser("verify", help="run rows again, compiling from --triton-dir under the key: count the hits")
     v.add_argument("--triton-key-file", type=Path, required=True)
     v.add_argument("--triton-dir", type=Path, required=True)
@@ -463,6 +498,15 @@ def main(argv=None) -> int:
                  "they will miss, the kernels compile here as before")
               + (f"; {len(stale)} kernels changed since, they compile here: {', '.join(stale)}" if stale else ""))
         return 0
+    if a.cmd == "outdated":
+        try:
+            built = json.loads(a.info.read_text())
+        except (OSError, ValueError) as e:
+            print(f"no pack record ({e})")
+            return 1
+        why = pack_outdated(built)
+        print(f"the pack is outdated: {len(why)} kernels ({'; '.join(why)})" if why else "the pack covers every kernel")
+        return 1 if why else 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print(f"precompile {a.cmd}: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
         return 2

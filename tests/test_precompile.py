@@ -159,6 +159,29 @@ def test_key_hash_says_whether_the_pack_was_built_for_this_triton(tmp_path):
     assert stale.endswith("1 kernels changed since, they compile here: _prf_fwd_kernel")
 
 
+def test_outdated_names_the_kernels_edited_or_added_since_the_pack(tmp_path):
+    out = _run('''
+        import json, precompile
+        lib = sorted(precompile.library_kernels())
+        keys = precompile.kernel_keys(lib)
+        json.dump({"kernels": keys, "library": lib}, open("fresh.json", "w"))
+        edited = dict(keys)
+        edited["fastrpe.ops.triton_prf:_prf_fwd_kernel"] = "0" * 64
+        json.dump({"kernels": edited, "library": lib}, open("edited.json", "w"))
+        json.dump({"kernels": keys, "library": [n for n in lib if not n.endswith("_soe_bwd_dq_map_kernel")]},
+                  open("grown.json", "w"))
+        for f in ("fresh.json", "edited.json", "grown.json", "missing.json"):
+            print("rc", precompile.main(["outdated", "--info", f]))
+    ''', tmp_path)
+    lines = out.strip().splitlines()
+    assert "fastrpe.ops.linear.triton_soe_prf:_soe_bwd_dq_map_kernel" not in out  # names, not paths
+    fresh, edited, grown, missing = (lines[i:i + 2] for i in range(0, 8, 2))
+    assert fresh == ["the pack covers every kernel", "rc 0"]
+    assert edited[0].endswith("1 kernels (changed: _prf_fwd_kernel)") and edited[1] == "rc 1"
+    assert grown[0].endswith("1 kernels (new: _soe_bwd_dq_map_kernel)") and grown[1] == "rc 1"
+    assert missing[0].startswith("no pack record") and missing[1] == "rc 1"
+
+
 def test_warm_workers_count_the_kernels_found_in_the_cache(tmp_path):
     """`gpu_warm.watch_triton_compiles`: what gpu_warm.json says of a precompiled pack on the
     device, a compilation that found its binary (hit) or built it (miss, named)."""
