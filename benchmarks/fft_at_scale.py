@@ -65,7 +65,22 @@ def gpu_schedule(budget: int):
         causal.BLOCKED, causal.SEGMENT_BLOCKS, plan.DEFAULT_BUDGET, api.check_qkv = saved
 
 
-def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32) -> dict:
+@contextlib.contextmanager
+def forced_chunk(chunk):
+    """The causal path's chunk length forced to `chunk` ("none": the recursion over the whole
+    length; None: the plan's own pick, `fft.plan.causal_chunk`)."""
+    from fastrpe.ops.linear.fft import causal
+
+    saved = causal.chunk_on
+    if chunk is not None:
+        causal.chunk_on = lambda *a, **k: None if chunk == "none" else int(chunk)
+    try:
+        yield
+    finally:
+        causal.chunk_on = saved
+
+
+def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chunk=None) -> dict:
     import fastrpe as fr
     from fastrpe.bench.gpu import _closure, family_causal, make_position
     from fastrpe.ops.linear.fft.plan import budget_for_memory
@@ -74,7 +89,8 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32) -> 
     kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
     pos, causal = make_position(family, H, L), family_causal(family)
     t0 = time.perf_counter()
-    with warnings.catch_warnings(), gpu_schedule(budget), FakeTensorMode(allow_non_fake_inputs=True):
+    with warnings.catch_warnings(), gpu_schedule(budget), forced_chunk(chunk), \
+            FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")  # fake tensors' data_ptr, read by the memo of a frozen table
         q, k, v = (torch.empty(1, H, L, D, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
         call = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=causal,
@@ -86,6 +102,7 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32) -> 
             call()
     inputs = 3 * H * L * D * 2 + sum(p.numel() * p.element_size() for p in (*pos.parameters(), *kern.parameters()))
     return {"family": family, "causal": causal, "L": L, "gpu": gpu, "budget_bytes": budget,
+            "chunk": "plan" if chunk is None else chunk,
             "gib_moved": c.bytes / GIB, "launches": c.launches, "ms_at_hbm_peak": c.bytes / HBM[gpu] * 1e3,
             "peak_gib_above_inputs": m.peak / GIB, "inputs_gib": inputs / GIB,
             "peak_gib_in_all": (m.peak + inputs) / GIB,
@@ -99,15 +116,19 @@ def main() -> None:
     ap.add_argument("--lengths", default="65536,262144,1048576")
     ap.add_argument("--families", default="learned,learned_full", help="comma-separated, of learned, learned_full")
     ap.add_argument("--gpus", default="h200,h100-80gb", help=f"comma-separated, of {', '.join(GPUS)}")
+    ap.add_argument("--chunks", default=None,
+                    help="comma-separated chunk lengths to force on the causal path, 'none' the recursion "
+                         "(default: the plan's pick only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    chunks = [None] if a.chunks is None else a.chunks.split(",")
     rows = []
     for L in (int(x) for x in a.lengths.split(",")):
         for fam in a.families.split(","):
-            for gpu in a.gpus.split(","):
-                r = row(fam, L, gpu)
+            for gpu, chunk in ((g, c) for g in a.gpus.split(",") for c in chunks):
+                r = row(fam, L, gpu, chunk=chunk)
                 rows.append(r)
-                print(f"{fam:13s} L={L:8d} {gpu:10s} budget {r['budget_bytes'] / GIB:4.2f} GiB: "
+                print(f"{fam:13s} L={L:8d} {gpu:10s} chunk {r['chunk']:>6}, budget {r['budget_bytes'] / GIB:4.2f} GiB: "
                       f"{r['gib_moved']:9.1f} GiB moved, {r['launches']:6d} launches, >= {r['ms_at_hbm_peak']:7.1f} ms; "
                       f"peak {r['peak_gib_above_inputs']:6.2f} GiB above the inputs, {r['peak_gib_in_all']:6.2f} in all "
                       f"({r['cpu_seconds']:.0f} s)", flush=True)

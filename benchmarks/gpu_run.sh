@@ -149,6 +149,18 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the first CPU session of 2026-11-29 (no GPU), for the next to read first:
+# - `gpu_prep.sh` builds the pack again when it no longer covers the library's kernels
+#   (`precompile.py outdated`): a checkout may keep the last session's ignored folders.
+# - KERPLE's and T5's "+fused-maps" rows (the PRF maps' backward inside the SoE gradient kernels,
+#   `triton_soe_prf`, FUSED_MAPS) join the fresh 64k window: read them against fla's geometric
+#   time beside the stacked-states rows; if they win, make FUSED_MAPS the default (and try it
+#   with STATE_TERMS = 4: they change different kernels).
+# - the causal table's FFT path adds each segment's gradients in place (CODE_EPOCH 12; by the
+#   count of benchmarks/fft_at_scale.py 42% fewer bytes at 1M, 18% at 262k, 5% at 64k) and the
+#   not-causal one runs its near band in blocks of rows (1M peak 38.4 -> 27.7 GiB in all): read
+#   the 1M rows' peak_total_bytes against 40 GiB and fft_at_scale.json's 28.8 / 27.7 GiB.
+#
 # New since the seventh CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - the causal FFT path picks its chunks from a byte model that counts the blocked product's lag
 #   matrices (`fft.plan.causal_chunk`, CODE_EPOCH 11), and on a GPU its default memory budget is
