@@ -161,9 +161,10 @@ class _ChunkedDecayMaps(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
-def fused_reasons(q: Tensor, k: Tensor, kern, gamma: Tensor | None, key_padding_mask: Tensor | None,
-                  causal: bool, features_dtype: torch.dtype | None) -> list[str]:
-    """Why the fused path does not take this call (empty: it does)."""
+def map_reasons(q: Tensor, k: Tensor, kern, key_padding_mask: Tensor | None,
+                features_dtype: torch.dtype | None) -> list[str]:
+    """Why no kernel can take the PRF maps' backward for this call, whatever its term (both
+    fused paths' first reasons: this module's and `triton_soe_prf`'s)."""
     from ...kernels import PRF
 
     r = []
@@ -173,18 +174,25 @@ def fused_reasons(q: Tensor, k: Tensor, kern, gamma: Tensor | None, key_padding_
         r.append(f"the maps' backward is PRF's ({type(kern).__name__} given)")
     elif not (kern._triton_features(q) and kern._triton_features(k)):
         r.append("the map's features do not take the Triton route here (kernels.TRITON_FEATURES, dtype, shape)")
-    if not causal:
-        r.append("causal only (the bidirectional decay runs two passes of its own)")
     if key_padding_mask is not None:
         r.append("no key padding (masked keys' features are zeroed after the map)")
     if features_dtype is not None:
         r.append(f"float32 features only (the call rounds them to {features_dtype})")
-    if gamma is not None and gamma.requires_grad and torch.is_grad_enabled():
-        r.append("the decay's gradient needs dφ, which the fused kernels do not make")
     if torch.compiler.is_compiling():
         r.append("not under torch.compile (no custom op for the fused backward yet)")
     if q.dtype == torch.float64:
         r.append("float64 runs the unfused path (the maps' kernels are float32)")
+    return r
+
+
+def fused_reasons(q: Tensor, k: Tensor, kern, gamma: Tensor | None, key_padding_mask: Tensor | None,
+                  causal: bool, features_dtype: torch.dtype | None) -> list[str]:
+    """Why the fused path does not take this call (empty: it does)."""
+    r = map_reasons(q, k, kern, key_padding_mask, features_dtype)
+    if not causal:
+        r.append("causal only (the bidirectional decay runs two passes of its own)")
+    if gamma is not None and gamma.requires_grad and torch.is_grad_enabled():
+        r.append("the decay's gradient needs dφ, which the fused kernels do not make")
     return r
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .triton_chunked import HAS_TRITON, _pow2, _tuned, dot_mode
-from .triton_chunked_prf import MapGrads, _x_args
+from .triton_chunked_prf import MapGrads, _x_args, map_reasons
 
 if HAS_TRITON:
     import triton
@@ -203,26 +203,12 @@ def fused_reasons(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, key_padding_mas
     from . import triton_soe as ts
     from .triton_chunked import DEFAULT_CHUNK
 
-    r = []
-    if not HAS_TRITON:
-        r.append("needs triton")
-    if not isinstance(kern, PRF):
-        r.append(f"the maps' backward is PRF's ({type(kern).__name__} given)")
-    elif not (kern._triton_features(q) and kern._triton_features(k)):
-        r.append("the map's features do not take the Triton route here (kernels.TRITON_FEATURES, dtype, shape)")
+    r = map_reasons(q, k, kern, key_padding_mask, features_dtype)
     if not causal:
         r.append("causal only (the fused SoE kernels are)")
-    if key_padding_mask is not None:
-        r.append("no key padding (masked keys' features are zeroed after the map)")
-    if features_dtype is not None:
-        r.append(f"float32 features only (the call rounds them to {features_dtype})")
     if ts.FAR_FIELD != "states":
         r.append(f"the far field from stored states only (triton_soe.FAR_FIELD is {ts.FAR_FIELD!r}: the walk adds its "
                  f"far field's dφ after the near field's)")
-    if q.dtype == torch.float64:
-        r.append("float64 runs the unfused path (the maps' kernels are float32)")
-    if torch.compiler.is_compiling():
-        r.append("not under torch.compile (no custom op for the fused backward yet)")
     if isinstance(kern, PRF) and q.dim() == 4 and v.dim() == 4:
         # the launch groups as `kernelized_num_den_triton_soe` forms them (float32 features)
         K, W = _terms_and_window(coeffs)
