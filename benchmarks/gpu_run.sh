@@ -157,9 +157,10 @@
 #   time beside the stacked-states rows; if they win, make FUSED_MAPS the default (and try it
 #   with STATE_TERMS = 4: they change different kernels).
 # - the causal table's FFT path adds each segment's gradients in place (CODE_EPOCH 12; by the
-#   count of benchmarks/fft_at_scale.py 42% fewer bytes at 1M, 18% at 262k, 5% at 64k) and the
-#   not-causal one runs its near band in blocks of rows (1M peak 38.4 -> 27.7 GiB in all): read
-#   the 1M rows' peak_total_bytes against 40 GiB and fft_at_scale.json's 28.8 / 27.7 GiB.
+#   count of benchmarks/fft_at_scale.py 42% fewer bytes at 1M, 22% at 262k with the chunk model
+#   recalibrated: 8 chunks on an H200, 5% at 64k) and the not-causal one runs its near band in
+#   blocks of rows (1M peak 38.4 -> 27.7 GiB in all): read the 1M rows' peak_total_bytes against
+#   40 GiB and fft_at_scale.json's 28.8 / 27.7 GiB.
 #
 # New since the seventh CPU session of 2026-11-28 (no GPU), for the next to read first:
 # - the causal FFT path picks its chunks from a byte model that counts the blocked product's lag

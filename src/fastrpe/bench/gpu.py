@@ -1546,7 +1546,8 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: Epoch 12 (the first CPU session of 2026-11-29): the causal FFT path's segments add their
 #: gradients in place at their own rows (`fft.causal._SegmentSums`), where autograd summed one
 #: full-size gradient per segment and input (by the byte count 5% of the bench's 64k call, 18%
-#: at 262k, 42% at 1M): the same rows move again. (The not-causal path's near band now runs in
+#: at 262k, 42% at 1M), and its chunk model is recalibrated (`plan.LEVEL_BYTES`: 8 chunks at
+#: 262k on an H200, where it took 16): the same rows move again. (The not-causal path's near band now runs in
 #: blocks of rows within the budget, `fft.band.band_rows`: one block up to 208k rows with an
 #: H200's 4 GiB, so no timed row changes.) New rows, timed as any new row: the PRF maps'
 #: backward inside the SoE gradient kernels (`+fused-maps` of triton_soe and triton_band,

@@ -233,16 +233,21 @@ BLOCKED_LEVELS = 2.5
 
 #: bytes one full-length FFT product level moves per position and feature channel, forward +
 #: backward with the coefficients' gradient, float32 (the causal recursion at 8,192, 16,384
-#: and 32,768 tokens, H = 1, F = 32, Dv = 64: 158 and 176 more per level;
-#: benchmarks/fft_blocked_traffic.py, results/fft_blocked_traffic.json)
-LEVEL_BYTES = 170
+#: and 32,768 tokens, H = 1, F = 32, Dv = 64: 147 and 155 more per level;
+#: benchmarks/fft_blocked_traffic.py, results/fft_blocked_traffic.json). It was 170 (158 and
+#: 176) until the segments' gradients were added in place (2026-11-29, `causal._SegmentSums`):
+#: the recursion's levels got cheaper, and at 262,144 tokens (B·H = 8, an H200's budget) the
+#: model's pick, 16 chunks, moved 5% more than 8 (benchmarks/fft_at_scale.py --chunks); it
+#: picks 8 now, the counted best, and the counted best at 64k (32) and 1M (the recursion) as before
+LEVEL_BYTES = 151
 #: the lag matrices' reads and writes per block of channels, in matrices' worth (`[H, T+1, nb,
 #: na]` complex), forward + backward with the coefficients' gradient: kept whole (the product
 #: and the round-off estimate forward, the product and its adjoint backward, the pair
 #: correlations' accumulation), and built a slice of frequencies at a time for every block
-#: (the same JSON: 5.6 and 26.2)
+#: (the same JSON: 5.6 and 28.2; 26.2 before the byte count took an in-place scatter's touched
+#: rows only, 2026-11-29)
 MATRIX_PASSES_KEPT = 5.6
-MATRIX_PASSES_SLICED = 26.2
+MATRIX_PASSES_SLICED = 28.2
 
 
 def matrix_levels(Lq: int, q_offset: int, T: int, shape: Shape) -> float:
