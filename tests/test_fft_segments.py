@@ -78,3 +78,21 @@ def test_no_segment_makes_a_full_size_gradient(small_leaves):
     # 63 segments (32 leaves of 4 positions): autograd alone made one slice_backward per
     # segment and input it slices; the one left is the output's own (num = y[..., :Dv])
     assert ops.names.count("slice_backward") == 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_around_the_call(reentrant, small_leaves):
+    """A model's layers under `torch.utils.checkpoint` (Hugging Face's gradient checkpointing):
+    the segments' own backward runs inside its recomputation, with the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    ins = _inputs(1, 2, 64, 64, 4, 3)
+
+    def f(*ins):
+        num, den, ls = kernelized_num_den_fft(*ins, causal=True)
+        return (num * ls.exp()[None, :, :, None]).sum() + (den * ls.exp()[None]).sum()
+
+    want = torch.autograd.grad(f(*ins), ins)
+    checkpoint(f, *ins, use_reentrant=reentrant).backward()
+    for t, w in zip(ins, want):
+        assert_close(t.grad, w, rtol=0, atol=0)
