@@ -105,31 +105,32 @@ def _x_args(x: Tensor, wf: Tensor, shift: Tensor, scale: float, F: int) -> tuple
             int(shift.numel() > 1), float(scale), F ** -0.5)
 
 
+def launch_map_kernel(kernel, grid, args: tuple, x: Tensor, maps: MapGrads, dims: tuple, lb: int, tiles: dict,
+                      **flags) -> Tensor:
+    """x's gradient (x's dtype and shape) by a fused gradient kernel of this module or of
+    `triton_soe_prf`: `args` the kernel's arguments before the map's (x, the projection, the
+    shift, dx), `dims` those after them (F fourth), `tiles` and `flags` its constants."""
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    bf16 = dx.dtype == torch.bfloat16
+    kernel[grid](*args, x, maps.wf, maps.shift, dx.view(torch.int16) if bf16 else dx, *dims, lb,
+                 *_x_args(x, maps.wf, maps.shift, maps.scale, dims[3]), BD=_pow2(x.shape[-1]),
+                 NORMALIZE=maps.normalize, DX_BF16=bf16, **flags, **tiles)
+    return dx
+
+
 def launch_dkv(maps: MapGrads, grid, args: tuple, dv: Tensor, dims: tuple, lb: int, dv_bf16: bool,
                tiles: dict) -> Tensor:
     """dk (k's dtype and shape) and dv (into `dv`) by `_bwd_dkv_map_kernel`: `args` as
     `triton_chunked._bwd_dkv_kernel` takes them before its dk (q, k, v, do, inv, dd, log γ, dh,
     dz), `dims` (H, Lq, Lk, F, Dv, N, q_offset)."""
-    xk = maps.xk
-    dx = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
-    bf16 = dx.dtype == torch.bfloat16
-    _bwd_dkv_map_kernel[grid](*args, dv.view(torch.int16) if dv_bf16 else dv, xk, maps.wf, maps.shift,
-                              dx.view(torch.int16) if bf16 else dx, *dims, lb,
-                              *_x_args(xk, maps.wf, maps.shift, maps.scale, dims[3]), BD=_pow2(xk.shape[-1]),
-                              DV_BF16=dv_bf16, NORMALIZE=maps.normalize, DX_BF16=bf16, **tiles)
-    return dx
+    return launch_map_kernel(_bwd_dkv_map_kernel, grid, (*args, dv.view(torch.int16) if dv_bf16 else dv), maps.xk,
+                             maps, dims, lb, tiles, DV_BF16=dv_bf16)
 
 
 def launch_dq(maps: MapGrads, grid, args: tuple, dims: tuple, lb: int, tiles: dict) -> Tensor:
     """dq (q's dtype and shape) by `_bwd_dq_map_kernel`: `args` as
     `triton_chunked._bwd_dq_kernel` takes them before its dq (k, v, do, inv, dd, log γ, h, z)."""
-    xq = maps.xq
-    dx = torch.empty(xq.shape, dtype=xq.dtype, device=xq.device)
-    bf16 = dx.dtype == torch.bfloat16
-    _bwd_dq_map_kernel[grid](*args, xq, maps.wf, maps.shift, dx.view(torch.int16) if bf16 else dx, *dims, lb,
-                             *_x_args(xq, maps.wf, maps.shift, maps.scale, dims[3]), BD=_pow2(xq.shape[-1]),
-                             NORMALIZE=maps.normalize, DX_BF16=bf16, **tiles)
-    return dx
+    return launch_map_kernel(_bwd_dq_map_kernel, grid, args, maps.xq, maps, dims, lb, tiles)
 
 
 class _ChunkedDecayMaps(torch.autograd.Function):

@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_chunked import HAS_TRITON, _pow2, _tuned, dot_mode
-from .triton_chunked_prf import MapGrads, _x_args, map_reasons
+from .triton_chunked import HAS_TRITON, _tuned, dot_mode
+from .triton_chunked_prf import MapGrads, launch_map_kernel, map_reasons
 
 if HAS_TRITON:
     import triton
@@ -113,14 +113,8 @@ def launch_dq(maps: MapGrads, grid, args: tuple, dims: tuple, lb: int, tiles: di
     """dq (q's dtype and shape) by `_soe_bwd_dq_map_kernel`: `args` as
     `triton_soe._soe_bwd_dq_kernel` takes them less its dq (φq, φk, v, do, inv, dd, cn, wq, h,
     z, dwq), `dims` (H, Lq, Lk, F, Dv, N, K, NS, q_offset), `tiles` its constants."""
-    xq = maps.xq
-    dx = torch.empty(xq.shape, dtype=xq.dtype, device=xq.device)
-    bf16 = dx.dtype == torch.bfloat16
     kernel = _soe_bwd_dq_map_kernel_bf16x3 if tiles["MODE"] == dot_mode("bf16x3") else _soe_bwd_dq_map_kernel
-    kernel[grid](*args, xq, maps.wf, maps.shift, dx.view(torch.int16) if bf16 else dx, *dims, lb,
-                 *_x_args(xq, maps.wf, maps.shift, maps.scale, dims[3]), BD=_pow2(xq.shape[-1]),
-                 NORMALIZE=maps.normalize, DX_BF16=bf16, **tiles)
-    return dx
+    return launch_map_kernel(kernel, grid, args, maps.xq, maps, dims, lb, tiles)
 
 
 def launch_dkv(maps: MapGrads, grid, args: tuple, dv: Tensor, dims: tuple, lb: int, dv_bf16: bool,
@@ -128,14 +122,8 @@ def launch_dkv(maps: MapGrads, grid, args: tuple, dv: Tensor, dims: tuple, lb: i
     """dk (k's dtype and shape) and dv (into `dv`) by `_soe_bwd_dkv_map_kernel`: `args` as
     `triton_soe._soe_bwd_dkv_kernel` takes them before its dk (φq, φk, v, do, inv, dd, cn, log γ,
     dh, dz), `dims` (H, Lq, Lk, F, Dv, N, K, q_offset)."""
-    xk = maps.xk
-    dx = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
-    bf16 = dx.dtype == torch.bfloat16
-    _soe_bwd_dkv_map_kernel[grid](*args, dv.view(torch.int16) if dv_bf16 else dv, xk, maps.wf, maps.shift,
-                                  dx.view(torch.int16) if bf16 else dx, *dims, lb,
-                                  *_x_args(xk, maps.wf, maps.shift, maps.scale, dims[3]), BD=_pow2(xk.shape[-1]),
-                                  DV_BF16=dv_bf16, NORMALIZE=maps.normalize, DX_BF16=bf16, **tiles)
-    return dx
+    return launch_map_kernel(_soe_bwd_dkv_map_kernel, grid, (*args, dv.view(torch.int16) if dv_bf16 else dv),
+                             maps.xk, maps, dims, lb, tiles, DV_BF16=dv_bf16)
 
 
 class _SoEMaps(torch.autograd.Function):
