@@ -303,9 +303,16 @@ def record(out: Path, families, lengths, decode: bool, prf: bool, log=print, onl
 def _jit_function(full_name: str):
     """The `triton.jit` function behind `module:name` (through an autotuner's `fn`)."""
     module, _, name = full_name.partition(":")
-    obj = getattr(importlib.import_module(module), name.split(".")[-1])
-    while not hasattr(obj, "preload"):
-        obj = obj.fn
+    obj = _jit_of(getattr(importlib.import_module(module), name.split(".")[-1]))
+    if obj is None:
+        raise AttributeError(f"{full_name} is no Triton kernel")
+    return obj
+
+
+def _jit_of(obj):
+    """The `triton.jit` function behind `obj` (through an autotuner's `fn`), or None."""
+    while obj is not None and not hasattr(obj, "preload"):
+        obj = getattr(obj, "fn", None)
     return obj
 
 
@@ -402,9 +409,7 @@ def library_kernels() -> set[str]:
                 continue
             mod = importlib.import_module(f"{pkg.__name__}.{m.name}")
             for name, obj in vars(mod).items():
-                f = obj
-                while f is not None and not hasattr(f, "preload"):
-                    f = getattr(f, "fn", None)
+                f = _jit_of(obj)
                 if f is not None and "_kernel" in name and getattr(f, "__module__", mod.__name__) == mod.__name__:
                     out.add(f"{mod.__name__}:{name}")
     return out
