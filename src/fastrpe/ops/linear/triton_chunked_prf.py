@@ -197,6 +197,27 @@ def fused_reasons(q: Tensor, k: Tensor, kern, gamma: Tensor | None, key_padding_
     return r
 
 
+def map_inputs(q: Tensor, k: Tensor, kern) -> tuple:
+    """`(q, k, φq, φk, consts)` of a fused call (this module's or `triton_soe_prf`'s): q and k
+    with unit stride in D, their features by the maps' forward launches (no graph behind them),
+    and what the fused gradient kernels read of the map (`(projection, key shift, input scale,
+    normalize)`, `MapGrads` less q and k)."""
+    from ..._validate import warn_underflowed_rows
+    from ..triton_prf import prf_features_triton, stacked_projection
+
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    with torch.no_grad():
+        phi_q = prf_features_triton(q, kern, True)
+        phi_k = prf_features_triton(k, kern, False)
+    warn_underflowed_rows(kern, phi_q, phi_k)  # as the unfused composition says it
+    w = kern.w.to(torch.float32).contiguous()
+    consts = (stacked_projection(w, kern.two_sided),
+              kern.key_log_shift().to(device=q.device, dtype=torch.float32).reshape(-1),
+              float(kern.input_scale), bool(kern.normalize))
+    return q, k, phi_q, phi_k, consts
+
+
 def prf_chunked_attention(q: Tensor, k: Tensor, v: Tensor, kern, *, gamma: Tensor | None = None,
                           q_offset: int = 0, chunk_size: int | None = None, precision: str = "ieee",
                           state_dtype: torch.dtype | None = None) -> Tensor:
@@ -211,22 +232,11 @@ def prf_chunked_attention(q: Tensor, k: Tensor, v: Tensor, kern, *, gamma: Tenso
             kernels' float32 products (`triton_chunked.PRECISIONS`). state_dtype: as
             `kernelized_num_den_triton_chunked`'s.
     """
-    from ..._validate import warn_underflowed_rows
-    from ..triton_prf import prf_features_triton, stacked_projection
     from . import triton_chunked as tc
 
     chunk = chunk_size or tc.DEFAULT_CHUNK
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    with torch.no_grad():
-        phi_q = prf_features_triton(q, kern, True)
-        phi_k = prf_features_triton(k, kern, False)
-    warn_underflowed_rows(kern, phi_q, phi_k)  # as the unfused composition says it
+    q, k, phi_q, phi_k, consts = map_inputs(q, k, kern)
     pq, pk, vv, log_g = tc._prepare(phi_q, phi_k, v, gamma, None, chunk)
-    w = kern.w.to(torch.float32).contiguous()
-    consts = (stacked_projection(w, kern.two_sided),
-              kern.key_log_shift().to(device=q.device, dtype=torch.float32).reshape(-1),
-              float(kern.input_scale), bool(kern.normalize))
     num, den = _ChunkedDecayMaps.apply(q, k, vv, pq, pk, log_g, consts, int(q_offset), chunk, phi_q.dtype,
                                        tc.dot_mode(precision), q.dtype, state_dtype)
     return tc.with_quotient_grad(num, den)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .triton_chunked import HAS_TRITON, _tuned, dot_mode
-from .triton_chunked_prf import MapGrads, launch_map_kernel, map_reasons
+from .triton_chunked_prf import MapGrads, launch_map_kernel, map_inputs, map_reasons
 
 if HAS_TRITON:
     import triton
@@ -229,8 +229,7 @@ def prf_soe_attention(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, *, q_offset
             `log_coeff` `[H, Lq+Lk-1]`). chunk_size, precision, state_dtype, state_budget: as
             `triton_soe.kernelized_num_den_triton_soe`'s.
     """
-    from ..._validate import FastRPEError, warn_underflowed_rows
-    from ..triton_prf import prf_features_triton, stacked_projection
+    from ..._validate import FastRPEError
     from . import triton_soe as ts
     from .triton_chunked import DEFAULT_CHUNK, acc_dtype, value_dtype, with_quotient_grad
 
@@ -244,12 +243,7 @@ def prf_soe_attention(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, *, q_offset
     if v.shape[2] < 1:
         raise FastRPEError("v: needs at least one key")
     T, NB = ts.near_chunks(plan.window, chunk)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    with torch.no_grad():
-        phi_q = prf_features_triton(q, kern, True)
-        phi_k = prf_features_triton(k, kern, False)
-    warn_underflowed_rows(kern, phi_q, phi_k)  # as the unfused composition says it
+    q, k, phi_q, phi_k, consts = map_inputs(q, k, kern)
     dt = phi_q.dtype  # float32
     acc = acc_dtype(dt)
     cn, wq, lgk = ts.kernel_tables(plan, T, NB, acc)
@@ -260,10 +254,6 @@ def prf_soe_attention(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, *, q_offset
     if group < plan.num_terms:
         raise FastRPEError(f"prf_soe_attention: the {plan.num_terms} terms need {-(-plan.num_terms // group)} launch "
                            f"groups; the fused maps take one (fused_reasons)")
-    w = kern.w.to(torch.float32).contiguous()
-    consts = (stacked_projection(w, kern.two_sided),
-              kern.key_log_shift().to(device=q.device, dtype=torch.float32).reshape(-1),
-              float(kern.input_scale), bool(kern.normalize))
     vv = v.to(value_dtype(v, dt)).contiguous()
     num, den = _SoEMaps.apply(q, k, vv, phi_q, phi_k, cn, wq, lgk, consts, int(q_offset), T, NB,
                               dot_mode(precision), sdt, group, q.dtype, terms)
