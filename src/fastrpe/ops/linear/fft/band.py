@@ -18,6 +18,8 @@ import torch.nn.functional as nnf
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .plan import budget_or_default, element_size
+
 #: half width of the dense near band of non-causal products
 NEAR_BAND = 32
 
@@ -63,12 +65,10 @@ def band_rows(B: int, H: int, F: int, Dv: int, dtype=torch.float32, memory_budge
               w: int = NEAR_BAND) -> int:
     """Rows of the band computed at once (a multiple of w) so that their temporaries fit the
     budget: per row the gathered keys' features and channels (`3·(F + C)`: each block of w rows
-    gathers 3w keys), the `[w, 3w]`
-    block's products, weights and mask (about `3·3w`) and its output (C). Unbounded, the band
-    held about 24 GiB at once at 1,048,576 tokens (B·H = 8, F = 32, Dv = 64), 27 of the 35 GiB
-    the whole non-causal call held at its peak (`benchmarks/fft_at_scale.py`)."""
-    from .plan import budget_or_default, element_size
-
+    gathers 3w keys), the `[w, 3w]` block's products, weights and mask (about `3·3w`) and its
+    output (C). Unbounded, the band held about 24 GiB at once at 1,048,576 tokens (B·H = 8,
+    F = 32, Dv = 64), 27 of the 35 GiB the whole non-causal call held at its peak
+    (`benchmarks/fft_at_scale.py`)."""
     C = Dv + 1
     per_row = B * H * element_size(dtype) * (3 * (F + C) + 9 * w + C)
     return max(w, budget_or_default(memory_budget_bytes) // max(1, per_row) // w * w)

@@ -89,7 +89,8 @@ SEGMENT_BLOCKS = "cuda"
 #: the FFT levels they replace (26.8 s against 18.6; benchmarks/fft_causal_ab.py,
 #: results/fft_causal_ab-32k-h2.json). A GPU has not timed it yet. Where it may run,
 #: `plan.causal_chunk` still weighs it against the recursion, its lag matrices' traffic
-#: included: with many heads and long sequences (B·H = 8 from 262,144 tokens) the recursion
+#: included: with many heads, long sequences and a small budget it takes the recursion (B·H = 8
+#: with the CPU's 512 MiB from 262,144 tokens; with an H200's 4 GiB from 1,048,576)
 BLOCKED = "cuda"
 
 
