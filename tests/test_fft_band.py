@@ -52,3 +52,28 @@ def test_band_rows_fit_the_budget():
     r = band_rows(1, 8, 32, 64, torch.float32, 4 << 30, 32)
     assert r % 32 == 0 and 100_000 < r < 1_048_576
     assert band_rows(1, 8, 32, 64, torch.float32, 1, 32) == 32  # at least one block of w rows
+
+
+def test_no_block_makes_a_full_size_key_gradient():
+    """Each block reads only the keys within w of its rows, and its gradients are added in place
+    at those rows (`segments.SegmentSums`): autograd alone gathered every block's key gradients
+    into a full-size tensor (`index_select`'s backward) and summed one per block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.full = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape[:3] == (2, 3, 64) and func._schema.name != "aten::detach":
+                self.full += 1
+            return out
+
+    phi_q, phi_k, vv, lc, scale = _inputs(64, 64, 0)
+    y = band_product(phi_q, phi_k, vv, lc, scale, 0, 4, 8)  # 8 blocks
+    ops = Ops()
+    with ops:
+        torch.autograd.grad(y.sum(), [phi_k, vv])
+    assert ops.full <= 4  # the two gradients' zeros and the incoming gradient, not one a block

@@ -1,4 +1,4 @@
-"""The causal FFT path's segments (`fft.causal._SegmentSums`): each segment's gradients added
+"""The causal FFT path's segments (`fft.segments.SegmentSums`): each segment's gradients added
 in place at its rows, not one full-size gradient per segment summed by autograd; the same
 gradients as the dense formula, also through a retained graph's second backward."""
 from __future__ import annotations

@@ -89,16 +89,17 @@ def kernelized_num_den_fft(
     empty = ~torch.isfinite(rmax)  # rows that see no coefficient: exactly 0
     scale = torch.where(empty, torch.zeros_like(rmax), rmax)
     if not causal:
-        # the near band densely, the far offsets by FFT (whose noise is then relative to them)
-        y = band_product(phi_q, phi_k, vv, lc, scale, q_offset, NEAR_BAND,
-                         band_rows(B, H, F, Dv, dt, memory_budget_bytes))
+        # the far offsets by FFT (whose noise is then relative to them), the near band densely
+        # added to them in place
         lc_fft = far_coefficients(lc, Lq, q_offset, NEAR_BAND)
-        err = torch.zeros_like(y.detach())
-        if not band_covers_all(Lq, Lk, q_offset, NEAR_BAND):
+        if band_covers_all(Lq, Lk, q_offset, NEAR_BAND):
+            far, err = None, phi_q.new_zeros(B, H, Lq, Dv + 1)
+        else:
             block = (fft_block_size(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes),
                      fft_channel_block(B, H, Lq, Lk, Dv, dt, memory_budget_bytes))
             far, err = scaled_product(phi_q, phi_k, vv, lc_fft, scale, block)
-            y = y + far
+        y = band_product(phi_q, phi_k, vv, lc, scale, q_offset, NEAR_BAND,
+                         band_rows(B, H, F, Dv, dt, memory_budget_bytes), into=far)
     else:
         leaf = causal_leaf(B, H, dt, memory_budget_bytes)
         y, err = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, memory_budget_bytes, leaf)

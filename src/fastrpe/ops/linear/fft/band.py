@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .plan import budget_or_default, element_size
+from .segments import segment_sums
 
 #: half width of the dense near band of non-causal products
 NEAR_BAND = 32
@@ -66,27 +67,43 @@ def band_rows(B: int, H: int, F: int, Dv: int, dtype=torch.float32, memory_budge
     """Rows of the band computed at once (a multiple of w) so that their temporaries fit the
     budget: per row the gathered keys' features and channels (`3·(F + C)`: each block of w rows
     gathers 3w keys), the `[w, 3w]` block's products, weights and mask (about `3·3w`) and its
-    output (C). Unbounded, the band held about 24 GiB at once at 1,048,576 tokens (B·H = 8,
-    F = 32, Dv = 64), 27 of the 35 GiB the whole non-causal call held at its peak
-    (`benchmarks/fft_at_scale.py`)."""
+    output (C), twice: the backward holds each of them and its gradient. Unbounded, the band
+    held about 24 GiB at once at 1,048,576 tokens (B·H = 8, F = 32, Dv = 64), 27 of the 35 GiB
+    the whole non-causal call held at its peak; sized for the forward alone, its backward set
+    the peak at 262,144 tokens (`benchmarks/fft_at_scale.py`)."""
     C = Dv + 1
-    per_row = B * H * element_size(dtype) * (3 * (F + C) + 9 * w + C)
+    per_row = 2 * B * H * element_size(dtype) * (3 * (F + C) + 9 * w + C)
     return max(w, budget_or_default(memory_budget_bytes) // max(1, per_row) // w * w)
 
 
 def band_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
-                 w: int = NEAR_BAND, rows: int | None = None) -> Tensor:
+                 w: int = NEAR_BAND, rows: int | None = None, into: Tensor | None = None) -> Tensor:
     """`[B, H, Lq, C]` in the rows' units `exp(scale)`: the terms with offsets `|r| <= w`, dense,
-    `rows` rows at a time (`band_rows`; None: all at once). Each block of rows is recomputed in
-    backward (checkpoint), so autograd keeps no `[Lq, 3w]` weights, and the backward holds one
-    block's temporaries at a time as the forward does."""
-    Lq = phi_q.shape[2]
+    `rows` rows at a time (`band_rows`; None: all at once), added in place to `into` (which
+    the caller gives up) or to zeros. Each block of rows reads only the keys and offsets its
+    band meets and is recomputed in backward (checkpoint), so autograd keeps no `[Lq, 3w]`
+    weights, the backward holds one block's temporaries at a time as the forward does, and
+    each block's gradients are added in place at its rows (`segments.segment_sums`: summed by
+    autograd, every block made full-size key gradients, 2% of the bytes of a non-causal call
+    at 1,048,576 tokens)."""
+    B, H, Lq, _ = phi_q.shape
+    Lk = phi_k.shape[2]
     step = Lq if rows is None else max(w, rows // w * w)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (phi_q, phi_k, vv, lc))
-    parts = []
+    blocks = []
     for a in range(0, Lq, step):  # a static loop: sizes come from shapes
         b = min(Lq, a + step)
-        # rows a..b-1 are queries at q_offset + a..; their offsets' origin in lc moves by Lq - b
-        args = (phi_q[:, :, a:b], phi_k, vv, lc[:, Lq - b:], scale[:, a:b], q_offset + a, w)
-        parts.append(checkpoint(_band, *args, use_reentrant=False) if grad else _band(*args))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        # rows a..b-1 are queries at q_offset + a..; the keys within w of them
+        ka, kb = max(0, q_offset + a - w), min(Lk, q_offset + b + w)
+        if ka < kb:
+            blocks.append(("band", a, b, ka, kb, w, q_offset + a - ka))
+    y = phi_q.new_zeros(B, H, Lq, vv.shape[-1]) if into is None else into
+    return segment_sums(_band_block, blocks, y, None, (phi_q, phi_k, vv, lc, scale))[0]
+
+
+def _band_block(seg: tuple, args: list[Tensor]) -> tuple[Tensor, None]:
+    """One block's band from its slices (`segments.segment_slices`), checkpointed where a
+    gradient is wanted."""
+    w, q_offset = seg[5], seg[6]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+        return checkpoint(_band, *args, q_offset, w, use_reentrant=False), None
+    return _band(*args, q_offset, w), None

@@ -17,6 +17,7 @@ from ...common import device_route
 from .blocked import blocked_product, chunk_layout
 from .plan import CAUSAL_LEAF, Shape, blocked_block, causal_chunk, fft_block_size, fft_channel_block
 from .product import scaled_product
+from .segments import segment_sums
 
 
 def _tree(Lq: int, Lk: int, q_offset: int, leaf: int, chunk: int | None = None):
@@ -135,37 +136,7 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
 
     segments = [(kind, qa, qb, ka, kb, block_of(qa, qb, ka, kb) if kind == "cross" else None)
                 for kind, qa, qb, ka, kb, _ in _tree(Lq, Lk, q_offset, leaf, chunk)]
-    ins = (phi_q, phi_k, vv, lc, scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ins) and not torch.compiler.is_compiling():
-        return _SegmentSums.apply(segments, y, err, *ins)
-    for seg in segments:
-        kind, qa, qb = seg[:3]
-        part, part_err = _segment(seg, _slices(seg, ins))
-        rows = torch.arange(qa, qb, device=phi_q.device)
-        if part_err is not None:
-            err.index_add_(2, rows, part_err)
-        y.index_add_(2, rows, part)
-    return y, err
-
-
-def _slice(seg: tuple, i: int, t: Tensor, Lq: int) -> Tensor:
-    """Input i's rows for a segment (queries qa..qb-1 against keys ka..kb-1), as `_slices`."""
-    _, qa, qb, ka, kb, _ = seg
-    if i == 0:  # phi_q: the queries' rows
-        return t[:, :, qa:qb]
-    if i == 4:  # scale: the queries' rows
-        return t[:, qa:qb]
-    if i in (1, 2):  # phi_k, vv: the keys' rows
-        return t[:, :, ka:kb]
-    s = ka - qb + Lq  # lc: the segment's offsets
-    return t[:, s: s + (qb - qa) + (kb - ka) - 1]
-
-
-def _slices(seg: tuple, ins: tuple[Tensor, ...]) -> list[Tensor]:
-    """A segment's `(phi_q, phi_k, vv, lcs, scale)`: its queries' and keys' rows, and the
-    log-coefficients of its offsets."""
-    Lq = ins[0].shape[2]
-    return [_slice(seg, i, t, Lq) for i, t in enumerate(ins)]
+    return segment_sums(_segment, segments, y, err, (phi_q, phi_k, vv, lc, scale))
 
 
 def _segment(seg: tuple, args: list[Tensor]) -> tuple[Tensor, Tensor | None]:
@@ -178,77 +149,3 @@ def _segment(seg: tuple, args: list[Tensor]) -> tuple[Tensor, Tensor | None]:
             return checkpoint(_leaf_product, *args, use_reentrant=False), None
         return _leaf_product(*args), None
     return scaled_product(*args, seg[5])
-
-
-class _SegmentSums(torch.autograd.Function):
-    """`(y + Σ parts, err + Σ part errors)` over the segments, each part added at its query
-    rows, computed from its own rows of the inputs, with a backward that adds each segment's
-    input gradients at those rows of one gradient per input.
-
-    Autograd left to itself makes every segment's slices of `phi_q`, `phi_k`, `vv`, `lc` a
-    full-size gradient (`slice_backward`: zeros and a copy) and sums one per segment into
-    each input: O(segments · L). At 262,144 tokens (B·H = 8, an H200's budget: 16 chunks, 240
-    segments) that was 1.0 of the 5.4 TB the call moved, at 1,048,576 (the recursion's 1,023
-    segments) 16.9 of 38.8 TB, more than its FFTs (`benchmarks/fft_at_scale.py`). Here each
-    segment's graph is kept as autograd would keep it, through the gradient edge of its part
-    (not the part itself: its storage is freed), and the backward runs it alone
-    (`torch.autograd.grad`) and adds what it returns in place. A second backward through a
-    retained graph makes each segment again (the first freed their graphs). Eager only:
-    under `torch.compile` the plain loop runs (its joint graph is the compiler's)."""
-
-    @staticmethod
-    def forward(ctx, segments, y, err, *ins):
-        from torch.autograd.graph import get_gradient_edge
-
-        needs = ctx.needs_input_grad[3:]
-        y, err = y.clone(), err.detach().clone()
-        kept = []
-        with torch.enable_grad():
-            for seg in segments:
-                qa, qb = seg[1], seg[2]
-                args = _leaves(seg, ins, needs)
-                part, part_err = _segment(seg, args)
-                y[:, :, qa:qb] += part.detach()
-                if part_err is not None:
-                    err[:, :, qa:qb] += part_err.detach()
-                if part.requires_grad:
-                    kept.append((seg, args, get_gradient_edge(part)))
-                del part, part_err
-        ctx.save_for_backward(*ins)
-        ctx.segments, ctx.kept = segments, kept
-        ctx.mark_non_differentiable(err)
-        return y, err
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy, _gerr):
-        ins, needs = ctx.saved_tensors, ctx.needs_input_grad[3:]
-        kept, ctx.kept = ctx.kept, None
-        if kept is None:  # a retained graph's second backward: each segment made again
-            kept = _remade(ctx.segments, ins, needs)
-        grads = [torch.zeros_like(t) if n else None for t, n in zip(ins, needs)]
-        Lq = gy.shape[2]
-        for seg, args, out in kept:
-            qa, qb = seg[1], seg[2]
-            want = [i for i, a in enumerate(args) if a.requires_grad]
-            got = torch.autograd.grad([out], [args[i] for i in want], grad_outputs=[gy[:, :, qa:qb]],
-                                      allow_unused=True)
-            for i, g in zip(want, got):
-                if g is not None:
-                    _slice(seg, i, grads[i], Lq).add_(g)
-        return (None, gy, None, *grads)
-
-
-def _leaves(seg: tuple, ins: tuple[Tensor, ...], needs) -> list[Tensor]:
-    """The segment's slices of the inputs as leaves of a graph of its own."""
-    return [t.detach().requires_grad_(n) for t, n in zip(_slices(seg, ins), needs)]
-
-
-def _remade(segments: list, ins: tuple[Tensor, ...], needs):
-    """`(segment, leaves, part)` for each segment, its graph made again, one at a time."""
-    for seg in segments:
-        with torch.enable_grad():
-            args = _leaves(seg, ins, needs)
-            part, _ = _segment(seg, args)
-        if part.requires_grad:
-            yield seg, args, part

@@ -235,7 +235,7 @@ BLOCKED_LEVELS = 2.5
 #: backward with the coefficients' gradient, float32 (the causal recursion at 8,192, 16,384
 #: and 32,768 tokens, H = 1, F = 32, Dv = 64: 147 and 155 more per level;
 #: benchmarks/fft_blocked_traffic.py, results/fft_blocked_traffic.json). It was 170 (158 and
-#: 176) until the segments' gradients were added in place (2026-11-29, `causal._SegmentSums`):
+#: 176) until the segments' gradients were added in place (2026-11-29, `segments.SegmentSums`):
 #: the recursion's levels got cheaper, and at 262,144 tokens (B·H = 8, an H200's budget) the
 #: model's pick, 16 chunks, moved 5% more than 8 (benchmarks/fft_at_scale.py --chunks); it
 #: picks 8 now, the counted best, and the counted best at 64k (32) and 1M (the recursion) as before
