@@ -5,7 +5,11 @@ the state passes (`triton_soe.STATE_TERMS`, `triton_soe_stacked`: each chunk's i
 once a stack, in fewer programs, which the H100's "auto" scan blocks), forward and backward,
 for the GPU bench's KERPLE calls (B·H = 8,
 NPRF's 32 float32 features, bf16 values and output gradient, Dv = 64, T = 64, two near chunks,
-the output as a bf16 quotient, bf16 states as the bench's calls store them).
+the output as a bf16 quotient, bf16 states as the bench's calls store them). Beside them, the
+PRF maps' backward (NPRF, D = 64, bf16 q and k) on the stored states' path, unfused (the last
+launch group's dq and dk/dv kernels store dφ in float32, the maps' own backward launches read
+it again with x) against fused (`triton_soe_prf`, `backends_triton.FUSED_MAPS`: the last group's
+kernels take dφ through the maps, in one launch group or several since 2026-11-30).
 
 A count, not a measurement: every launch's loads and stores as its programs issue them, none
 served from a cache (an upper bound where neighbours share tiles in L2), from the kernels'
@@ -14,8 +18,11 @@ fewer than 66 programs over 256 chunks or more), the output, dq, dk/dv kernels w
 near field in the first group, float32 sums read again by each later group, dv as a bf16
 pair between groups; the walk's near-field launches, totals, carries (the forward's kept for
 the backward), walks adding to float32 num/dq/dk/dv, and the casts at the end. The feature
-maps and the near table's gradient, the same in both, are left out. Time at the H100's HBM3
-peak (3.35 TB/s) bounds each from below.
+maps and the near table's gradient, the same in both, are left out of those totals. The maps'
+backward: x and the projection read (by each 64-row program: the maps' launch and the chunk
+kernels alike), dx written, and unfused the last group's dφ store (in `bwd_dq`, `bwd_dkv` of
+the totals) and the maps' read of it. Time at the H100's HBM3 peak (3.35 TB/s) bounds each
+from below.
 
     python benchmarks/soe_traffic.py --out benchmarks/results/soe_traffic.json
 """
@@ -31,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM, HBM3 peak
 BH, F, DV, T, NB = 8, 32, 64, 64, 2
+D = 64  # the maps' input width (q, k)
 PHI, VAL, ACC, ST = 4, 2, 4, 2  # bytes: float32 features, bf16 v/do/output, float32 sums, bf16 states
 #: (family, L, terms of its fit) as the sixth H100 session's rows had them (docs/RESULTS.md)
 CASES = [("kerple_log", 65536, 11), ("kerple_power", 65536, 9), ("kerple_log", 1048576, 15),
@@ -80,6 +88,17 @@ def stored_bytes(L: int, K: int, stack: int = 1) -> dict:
     return {"groups": groups, **out, "total": sum(out.values())}
 
 
+def maps_backward_bytes(L: int, fused: bool) -> dict:
+    """Both PRF maps' backward beside the stored states' last launch group (the earlier groups'
+    float32 dφ sums, read by the last, are the same either way): `dphi_store`, the last group's
+    float32 dφ (unfused only; part of `stored_bytes`' bwd_dq and bwd_dkv), and `maps`, x and
+    the projection read and dx written, with the dφ read back unfused (the maps' own launches;
+    fused, the chunk kernels' share)."""
+    x, w, dphi = L * D * VAL, (L // T) * F * D * PHI, L * F * ACC
+    out = {"dphi_store": 0 if fused else 2 * BH * dphi, "maps": 2 * BH * (2 * x + w + (0 if fused else dphi))}
+    return {**out, "total": sum(out.values())}
+
+
 def walk_bytes(L: int, K: int) -> dict:
     from fastrpe.ops.linear.triton_soe_walk import walk_blocks, walk_terms
 
@@ -112,17 +131,23 @@ def main(argv=None) -> int:
     rows = []
     for fam, L, K in CASES:
         s, w, st = stored_bytes(L, K), walk_bytes(L, K), stored_bytes(L, K, STACK)
+        mu, mf = maps_backward_bytes(L, False), maps_backward_bytes(L, True)
         rows.append({"family": fam, "L": L, "terms": K, "stored": s, "walk": w, f"stored_stack{STACK}": st,
                      "stored_ms_at_peak": s["total"] / HBM_BYTES_PER_S * 1e3,
                      "walk_ms_at_peak": w["total"] / HBM_BYTES_PER_S * 1e3,
-                     f"stored_stack{STACK}_ms_at_peak": st["total"] / HBM_BYTES_PER_S * 1e3})
+                     f"stored_stack{STACK}_ms_at_peak": st["total"] / HBM_BYTES_PER_S * 1e3,
+                     "maps_backward": {"unfused": mu, "fused": mf, "fused_saves": mu["total"] - mf["total"],
+                                       "fused_saves_ms_at_peak": (mu["total"] - mf["total"]) / HBM_BYTES_PER_S * 1e3}})
         print(f"{fam:12s} L={L:8d} K={K:2d}: stored {s['total'] / 1e9:6.1f} GB ({len(s['groups'])} groups, "
               f"{rows[-1]['stored_ms_at_peak']:5.1f} ms at peak), {STACK} terms a state program "
               f"{st['total'] / 1e9:6.1f} GB ({rows[-1][f'stored_stack{STACK}_ms_at_peak']:5.1f} ms), "
-              f"walk {w['total'] / 1e9:6.1f} GB ({w['passes']} passes, {rows[-1]['walk_ms_at_peak']:5.1f} ms)")
+              f"walk {w['total'] / 1e9:6.1f} GB ({w['passes']} passes, {rows[-1]['walk_ms_at_peak']:5.1f} ms); "
+              f"maps' backward unfused {mu['total'] / 1e9:.2f} GB, fused {mf['total'] / 1e9:.2f} GB "
+              f"({rows[-1]['maps_backward']['fused_saves_ms_at_peak']:.2f} ms less at peak)")
     if a.out:
         meta = {"command": "python benchmarks/soe_traffic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "model": "loads and stores of each launch's programs, no cache reuse; PRF maps and dcn left out",
+                "model": "loads and stores of each launch's programs, no cache reuse; PRF maps and dcn left out of "
+                          "the totals, the maps' backward apart (maps_backward)",
                 "hbm_bytes_per_s": HBM_BYTES_PER_S}
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {a.out}")

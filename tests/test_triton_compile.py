@@ -180,12 +180,16 @@ def all_cases():
                       (tcp._bwd_dq_map_kernel, {**geo_b, **fm}, dict(STRICT=False, BD=64, NORMALIZE=True,
                                                                      DX_BF16=True, **tile, **sc))]
             # and inside the fused SoE kernels (triton_soe_prf): T5's band (three near chunks, the
-            # first: the Hopper check's) and KERPLE's (two), bf16 v, a frozen term's dq (no dwq)
-            for NB in (3, 2):
-                cases += [(tsp._soe_bwd_dkv_map_kernel, {**soe_b, **fm, "v_ptr": "bf16", "dv_ptr": "i16"},
-                           dict(NB=NB, DV_BF16=True, BD=64, NORMALIZE=True, DX_BF16=True, **tile, **sc)),
-                          (tsp._soe_bwd_dq_map_kernel, {**soe_b, **fm},
-                           dict(NB=NB, DWQ=False, BD=64, NORMALIZE=True, DX_BF16=True, **tile, **sc))]
+            # first: the Hopper check's) and KERPLE's (two) in one launch group, and the last of
+            # KERPLE's groups at 1M (the earlier groups' float32 dφ added, dv carried as a bf16
+            # pair); bf16 v, a frozen term's dq (no dwq)
+            sfm = {**soe_b, **fm, "early_ptr": acc}
+            for NB, near in ((3, True), (2, True), (2, False)):
+                groups = dict(NB=NB, NEAR=near, ACCUM=not near)
+                cases += [(tsp._soe_bwd_dkv_map_kernel, {**sfm, "v_ptr": "bf16", "dv_ptr": "i16", "dvlo_ptr": "i16"},
+                           dict(DV_BF16=True, BD=64, NORMALIZE=True, DX_BF16=True, **groups, **tile, **sc)),
+                          (tsp._soe_bwd_dq_map_kernel, sfm,
+                           dict(DWQ=False, BD=64, NORMALIZE=True, DX_BF16=True, **groups, **tile, **sc))]
             # T5's band in one launch (triton_band), bf16 v: dv written as bf16 bits
             cases.append((ts._soe_bwd_dkv_kernel, {**soe_b, "v_ptr": "bf16", "dv_ptr": "i16", "dvlo_ptr": "i16"},
                           dict(NB=3, NEAR=True, ACCUM=False, DV_BF16=True, **tile, **sc)))
@@ -242,8 +246,8 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 """
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 and the stacked passes' 6 in each) and the
-#: float32 modes' extras (the fused maps' kernels among them: triton_chunked_prf's 2, triton_soe_prf's 4)
-N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 23 + 1
+#: float32 modes' extras (the fused maps' kernels among them: triton_chunked_prf's 2, triton_soe_prf's 6)
+N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 25 + 1
 
 
 @pytest.mark.slow

@@ -5,10 +5,10 @@ unfused path (the maps' own kernels, then `triton_soe` / `triton_band`): output 
 gradients of q, k, v and of the positional term's parameters; KERPLE log and power (their
 sum-of-exponentials plan) and T5 (exact, through the band's plan); one- and two-sided maps,
 normalized or not, shared and per-head projections; awkward sizes (L = 1, 63 and 100 across
-16-token chunks, Lq != Lk with a q_offset); bf16 and fp16 inputs; a causal call never sees the
-future; the backends take it only where `FUSED_MAPS` says and the call is covered
-(`fused_reasons`), and then the maps' standalone backward does not run. Interpreter set-up as
-in test_triton_soe.py."""
+16-token chunks, Lq != Lk with a q_offset); bf16 and fp16 inputs; KERPLE's terms in two and
+three launch groups (a tiny state budget); a causal call never sees the future; the backends
+take it only where `FUSED_MAPS` says and the call is covered (`fused_reasons`), and then the
+maps' standalone backward does not run. Interpreter set-up as in test_triton_soe.py."""
 import copy
 
 import pytest
@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 
 import fastrpe as fr  # noqa: E402
 from fastrpe import backends_triton, kernels, positions  # noqa: E402
-from fastrpe._validate import FastRPEError  # noqa: E402
 from fastrpe.kernels import PRF  # noqa: E402
 from fastrpe.ops import triton_prf  # noqa: E402
 from fastrpe.ops.kernelized import BandCoefficients  # noqa: E402
@@ -27,7 +26,7 @@ from fastrpe.ops.linear import soe  # noqa: E402
 from fastrpe.ops.linear import triton_band as tb  # noqa: E402
 from fastrpe.ops.linear import triton_soe as ts  # noqa: E402
 from fastrpe.ops.linear import triton_soe_prf as tsp  # noqa: E402
-from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason  # noqa: E402
+from fastrpe.ops.linear.triton_chunked import _pow2, triton_unavailable_reason  # noqa: E402
 from fastrpe.ops.triton_prf import prf_features_triton  # noqa: E402
 from fastrpe.testing import LOWP_FACTOR, assert_close, assert_lowp_close, weighted_grads  # noqa: E402
 
@@ -50,8 +49,8 @@ class Term:
     `triton_band` op on features), `weights64(Lq, Lk, q_offset)` the float64 dense causal
     weights `[H, Lq, Lk]` of the reference, and the parameters both differentiate."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, terms: int = 4):
+        self.name, self.terms = name, terms
         if name == "t5":  # a support of 23 distances: three near chunks of 16, then the constant tail
             self.pos = positions.T5Bias(H, num_buckets=10, max_distance=32, bidirectional=False)
             with torch.no_grad():
@@ -65,23 +64,23 @@ class Term:
         self.params = list(self.pos.parameters())
 
     def plan(self):
-        """KERPLE's sum of exponentials: window 8 (two near chunks of 16), 4 terms, fitted over
-        256 distances from the term, differentiable in its parameters."""
-        return soe.soe_plan(soe.causal_log_coefficients(self.pos, 256), window=8, num_terms=4)
+        """KERPLE's sum of exponentials: window 8 (two near chunks of 16), `terms` terms (4),
+        fitted over 256 distances from the term, differentiable in its parameters."""
+        return soe.soe_plan(soe.causal_log_coefficients(self.pos, 256), window=8, num_terms=self.terms)
 
     def coeffs(self, Lq, Lk, q_offset, plan=None):
         if self.name == "t5":
             return BandCoefficients(self.pos.log_coefficients(Lq, Lk, q_offset), self.pos.finite_support())
         return plan if plan is not None else self.plan()
 
-    def unfused(self, phi_q, phi_k, v, q_offset, divide):
+    def unfused(self, phi_q, phi_k, v, q_offset, divide, state_budget=None):
         Lq, Lk = phi_q.shape[2], phi_k.shape[2]
         if self.name == "t5":
             c = self.coeffs(Lq, Lk, q_offset)
             return tb.kernelized_num_den_triton_band(phi_q, phi_k, v, c.log_coeff, window=c.window, q_offset=q_offset,
                                                      chunk_size=CHUNK, divide=divide)[0]
         return ts.kernelized_num_den_triton_soe(phi_q, phi_k, v, self.plan(), q_offset=q_offset, chunk_size=CHUNK,
-                                                divide=divide)[0]
+                                                divide=divide, state_budget=state_budget)[0]
 
     def weights64(self, Lq, Lk, q_offset):
         """`c(p_i - j)` for `j <= p_i` (0 after): T5's from its own dense bias (`materialize`) in
@@ -118,16 +117,17 @@ def _inputs(B, Lq, Lk, dtype=torch.float32, seed=0):
     return [t.to(DEV, dtype).requires_grad_(True) for t in (q, k, v)]
 
 
-def _fused(q, k, v, kern, term, q_offset):
+def _fused(q, k, v, kern, term, q_offset, state_budget=None):
     Lq, Lk = q.shape[2], k.shape[2]
-    return tsp.prf_soe_attention(q, k, v, kern, term.coeffs(Lq, Lk, q_offset), q_offset=q_offset, chunk_size=CHUNK)
+    return tsp.prf_soe_attention(q, k, v, kern, term.coeffs(Lq, Lk, q_offset), q_offset=q_offset, chunk_size=CHUNK,
+                                 state_budget=state_budget)
 
 
-def _unfused(q, k, v, kern, term, q_offset):
+def _unfused(q, k, v, kern, term, q_offset, state_budget=None):
     """The maps' own kernels, then the term's op's quotient in q's dtype, as the composition
     asks for it (`divide`)."""
     pq, pk = prf_features_triton(q, kern, True), prf_features_triton(k, kern, False)
-    return term.unfused(pq, pk, v, q_offset, q.dtype)
+    return term.unfused(pq, pk, v, q_offset, q.dtype, state_budget)
 
 
 def _ref(q, k, v, kern, term, q_offset, dtype=torch.float64):
@@ -199,6 +199,69 @@ def test_low_precision_inputs_against_float64(term, dtype):
         assert err <= LOWP_FACTOR * err_unfused + 1e-6 * max(1.0, r.abs().max().item()), (name, err, err_unfused)
 
 
+def _groups_budget(B, Lq, Lk, q_offset, kern, terms_a_group):
+    """A `state_budget` of `terms_a_group` terms' float32 states (`soe.terms_per_group`'s unit:
+    `[B·H, N, BF, BDV]` and z), checked against the groups `triton_soe.launch_group` forms."""
+    N, F = -(-max(Lk, q_offset + Lq) // CHUNK), kern.num_features(D)
+    per_term = B * H * N * _pow2(F) * (_pow2(Dv) * 4 + 4)
+    budget = terms_a_group * per_term
+    assert ts.launch_group(B * H, N, F, Dv, torch.float32, 99, budget, ts.STATE_TERMS) == terms_a_group
+    return budget
+
+
+#: (launch groups, the plan's terms): two terms a group, the last one short
+GROUPS = {2: 3, 3: 5}
+# KERPLE's plans in 2 and 3 launch groups: odd feature counts (7 a side), each map variant at
+# an awkward size, Lq != Lk with a q_offset among them
+GROUP_CASES = [pytest.param(term, groups, *SIZES[sid], VARIANTS[vi], id=f"{term}-{groups}groups-{sid}-{VIDS[vi]}")
+               for term, groups, sid, vi in (("kerple_log", 2, "L63", 0), ("kerple_log", 3, "L100", 2),
+                                             ("kerple_log", 3, "Lq20-Lk70-off50", 3),
+                                             ("kerple_log", 2, "Lq20-Lk70-off50", 1), ("kerple_power", 3, "L63", 0))]
+
+
+@pytest.mark.parametrize("term,groups,Lq,Lk,q_offset,variant", GROUP_CASES)
+def test_several_launch_groups_match_float64_and_the_unfused_path(term, groups, Lq, Lk, q_offset, variant):
+    """KERPLE's terms in 2 and 3 launch groups (a tiny `state_budget`): the earlier groups' dφ
+    summed in float32, the last group's kernels taking the whole sum through the maps: output
+    and the gradients of q, k, v and the term's parameters against float64, and against the
+    unfused path in the same groups to float32 round-off."""
+    term = Term(term, terms=GROUPS[groups])
+    kern = PRF(D, 7, seed=1, **variant).to(DEV)
+    q, k, v = _inputs(1, Lq, Lk, seed=Lq + Lk)
+    budget = _groups_budget(1, Lq, Lk, q_offset, kern, 2)
+    fused = _results(_fused(q, k, v, kern, term, q_offset, budget), q, k, v, term)
+    ref = _results(_ref(q, k, v, kern, term, q_offset), q, k, v, term)
+    unfused = _results(_unfused(q, k, v, kern, term, q_offset, budget), q, k, v, term)
+    for name, a, b, c in zip(NAMES, fused, ref, unfused):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert_close(a, b, torch.float32, msg=name)
+        _assert_round_off(a, c, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_several_launch_groups_in_low_precision(dtype):
+    """16-bit q, k, v in 3 launch groups (a bf16 dv summed in bf16 pairs between them): against
+    float64 within LOWP_FACTOR of the naive path's error, and of the unfused path's in the same
+    groups, as `test_low_precision_inputs_against_float64` judges one group."""
+    term = Term("kerple_log", terms=GROUPS[3])
+    kern = PRF(D, 8, seed=2, normalize=True).to(DEV)
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _inputs(1, 100, 100, seed=3))
+    budget = _groups_budget(1, 100, 100, 0, kern, 2)
+    fused = _results(_fused(q, k, v, kern, term, 0, budget), q, k, v, term)
+    unfused = _results(_unfused(q, k, v, kern, term, 0, budget), q, k, v, term)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _results(_ref(q64, k64, v64, kern, term, 0), q64, k64, v64, term)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive = _results(_ref(ql, kl, vl, kern, term, 0, torch.float32).to(dtype), ql, kl, vl, term)
+    for name, a, n, r, u in zip(NAMES, fused, naive, ref, unfused):
+        if name != "dpos":
+            assert a.dtype == dtype, name
+        assert_lowp_close(a, n, r, msg=name)
+        err, err_unfused = ((x.double() - r.double()).abs().max().item() for x in (a, u))
+        assert err <= LOWP_FACTOR * err_unfused + 1e-6 * max(1.0, r.abs().max().item()), (name, err, err_unfused)
+    assert torch.equal(fused[3], unfused[3])  # (dv: the same kernels and sums on both paths)
+
+
 def test_a_causal_call_never_sees_the_future():
     """Rows before position t do not move when keys and values from t on change, and their
     gradient reaches no key or value from t on (KERPLE's far field and T5's tail included)."""
@@ -219,23 +282,26 @@ def test_a_causal_call_never_sees_the_future():
         assert dk[:, :, t:].abs().max() == 0 and dv[:, :, t:].abs().max() == 0 and dq[:, :, t:].abs().max() == 0, name
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("setting", ["saved-states", "stacked-states", "frozen-term"])
-def test_the_states_options_and_a_frozen_term_give_the_same_gradients(monkeypatch, setting):
-    """KERPLE's states kept from the forward (`SAVE_STATES_BYTES`) or built four terms a
-    program (`STATE_TERMS`), or a term that takes no gradient (the bench's: no far weights'
-    gradient in the dq kernel, `DWQ`, no near table's): the fused path as the unfused one
-    under the same option, to float32 round-off."""
+def test_the_states_options_and_a_frozen_term_give_the_same_gradients(monkeypatch, setting, groups):
+    """KERPLE's states kept from the forward (`SAVE_STATES_BYTES`; one group only keeps them)
+    or built two terms a program (`STATE_TERMS`), or a term that takes no gradient (the bench's:
+    no far weights' gradient in the dq kernels, `DWQ`, no near table's), in one launch group or
+    two (a stack a group): the fused path as the unfused one under the same option, to float32
+    round-off."""
     term = Term("kerple_log")
     if setting == "saved-states":
         monkeypatch.setattr(ts, "SAVE_STATES_BYTES", 1 << 30)
     elif setting == "stacked-states":
-        monkeypatch.setattr(ts, "STATE_TERMS", 4)
+        monkeypatch.setattr(ts, "STATE_TERMS", 2)
     else:
         term.pos.requires_grad_(False)
     kern = PRF(D, 6, seed=1, normalize=True).to(DEV)
     q, k, v = _inputs(1, 63, 63, seed=4)
-    fused = _results(_fused(q, k, v, kern, term, 0), q, k, v, term)
-    unfused = _results(_unfused(q, k, v, kern, term, 0), q, k, v, term)
+    budget = None if groups == 1 else _groups_budget(1, 63, 63, 0, kern, 2)
+    fused = _results(_fused(q, k, v, kern, term, 0, budget), q, k, v, term)
+    unfused = _results(_unfused(q, k, v, kern, term, 0, budget), q, k, v, term)
     for name, a, b in zip(NAMES, fused, unfused):
         _assert_round_off(a, b, name)
 
@@ -275,24 +341,29 @@ def test_the_backends_take_it_where_asked_and_covered(monkeypatch, count_calls, 
         _assert_round_off(a, b, name)
 
 
-def test_a_call_of_several_launch_groups_runs_unfused(monkeypatch, count_calls):
-    """KERPLE's terms over the states' budget run in several launch groups: the backend runs
-    such a call unfused (`fused_reasons`), and the entry point refuses it."""
+def test_a_call_of_several_launch_groups_runs_fused(monkeypatch, count_calls):
+    """KERPLE's terms over the states' budget, a term a launch group (four): `fused_reasons`
+    does not decline the call, the backend runs it fused (one launch of each map kernel, the
+    last group's; the maps' standalone backward not at all), with the unfused path's output
+    and gradients."""
     monkeypatch.setattr(backends_triton, "INTERPRET_ON_CPU", not _CUDA)
     monkeypatch.setattr(kernels, "TRITON_FEATURES", "always")
     monkeypatch.setattr(soe, "STATE_BUDGET", 1)  # a term per launch group
     calls = count_calls(tsp, "prf_soe_attention")
+    launches = {name: count_calls(tsp, name) for name in ("launch_dq", "launch_dkv")}
+    standalone = count_calls(triton_prf, "prf_backward_launch")
     term = Term("kerple_log")
     kern = kernels.get_kernel("nprf", head_dim=D, num_features=8).to(DEV)
     q, k, v = _inputs(1, 40, 40, seed=6)
-    with backends_triton.use_fused_maps(True):
-        fused_on = _results(_call(q, k, v, kern, term.pos), q, k, v, term)
+    assert tsp.fused_reasons(q, k, v, kern, term.plan(), None, True, None) == []
     plain = _results(_call(q, k, v, kern, term.pos), q, k, v, term)
-    assert calls == []
-    for name, a, b in zip(NAMES, fused_on, plain):
-        assert torch.equal(a, b), name
-    with pytest.raises(FastRPEError, match="launch groups"):
-        tsp.prf_soe_attention(q, k, v, kern, term.plan(), chunk_size=CHUNK)
+    assert calls == [] and len(standalone) == 2
+    with backends_triton.use_fused_maps(True):
+        fused = _results(_call(q, k, v, kern, term.pos), q, k, v, term)
+    assert len(calls) == 1 and len(launches["launch_dq"]) == len(launches["launch_dkv"]) == 1
+    assert len(standalone) == 2
+    for name, a, b in zip(NAMES, fused, plain):
+        _assert_round_off(a, b, name)
 
 
 def test_fused_reasons_say_why(monkeypatch):
@@ -308,7 +379,6 @@ def test_fused_reasons_say_why(monkeypatch):
 
     assert why() == [] and why(coeffs=band) == []
     cases = {
-        "several launch groups": (why(state_budget=1), "launch groups"),
         "the walk": (None, "far field"),
         "key padding": (why(kpm=torch.zeros(1, 40, dtype=torch.bool, device=DEV)), "padding"),
         "non-causal": (why(causal=False), "causal"),
@@ -320,6 +390,6 @@ def test_fused_reasons_say_why(monkeypatch):
         cases["the walk"] = (why(), "far field")
     for case, (reasons, word) in cases.items():
         assert reasons and any(word in r for r in reasons), (case, reasons)
-    assert why(coeffs=band, state_budget=1) == []  # (the band's one term: one group at any budget)
+    assert why(state_budget=1) == [] and why(coeffs=band, state_budget=1) == []  # (any number of launch groups)
     monkeypatch.setattr(kernels, "TRITON_FEATURES", "never")
     assert any("Triton route" in r for r in why())

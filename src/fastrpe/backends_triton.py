@@ -84,7 +84,7 @@ FLOAT32_PRODUCTS = "bf16x3"
 #: backward launches of the maps (0.62 of ALiBi's 3.15 ms at 65,536 tokens on the H100,
 #: 2026-11-28). Off by default until a GPU has timed it (the bench's `+fused-maps` rows, which
 #: time triton_chunked's); where on, calls it does not cover (`triton_chunked_prf.fused_reasons`,
-#: `triton_soe_prf.fused_reasons`: e.g. KERPLE's terms in several launch groups) run the
+#: `triton_soe_prf.fused_reasons`: e.g. key padding, or triton_soe's walked far field) run the
 #: unfused path.
 FUSED_MAPS = False
 

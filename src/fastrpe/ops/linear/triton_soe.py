@@ -708,9 +708,10 @@ def soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
                  kept_h: Tensor | None = None, kept_z: Tensor | None = None, far: str = "states",
                  state_terms: int = 1, maps=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`_soe_backward` (the custom op's body), and with `maps` (`triton_chunked_prf.MapGrads`;
-    one launch group, the stored states' far field) the PRF maps' backward in its dq and dk/dv
-    kernels (`triton_soe_prf`): `(dq, dk, ...)` of the maps' inputs, in their dtype, in place
-    of dφq, dφk. The plan's gradients (dcn, dwq) are made as without `maps`."""
+    the stored states' far field) the PRF maps' backward in the last launch group's dq and dk/dv
+    kernels (`triton_soe_prf`), the earlier groups' dφq, dφk summed in float32 as without it:
+    `(dq, dk, ...)` of the maps' inputs, in their dtype, in place of dφq, dφk. The plan's
+    gradients (dcn, dwq) are made as without `maps`."""
     B, H, Lq, F = phi_q.shape
     Lk, Dv = v.shape[2], v.shape[3]
     dev, dt = phi_q.device, phi_q.dtype
@@ -720,18 +721,17 @@ def soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
     meta = dict(DT=_TL_DTYPE[dt], ACC=_TL_DTYPE[acc], MODE=mode)
     scaled = dict(SCALED=den is not None)
     NS = min(N, 128)
-    if maps is not None and (far == "walk" or len(groups) != 1):
-        # (dφ of a launch group is a part of the sum the maps' backward needs whole)
-        raise ValueError(f"triton_soe: the fused maps need the stored states' far field in one launch group, got "
-                         f"far={far!r} and {len(groups)} groups")
+    if maps is not None and far == "walk":
+        # (the walk adds its far field's dφ after the near field's kernels)
+        raise ValueError("triton_soe: the fused maps need the stored states' far field, got far='walk'")
     if far == "walk":
         carries = (kept_h, kept_z) if kept_h is not None and kept_h.numel() else None
         return _soe_backward_walk(phi_q, phi_k, v, cn, wq, lgk, dnum, inv, dden, q_offset, T, NB, NS, acc, meta,
                                   den is not None, want_dcn, want_dwq, carries)
-    if maps is None:
+    if maps is None or len(groups) > 1:  # dφq, dφk: float32 sums between groups
         dq = torch.empty(B, H, Lq, F, dtype=acc, device=dev)
         dk = torch.empty(B, H, Lk, F, dtype=acc, device=dev)
-    else:
+    if maps is not None:
         from . import triton_soe_prf as tsp
     # dv written in bf16 by the kernel (`dv_in_bf16`); several launches add up in bf16 pairs
     dv_bf16 = dv_in_bf16(v, dt)
@@ -742,6 +742,8 @@ def soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
     for i, (k0, k1) in enumerate(groups):
         Kg, wg, lg = k1 - k0, wq[:, k0:k1].contiguous(), lgk[k0:k1]
         flags = dict(NB=NB, NEAR=i == 0, ACCUM=i > 0)
+        # the maps' backward in the last group's kernels, where dφ is whole (the earlier groups' sums read there)
+        fuse = maps is not None and i == len(groups) - 1
         # the queries' side reads the states, the keys' side their gradients: one at a time
         if kept_h is not None and kept_h.numel():  # (kept for one group only: `_keeps_states`)
             h, z = kept_h, kept_z
@@ -751,14 +753,14 @@ def soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
         # (one float in their place, which the autotuner's reset may zero)
         dwq_g = (torch.zeros(B * H, NS, Kg, T, dtype=acc, device=dev) if want_dwq
                  else torch.zeros(1, dtype=acc, device=dev))
-        if maps is None:
+        if not fuse:
             dq_kernel[(NS, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dq, dwq_g,
                                    H, Lq, Lk, F, Dv, N, Kg, NS, q_offset, length_bucket(N), BT=T, BF=BF, BDV=BDV,
                                    DWQ=want_dwq, **flags, **meta, **scaled)
-        else:  # dq of the queries themselves, from dφq in registers (one group: its sum is whole)
+        else:  # dq of the queries themselves, from dφq in registers (plus the earlier groups')
             dq = tsp.launch_dq(maps, (NS, B * H), (phi_q, phi_k, v, dnum, inv, dden, cn, wg, h, z, dwq_g),
-                               (H, Lq, Lk, F, Dv, N, Kg, NS, q_offset), length_bucket(N),
-                               dict(BT=T, BF=BF, BDV=BDV, NB=NB, DWQ=want_dwq, **meta, **scaled))
+                               dq if i > 0 else None, (H, Lq, Lk, F, Dv, N, Kg, NS, q_offset), length_bucket(N),
+                               dict(BT=T, BF=BF, BDV=BDV, DWQ=want_dwq, **flags, **meta, **scaled))
         del h, z
         if want_dwq:  # the programs' sums, reduced now ([H, Kg, T]: not held over the groups)
             dwq.append(dwq_g.view(B, H, NS, Kg, T).sum((0, 2)))
@@ -767,16 +769,16 @@ def soe_backward(phi_q: Tensor, phi_k: Tensor, v: Tensor, cn: Tensor, wq: Tensor
         dz = torch.zeros(B * H, Kg, N + 1, BF, dtype=acc, device=dev)
         _soe_state_grads(phi_q, dnum, inv, dden, wg, lg, dh, dz, N, T, NB, BF, BDV, BV, q_offset, meta, scaled, scan,
                          state_terms)
-        if maps is None:
+        if not fuse:
             _soe_bwd_dkv_kernel[(N, B * H)](phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz, dk,
                                             *((dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16
                                               else (dv, dv)), H, Lq, Lk, F, Dv, N, Kg, q_offset, length_bucket(N),
                                             BT=T, BF=BF, BDV=BDV, DV_BF16=dv_bf16, LAST=i == len(groups) - 1,
                                             **flags, **meta, **scaled)
         else:  # dk of the keys themselves, dv as above
-            dk = tsp.launch_dkv(maps, (N, B * H), (phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz), dv,
-                                (H, Lq, Lk, F, Dv, N, Kg, q_offset), length_bucket(N), dv_bf16,
-                                dict(BT=T, BF=BF, BDV=BDV, NB=NB, **meta, **scaled))
+            dk = tsp.launch_dkv(maps, (N, B * H), (phi_q, phi_k, v, dnum, inv, dden, cn, lg, dh, dz), dv, dvlo,
+                                dk if i > 0 else None, (H, Lq, Lk, F, Dv, N, Kg, q_offset), length_bucket(N), dv_bf16,
+                                dict(BT=T, BF=BF, BDV=BDV, **flags, **meta, **scaled))
         del dh, dz
     del dvlo
     dwq_h = torch.cat(dwq, 1).to(wq.dtype) if want_dwq else None

@@ -15,20 +15,26 @@ chunked one (`backends_triton.FUSED_MAPS`) until a GPU has timed it.
 What it covers: causal calls of a `kernels.PRF` map (one- or two-sided, normalized or not,
 shared or per-head projection) whose features take the Triton route, float32 features (no
 `bf16-features` rounding), float32/bf16/fp16 inputs, no key padding, no initial or returned
-state, the far field from stored states (`triton_soe.FAR_FIELD = "states"`) and every term in
-one launch group (`triton_soe.launch_group`): only then is a chunk's dφ whole within one
-launch. T5's one term always is; KERPLE's 16 are at 65,536 tokens, B·H = 8, with a 16-bit
-call's bf16 states (the bench's row; float32 states fit 15 there, bf16 ones 7 at 262,144). The
-plan's own gradients (the far weights' from the dq kernel, the near table's from
+state, the far field from stored states (`triton_soe.FAR_FIELD = "states"`), and its terms in
+any number of launch groups (`triton_soe.launch_group`, sized by the states' budget: at B·H = 8
+with a 16-bit call's bf16 states, KERPLE's 16 terms are one group at 65,536 tokens, 7 a group
+at 262,144 and one at 1M). A chunk's dφ is whole only after the last group: the earlier groups
+run the unfused path's dq and dk/dv kernels (`triton_soe._soe_bwd_dq_kernel`,
+`_soe_bwd_dkv_kernel`: dφ summed in float32 `[B, H, L, F]`, dv in bf16 pairs, flags NEAR and
+ACCUM), and the last group's kernels here read that sum, add their own terms' and take it
+through the maps (ACCUM). So a call of several groups is spared the last group's float32 dφ
+store and the maps' backward launches that read it again with x, not the sums between groups.
+The plan's own gradients (the far weights' from the dq kernels, the near table's from
 `_soe_bwd_dcn_kernel`, which reads the features, not dφ) are made as on the unfused path.
 `fused_reasons` says what declines a call, and the caller runs the unfused path.
 
 Numerics: the same kernels and sums as the unfused path up to dφ (the tile helpers
-`triton_soe._soe_dq_tile` and `_soe_dkv_tiles` are both paths' bodies), which stays in
-registers in float32 (the unfused path stores it in float32: the same values), then the maps'
-backward (`triton_prf.prf_grad_rows`), which computes φ again from x with the attention's
-products (`precision`), where the maps' forward took theirs (`triton_prf.PRECISION`): φ may
-differ in its last bits, far below dx's bf16 rounding.
+`triton_soe._soe_dq_tile` and `_soe_dkv_tiles` are both paths' bodies; the earlier groups'
+float32 sum is added last, as there), which stays in registers in float32 (the unfused path
+stores it in float32: the same values), then the maps' backward (`triton_prf.prf_grad_rows`),
+which computes φ again from x with the attention's products (`precision`), where the maps'
+forward took theirs (`triton_prf.PRECISION`): φ may differ in its last bits, far below dx's
+bf16 rounding.
 
 Notation: B batch, H heads, Lq/Lk lengths, D head width, F features, Dv value width, K terms,
 T chunk, NB near chunks, N chunks, NS chunk groups of the dq kernel.
@@ -46,30 +52,33 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ..triton_prf import prf_grad_rows
-    from .triton_chunked import _store_tile
+    from .triton_chunked import _load_rows, _store_tile
     from .triton_soe import _KEY, _soe_dkv_tiles, _soe_dq_tile
 
     @triton.jit(do_not_specialize=["LB"])
     def _soe_bwd_dq_map_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr, dwq_ptr,
-                               x_ptr, w_ptr, shift_ptr, dx_ptr,
+                               early_ptr, x_ptr, w_ptr, shift_ptr, dx_ptr,
                                H, Lq, Lk, F, Dv, N, K, NS, q_offset, LB, D, sxb, sxh, sxl, swh, s_shift, scale,
                                inv_sqrt_f,
                                BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, BD: tl.constexpr,
-                               NB: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                               SCALED: tl.constexpr, DWQ: tl.constexpr, NORMALIZE: tl.constexpr,
-                               DX_BF16: tl.constexpr):
+                               NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr,
+                               ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr, DWQ: tl.constexpr,
+                               NORMALIZE: tl.constexpr, DX_BF16: tl.constexpr):
         """Grid (NS, B·H), query chunks n = g, g + NS, ...: `triton_soe._soe_bwd_dq_kernel`'s
-        dφq of every term (one launch: near field and all K terms' far field), taken through
-        the query map's backward: dq of the chunk's queries (`[B, H, Lq, D]` contiguous, q's
-        dtype; DX_BF16: the int16 view of bf16) from q (x_ptr, strides sx*); and (DWQ) the
-        program's sums of the far weights' gradient, as there."""
+        dφq of the last launch group's terms (NEAR: the only group, near field included; ACCUM:
+        plus the earlier groups' dφq, float32 `[B, H, Lq, F]` at early_ptr, as that kernel adds
+        them), taken through the query map's backward: dq of the chunk's queries (`[B, H, Lq, D]`
+        contiguous, q's dtype; DX_BF16: the int16 view of bf16) from q (x_ptr, strides sx*); and
+        (DWQ) the program's sums of the group's far weights' gradient, as there."""
         gi = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         d = tl.arange(0, BD)
         for n in range(gi, N, NS):
             dphi, qi, qm = _soe_dq_tile(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, wq_ptr, h_ptr, z_ptr,
-                                        dwq_ptr, bh, gi, n, H, Lq, Lk, F, Dv, N, K, NS, q_offset, BT, BF, BDV, NB, True,
+                                        dwq_ptr, bh, gi, n, H, Lq, Lk, F, Dv, N, K, NS, q_offset, BT, BF, BDV, NB, NEAR,
                                         DT, ACC, MODE, SCALED, DWQ)
+            if ACCUM:
+                dphi += _load_rows(early_ptr + bh * Lq * F, qi, qm, tl.arange(0, BF), F, F)
             r = qi.to(tl.int64)
             dx = prf_grad_rows(dphi.to(tl.float32), x_ptr, w_ptr, shift_ptr, bh, r, qm, H, D, F, sxb, sxh, sxl, swh,
                                s_shift, scale, inv_sqrt_f, BT, BD, BF, NORMALIZE, True, MODE)
@@ -78,21 +87,25 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["LB"])
     def _soe_bwd_dkv_map_kernel(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr, dv_ptr,
-                                x_ptr, w_ptr, shift_ptr, dx_ptr,
+                                dvlo_ptr, early_ptr, x_ptr, w_ptr, shift_ptr, dx_ptr,
                                 H, Lq, Lk, F, Dv, N, K, q_offset, LB, D, sxb, sxh, sxl, swh, s_shift, scale,
                                 inv_sqrt_f,
                                 BT: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, BD: tl.constexpr,
-                                NB: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                                SCALED: tl.constexpr, DV_BF16: tl.constexpr, NORMALIZE: tl.constexpr,
-                                DX_BF16: tl.constexpr):
-        """Grid (N, B·H): `triton_soe._soe_bwd_dkv_kernel`'s dv of key chunk n (one launch:
-        no earlier sums to add), and its dφk taken through the key map's backward: dk of the
-        chunk's keys (`[B, H, Lk, D]`, k's dtype) from k (x_ptr)."""
+                                NB: tl.constexpr, NEAR: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr,
+                                ACC: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr, DV_BF16: tl.constexpr,
+                                NORMALIZE: tl.constexpr, DX_BF16: tl.constexpr):
+        """Grid (N, B·H): `triton_soe._soe_bwd_dkv_kernel`'s dv of key chunk n in the last launch
+        group (ACCUM: added to the earlier groups' dv, and dvlo_ptr's part of it, as there), and
+        its dφk (NEAR, ACCUM as `_soe_bwd_dq_map_kernel`'s: the earlier groups' float32
+        `[B, H, Lk, F]` at early_ptr) taken through the key map's backward: dk of the chunk's keys
+        (`[B, H, Lk, D]`, k's dtype) from k (x_ptr)."""
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         dphi, pos, km = _soe_dkv_tiles(q_ptr, k_ptr, v_ptr, do_ptr, inv_ptr, dd_ptr, cn_ptr, lgk_ptr, dh_ptr, dz_ptr,
-                                       dv_ptr, dv_ptr, bh, n, H, Lq, Lk, F, Dv, N, K, q_offset, BT, BF, BDV, NB, True,
-                                       False, DT, ACC, MODE, SCALED, DV_BF16, True)
+                                       dv_ptr, dvlo_ptr, bh, n, H, Lq, Lk, F, Dv, N, K, q_offset, BT, BF, BDV, NB,
+                                       NEAR, ACCUM, DT, ACC, MODE, SCALED, DV_BF16, True)
+        if ACCUM:
+            dphi += _load_rows(early_ptr + bh * Lk * F, pos, km, tl.arange(0, BF), F, F)
         r = pos.to(tl.int64)
         dx = prf_grad_rows(dphi.to(tl.float32), x_ptr, w_ptr, shift_ptr, bh, r, km, H, D, F, sxb, sxh, sxl, swh,
                            s_shift, scale, inv_sqrt_f, BT, BD, BF, NORMALIZE, False, MODE)
@@ -101,28 +114,36 @@ if HAS_TRITON:
 
     # autotuned as triton_soe's own gradient kernels (as they are under the interpreter): the
     # dq kernel in bf16x3 over pipelined configs only, as `triton_soe.SOE_DQ_BF16X3_NOTE` says
-    # of the kernel whose body it runs; nothing to restore (one launch: no output is added to)
-    _MAP_KEY = [x for x in _KEY if x != "NEAR"] + ["SCALED", "D", "NORMALIZE"]
+    # of the kernel whose body it runs; dv restored, which a last group of several adds to (dq
+    # and dk are written, the earlier groups' dφ only read)
+    _MAP_KEY = _KEY + ["ACCUM", "SCALED", "D", "NORMALIZE"]
     _soe_bwd_dq_map_kernel_bf16x3 = _tuned(_soe_bwd_dq_map_kernel, _MAP_KEY + ["DWQ"], reset=["dwq_ptr"],
                                            min_stages=2)
     _soe_bwd_dq_map_kernel = _tuned(_soe_bwd_dq_map_kernel, _MAP_KEY + ["DWQ"], reset=["dwq_ptr"])
-    _soe_bwd_dkv_map_kernel = _tuned(_soe_bwd_dkv_map_kernel, _MAP_KEY + ["DV_BF16"])
+    _soe_bwd_dkv_map_kernel = _tuned(_soe_bwd_dkv_map_kernel, _MAP_KEY + ["DV_BF16"], restore=["dv_ptr", "dvlo_ptr"])
 
 
-def launch_dq(maps: MapGrads, grid, args: tuple, dims: tuple, lb: int, tiles: dict) -> Tensor:
+def launch_dq(maps: MapGrads, grid, args: tuple, early: Tensor | None, dims: tuple, lb: int, tiles: dict) -> Tensor:
     """dq (q's dtype and shape) by `_soe_bwd_dq_map_kernel`: `args` as
     `triton_soe._soe_bwd_dq_kernel` takes them less its dq (φq, φk, v, do, inv, dd, cn, wq, h,
-    z, dwq), `dims` (H, Lq, Lk, F, Dv, N, K, NS, q_offset), `tiles` its constants."""
+    z, dwq), `early` the earlier launch groups' dφq (float32, `[B, H, Lq, F]`; None: one group),
+    `dims` (H, Lq, Lk, F, Dv, N, K, NS, q_offset), `tiles` its constants (NEAR, ACCUM among
+    them)."""
     kernel = _soe_bwd_dq_map_kernel_bf16x3 if tiles["MODE"] == dot_mode("bf16x3") else _soe_bwd_dq_map_kernel
-    return launch_map_kernel(kernel, grid, args, maps.xq, maps, dims, lb, tiles)
+    # (one group: φq in early's place, which the kernel does not read without ACCUM)
+    return launch_map_kernel(kernel, grid, (*args, args[0] if early is None else early), maps.xq, maps, dims, lb,
+                             tiles)
 
 
-def launch_dkv(maps: MapGrads, grid, args: tuple, dv: Tensor, dims: tuple, lb: int, dv_bf16: bool,
-               tiles: dict) -> Tensor:
-    """dk (k's dtype and shape) and dv (into `dv`) by `_soe_bwd_dkv_map_kernel`: `args` as
-    `triton_soe._soe_bwd_dkv_kernel` takes them before its dk (φq, φk, v, do, inv, dd, cn, log γ,
-    dh, dz), `dims` (H, Lq, Lk, F, Dv, N, K, q_offset)."""
-    return launch_map_kernel(_soe_bwd_dkv_map_kernel, grid, (*args, dv.view(torch.int16) if dv_bf16 else dv),
+def launch_dkv(maps: MapGrads, grid, args: tuple, dv: Tensor, dvlo: Tensor, early: Tensor | None, dims: tuple,
+               lb: int, dv_bf16: bool, tiles: dict) -> Tensor:
+    """dk (k's dtype and shape) and dv (into `dv`, added to the earlier groups' there and in
+    `dvlo` as `triton_soe._soe_bwd_dkv_kernel` adds them) by `_soe_bwd_dkv_map_kernel`: `args` as
+    that kernel takes them before its dk (φq, φk, v, do, inv, dd, cn, log γ, dh, dz), `early` the
+    earlier groups' dφk (float32, `[B, H, Lk, F]`; None: one group), `dims` (H, Lq, Lk, F, Dv, N,
+    K, q_offset)."""
+    dvs = (dv.view(torch.int16), dvlo.view(torch.int16)) if dv_bf16 else (dv, dvlo)
+    return launch_map_kernel(_soe_bwd_dkv_map_kernel, grid, (*args, *dvs, args[0] if early is None else early),
                              maps.xk, maps, dims, lb, tiles, DV_BF16=dv_bf16)
 
 
@@ -172,24 +193,15 @@ def _plan_of(coeffs, Lq: int, q_offset: int):
     return coeffs
 
 
-def _terms_and_window(coeffs) -> tuple[int, int]:
-    """`(K, W)` of an `SoEPlan` or a `BandCoefficients` (one term), without building a plan."""
-    from ..kernelized import BandCoefficients
-
-    if isinstance(coeffs, BandCoefficients):
-        return 1, int(coeffs.window)
-    return coeffs.num_terms, int(coeffs.window)
-
-
 def fused_reasons(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, key_padding_mask: Tensor | None, causal: bool,
                   features_dtype: torch.dtype | None, *, q_offset: int = 0, state_dtype: torch.dtype | None = None,
                   chunk_size: int | None = None, state_budget: int | None = None) -> list[str]:
     """Why the fused path does not take this call (empty: it does). `coeffs`: an `SoEPlan`
     (triton_soe) or `BandCoefficients` (triton_band); the rest as `prf_soe_attention` and the
-    composition take them (`features_dtype`: the dtype the call rounds the features to, or None)."""
-    from ...kernels import PRF
+    composition take them (`features_dtype`: the dtype the call rounds the features to, or None).
+    The shapes, `state_dtype` and `state_budget` decline nothing: any number of launch groups is
+    taken (the module docstring)."""
     from . import triton_soe as ts
-    from .triton_chunked import DEFAULT_CHUNK
 
     r = map_reasons(q, k, kern, key_padding_mask, features_dtype)
     if not causal:
@@ -197,18 +209,6 @@ def fused_reasons(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, key_padding_mas
     if ts.FAR_FIELD != "states":
         r.append(f"the far field from stored states only (triton_soe.FAR_FIELD is {ts.FAR_FIELD!r}: the walk adds its "
                  f"far field's dφ after the near field's)")
-    if isinstance(kern, PRF) and q.dim() == 4 and v.dim() == 4:
-        # the launch groups as `kernelized_num_den_triton_soe` forms them (float32 features)
-        K, W = _terms_and_window(coeffs)
-        T, _ = ts.near_chunks(W, chunk_size or DEFAULT_CHUNK)
-        B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
-        N = -(-max(v.shape[2], q_offset + Lq) // T)
-        sdt = ts.state_storage(torch.float32, state_dtype)
-        group = ts.launch_group(B * H, N, kern.num_features(q.shape[-1]), v.shape[3], sdt, K, state_budget,
-                                ts.STATE_TERMS)
-        if group < K:
-            r.append(f"its {K} terms run in {-(-K // group)} launch groups (the states' budget, "
-                     f"triton_soe.STATE_BUDGET): a chunk's dφ is whole only after the last")
     return r
 
 
@@ -251,9 +251,6 @@ def prf_soe_attention(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, *, q_offset
     sdt = ts.state_storage(dt, state_dtype)
     terms = ts.STATE_TERMS  # (read once: the group, the forward's passes and the backward's)
     group = ts.launch_group(B * H, N, phi_q.shape[-1], v.shape[3], sdt, plan.num_terms, state_budget, terms)
-    if group < plan.num_terms:
-        raise FastRPEError(f"prf_soe_attention: the {plan.num_terms} terms need {-(-plan.num_terms // group)} launch "
-                           f"groups; the fused maps take one (fused_reasons)")
     vv = v.to(value_dtype(v, dt)).contiguous()
     num, den = _SoEMaps.apply(q, k, vv, phi_q, phi_k, cn, wq, lgk, consts, int(q_offset), T, NB,
                               dot_mode(precision), sdt, group, q.dtype, terms)
