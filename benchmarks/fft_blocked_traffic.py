@@ -13,9 +13,17 @@
 * `plan`: the chunks `plan.causal_chunk` picks at the GPU bench's problems (B = 1, F = 32,
   Dv = 64; the default budget of the CPU, an 80 GB H100 and an H200, `plan.device_budget`)
   and what the blocked product over the most chunks (the choice before 2026-11-28's seventh
-  CPU session) would have cost there, in levels.
+  CPU session) would have cost there, in levels;
+* `at_scale` (only with `--at-scale`): `fft_at_scale.py`'s call (the H200's budget, the plan's
+  chunks) with the blocked product's sums over chunks on the torch path and on the Triton
+  kernels (`fft.blocked.KERNEL`), under `FakeTensorMode`. A launch is no aten op, so the
+  kernels' bytes come from their shapes (`fft.triton_blocked.count_traffic`, launching nothing):
+  `kernel_gib_lower` each operand once (`ByteCounter`'s convention), `kernel_gib_upper` the
+  spectra as often as the kernels' tiles read them, no reuse in the cache.
 
     python benchmarks/fft_blocked_traffic.py --out benchmarks/results/fft_blocked_traffic.json
+    python benchmarks/fft_blocked_traffic.py --at-scale 65536,262144 --only-at-scale \
+        --out benchmarks/results/fft_blocked_kernels_at_scale.json
 """
 from __future__ import annotations
 
@@ -146,6 +154,48 @@ def plan_rows() -> list[dict]:
     return rows
 
 
+def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned") -> list[dict]:
+    """`fft_at_scale.row` with the sums over chunks on the torch path, then on the kernels."""
+    import fft_at_scale as fs
+
+    from fastrpe.ops.linear.fft import blocked, triton_blocked
+
+    rows = []
+    for L in lengths:
+        saved = blocked.KERNEL
+        blocked.KERNEL = "never"
+        try:
+            before = fs.row(family, L, gpu)
+        finally:
+            blocked.KERNEL = saved
+        with triton_blocked.count_traffic(simulate=True) as t:
+            class Counted(ByteCounter):  # the kernels' count over the counted call only (row() warms up first)
+                def __enter__(self):
+                    t.lower = t.upper = t.launches = 0
+                    return super().__enter__()
+
+            saved_counter, fs.ByteCounter, blocked.KERNEL = fs.ByteCounter, Counted, "always"
+            try:
+                after = fs.row(family, L, gpu)
+            finally:
+                fs.ByteCounter, blocked.KERNEL = saved_counter, saved
+        gib = 2 ** 30
+        r = {"L": L, "gpu": gpu, "family": family, "chunk": after["chunk"],
+             "torch_gib": before["gib_moved"], "torch_launches": before["launches"],
+             "torch_peak_gib": before["peak_gib_above_inputs"],
+             "kernels_aten_gib": after["gib_moved"], "kernel_gib_lower": t.lower / gib, "kernel_gib_upper": t.upper / gib,
+             "kernels_gib_lower": after["gib_moved"] + t.lower / gib, "kernels_gib_upper": after["gib_moved"] + t.upper / gib,
+             "kernels_launches": after["launches"] + t.launches, "kernel_launches": t.launches,
+             "kernels_peak_gib": after["peak_gib_above_inputs"],
+             "torch_by_op": before["by_op"], "kernels_by_op": after["by_op"]}
+        rows.append(r)
+        print(f"at scale L={L:7d} {gpu}: torch path {r['torch_gib']:8.1f} GiB ({r['torch_launches']} launches, peak "
+              f"{r['torch_peak_gib']:.2f}); kernels {r['kernels_gib_lower']:8.1f} to {r['kernels_gib_upper']:8.1f} GiB "
+              f"({r['kernel_gib_lower']:.1f} to {r['kernel_gib_upper']:.1f} in {t.launches} kernel launches, "
+              f"{r['kernels_launches']} launches in all, peak {r['kernels_peak_gib']:.2f})", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", default="8192,16384,32768", help="the recursion's lengths (H = 1)")
@@ -154,20 +204,25 @@ def main() -> None:
     ap.add_argument("--features", type=int, default=F, help="for level and model (the plan's rows: the bench's)")
     ap.add_argument("--value-dim", type=int, default=DV)
     ap.add_argument("--matrix-chunk", type=int, default=256, help="T of the matrix rows (64 chunks of it)")
+    ap.add_argument("--at-scale", default="", help="lengths of the at_scale rows (none by default: minutes each)")
+    ap.add_argument("--only-at-scale", action="store_true", help="the at_scale rows alone")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from fastrpe.ops.linear.fft import causal as fc
 
-    fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
-    L, H, budget = (int(x) for x in a.model.split(":"))
     out = {"meta": {"command": "python benchmarks/fft_blocked_traffic.py " + " ".join(sys.argv[1:]),
                     "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
                     "problem": {"B": 1, "F": a.features, "Dv": a.value_dim, "dtype": "float32",
-                                "table": "learned (its gradient too)"}},
-           "level": level_rows([int(x) for x in a.levels.split(",")], a.features, a.value_dim),
-           "matrix": matrix_rows(a.matrix_chunk),
-           "model": model_rows(L, H, budget, a.features, a.value_dim),
-           "plan": plan_rows()}
+                                "table": "learned (its gradient too)"}}}
+    if a.at_scale:  # before the rows below change SEGMENT_BLOCKS (fft_at_scale sets its own)
+        out["at_scale"] = at_scale_rows([int(x) for x in a.at_scale.split(",")])
+    if not a.only_at_scale:
+        fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
+        L, H, budget = (int(x) for x in a.model.split(":"))
+        out.update({"level": level_rows([int(x) for x in a.levels.split(",")], a.features, a.value_dim),
+                    "matrix": matrix_rows(a.matrix_chunk),
+                    "model": model_rows(L, H, budget, a.features, a.value_dim),
+                    "plan": plan_rows()})
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {a.out}")

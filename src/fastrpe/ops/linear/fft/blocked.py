@@ -37,11 +37,13 @@ P = T + 1 frequencies of the length-2T real FFT, nb query chunks, na key chunks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor
 
+from ...common import device_route
 from .product import ROUND_OFF, _blocks, _channels, _row_sum
 from .scale import to_row_units
 
@@ -192,12 +194,51 @@ def _lag_correlations(corr: Tensor, pairs: Tensor, Wv: Tensor, lag: Tensor) -> N
     corr.index_add_(1, lag.flatten(), q)
 
 
+#: where `_BlockedNumDen` takes its sums over chunks in Triton kernels that read each block's
+#: spectra as the FFT writes them (`triton_blocked.py`: no frequency-major copies, no lag
+#: matrices): "never" (the default until a GPU has timed them: the bench's rows
+#: `fastrpe-fft+lag-kernels`), "cuda" or "always" (wherever the kernels run: the interpreter,
+#: for the tests). A call the kernels refuse (`triton_blocked.unsupported`: float32 only; the
+#: coefficients' gradient under deterministic algorithms) takes the torch path. Counted on
+#: shapes at the GPU bench's problem (B = 1, H = 8, F = 32, Dv = 64, a frozen table, the H200's
+#: budget, forward + backward), a call moved 594.8 GiB at 65,536 tokens with the torch path,
+#: 443.9 to 467.8 with the kernels; 4,240 and 3,694 GiB at 262,144 (the range: the kernels'
+#: re-reads of the spectra; benchmarks/fft_blocked_traffic.py --at-scale,
+#: results/fft_blocked_kernels_at_scale.json).
+KERNEL = "never"
+
+
+@contextlib.contextmanager
+def use_kernel(route: str):
+    """`KERNEL = route` ("cuda", "always" or "never") inside the block, restored after it."""
+    global KERNEL
+    device_route(route, "fastrpe.ops.linear.fft.blocked.KERNEL", torch.device("cpu"))  # (checks the value)
+    before, KERNEL = KERNEL, route
+    try:
+        yield
+    finally:
+        KERNEL = before
+
+
+def _lag_sums(qc: Tensor, ks: Tensor, W: Tensor, lag: Tensor, valid: Tensor, corr: bool = False):
+    """The kernels' `triton_blocked.LagSums` for this call (`KERNEL`), or None: the torch path."""
+    if not device_route(KERNEL, "fastrpe.ops.linear.fft.blocked.KERNEL", qc.device):
+        return None
+    from . import triton_blocked
+
+    if triton_blocked.unsupported(qc, ks, qc.shape[0], qc.shape[1], corr):
+        return None
+    return triton_blocked.LagSums(ks, W, lag, valid)
+
+
 class _BlockedNumDen(torch.autograd.Function):
     """`(qc, kc, vc, circ, W, lag, valid, block) -> (y, err2)` over chunked, padded inputs:
     `qc: [B, H, nb, F, T]`, `kc: [B, H, na, F, T]`, `vc: [B, H, na, C, T]` (channel-major),
     `circ: [H, lags, 2T]` the lags' circular kernels, `W: [H, nb, na]` (no gradient).
     `y: [B, H, nb, T, C]` with `y_bs = Σ_m φq_bsm Σ_{a<b} (W[b,a]·circ_{b-a} ⊛ φk_am·vv_a)_s`;
-    `err2: [B, H, nb, F, C]`: each feature's channel products' squared round-off per entry."""
+    `err2: [B, H, nb, F, C]`: each feature's channel products' squared round-off per entry.
+    The sums over chunks per frequency by `triton_blocked`'s kernels (`KERNEL`) or as batched
+    matmuls over frequency-major copies and lag matrices."""
 
     @staticmethod
     def forward(ctx, qc, kc, vc, circ, W, lag, valid, block):
@@ -205,7 +246,8 @@ class _BlockedNumDen(torch.autograd.Function):
         na, C = kc.shape[2], vc.shape[3]
         ks = torch.fft.rfft(circ, dim=-1)  # (H, lags, P)
         P = ks.shape[-1]
-        mats = _LagMatrices(ks, lag, valid, W)
+        sums = _lag_sums(qc, ks, W, lag, valid)
+        mats = _LagMatrices(ks, lag, valid, W) if sums is None else None
         y = qc.new_zeros(B, H, nb, C, T)
         err2 = qc.new_empty(B, H, nb, F, C)
         unit = ROUND_OFF * torch.finfo(qc.dtype).eps * math.sqrt(2 * math.log2(2 * T)) / (2 * T)
@@ -213,19 +255,26 @@ class _BlockedNumDen(torch.autograd.Function):
         vf = vc.flatten(1, 2)
         for s, e, cs, ce in _blocks(F, C, block):
             f, c = e - s, ce - cs
-            xs = _to_freq_major(torch.fft.rfft(_channels(kf[:, :, s:e], vf[:, :, cs:ce], 2 * T), dim=-1), H, na)
-            out = _Parts(mats, (H, P, nb, B * f * c), xs)
-            e2 = qc.new_zeros(H, nb, B * f * c)
-            for f0, f1, m in mats:
-                part = torch.matmul(m.m, xs[:, f0:f1])  # (H, p, nb, B·f·c)
-                out.put(f0, f1, part)
-                # the sum's ‖Σ_a P_ba‖² (what the inverse transform's round-off follows; all of
-                # it where the pairs are coherent) and each pair's ‖P_ba‖² (where they are not);
-                # the frequency pairs f, -f: the factor 2 in `unit`
-                e2 += torch.linalg.vector_norm(torch.view_as_real(part), dim=(1, -1)).square()
-                e2 += _pair_energy(m, xs[:, f0:f1])
-            del xs
-            t = torch.fft.irfft(_from_freq_major(out.whole, B), n=2 * T, dim=-1)[..., :T]  # (B, H·nb, f·c, T)
+            xs = torch.fft.rfft(_channels(kf[:, :, s:e], vf[:, :, cs:ce], 2 * T), dim=-1)  # (B, H·na, f·c, P)
+            if sums is not None:  # the spectra as they are; the same sums and energies
+                out, e2 = sums.forward(xs)  # (B, H·nb, f·c, P), (H, nb, B·f·c)
+                del xs
+            else:
+                xs = _to_freq_major(xs, H, na)
+                parts = _Parts(mats, (H, P, nb, B * f * c), xs)
+                e2 = qc.new_zeros(H, nb, B * f * c)
+                for f0, f1, m in mats:
+                    part = torch.matmul(m.m, xs[:, f0:f1])  # (H, p, nb, B·f·c)
+                    parts.put(f0, f1, part)
+                    # the sum's ‖Σ_a P_ba‖² (what the inverse transform's round-off follows; all of
+                    # it where the pairs are coherent) and each pair's ‖P_ba‖² (where they are not);
+                    # the frequency pairs f, -f: the factor 2 in `unit`
+                    e2 += torch.linalg.vector_norm(torch.view_as_real(part), dim=(1, -1)).square()
+                    e2 += _pair_energy(m, xs[:, f0:f1])
+                del xs
+                out = _from_freq_major(parts.whole, B)
+                del parts
+            t = torch.fft.irfft(out, n=2 * T, dim=-1)[..., :T]  # (B, H·nb, f·c, T)
             del out
             t = t.view(B, H, nb, f, c, T)
             y[:, :, :, cs:ce] += _row_sum(t, qc[:, :, :, s:e, None], 3)
@@ -243,8 +292,9 @@ class _BlockedNumDen(torch.autograd.Function):
         na, C = kc.shape[2], vc.shape[3]
         ks = torch.fft.rfft(circ, dim=-1)
         P = ks.shape[-1]
-        mats = _LagMatrices(ks, lag, valid, W)
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
+        sums = _lag_sums(qc, ks, W, lag, valid, corr=need_c)
+        mats = _LagMatrices(ks, lag, valid, W) if sums is None else None
         g_q = torch.zeros_like(qc) if need_q else None
         g_k = torch.zeros_like(kc) if need_k else None
         g_v = torch.zeros_like(vc) if need_v else None
@@ -252,34 +302,48 @@ class _BlockedNumDen(torch.autograd.Function):
         # with the matrices kept whole, every block's pair correlations `zs·xsᴴ` ([H, P, nb, na])
         # add up in one tensor, weighted and summed into their lags once after the blocks; per
         # block that took five matrix-sized reads and writes more (`_lag_correlations`)
-        pairs = ks.new_zeros(H, P, nb, lag.shape[1]) if need_c and len(mats.slices) == 1 else None
+        pairs = ks.new_zeros(H, P, nb, lag.shape[1]) if need_c and mats is not None and len(mats.slices) == 1 else None
         gt = gy.transpose(-1, -2).contiguous()  # (B, H, nb, C, T)
         kf, vf, qf, gf = kc.flatten(1, 2), vc.flatten(1, 2), qc.flatten(1, 2), gt.flatten(1, 2)
         Wv = torch.where(valid, W, torch.zeros_like(W))
         for s, e, cs, ce in _blocks(F, C, block):
             f, c = e - s, ce - cs
-            xs = _to_freq_major(torch.fft.rfft(_channels(kf[:, :, s:e], vf[:, :, cs:ce], 2 * T), dim=-1), H, na)
-            zs = _to_freq_major(torch.fft.rfft(_channels(qf[:, :, s:e], gf[:, :, cs:ce], 2 * T), dim=-1), H, nb)
-            out = _Parts(mats, (H, P, nb, B * f * c), xs) if need_q else None
-            back = _Parts(mats, (H, P, na, B * f * c), xs) if (need_k or need_v) else None
-            for f0, f1, m in mats:
-                if out is not None:
-                    out.put(f0, f1, torch.matmul(m.m, xs[:, f0:f1]))
-                if back is not None:  # the adjoint: each pair's kernel reversed, conj in the spectrum
-                    back.put(f0, f1, torch.matmul(m.adjoint, zs[:, f0:f1]))
-                if need_c and pairs is None:  # sliced: each slice's correlations into the lags at once
-                    _lag_correlations(corr[:, :, f0:f1], torch.matmul(zs[:, f0:f1], xs[:, f0:f1].conj().transpose(-1, -2)),
-                                      Wv, lag)
-            if pairs is not None:
-                _add_pair_correlations(pairs, zs, xs)
-            del xs, zs
+            xs = torch.fft.rfft(_channels(kf[:, :, s:e], vf[:, :, cs:ce], 2 * T), dim=-1)  # (B, H·na, f·c, P)
+            zs = torch.fft.rfft(_channels(qf[:, :, s:e], gf[:, :, cs:ce], 2 * T), dim=-1)  # (B, H·nb, f·c, P)
+            out = back = None
+            if sums is not None:
+                if need_q:
+                    out = sums.forward(xs, energy=False)[0]
+                if need_k or need_v:  # the adjoint: each pair's kernel reversed, conj in the spectrum
+                    back = sums.adjoint(zs)
+                if need_c:
+                    corr += sums.correlations(zs, xs)
+                del xs, zs
+            else:
+                xs, zs = _to_freq_major(xs, H, na), _to_freq_major(zs, H, nb)
+                outs = _Parts(mats, (H, P, nb, B * f * c), xs) if need_q else None
+                backs = _Parts(mats, (H, P, na, B * f * c), xs) if (need_k or need_v) else None
+                for f0, f1, m in mats:
+                    if outs is not None:
+                        outs.put(f0, f1, torch.matmul(m.m, xs[:, f0:f1]))
+                    if backs is not None:  # the adjoint: each pair's kernel reversed, conj in the spectrum
+                        backs.put(f0, f1, torch.matmul(m.adjoint, zs[:, f0:f1]))
+                    if need_c and pairs is None:  # sliced: each slice's correlations into the lags at once
+                        _lag_correlations(corr[:, :, f0:f1],
+                                          torch.matmul(zs[:, f0:f1], xs[:, f0:f1].conj().transpose(-1, -2)), Wv, lag)
+                if pairs is not None:
+                    _add_pair_correlations(pairs, zs, xs)
+                del xs, zs
+                out = None if outs is None else _from_freq_major(outs.whole, B)
+                back = None if backs is None else _from_freq_major(backs.whole, B)
+                del outs, backs
             if out is not None:
-                t = torch.fft.irfft(_from_freq_major(out.whole, B), n=2 * T, dim=-1)[..., :T].view(B, H, nb, f, c, T)
+                t = torch.fft.irfft(out, n=2 * T, dim=-1)[..., :T].view(B, H, nb, f, c, T)
                 del out
                 g_q[:, :, :, s:e] += _row_sum(t, gt[:, :, :, None, cs:ce], 4)
                 del t
             if back is not None:
-                g = torch.fft.irfft(_from_freq_major(back.whole, B), n=2 * T, dim=-1)[..., :T].view(B, H, na, f, c, T)
+                g = torch.fft.irfft(back, n=2 * T, dim=-1)[..., :T].view(B, H, na, f, c, T)
                 del back
                 if need_k:
                     g_k[:, :, :, s:e] += _row_sum(g, vc[:, :, :, None, cs:ce], 4)
