@@ -149,6 +149,20 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
+# New since the second CPU session of 2026-11-29 (no GPU), for the next to read first:
+# - `fastrpe-fft+lag-kernels` (fresh 64k window, causal table; and after the 262k pair): the
+#   causal blocked product's sums over chunks in Triton kernels on the spectra as cuFFT writes
+#   them (`fft/triton_blocked.py`, `fft.blocked.KERNEL`, opt-in). By the byte count 595 -> 444-468
+#   GiB at 64k, 4,240 -> 3,694 at 262k. Its kernels are not in the compile pack (the pack covers
+#   `ops/triton_*` and `ops/linear/triton_*`): they compile on the device, seconds. Its GPU test
+#   (`test_blocked_lag_kernels_match_the_torch_path_realistic`) runs with the first call's tests.
+#   If it wins, make KERNEL "cuda" the default and recalibrate `fft.plan`'s lag-matrix traffic.
+# - the fused maps run in KERPLE's last launch group too (several groups: 262k and 1M), and the
+#   1M window times `fastrpe-triton_soe+saved-states+stacked-states+fused-maps`, the likeliest
+#   row of the 60 ms / 8 GiB criterion.
+# - the not-causal table's near band sizes its blocks for the backward and adds each block's
+#   gradients in place (`fft/segments.py`): 1M peak 27.7 -> 25.6 GiB in all, bytes -1.7%.
+#
 # New since the first CPU session of 2026-11-29 (no GPU), for the next to read first:
 # - `gpu_prep.sh` builds the pack again when it no longer covers the library's kernels
 #   (`precompile.py outdated`): a checkout may keep the last session's ignored folders.
@@ -773,7 +787,7 @@ PRIORITY_LONG_FAMILIES=alibi,learned,learned_full,kerple_log,kerple_power,t5
 # composition_memory-stacked4.json). A bf16x3 row counts at 1M by its and its twin's errors at
 # 64k (`gpu._accuracy_row`). The plain row, as fast as the kept states' at 1M on the H100 and 57 s
 # of autotuning in its first call, is left to the general pass)
-PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-fft'
+PRIORITY_1M='fastrpe-triton_chunked,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_soe+saved-states+stacked-states+fused-maps,fastrpe-fft'
 # the table over all offsets first (not causal: no recursion over blocks, the likelier to finish
 # a call within the 90-s cap; CPU estimate at 1M: 4.8 TFLOP a forward, 18.7 GiB, `plan.estimate_fft_cost`)
 PRIORITY_1M_FAMILIES=learned_full,learned,alibi,kerple_log,kerple_power
@@ -782,7 +796,7 @@ PRIORITY_1M_LENGTHS=1048576
 # any session: the general pass takes the 4k rows first), Flex and the FFT path, for at most
 # PRIORITY_262K_S s (default 120); Flex there is quadratic, about 2 s a call on the H100
 # (130 ms at 64k), so each row is timed once past the bench's 2-s limit
-PRIORITY_262K='flex,fastrpe-fft,fastrpe-auto'
+PRIORITY_262K='flex,fastrpe-fft,fastrpe-auto,fastrpe-fft+lag-kernels:learned'
 PRIORITY_262K_FAMILIES=learned,learned_full
 PRIORITY_262K_LENGTHS=262144
 # A fresh `first` (no JSON of this GPU to resume: since 2026-11-28 the workplace lends H200s
@@ -797,7 +811,7 @@ PRIORITY_262K_LENGTHS=262144
 # and the stacked state passes, `triton_soe.STATE_TERMS`, the KERPLE criteria's likeliest pass;
 # and the FFT path on the learned tables alone, "competitor:family": the 64k criterion of the
 # table over all offsets has no row yet, and the FFT is the exact linear-time candidate at 262k)
-PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_soe+saved-states+fused-maps,fastrpe-triton_soe+saved-states+bf16x3+fused-maps,fastrpe-triton_band+bf16x3,fastrpe-triton_band+bf16x3+fused-maps,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*'
+PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_soe+saved-states+fused-maps,fastrpe-triton_soe+saved-states+bf16x3+fused-maps,fastrpe-triton_band+bf16x3,fastrpe-triton_band+bf16x3+fused-maps,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*,fastrpe-fft+lag-kernels:learned'
 PRIORITY_FRESH_FAMILIES=alibi,kerple_log,kerple_power,t5,learned,learned_full
 PRIORITY_FRESH_SHORT='flex,flex+cudagraphs,fastrpe-triton_*+cudagraphs,fastrpe-auto'
 PRIORITY_FRESH_SHORT_LENGTH=4096
@@ -1134,7 +1148,8 @@ case "$phase" in
     #    16-bit modes (bf16x3, bf16 features), which the Hopper miscompile broke until 2026-11-27.
     FASTRPE_INSTAFAIL=1 gpu_tests "${FIRST_TESTS_S:-100}" "$OUT_DIR/gpu_tests.log" /tmp/gpu_tests.xml \
         -q -m gpu -p no:cacheprovider -rfEs --tb=short \
-        tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
+        tests/test_gpu.py tests/test_fft_blocked_triton.py tests/test_triton_chunked.py tests/test_triton_soe.py \
+        tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         -k "sixteen_bit or fused_maps or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16"
     # 1b. where an eager decoding step's host time goes (cProfile, about 15 s, while the warm-up

@@ -89,12 +89,13 @@ _KERPLE_ROWS = ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
                 "fastrpe-triton_soe+bf16x3", "fastrpe-triton_soe+saved-states+bf16x3",
                 "fastrpe-triton_soe+walk", "fastrpe-triton_soe+walk+bf16x3",
                 "fastrpe-triton_soe+saved-states+stacked-states", "fastrpe-triton_soe+saved-states+bf16x3+stacked-states",
-                "fastrpe-triton_soe+saved-states+fused-maps", "fastrpe-triton_soe+saved-states+bf16x3+fused-maps")
+                "fastrpe-triton_soe+saved-states+fused-maps", "fastrpe-triton_soe+saved-states+bf16x3+fused-maps",
+                "fastrpe-triton_soe+saved-states+stacked-states+fused-maps")
 #: the rows of the learned tables' criteria, causal and not
 _TABLE_ROWS = ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
                "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
-               "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs")
+               "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs", "fastrpe-fft+lag-kernels")
 #: the competitors `check` reads, per family (SDPA: the ratios' ceiling). The suite runs these
 #: first, at the lengths `reads` names, and the rest after: the first H100 call spent its budget
 #: on two rows of 4,096 tokens, and fla's chunk_linear_attn, which no criterion reads, autotuned
@@ -720,7 +721,7 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
                   compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
                   graphed: bool = False, float32_products: str | None = None, far_field: str | None = None,
-                  fused_maps: bool | None = None, state_terms: int | None = None):
+                  fused_maps: bool | None = None, state_terms: int | None = None, lag_kernels: bool = False):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None for a Triton
@@ -736,7 +737,9 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     of triton_chunked, `triton_chunked_prf`, and of triton_soe and triton_band, `triton_soe_prf`);
     `state_terms`, triton_soe's `STATE_TERMS`
     (`+stacked-states`: several terms' states a program in the chunk-state passes,
-    `triton_soe_stacked`); `graphed`, the eager call replayed from a CUDA graph (`captured`;
+    `triton_soe_stacked`); `lag_kernels`, the FFT path's `fft.blocked.KERNEL = "cuda"`
+    (`+lag-kernels`: the causal blocked product's sums over chunks in Triton kernels on the
+    spectra as cuFFT writes them, `fft/triton_blocked.py`); `graphed`, the eager call replayed from a CUDA graph (`captured`;
     `+cudagraphs`), up to `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
     if float32_products is None and backend.startswith("triton_"):
@@ -748,6 +751,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         from fastrpe.backends_triton import use_float32_products, use_fused_maps, use_lowp_features
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
+        from fastrpe.ops.linear.fft.blocked import use_kernel
         from fastrpe.ops.linear.triton_soe import use_far_field, use_saved_states, use_state_terms
 
         if p.position == "none":
@@ -802,6 +806,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                     stack.enter_context(use_fused_maps(fused_maps))
                 if state_terms is not None:
                     stack.enter_context(use_state_terms(state_terms))
+                if lag_kernels:
+                    stack.enter_context(use_kernel("cuda"))
                 return attend(q, k, v)
 
         if lowp_features is not None:
@@ -818,6 +824,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["fused_maps"] = fused_maps
         if state_terms is not None:
             extra["state_terms"] = state_terms
+        if lag_kernels:
+            extra["lag_kernels"] = "cuda"
         skips = cudagraph_skips_mark()
         if compiled:
             raise_recompile_limits()
@@ -969,16 +977,25 @@ def registry(cfg: GpuConfig) -> dict:
             "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, state_terms=4)
         reg["fastrpe-triton_soe+saved-states+bf16x3+stacked-states"] = fastrpe_setup(
             "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, float32_products="bf16x3", state_terms=4)
-        # the PRF maps' backward inside the SoE gradient kernels (`triton_soe_prf`, FUSED_MAPS;
-        # one launch group only: at 64k a bf16 call's 11-16 terms), its tf32x3 twin for KERPLE's
+        # the PRF maps' backward inside the SoE gradient kernels (`triton_soe_prf`, FUSED_MAPS; in
+        # the last launch group where the terms take several), its tf32x3 twin for KERPLE's
         # accuracy rule
         reg["fastrpe-triton_soe+saved-states+fused-maps"] = fastrpe_setup(
             "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, fused_maps=True)
         reg["fastrpe-triton_soe+saved-states+bf16x3+fused-maps"] = fastrpe_setup(
             "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, float32_products="bf16x3", fused_maps=True)
+        # both at 1M, where the budget makes four launch groups of KERPLE-log's 15 terms: the
+        # stacked passes' 183 GB (soe_traffic.json) less the maps' float32 dφ of the last group
+        reg["fastrpe-triton_soe+saved-states+stacked-states+fused-maps"] = fastrpe_setup(
+            "triton_soe", cfg, saved_states=SAVED_STATES_BYTES, state_terms=4, fused_maps=True)
     if "triton_band" in BACKENDS:  # T5 through the same fused SoE kernels, one term
         reg["fastrpe-triton_band+bf16x3+fused-maps"] = fastrpe_setup("triton_band", cfg, float32_products="bf16x3",
                                                                     fused_maps=True)
+    # the causal FFT path's sums over chunks in Triton kernels on the spectra as cuFFT writes them
+    # (`fft.blocked.KERNEL`, off by default until timed here; by the byte count 595 -> 444-468 GiB
+    # at 64k, 4,240 -> 3,694 at 262k: results/fft_blocked_kernels_at_scale.json)
+    if "fft" in BACKENDS:
+        reg["fastrpe-fft+lag-kernels"] = fastrpe_setup("fft", cfg, lag_kernels=True)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
@@ -1544,7 +1561,7 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: bench's 8 heads the recursion from 262,144 tokens on), keeps them contiguous and sums the
 #: coefficients' gradient after the blocks (`fft/blocked.py`): the same rows move again.
 #: Epoch 12 (the first CPU session of 2026-11-29): the causal FFT path's segments add their
-#: gradients in place at their own rows (`fft.causal._SegmentSums`), where autograd summed one
+#: gradients in place at their own rows (`fft.segments.SegmentSums`), where autograd summed one
 #: full-size gradient per segment and input (by the byte count 5% of the bench's 64k call, 18%
 #: at 262k, 42% at 1M), and its chunk model is recalibrated (`plan.LEVEL_BYTES`: 8 chunks at
 #: 262k on an H200, where it took 16): the same rows move again. (The not-causal path's near band now runs in
