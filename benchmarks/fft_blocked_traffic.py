@@ -214,7 +214,12 @@ def main() -> None:
                     "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
                     "problem": {"B": 1, "F": a.features, "Dv": a.value_dim, "dtype": "float32",
                                 "table": "learned (its gradient too)"}}}
+    if a.only_at_scale:
+        del out["meta"]["problem"]  # (the rows below)
     if a.at_scale:  # before the rows below change SEGMENT_BLOCKS (fft_at_scale sets its own)
+        out["meta"]["at_scale_problem"] = {"B": 1, "H": 8, "D": 64, "features": 32, "kernel": "nprf",
+                                           "dtype": "bfloat16", "table": "frozen", "backward": True,
+                                           "budget": "the H200's (fft_at_scale.py)"}
         out["at_scale"] = at_scale_rows([int(x) for x in a.at_scale.split(",")])
     if not a.only_at_scale:
         fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
