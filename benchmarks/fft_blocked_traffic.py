@@ -154,18 +154,20 @@ def plan_rows() -> list[dict]:
     return rows
 
 
-def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned") -> list[dict]:
-    """`fft_at_scale.row` with the sums over chunks on the torch path, then on the kernels."""
+def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned", chunks=(None,)) -> list[dict]:
+    """`fft_at_scale.row` with the sums over chunks on the torch path, then on the kernels, each
+    with the plan's chunk (None) or the chunk length of `chunks` ("none": the recursion; the
+    torch path is then counted at the plan's chunk only: `fft_at_scale.py --chunks` has it)."""
     import fft_at_scale as fs
 
     from fastrpe.ops.linear.fft import blocked, triton_blocked
 
     rows = []
-    for L in lengths:
+    for L, chunk in ((L, c) for L in lengths for c in chunks):
         saved = blocked.KERNEL
         blocked.KERNEL = "never"
         try:
-            before = fs.row(family, L, gpu)
+            before = fs.row(family, L, gpu) if chunk is None else None
         finally:
             blocked.KERNEL = saved
         with triton_blocked.count_traffic(simulate=True) as t:
@@ -176,23 +178,30 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
 
             saved_counter, fs.ByteCounter, blocked.KERNEL = fs.ByteCounter, Counted, "always"
             try:
-                after = fs.row(family, L, gpu)
+                with fs.forced_chunk(chunk):
+                    after = fs.row(family, L, gpu)
             finally:
                 fs.ByteCounter, blocked.KERNEL = saved_counter, saved
         gib = 2 ** 30
-        r = {"L": L, "gpu": gpu, "family": family, "chunk": after["chunk"],
-             "torch_gib": before["gib_moved"], "torch_launches": before["launches"],
-             "torch_peak_gib": before["peak_gib_above_inputs"],
-             "kernels_aten_gib": after["gib_moved"], "kernel_gib_lower": t.lower / gib, "kernel_gib_upper": t.upper / gib,
-             "kernels_gib_lower": after["gib_moved"] + t.lower / gib, "kernels_gib_upper": after["gib_moved"] + t.upper / gib,
-             "kernels_launches": after["launches"] + t.launches, "kernel_launches": t.launches,
-             "kernels_peak_gib": after["peak_gib_above_inputs"],
-             "torch_by_op": before["by_op"], "kernels_by_op": after["by_op"]}
+        r = {"L": L, "gpu": gpu, "family": family, "chunk": "plan" if chunk is None else chunk}
+        if before is not None:
+            r.update({"torch_gib": before["gib_moved"], "torch_launches": before["launches"],
+                      "torch_peak_gib": before["peak_gib_above_inputs"]})
+        r.update({"kernels_aten_gib": after["gib_moved"], "kernel_gib_lower": t.lower / gib,
+                  "kernel_gib_upper": t.upper / gib, "kernels_gib_lower": after["gib_moved"] + t.lower / gib,
+                  "kernels_gib_upper": after["gib_moved"] + t.upper / gib,
+                  "kernels_launches": after["launches"] + t.launches, "kernel_launches": t.launches,
+                  "kernels_peak_gib": after["peak_gib_above_inputs"], "kernels_peak_gib_in_all": after["peak_gib_in_all"]})
+        if before is not None:
+            r["torch_by_op"] = before["by_op"]
+        r["kernels_by_op"] = after["by_op"]
         rows.append(r)
-        print(f"at scale L={L:7d} {gpu}: torch path {r['torch_gib']:8.1f} GiB ({r['torch_launches']} launches, peak "
-              f"{r['torch_peak_gib']:.2f}); kernels {r['kernels_gib_lower']:8.1f} to {r['kernels_gib_upper']:8.1f} GiB "
-              f"({r['kernel_gib_lower']:.1f} to {r['kernel_gib_upper']:.1f} in {t.launches} kernel launches, "
-              f"{r['kernels_launches']} launches in all, peak {r['kernels_peak_gib']:.2f})", flush=True)
+        torch_part = ("" if before is None else f"torch path {r['torch_gib']:8.1f} GiB ({r['torch_launches']} launches, "
+                                                 f"peak {r['torch_peak_gib']:.2f}); ")
+        print(f"at scale L={L:7d} {gpu} chunk {r['chunk']}: {torch_part}kernels {r['kernels_gib_lower']:8.1f} to "
+              f"{r['kernels_gib_upper']:8.1f} GiB ({r['kernel_gib_lower']:.1f} to {r['kernel_gib_upper']:.1f} in "
+              f"{t.launches} kernel launches, {r['kernels_launches']} launches in all, peak {r['kernels_peak_gib']:.2f})",
+              flush=True)
     return rows
 
 
@@ -206,6 +215,9 @@ def main() -> None:
     ap.add_argument("--matrix-chunk", type=int, default=256, help="T of the matrix rows (64 chunks of it)")
     ap.add_argument("--at-scale", default="", help="lengths of the at_scale rows (none by default: minutes each)")
     ap.add_argument("--only-at-scale", action="store_true", help="the at_scale rows alone")
+    ap.add_argument("--at-scale-chunks", default=None,
+                    help="comma-separated chunk lengths of the at_scale rows' kernel route ('none': the recursion; "
+                         "default: the plan's, beside the torch path's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from fastrpe.ops.linear.fft import causal as fc
@@ -220,7 +232,9 @@ def main() -> None:
         out["meta"]["at_scale_problem"] = {"B": 1, "H": 8, "D": 64, "features": 32, "kernel": "nprf",
                                            "dtype": "bfloat16", "table": "frozen", "backward": True,
                                            "budget": "the H200's (fft_at_scale.py)"}
-        out["at_scale"] = at_scale_rows([int(x) for x in a.at_scale.split(",")])
+        chunks = (None,) if a.at_scale_chunks is None else \
+            tuple(c if c == "none" else int(c) for c in a.at_scale_chunks.split(","))
+        out["at_scale"] = at_scale_rows([int(x) for x in a.at_scale.split(",")], chunks=chunks)
     if not a.only_at_scale:
         fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
         L, H, budget = (int(x) for x in a.model.split(":"))

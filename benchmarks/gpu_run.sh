@@ -152,9 +152,13 @@
 # New since the second CPU session of 2026-11-29 (no GPU), for the next to read first:
 # - `fastrpe-fft+lag-kernels` (fresh 64k window, causal table; and after the 262k pair): the
 #   causal blocked product's sums over chunks in Triton kernels on the spectra as cuFFT writes
-#   them (`fft/triton_blocked.py`, `fft.blocked.KERNEL`, opt-in). By the byte count 595 -> 444-468
-#   GiB at 64k, 4,240 -> 3,694 at 262k. Its kernels are not in the compile pack (the pack covers
-#   `ops/triton_*` and `ops/linear/triton_*`): they compile on the device, seconds. Its GPU test
+#   them (`fft/triton_blocked.py`, `fft.blocked.KERNEL`, opt-in), with the chunks the plan picks
+#   for them (`plan.KERNEL_BLOCKED_LEVELS`: no lag matrices, so 64 chunks at 262k and 1M where the
+#   torch path takes 8 and the recursion). By the byte count 595 -> 444-468 GiB at 64k, 4,240 ->
+#   2,322-2,611 at 262k (>= 0.52 s at the H200's peak, against about 2.1 s estimated for Flex:
+#   the causal 262k criterion's best row, though 4x would take the whole peak). Its kernels are
+#   not in the compile pack (the pack covers `ops/triton_*` and `ops/linear/triton_*`): they
+#   compile on the device, seconds. Its GPU test
 #   (`test_blocked_lag_kernels_match_the_torch_path_realistic`) runs with the first call's tests.
 #   If it wins, make KERNEL "cuda" the default and recalibrate `fft.plan`'s lag-matrix traffic.
 # - the fused maps run in KERPLE's last launch group too (several groups: 262k and 1M), and the

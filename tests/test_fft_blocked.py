@@ -117,18 +117,21 @@ def test_causal_chunk_keeps_the_recursion_below_its_minimum():
     assert causal_chunk(100, 0, 4, ONE_HEAD) == 4
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("H", [1, 8])
 @pytest.mark.parametrize("n", [8, 32, 64, 128, 512])
-def test_causal_chunk_takes_the_cheapest_of_the_chunk_counts_it_may_take(n, H):
+def test_causal_chunk_takes_the_cheapest_of_the_chunk_counts_it_may_take(n, H, kernels):
     """Among the power-of-two multiples of the leaf that make BLOCKED_MIN_CHUNKS to
-    BLOCKED_CHUNKS chunks, and the recursion, the pick has the least `causal_levels`."""
+    BLOCKED_CHUNKS chunks, and the recursion, the pick has the least `causal_levels`, with the
+    lag kernels' model or the torch path's."""
     from fastrpe.ops.linear.fft.plan import causal_levels
 
     L, shape = 2048 * n, Shape(1, H, 32, 64)
-    T = causal_chunk(L, 0, 2048, shape)
+    T = causal_chunk(L, 0, 2048, shape, kernels)
     options = [None] + [2048 << s for s in range(10) if BLOCKED_MIN_CHUNKS <= -(-L // (2048 << s)) <= BLOCKED_CHUNKS]
     assert T in options
-    assert causal_levels(L, 0, 2048, T, shape) == min(causal_levels(L, 0, 2048, t, shape) for t in options)
+    cost = [causal_levels(L, 0, 2048, t, shape, kernels) for t in options]
+    assert causal_levels(L, 0, 2048, T, shape, kernels) == min(cost)
 
 
 def test_with_many_heads_long_sequences_take_the_recursion():
@@ -142,6 +145,41 @@ def test_with_many_heads_long_sequences_take_the_recursion():
     assert causal_chunk(65536, 0, leaf, bench) == 2048
     assert causal_chunk(262144, 0, leaf, bench) is None and causal_chunk(1 << 20, 0, leaf, bench) is None
     assert matrix_levels(1 << 20, 0, (1 << 20) // 64, bench) > 50  # what 64 chunks would have moved
+
+
+def test_with_the_lag_kernels_long_sequences_take_the_most_chunks():
+    """The kernels build no lag matrices (`plan.KERNEL_BLOCKED_LEVELS`): at the GPU bench's
+    problem, an H200's budget, 64 chunks at 262,144 and 1,048,576 tokens (the recursion and 8
+    chunks without them), 32 of the leaf at 65,536 as before (by the byte count,
+    results/fft_blocked_kernel_chunks.json: 64 chunks moved the least at each)."""
+    from fastrpe.ops.linear.fft.plan import budget_for_memory, causal_leaf
+
+    bench = Shape(1, 8, 32, 64, torch.float32, budget_for_memory(141 * 10**9))
+    leaf = causal_leaf(1, 8, torch.float32, bench.budget)
+    assert leaf == 2048
+    assert causal_chunk(65536, 0, leaf, bench, kernels=True) == 2048
+    assert causal_chunk(262144, 0, leaf, bench, kernels=True) == 262144 // BLOCKED_CHUNKS
+    assert causal_chunk(1 << 20, 0, leaf, bench, kernels=True) == (1 << 20) // BLOCKED_CHUNKS
+    assert causal_chunk(2048 * (BLOCKED_MIN_CHUNKS - 1), 0, 2048, bench, kernels=True) is None
+
+
+def test_the_chunk_pick_knows_whether_the_kernels_take_the_call():
+    """`causal.kernels_on`: only where `blocked.KERNEL` routes the device and the kernels take
+    the FFT's dtype (float32 for 16-bit inputs; not float64)."""
+    from fastrpe.ops.linear.fft import blocked
+    from fastrpe.ops.linear.fft.causal import kernels_on
+    from fastrpe.ops.linear.triton_chunked import triton_unavailable_reason
+
+    cpu = torch.device("cpu")
+    assert not kernels_on(cpu, Shape(1, 8, 32, 64, torch.float32))  # "never" by default
+    if triton_unavailable_reason(cpu) is not None:
+        pytest.skip(str(triton_unavailable_reason(cpu)))
+    with blocked.use_kernel("always"):
+        assert kernels_on(cpu, Shape(1, 8, 32, 64, torch.float32))
+        assert kernels_on(cpu, Shape(1, 8, 32, 64, torch.bfloat16))  # its FFTs run in float32
+        assert not kernels_on(cpu, Shape(1, 8, 32, 64, torch.float64))
+    with blocked.use_kernel("cuda"):
+        assert not kernels_on(cpu, Shape(1, 8, 32, 64, torch.float32))
 
 
 def test_blocked_block_follows_the_budget():

@@ -260,7 +260,7 @@ class FFTBackend(Backend):
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
-        from .ops.linear.fft.causal import chunk_on
+        from .ops.linear.fft.causal import chunk_on, kernels_on
         from .ops.linear.fft.plan import Shape, causal_levels, device_budget
 
         budget = device_budget(p.device)  # what the op takes on p's device
@@ -277,7 +277,8 @@ class FFTBackend(Backend):
         L = max(p.Lq, p.Lk)
         leaf = causal_leaf(p.B, p.H, p.dtype, budget)
         shape = Shape(p.B, p.H, p.F, p.Dv, p.dtype, budget)
-        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf, shape), shape)
+        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf, shape), shape,
+                               kernels_on(p.device, shape))
         pairs = p.B * p.H * p.Lq * min(L, leaf)
         leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again
         leaf_flops = leaf_grad * pairs * (2 * (p.F + p.Dv + 1) + 10)

@@ -993,7 +993,7 @@ def registry(cfg: GpuConfig) -> dict:
                                                                     fused_maps=True)
     # the causal FFT path's sums over chunks in Triton kernels on the spectra as cuFFT writes them
     # (`fft.blocked.KERNEL`, off by default until timed here; by the byte count 595 -> 444-468 GiB
-    # at 64k, 4,240 -> 3,694 at 262k: results/fft_blocked_kernels_at_scale.json)
+    # at 64k, 4,240 -> 2,322-2,611 at 262k with 64 chunks: results/fft_blocked_kernels_at_scale.json)
     if "fft" in BACKENDS:
         reg["fastrpe-fft+lag-kernels"] = fastrpe_setup("fft", cfg, lag_kernels=True)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time

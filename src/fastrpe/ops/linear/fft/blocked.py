@@ -202,9 +202,10 @@ def _lag_correlations(corr: Tensor, pairs: Tensor, Wv: Tensor, lag: Tensor) -> N
 #: coefficients' gradient under deterministic algorithms) takes the torch path. Counted on
 #: shapes at the GPU bench's problem (B = 1, H = 8, F = 32, Dv = 64, a frozen table, the H200's
 #: budget, forward + backward), a call moved 594.8 GiB at 65,536 tokens with the torch path,
-#: 443.9 to 467.8 with the kernels; 4,240 and 3,694 GiB at 262,144 (the range: the kernels'
-#: re-reads of the spectra; benchmarks/fft_blocked_traffic.py --at-scale,
-#: results/fft_blocked_kernels_at_scale.json).
+#: 443.9 to 467.8 with the kernels; 4,240 and 2,322 to 2,611 at 262,144, 22,416 and 13,839 to
+#: 14,997 at 1,048,576, each with its own chunks (`plan.causal_chunk` with `kernels_take`: 64
+#: chunks where the torch path takes 8 and the recursion). The range: the kernels' re-reads of
+#: the spectra (benchmarks/fft_blocked_traffic.py --at-scale, results/fft_blocked_kernels_at_scale.json).
 KERNEL = "never"
 
 
@@ -218,6 +219,17 @@ def use_kernel(route: str):
         yield
     finally:
         KERNEL = before
+
+
+def kernels_take(device: torch.device, dtype: torch.dtype, B: int, H: int) -> bool:
+    """Whether a call's sums over chunks run in the kernels (`KERNEL` routes `device`, and they
+    take float32 spectra of B·H heads there): the chunk counts `plan.causal_chunk` weighs
+    differ with them."""
+    if not device_route(KERNEL, "fastrpe.ops.linear.fft.blocked.KERNEL", device):
+        return False
+    from . import triton_blocked
+
+    return not triton_blocked.shape_reasons(device, dtype, B, H)
 
 
 def _lag_sums(qc: Tensor, ks: Tensor, W: Tensor, lag: Tensor, valid: Tensor, corr: bool = False):

@@ -97,10 +97,21 @@ BLOCKED = "cuda"
 
 def chunk_on(device: torch.device, Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
     """The chunk length `causal_product` cuts the positions into on `device` (`BLOCKED`, then
-    `plan.causal_chunk`'s cost), or None: the recursion over the whole length. `auto`'s cost
-    of the path reads it too (`plan.causal_levels`)."""
+    `plan.causal_chunk`'s cost, with the blocked product's kernels where they take the call),
+    or None: the recursion over the whole length. `auto`'s cost of the path reads it too
+    (`plan.causal_levels`, `kernels_on`)."""
     blocked = device_route(BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", device)
-    return causal_chunk(Lq, q_offset, leaf, shape) if blocked else None
+    return causal_chunk(Lq, q_offset, leaf, shape, kernels_on(device, shape)) if blocked else None
+
+
+def kernels_on(device: torch.device, shape: Shape) -> bool:
+    """Whether the blocked product's sums over chunks run in its Triton kernels on `device` for
+    `shape` (`blocked.kernels_take`: `blocked.KERNEL`), whose dtype may be the inputs' (the FFTs
+    run in `fft_dtype_for` of it: float32 for 16-bit inputs)."""
+    from ...toeplitz.fft import fft_dtype_for
+    from .blocked import kernels_take
+
+    return kernels_take(device, fft_dtype_for(shape.dtype), shape.B, shape.H)
 
 
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,

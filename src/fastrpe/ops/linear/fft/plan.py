@@ -190,7 +190,7 @@ class Shape(NamedTuple):
     budget: int | None = None
 
 
-def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
+def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape, kernels: bool = False) -> int | None:
     """Chunk length of the causal path: of the power-of-two multiples of the leaf that cut the
     positions `0..q_offset+Lq-1` into BLOCKED_MIN_CHUNKS to BLOCKED_CHUNKS chunks, the one whose
     work in full-length product levels (`causal_levels`, the lag matrices' traffic included) is
@@ -198,10 +198,12 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
     more. With many heads and long sequences few channels fit a block, and the matrices then
     cost more than the levels the chunks save (B = 1, H = 8, F = 32, Dv = 64, the 512 MiB
     budget: the recursion from 262,144 tokens on; before, 64 chunks there moved the matrices
-    about 26 times per channel, 1,056 blocks of 2 channels: `benchmarks/fft_blocked_traffic.py`)."""
+    about 26 times per channel, 1,056 blocks of 2 channels: `benchmarks/fft_blocked_traffic.py`).
+    `kernels`: the sums over chunks run in `triton_blocked`'s kernels (`blocked.kernels_take`),
+    which build no lag matrices (`KERNEL_BLOCKED_LEVELS`)."""
     best, cost = None, causal_levels(Lq, q_offset, leaf, None, shape)
     for T in chunk_choices(Lq, q_offset, leaf):
-        c = causal_levels(Lq, q_offset, leaf, T, shape)
+        c = causal_levels(Lq, q_offset, leaf, T, shape, kernels)
         if c < cost:
             best, cost = T, c
     return best
@@ -269,15 +271,36 @@ def matrix_levels(Lq: int, q_offset: int, T: int, shape: Shape) -> float:
     return blocks * passes * m / (LEVEL_BYTES * el / 4 * B * H * F * (Dv + 1) * end)
 
 
-def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape) -> float:
+#: the blocked product's work in levels where its sums over chunks run in Triton kernels on the
+#: spectra in place (`blocked.KERNEL`, `triton_blocked.py`): no lag matrices and no
+#: frequency-major copies, so about `KERNEL_BLOCKED_LEVELS + N/100` for N chunks. Fitted to the
+#: bench's causal table call counted on shapes with the kernels (B = 1, H = 8, F = 32, Dv = 64,
+#: 2,048-position leaves, an H200's budget; `python benchmarks/fft_blocked_traffic.py --at-scale
+#: 65536,262144,1048576 --at-scale-chunks none,65536,32768,16384,8192,4096,2048 --only-at-scale
+#: --out benchmarks/results/fft_blocked_kernel_chunks.json`): the levels the chunks replaced less
+#: the levels' worth of bytes they saved, 1.9-2.2 less N/100 at 8 to 64 chunks at 262,144 and
+#: 1,048,576 tokens with the kernels' re-reads of the spectra served from the cache (their
+#: counted lower bound; with none served, 1.7-2.0 less N/50: the same picks). Where the torch
+#: path's lag matrices made the recursion the cheaper at 262k and 1M (H·T·nb·na complex entries
+#: a block of channels), with the kernels the most chunks are: 4,240 -> 2,322-2,611 GiB at 262k
+#: (64 chunks against 8), 22,416 -> 13,839-14,997 GiB at 1M (against the recursion)
+KERNEL_BLOCKED_LEVELS = 2.0
+
+
+def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape, kernels: bool = False) -> float:
     """The causal path's FFT work above its dense leaves, in full-length product levels: the
     recursion's `log2(L/leaf)` (`chunk` None), or with the blocked product over chunks of
     `chunk` positions `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels
-    inside a chunk, plus the lag matrices' traffic for `shape` (`matrix_levels`)."""
+    inside a chunk, plus the lag matrices' traffic for `shape` (`matrix_levels`); with
+    `kernels` (the sums over chunks in `triton_blocked`'s kernels) `KERNEL_BLOCKED_LEVELS + N/100`
+    and the levels inside a chunk."""
     end = q_offset + Lq
     if chunk is None:
         return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
-    return BLOCKED_LEVELS + -(-end // chunk) / 50 + math.log2(chunk // leaf) + matrix_levels(Lq, q_offset, chunk, shape)
+    inside = math.log2(chunk // leaf)
+    if kernels:
+        return KERNEL_BLOCKED_LEVELS + -(-end // chunk) / 100 + inside
+    return BLOCKED_LEVELS + -(-end // chunk) / 50 + inside + matrix_levels(Lq, q_offset, chunk, shape)
 
 
 def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,

@@ -289,23 +289,35 @@ _corr_op = compile_opaque("fft_blocked_corr", _corr, _corr_fake)
 
 # ---- what the blocked product calls ---------------------------------------------------------------
 
+def shape_reasons(device: torch.device, dtype: torch.dtype, B: int, H: int) -> list[str]:
+    """Why the kernels cannot take a call of B·H heads whose spectra are of `dtype`'s real type
+    on `device`, from these alone (empty: they can; what `plan.causal_chunk` weighs its chunk
+    counts by, before any tensor exists)."""
+    if not HAS_TRITON:
+        return ["needs triton (pip install 'fastrpe[triton]')"]
+    why = []
+    if not _SIMULATE[0]:
+        dev = triton_unavailable_reason(device)
+        if dev is not None:
+            why.append(dev)
+    if dtype != torch.float32:
+        why.append(f"float32 inputs only (complex64 spectra), got {dtype}")
+    if B * H > MAX_GRID_YZ:
+        why.append(f"B·H = {B * H} programs on a grid axis of at most {MAX_GRID_YZ}")
+    return why
+
+
 def unsupported(xs_like: Tensor, ks: Tensor, B: int, H: int, corr: bool = False) -> list[str]:
     """Why the kernels cannot take a call (empty: they can): `xs_like` a tensor of the spectra's
     real dtype and device (the chunked inputs), `ks` the lag kernels' spectra; `corr`: the
     correlations' kernel too."""
-    why = []
+    why = shape_reasons(xs_like.device, xs_like.dtype, B, H)
     if not HAS_TRITON:
-        return ["needs triton (pip install 'fastrpe[triton]')"]
-    if not _SIMULATE[0]:
-        dev = triton_unavailable_reason(xs_like.device)
-        if dev is not None:
-            why.append(dev)
-        if is_fake(xs_like) and not torch.compiler.is_compiling():  # (compiled: the ops' fake functions)
-            why.append("fake tensors (shapes only): nothing to launch on (count_traffic(simulate=True) counts)")
-    if xs_like.dtype != torch.float32 or ks.dtype != torch.complex64:
-        why.append(f"float32 inputs only (complex64 spectra), got {xs_like.dtype} and {ks.dtype}")
-    if B * H > MAX_GRID_YZ:
-        why.append(f"B·H = {B * H} programs on a grid axis of at most {MAX_GRID_YZ}")
+        return why
+    if not _SIMULATE[0] and is_fake(xs_like) and not torch.compiler.is_compiling():  # (compiled: the ops' fakes)
+        why.append("fake tensors (shapes only): nothing to launch on (count_traffic(simulate=True) counts)")
+    if xs_like.dtype == torch.float32 and ks.dtype != torch.complex64:  # (else shape_reasons said so)
+        why.append(f"complex64 spectra only, got {ks.dtype}")
     if corr and torch.are_deterministic_algorithms_enabled():
         why.append("the correlations' kernel adds into the lags atomically: not deterministic")
     return why
