@@ -158,8 +158,9 @@
 #   2,322-2,611 at 262k (>= 0.52 s at the H200's peak, against about 2.1 s estimated for Flex:
 #   the causal 262k criterion's best row, though 4x would take the whole peak). Its kernels are
 #   not in the compile pack (the pack covers `ops/triton_*` and `ops/linear/triton_*`): they
-#   compile on the device, seconds. Its GPU test
-#   (`test_blocked_lag_kernels_match_the_torch_path_realistic`) runs with the first call's tests.
+#   compile on the device (3 kernel variants, 4 with a table's gradient, x 3 configs: seconds
+#   each). Its GPU test (`test_blocked_lag_kernels_match_the_torch_path_realistic`) runs last
+#   among the first call's tests, so that its compilations take no other test's time.
 #   If it wins, make KERNEL "cuda" the default and recalibrate `fft.plan`'s lag-matrix traffic.
 # - the fused maps run in KERPLE's last launch group too (several groups: 262k and 1M), and the
 #   1M window times `fastrpe-triton_soe+saved-states+stacked-states+fused-maps`, the likeliest
@@ -1152,9 +1153,9 @@ case "$phase" in
     #    16-bit modes (bf16x3, bf16 features), which the Hopper miscompile broke until 2026-11-27.
     FASTRPE_INSTAFAIL=1 gpu_tests "${FIRST_TESTS_S:-100}" "$OUT_DIR/gpu_tests.log" /tmp/gpu_tests.xml \
         -q -m gpu -p no:cacheprovider -rfEs --tb=short \
-        tests/test_gpu.py tests/test_fft_blocked_triton.py tests/test_triton_chunked.py tests/test_triton_soe.py \
-        tests/test_triton_band.py \
+        tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
+        tests/test_fft_blocked_triton.py \
         -k "sixteen_bit or fused_maps or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16"
     # 1b. where an eager decoding step's host time goes (cProfile, about 15 s, while the warm-up
     #     ends): the sixth session's fused steps took 307-488 µs eagerly against 21-28 µs replayed
