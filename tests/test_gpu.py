@@ -159,13 +159,23 @@ def fft_chunks(monkeypatch):
     monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 256)
 
 
-def test_fft_blocked_product_matches_float64_at_4096(fft_chunks):
+@pytest.fixture(params=["torch", "lag-kernels"])
+def lag_route(request, monkeypatch):
+    """The blocked product's sums over chunks on the torch path or in its Triton kernels
+    (`fft.blocked.KERNEL`, `triton_blocked.py`)."""
+    from fastrpe.ops.linear.fft import blocked
+
+    monkeypatch.setattr(blocked, "KERNEL", "cuda" if request.param == "lag-kernels" else "never")
+    return request.param
+
+
+def test_fft_blocked_product_matches_float64_at_4096(fft_chunks, lag_route):
     """The causal learned table through the blocked product: bf16 output and q/k/v gradients
     against the float64 reference, as every backend's."""
     _check_against_float64("fft", "learned", "nprf", LOWP_FACTOR)
 
 
-def test_no_host_sync_in_the_fft_blocked_product(fft_chunks):
+def test_no_host_sync_in_the_fft_blocked_product(fft_chunks, lag_route):
     test_no_host_sync_in_the_backend_hot_path("fft", "learned")
 
 
