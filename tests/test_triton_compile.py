@@ -29,6 +29,7 @@ from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_re
 from fastrpe.ops.linear import triton_soe_walk as tw, triton_soe_stacked as tss
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked_prf as tcp, triton_soe_prf as tsp
+from fastrpe.ops.linear.fft import triton_blocked as tb
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN, "ptxas")) if os.path.exists(p)), None)
@@ -212,6 +213,13 @@ def all_cases():
             if mode == 2:  # the table itself (`exp_table`), float32
                 cases.append((tt._exp_table_kernel, {"lc_ptr": acc, "e_ptr": acc, "top_ptr": acc, "fast_ptr": "i32",
                                                      "span": acc}, dict(BR=1024, ACC=A)))
+                # the FFT path's sums over chunks on the spectra in place (fft/triton_blocked.py): the
+                # forward with its energies, without (the backward's), the adjoint; the lags' correlations
+                lags = {**dict.fromkeys(["x_ptr", "k_ptr", "z_ptr", "w_ptr", "out_ptr", "e2_ptr", "corr_ptr"], "fp32"),
+                        "lag_ptr": "i32", "lo_ptr": "i32", "hi_ptr": "i32", "ok_ptr": "i8"}
+                cases += [(tb._mix_kernel, lags, dict(ADJOINT=adj, ENERGY=en, BR=16, BC=4, BP=32))
+                          for adj, en in ((False, True), (False, False), (True, False))]
+                cases.append((tb._corr_kernel, lags, dict(BI=8, BA=8, BP=32)))
             # the fused decode step of a full band (T5) and of a sum of exponentials (KERPLE-log), as
             # `_prf_step_kernel`'s: bf16 q/k/[v, 1] rows, float32 states and windows, the quotient in bf16
             win = {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "o_ptr": "i16",
@@ -246,8 +254,9 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 """
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 and the stacked passes' 6 in each) and the
-#: float32 modes' extras (the fused maps' kernels among them: triton_chunked_prf's 2, triton_soe_prf's 6)
-N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 25 + 1
+#: float32 modes' extras (the fused maps' kernels among them: triton_chunked_prf's 2, triton_soe_prf's 6), the
+#: table's and the FFT path's sums over chunks (4) once
+N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 25 + 1 + 4
 
 
 @pytest.mark.slow

@@ -52,7 +52,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the sizes are not specialized (Triton would compile again for each pattern of which of them
+    # are 1 or multiples of 16): one compilation a variant and config serves every length, the
+    # GPU test's 8,192 tokens and the bench's 65,536 and 262,144 alike (the spectra's odd P
+    # leaves no aligned vector loads to gain)
+    @triton.jit(do_not_specialize=["H", "NB", "NA", "FC", "P", "LAGS", "NCT"])
     def _mix_kernel(x_ptr, k_ptr, w_ptr, lag_ptr, lo_ptr, hi_ptr, out_ptr, e2_ptr, H, NB, NA, FC, P, LAGS, NCT,
                     ADJOINT: tl.constexpr, ENERGY: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                     BP: tl.constexpr):
@@ -108,7 +112,7 @@ if HAS_TRITON:
             e = e2_ptr + ((pt * H + h) * NB + r)[:, None] * bfc + (b * FC + c)[None, :]
             tl.store(e, e2, mask=mr[:, None] & mc[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "H", "NB", "NA", "FC", "P", "LAGS", "NIT", "NAT"])
     def _corr_kernel(z_ptr, x_ptr, w_ptr, lag_ptr, ok_ptr, corr_ptr, B, H, NB, NA, FC, P, LAGS, NIT, NAT,
                      BI: tl.constexpr, BA: tl.constexpr, BP: tl.constexpr):
         """A tile of pairs (query chunks i, key chunks a): `Σ_{B, c} z_i·conj(x_a)` per
