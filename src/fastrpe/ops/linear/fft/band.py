@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from .plan import budget_or_default, element_size
-from .segments import segment_sums
+from .segments import recomputed, segment_sums
 
 #: half width of the dense near band of non-causal products
 NEAR_BAND = 32
@@ -101,9 +100,5 @@ def band_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Te
 
 
 def _band_block(seg: tuple, args: list[Tensor]) -> tuple[Tensor, None]:
-    """One block's band from its slices (`segments.segment_slices`), checkpointed where a
-    gradient is wanted."""
-    w, q_offset = seg[5], seg[6]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
-        return checkpoint(_band, *args, q_offset, w, use_reentrant=False), None
-    return _band(*args, q_offset, w), None
+    """One block's band from its slices (`segments.segment_slices`), recomputed in backward."""
+    return recomputed(_band, *args, seg[6], seg[5]), None  # (q_offset, w)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ...common import device_route
 from .blocked import blocked_product, chunk_layout
 from .plan import CAUSAL_LEAF, Shape, blocked_block, causal_chunk, fft_block_size, fft_channel_block
 from .product import scaled_product
-from .segments import segment_sums
+from .segments import recomputed, segment_sums
 
 
 def _tree(Lq: int, Lk: int, q_offset: int, leaf: int, chunk: int | None = None):
@@ -154,9 +153,7 @@ def _segment(seg: tuple, args: list[Tensor]) -> tuple[Tensor, Tensor | None]:
     """`(part, part_err)` of one segment: a diagonal leaf dense (no round-off: err None), a
     cross segment one FFT product."""
     if seg[0] == "leaf":
-        if torch.is_grad_enabled() and any(t.requires_grad for t in args):
-            # recomputed in backward: autograd would otherwise keep every leaf's [leaf, leaf]
-            # weights until then (O(L·leaf) bytes: 3.3 GiB at 64k with 2048-position leaves)
-            return checkpoint(_leaf_product, *args, use_reentrant=False), None
-        return _leaf_product(*args), None
+        # recomputed in backward: autograd would otherwise keep every leaf's [leaf, leaf]
+        # weights until then (O(L·leaf) bytes: 3.3 GiB at 64k with 2048-position leaves)
+        return recomputed(_leaf_product, *args), None
     return scaled_product(*args, seg[5])

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def segment_slice(seg: tuple, i: int, t: Tensor, Lq: int) -> Tensor:
@@ -49,6 +50,15 @@ def segment_slices(seg: tuple, ins: tuple[Tensor, ...]) -> list[Tensor]:
 
 #: `part(seg, args) -> (out [B, H, qb-qa, C], err or None)` from the part's slices
 Part = Callable[[tuple, list], tuple]
+
+
+def recomputed(fn: Callable, *args):
+    """`fn(*args)`, recomputed in backward (checkpoint) where a tensor argument wants a gradient:
+    a part whose temporaries (a leaf's or a band block's weights) autograd would otherwise keep
+    until the backward, for every part at once."""
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 def segment_sums(part: Part, segments: list, y: Tensor, err: Tensor | None, ins: tuple[Tensor, ...]):
