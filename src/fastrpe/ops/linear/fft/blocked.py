@@ -209,11 +209,17 @@ def _lag_correlations(corr: Tensor, pairs: Tensor, Wv: Tensor, lag: Tensor) -> N
 KERNEL = "never"
 
 
+def _routed(device: torch.device, route: str | None = None) -> bool:
+    """Whether `route` (default `KERNEL`) sends a call on `device` to the kernels (`device_route`,
+    which says what a bad value is)."""
+    return device_route(KERNEL if route is None else route, "fastrpe.ops.linear.fft.blocked.KERNEL", device)
+
+
 @contextlib.contextmanager
 def use_kernel(route: str):
     """`KERNEL = route` ("cuda", "always" or "never") inside the block, restored after it."""
     global KERNEL
-    device_route(route, "fastrpe.ops.linear.fft.blocked.KERNEL", torch.device("cpu"))  # (checks the value)
+    _routed(torch.device("cpu"), route)  # (checks the value)
     before, KERNEL = KERNEL, route
     try:
         yield
@@ -225,7 +231,7 @@ def kernels_take(device: torch.device, dtype: torch.dtype, B: int, H: int) -> bo
     """Whether a call's sums over chunks run in the kernels (`KERNEL` routes `device`, and they
     take float32 spectra of B·H heads there): the chunk counts `plan.causal_chunk` weighs
     differ with them."""
-    if not device_route(KERNEL, "fastrpe.ops.linear.fft.blocked.KERNEL", device):
+    if not _routed(device):
         return False
     from . import triton_blocked
 
@@ -234,7 +240,7 @@ def kernels_take(device: torch.device, dtype: torch.dtype, B: int, H: int) -> bo
 
 def _lag_sums(qc: Tensor, ks: Tensor, W: Tensor, lag: Tensor, valid: Tensor, corr: bool = False):
     """The kernels' `triton_blocked.LagSums` for this call (`KERNEL`), or None: the torch path."""
-    if not device_route(KERNEL, "fastrpe.ops.linear.fft.blocked.KERNEL", qc.device):
+    if not _routed(qc.device):
         return None
     from . import triton_blocked
 
