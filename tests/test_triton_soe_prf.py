@@ -355,7 +355,7 @@ def test_a_call_of_several_launch_groups_runs_fused(monkeypatch, count_calls):
     term = Term("kerple_log")
     kern = kernels.get_kernel("nprf", head_dim=D, num_features=8).to(DEV)
     q, k, v = _inputs(1, 40, 40, seed=6)
-    assert tsp.fused_reasons(q, k, v, kern, term.plan(), None, True, None) == []
+    assert tsp.fused_reasons(q, k, kern, None, True, None) == []
     plain = _results(_call(q, k, v, kern, term.pos), q, k, v, term)
     assert calls == [] and len(standalone) == 2
     with backends_triton.use_fused_maps(True):
@@ -369,15 +369,13 @@ def test_a_call_of_several_launch_groups_runs_fused(monkeypatch, count_calls):
 def test_fused_reasons_say_why(monkeypatch):
     """Each call the fused path does not cover is declined with its reason; a covered one is not."""
     monkeypatch.setattr(kernels, "TRITON_FEATURES", "always")
-    term = Term("kerple_log")
     kern = PRF(D, 6, seed=1, normalize=True).to(DEV)
-    q, k, v = (t.detach() for t in _inputs(1, 40, 40))
-    plan, band = term.plan(), Term("t5").coeffs(40, 40, 0)
+    q, k, _ = (t.detach() for t in _inputs(1, 40, 40))
 
-    def why(q=q, kern=kern, coeffs=plan, kpm=None, causal=True, features_dtype=None, **kw):
-        return tsp.fused_reasons(q, k, v, kern, coeffs, kpm, causal, features_dtype, **kw)
+    def why(q=q, kern=kern, kpm=None, causal=True, features_dtype=None):
+        return tsp.fused_reasons(q, k, kern, kpm, causal, features_dtype)
 
-    assert why() == [] and why(coeffs=band) == []
+    assert why() == []
     cases = {
         "the walk": (None, "far field"),
         "key padding": (why(kpm=torch.zeros(1, 40, dtype=torch.bool, device=DEV)), "padding"),
@@ -390,6 +388,8 @@ def test_fused_reasons_say_why(monkeypatch):
         cases["the walk"] = (why(), "far field")
     for case, (reasons, word) in cases.items():
         assert reasons and any(word in r for r in reasons), (case, reasons)
-    assert why(state_budget=1) == [] and why(coeffs=band, state_budget=1) == []  # (any number of launch groups)
+    with monkeypatch.context() as m:
+        m.setattr(soe, "STATE_BUDGET", 1)  # a term a launch group: any number of groups is taken
+        assert why() == []
     monkeypatch.setattr(kernels, "TRITON_FEATURES", "never")
     assert any("Triton route" in r for r in why())

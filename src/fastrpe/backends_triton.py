@@ -311,8 +311,7 @@ def _run_fused(q, k, v, p, kpm, coeffs):
     def with_feature_maps(q, k, v, kernel, coeffs, *, causal, q_offset, key_padding_mask):
         from .ops.linear import triton_soe_prf as tsp
 
-        if not FUSED_MAPS or tsp.fused_reasons(q, k, v, kernel, coeffs, key_padding_mask, causal, dot_dtype,
-                                               q_offset=q_offset, state_dtype=state_dtype):
+        if not FUSED_MAPS or tsp.fused_reasons(q, k, kernel, key_padding_mask, causal, dot_dtype):
             return None
         return tsp.prf_soe_attention(q, k, v, kernel, coeffs, q_offset=q_offset, precision=precision,
                                      state_dtype=state_dtype)

@@ -193,14 +193,12 @@ def _plan_of(coeffs, Lq: int, q_offset: int):
     return coeffs
 
 
-def fused_reasons(q: Tensor, k: Tensor, v: Tensor, kern, coeffs, key_padding_mask: Tensor | None, causal: bool,
-                  features_dtype: torch.dtype | None, *, q_offset: int = 0, state_dtype: torch.dtype | None = None,
-                  chunk_size: int | None = None, state_budget: int | None = None) -> list[str]:
-    """Why the fused path does not take this call (empty: it does). `coeffs`: an `SoEPlan`
-    (triton_soe) or `BandCoefficients` (triton_band); the rest as `prf_soe_attention` and the
-    composition take them (`features_dtype`: the dtype the call rounds the features to, or None).
-    The shapes, `state_dtype` and `state_budget` decline nothing: any number of launch groups is
-    taken (the module docstring)."""
+def fused_reasons(q: Tensor, k: Tensor, kern, key_padding_mask: Tensor | None, causal: bool,
+                  features_dtype: torch.dtype | None) -> list[str]:
+    """Why the fused path does not take this call (empty: it does), as the composition takes it
+    (`features_dtype`: the dtype the call rounds the features to, or None). Its terms, shapes,
+    state dtype and states' budget decline nothing: any number of launch groups is taken (the
+    module docstring)."""
     from . import triton_soe as ts
 
     r = map_reasons(q, k, kern, key_padding_mask, features_dtype)
