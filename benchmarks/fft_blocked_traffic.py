@@ -178,8 +178,7 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
 
             saved_counter, fs.ByteCounter, blocked.KERNEL = fs.ByteCounter, Counted, "always"
             try:
-                with fs.forced_chunk(chunk):
-                    after = fs.row(family, L, gpu)
+                after = fs.row(family, L, gpu, chunk=chunk)
             finally:
                 fs.ByteCounter, blocked.KERNEL = saved_counter, saved
         gib = 2 ** 30
