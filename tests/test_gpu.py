@@ -149,14 +149,19 @@ def _check_against_float64(backend, family, kernel, factor):
             f"{e_naive:.3g}")
 
 
-@pytest.fixture
-def fft_chunks(monkeypatch):
-    """The causal FFT path at 4,096 tokens cut into 16 chunks of 256 positions, so that the
-    blocked product runs (`fft.causal.BLOCKED`; the default leaf here, 2,048, makes 2 chunks,
-    below `fft.plan.BLOCKED_MIN_CHUNKS`)."""
+@pytest.fixture(params=["tiled", "recursion"])
+def fft_chunks(request, monkeypatch):
+    """The causal FFT path at 4,096 tokens cut into 8 chunks of 512 positions, so that the
+    blocked product runs (`fft.causal.BLOCKED`; the plan takes one chunk there, all tiled), each
+    chunk's own pairs by triton_tiled or by the recursion down to 256-position leaves
+    (`fft.causal.LOCAL`)."""
     import fastrpe.ops.linear.fft as fftmod
+    from fastrpe.ops.linear.fft import causal
 
     monkeypatch.setattr(fftmod, "causal_leaf", lambda *a, **k: 256)
+    monkeypatch.setattr(causal, "chunk_on", lambda *a, **k: 512)
+    monkeypatch.setattr(causal, "LOCAL", "cuda" if request.param == "tiled" else "never")
+    return request.param
 
 
 @pytest.fixture(params=["torch", "lag-kernels"])

@@ -260,8 +260,8 @@ class FFTBackend(Backend):
 
     def cost(self, p: Problem) -> Cost:
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
-        from .ops.linear.fft.causal import chunk_on, kernels_on
-        from .ops.linear.fft.plan import Shape, causal_levels, device_budget
+        from .ops.linear.fft.causal import chunk_on, kernels_on, local_on
+        from .ops.linear.fft.plan import Shape, causal_levels, device_budget, local_levels
 
         budget = device_budget(p.device)  # what the op takes on p's device
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype, budget)
@@ -277,8 +277,23 @@ class FFTBackend(Backend):
         L = max(p.Lq, p.Lk)
         leaf = causal_leaf(p.B, p.H, p.dtype, budget)
         shape = Shape(p.B, p.H, p.F, p.Dv, p.dtype, budget)
-        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk_on(p.device, p.Lq, p.q_offset, leaf, shape), shape,
-                               kernels_on(p.device, shape))
+        local = local_on(p.device, p.Lq, p.Lk, p.q_offset)
+        chunk = chunk_on(p.device, p.Lq, p.q_offset, leaf, shape, local)
+        levels = causal_levels(p.Lq, p.q_offset, leaf, chunk, shape, kernels_on(p.device, shape), local)
+        if local and chunk is not None:
+            # each chunk's own pairs by triton_tiled's kernels, priced as its backend prices them
+            # (TritonTiledBackend.cost), the blocked product's levels as below, and the path's own
+            # ops around them (scales, certificates, recomputed rows: 30 launches at the least)
+            levels -= local_levels(chunk, shape)
+            pairs = p.B * p.H * p.Lq * min(L, chunk) / 2
+            grad = 3.5 if p.requires_grad else 1
+            el = 8 if p.dtype == torch.float64 else 4  # the FFT path's features: float32, or float64
+            mem = p.B * p.H * 2 * L * (p.F + p.Dv + 2) * el * (2 if p.requires_grad else 1)
+            seconds = machine_time(p.device, pairs * (2 * p.F + 2 * (p.Dv + 1) + 10) * grad,
+                                   mem * min(max(1, min(L, chunk) // 64), 8) + 2 * peak, calls=30)
+            if levels > 0:
+                seconds += machine_time(p.device, 7 * flops * 0.6 * levels, 2 * peak, calls=30, working_set=peak)
+            return Cost(seconds, peak)
         pairs = p.B * p.H * p.Lq * min(L, leaf)
         leaf_grad = 4 if p.requires_grad else 1  # leaves are checkpointed: backward runs them again
         leaf_flops = leaf_grad * pairs * (2 * (p.F + p.Dv + 1) + 10)

@@ -28,7 +28,7 @@ from torch import Tensor
 from ...common import causal_offset_mask
 from ...toeplitz.fft import fft_dtype_for
 from .band import NEAR_BAND, band_covers_all, band_product, band_rows, far_coefficients
-from .causal import causal_product, causal_segments
+from .causal import causal_product, causal_segments, local_products
 from .certify import ROW_RTOL, certify_rows, static_schedule, sync_recompute
 from .plan import (CAUSAL_LEAF, CAUSAL_LEAF_MAX, DEFAULT_BUDGET, causal_leaf, device_budget, estimate_fft_cost,
                    fft_block_size, fft_channel_block, recompute_capacity)
@@ -102,7 +102,8 @@ def kernelized_num_den_fft(
                          band_rows(B, H, F, Dv, dt, memory_budget_bytes), into=far)
     else:
         leaf = causal_leaf(B, H, dt, memory_budget_bytes)
-        y, err = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, memory_budget_bytes, leaf)
+        y, err = causal_product(phi_q, phi_k, vv, lc, scale, q_offset, memory_budget_bytes, leaf,
+                                local_products(out_dt))
         lc_fft = lc
     rows, chunk = recompute_capacity(B, H, Lq, Lk, F, Dv, dt, memory_budget_bytes, q_offset)
     y = certify_rows(y, err, phi_q, phi_k, vv, lc, lc_fft, scale, empty, rows, chunk)

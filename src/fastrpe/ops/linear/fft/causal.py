@@ -2,18 +2,22 @@
 
 The positions are cut into chunks (`plan.causal_chunk`); the pairs across chunks are one
 blocked product (`blocked.py`: each chunk transformed once, a lower-triangular sum per
-frequency), and inside each chunk the positions are split in halves down to dense diagonal
-leaves, every pair (later half's queries, earlier half's keys) one full FFT product with no
-mask. No computation for query i ever reads a key after i (the future cannot leak into the
-past, even through round-off). The schedule depends on `(Lq, Lk, q_offset, leaf, chunk)` only.
+frequency). Inside each chunk, where the Triton kernels run (`LOCAL`), `triton_tiled` takes
+every chunk's own pairs densely, in tiles, the chunks as one batch; elsewhere the positions are
+split in halves down to dense diagonal leaves, every pair (later half's queries, earlier
+half's keys) one full FFT product with no mask. No computation for query i ever reads a key
+after i (the future cannot leak into the past, even through round-off). The schedule depends
+on `(Lq, Lk, q_offset, leaf, chunk)` and the route only.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
 
 from ...common import device_route
-from .blocked import blocked_product, chunk_layout
+from .blocked import _chunks, blocked_product, chunk_layout
 from .plan import CAUSAL_LEAF, Shape, blocked_block, causal_chunk, fft_block_size, fft_channel_block
 from .product import scaled_product
 from .segments import recomputed, segment_sums
@@ -94,13 +98,66 @@ SEGMENT_BLOCKS = "cuda"
 BLOCKED = "cuda"
 
 
-def chunk_on(device: torch.device, Lq: int, q_offset: int, leaf: int, shape: Shape) -> int | None:
+#: where a causal call's pairs inside each chunk (those the blocked product leaves) run in
+#: `triton_tiled`'s kernels, one batch of chunks, instead of the halving recursion inside each
+#: chunk down to dense leaves: "cuda" (the default), "always" (wherever the kernels run: the
+#: interpreter, for the tests) or "never". The recursion costs `log2(chunk/leaf)` full-length FFT
+#: levels and dense `[leaf, leaf]` weights in torch ops; the tiled kernels read the chunk's rows
+#: once per tile of queries and hold no `[T, T]` tensor, at O(L·T) products. Counted on shapes
+#: at the GPU bench's causal table call (B = 1, H = 8, F = 32, Dv = 64, frozen table, an H200's
+#: budget, forward + backward; `benchmarks/fft_at_scale.py --local`, results/fft_local_at_scale.json)
+#: the call moves a quarter to two fifths fewer bytes (see `plan.LOCAL_PAIR_BYTES` for how the chunk
+#: is chosen with it). A GPU has not timed it yet: the bench's `fastrpe-fft+chunk-recursion` row
+#: times the path before. Calls whose queries pass the keys (`q_offset + Lq > Lk`: their last
+#: chunk's padding would enter a row's largest coefficient) keep the recursion.
+LOCAL = "cuda"
+
+
+#: how the tiled kernels multiply the chunks' float32 features (`LOCAL`) for a 16-bit call:
+#: bf16x3, 16 significant bits, the Triton backends' default for such calls
+#: (`backends_triton.FLOAT32_PRODUCTS`), far below the output's 8; other calls "ieee" (exact)
+LOCAL_PRODUCTS = "bf16x3"
+
+
+def local_products(dtype: torch.dtype) -> str:
+    """`LOCAL_PRODUCTS` for a call whose inputs are `dtype` if 16-bit, else "ieee"."""
+    return LOCAL_PRODUCTS if dtype in (torch.bfloat16, torch.float16) else "ieee"
+
+
+@contextlib.contextmanager
+def use_local(route: str):
+    """`LOCAL = route` ("cuda", "always" or "never") inside the block, restored after it."""
+    global LOCAL
+    device_route(route, "fastrpe.ops.linear.fft.causal.LOCAL", torch.device("cpu"))  # (checks the value)
+    before, LOCAL = LOCAL, route
+    try:
+        yield
+    finally:
+        LOCAL = before
+
+
+def local_on(device: torch.device, Lq: int, Lk: int, q_offset: int, table_grad: bool = False) -> bool:
+    """Whether `causal_product` takes each chunk's own pairs by `triton_tiled` on `device`
+    (`LOCAL`, where the kernels can run and every query's position is a key's; not for a table
+    that takes a gradient under `torch.use_deterministic_algorithms`: the kernels add it
+    atomically, as `triton_blocked`'s correlations, which refuse it too)."""
+    if not device_route(LOCAL, "fastrpe.ops.linear.fft.causal.LOCAL", device) or q_offset + Lq > Lk:
+        return False
+    if table_grad and torch.are_deterministic_algorithms_enabled():
+        return False
+    from ..triton_chunked import triton_unavailable_reason
+
+    return triton_unavailable_reason(device) is None
+
+
+def chunk_on(device: torch.device, Lq: int, q_offset: int, leaf: int, shape: Shape, local: bool = False
+             ) -> int | None:
     """The chunk length `causal_product` cuts the positions into on `device` (`BLOCKED`, then
-    `plan.causal_chunk`'s cost, with the blocked product's kernels where they take the call),
-    or None: the recursion over the whole length. `auto`'s cost of the path reads it too
-    (`plan.causal_levels`, `kernels_on`)."""
+    `plan.causal_chunk`'s cost, with the blocked product's kernels where they take the call, and
+    the chunks' own pairs tiled with `local`, `local_on`), or None: the recursion over the whole
+    length. `auto`'s cost of the path reads it too (`plan.causal_levels`, `kernels_on`)."""
     blocked = device_route(BLOCKED, "fastrpe.ops.linear.fft.causal.BLOCKED", device)
-    return causal_chunk(Lq, q_offset, leaf, shape, kernels_on(device, shape)) if blocked else None
+    return causal_chunk(Lq, q_offset, leaf, shape, kernels_on(device, shape), local) if blocked else None
 
 
 def kernels_on(device: torch.device, shape: Shape) -> bool:
@@ -114,17 +171,21 @@ def kernels_on(device: torch.device, shape: Shape) -> bool:
 
 
 def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int,
-                   memory_budget_bytes: int | None = None, leaf: int = CAUSAL_LEAF) -> tuple[Tensor, Tensor]:
+                   memory_budget_bytes: int | None = None, leaf: int = CAUSAL_LEAF, products: str = "ieee"
+                   ) -> tuple[Tensor, Tensor]:
     """Causal product `[B, H, Lq, C]` (rows in units of `exp(scale)`) and its estimated
     round-off per entry (`scaled_product`): the pairs across chunks by one blocked product
-    (`BLOCKED`), those inside each chunk over the recursion's segments, diagonal leaves
-    dense, the rest FFT products each rescaled by its own largest coefficient. `lc` is
-    already masked (`-inf` for `r > 0`). Every segment is computed: the schedule is static.
-    Each product's feature blocks fit the memory budget, sized from its own segment or from
-    the whole call (`SEGMENT_BLOCKS`)."""
+    (`BLOCKED`), those inside each chunk by the tiled kernels (`LOCAL`, `local_product`, their
+    float32 products multiplied as `products` says: `triton_chunked.PRECISIONS`) or over the
+    recursion's segments, diagonal leaves dense, the rest FFT products each rescaled by its own
+    largest coefficient. `lc` is already masked (`-inf` for `r > 0`). Every segment is
+    computed: the schedule is static. Each product's feature blocks fit the memory budget,
+    sized from its own segment or from the whole call (`SEGMENT_BLOCKS`)."""
     B, H, Lq, F = phi_q.shape
     Lk, C = phi_k.shape[2], vv.shape[-1]
-    chunk = chunk_on(phi_q.device, Lq, q_offset, leaf, Shape(B, H, F, C - 1, phi_q.dtype, memory_budget_bytes))
+    local = local_on(phi_q.device, Lq, Lk, q_offset, lc.requires_grad and torch.is_grad_enabled())
+    chunk = chunk_on(phi_q.device, Lq, q_offset, leaf, Shape(B, H, F, C - 1, phi_q.dtype, memory_budget_bytes),
+                     local)
     # each part is added in place as it comes (index_add_: its backward passes the gradient
     # through and gathers the part's rows, no full-size copy): holding every part for one
     # scatter at the end kept one [B, H, Lq, C] tensor per level of the recursion, and as
@@ -137,6 +198,9 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
     else:
         y = phi_q.new_zeros(B, H, Lq, C)
         err = phi_q.new_zeros(B, H, Lq, C)  # dense leaves add no FFT round-off
+    if local and chunk is not None:  # each chunk's own pairs tiled, added in its rows' units
+        # (into y in place: the blocked product's rescaled sum or fresh zeros, which no backward reads)
+        return local_product(phi_q, phi_k, vv, lc, scale, q_offset, chunk, products, into=y), err
     per_segment = device_route(SEGMENT_BLOCKS, "fastrpe.ops.linear.fft.causal.SEGMENT_BLOCKS", phi_q.device)
 
     def block_of(qa: int, qb: int, ka: int, kb: int) -> tuple[int, int]:
@@ -147,6 +211,52 @@ def causal_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: 
     segments = [(kind, qa, qb, ka, kb, block_of(qa, qb, ka, kb) if kind == "cross" else None)
                 for kind, qa, qb, ka, kb, _ in _tree(Lq, Lk, q_offset, leaf, chunk)]
     return segment_sums(_segment, segments, y, err, (phi_q, phi_k, vv, lc, scale))
+
+
+def _chunk_rows(x: Tensor, start: int, n: int, T: int, pos0: int) -> Tensor:
+    """`x: [B, H, L, k]` whose rows sit at positions `pos0..pos0+L-1` -> `[B·n, H, T, k]`: chunks
+    `start..start+n-1` of T positions as a batch (zeros where x has no row; `blocked._chunks`)."""
+    B, H, _, k = x.shape
+    return _chunks(x, start, n, T, pos0).transpose(-1, -2).transpose(1, 2).reshape(B * n, H, T, k)
+
+
+def local_product(phi_q: Tensor, phi_k: Tensor, vv: Tensor, lc: Tensor, scale: Tensor, q_offset: int, T: int,
+                  products: str = "ieee", into: Tensor | None = None) -> Tensor:
+    """`[B, H, Lq, C]` in the rows' units `exp(scale)`: each query's pairs with the keys of its
+    own chunk of T positions (key position <= query position), by `triton_tiled` over the chunks
+    as one batch. Every chunk has the same offsets `-(T-1)..0`, so one `[H, 2T-1]` slice of the
+    table serves all; each row comes back in units of its largest coefficient inside the chunk,
+    `m_i <= scale_i`, and is brought to `scale_i` (the clamp at 0 only guards the two maxima's
+    round-off). Needs `q_offset + Lq <= Lk` (`local_on`): a key past the last one would be
+    padding that still counts in `m_i`. Dense: no FFT round-off; a row whose in-chunk maximum
+    lies more than about 87 nats below its own loses the chunk's pairs to float32 underflow, as
+    the recursion's dense leaves' `exp(b - scale)` did. `into`: a `[B, H, Lq, C]` tensor in the
+    same units, which the pairs are added to in place and which is returned."""
+    from ..triton_tiled import kernelized_num_den_triton_tiled
+
+    B, H, Lq, F = phi_q.shape
+    C = vv.shape[-1]
+    b0 = q_offset // T
+    n = -(-(q_offset + Lq) // T) - b0
+    lo = b0 * T
+    q = _chunk_rows(phi_q, b0, n, T, q_offset)
+    k = _chunk_rows(phi_k, b0, n, T, 0)
+    v = _chunk_rows(vv[..., :C - 1], b0, n, T, 0)
+    # offset d (query position minus key's) of row i sits at lc[:, Lq-1+q_offset-d]; the tiled
+    # op's own table for T queries and T keys holds offsets j - i = -(T-1)..T-1 at index T-1+j-i
+    c0 = Lq - 1 + q_offset
+    pad = torch.nn.functional.pad(lc, (T, T), value=float("-inf"))  # (never read past: d >= 0 here)
+    lct = pad[:, c0 + 1: c0 + 2 * T]  # (H, 2T-1): j - i = -(T-1)..T-1
+    num, den, m = kernelized_num_den_triton_tiled(q, k, v, lct, causal=True, precision=products)
+    y = torch.cat([num, den[..., None]], dim=-1)  # (B·n, H, T, C)
+    first = q_offset - lo
+    y = y.view(B, n, H, T, C).transpose(1, 2).reshape(B, H, n * T, C)[:, :, first: first + Lq]
+    with torch.no_grad():
+        rows = m.repeat(1, n)[:, first: first + Lq]  # (H, Lq): row i's in-chunk maximum
+        factor = torch.exp((rows - scale).clamp_max(0.0))
+    factor = factor[None, :, :, None]
+    # added into `into` scaled, in one op (at a million tokens each full-size temporary is 2.2 GB)
+    return y * factor if into is None else into.addcmul_(y, factor)
 
 
 def _segment(seg: tuple, args: list[Tensor]) -> tuple[Tensor, Tensor | None]:

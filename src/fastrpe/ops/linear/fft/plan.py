@@ -190,7 +190,8 @@ class Shape(NamedTuple):
     budget: int | None = None
 
 
-def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape, kernels: bool = False) -> int | None:
+def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape, kernels: bool = False, local: bool = False
+                 ) -> int | None:
     """Chunk length of the causal path: of the power-of-two multiples of the leaf that cut the
     positions `0..q_offset+Lq-1` into BLOCKED_MIN_CHUNKS to BLOCKED_CHUNKS chunks, the one whose
     work in full-length product levels (`causal_levels`, the lag matrices' traffic included) is
@@ -200,10 +201,12 @@ def causal_chunk(Lq: int, q_offset: int, leaf: int, shape: Shape, kernels: bool 
     budget: the recursion from 262,144 tokens on; before, 64 chunks there moved the matrices
     about 26 times per channel, 1,056 blocks of 2 channels: `benchmarks/fft_blocked_traffic.py`).
     `kernels`: the sums over chunks run in `triton_blocked`'s kernels (`blocked.kernels_take`),
-    which build no lag matrices (`KERNEL_BLOCKED_LEVELS`)."""
+    which build no lag matrices (`KERNEL_BLOCKED_LEVELS`). `local`: each chunk's own pairs run in
+    `triton_tiled`'s kernels (`causal.local_on`), from one chunk over all positions to
+    BLOCKED_CHUNKS (`local_chunk_choices`, `local_levels`)."""
     best, cost = None, causal_levels(Lq, q_offset, leaf, None, shape)
-    for T in chunk_choices(Lq, q_offset, leaf):
-        c = causal_levels(Lq, q_offset, leaf, T, shape, kernels)
+    for T in (local_chunk_choices(Lq, q_offset) if local else chunk_choices(Lq, q_offset, leaf)):
+        c = causal_levels(Lq, q_offset, leaf, T, shape, kernels, local)
         if c < cost:
             best, cost = T, c
     return best
@@ -222,6 +225,45 @@ def chunk_choices(Lq: int, q_offset: int, leaf: int) -> list[int]:
         out.append(T)
         T *= 2
     return out
+
+
+#: the smallest chunk `local_chunk_choices` offers: the tiled kernels' tiles are 64 rows, and
+#: below this many positions a chunk's pairs are too few for the blocked product they add to pay
+LOCAL_MIN_CHUNK = 256
+
+
+def local_chunk_choices(Lq: int, q_offset: int) -> list[int]:
+    """The chunk lengths `causal_chunk` weighs where each chunk's own pairs are tiled: the powers
+    of two from LOCAL_MIN_CHUNK that cut the positions `0..q_offset+Lq-1` into at most
+    BLOCKED_CHUNKS chunks, up to one chunk over them all (no blocked product)."""
+    end = q_offset + Lq
+    T = LOCAL_MIN_CHUNK
+    while -(-end // T) > BLOCKED_CHUNKS:
+        T *= 2
+    out = [T]
+    while T < end:
+        T *= 2
+        out.append(T)
+    return out
+
+
+#: the tiled kernels' work on one pair (query, key) of a chunk, forward + backward, in the bytes
+#: HBM moves meanwhile, per unit of `F + Dv + 1` (the products' widths): `triton_tiled` took 230 ms
+#: for the causal table at 65,536 tokens (B·H = 8, F = 32, Dv = 64, tf32x3; H100 at 3.35 TB/s,
+#: 2026-11-28), 1.72e10 pairs, 44.9 bytes a pair. bf16x3, which a 16-bit call takes, halved its
+#: time at 4,096 tokens under CUDA graphs there; this keeps tf32x3's rate (the chunks then come
+#: out no longer than they should). With it, a chunk's own pairs cost `T/2 · LOCAL_PAIR_BYTES ·
+#: (F + Dv + 1)` per position against a level's `LEVEL_BYTES · F · (Dv + 1)`: 0.15 levels at
+#: T = 2,048, 0.58 at 8,192 (F = 32, Dv = 64), where the recursion inside a chunk took
+#: `log2(T/leaf)` levels and its dense leaves. Not timed as part of the FFT path yet
+LOCAL_PAIR_BYTES = 0.46
+
+
+def local_levels(T: int, shape: Shape) -> float:
+    """The tiled kernels' work on each chunk's own pairs (chunks of T positions), in full-length
+    product levels (`LOCAL_PAIR_BYTES`, `LEVEL_BYTES`)."""
+    _, _, F, Dv, dtype, _ = shape
+    return T / 2 * LOCAL_PAIR_BYTES * (F + Dv + 1) / (LEVEL_BYTES * element_size(dtype) / 4 * F * (Dv + 1))
 
 
 #: the blocked product's work in halving levels' worth (each a full-length FFT product of
@@ -287,20 +329,26 @@ def matrix_levels(Lq: int, q_offset: int, T: int, shape: Shape) -> float:
 KERNEL_BLOCKED_LEVELS = 2.0
 
 
-def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape, kernels: bool = False) -> float:
+def causal_levels(Lq: int, q_offset: int, leaf: int, chunk: int | None, shape: Shape, kernels: bool = False,
+                  local: bool = False) -> float:
     """The causal path's FFT work above its dense leaves, in full-length product levels: the
     recursion's `log2(L/leaf)` (`chunk` None), or with the blocked product over chunks of
     `chunk` positions `BLOCKED_LEVELS + N/50` for its N chunks plus the recursion's levels
     inside a chunk, plus the lag matrices' traffic for `shape` (`matrix_levels`); with
     `kernels` (the sums over chunks in `triton_blocked`'s kernels) `KERNEL_BLOCKED_LEVELS + N/100`
-    and the levels inside a chunk."""
+    and the levels inside a chunk. With `local` (each chunk's own pairs tiled: no recursion and
+    no leaves inside it) `local_levels` replaces the levels inside a chunk, and one chunk over
+    all positions has no blocked product."""
     end = q_offset + Lq
     if chunk is None:
         return float(max(0, math.ceil(math.log2(max(1.0, end / leaf)))))
-    inside = math.log2(chunk // leaf)
+    n = -(-end // chunk)
+    inside = local_levels(chunk, shape) if local else math.log2(chunk // leaf)
+    if local and n == 1:
+        return inside
     if kernels:
-        return KERNEL_BLOCKED_LEVELS + -(-end // chunk) / 100 + inside
-    return BLOCKED_LEVELS + -(-end // chunk) / 50 + inside + matrix_levels(Lq, q_offset, chunk, shape)
+        return KERNEL_BLOCKED_LEVELS + n / 100 + inside
+    return BLOCKED_LEVELS + n / 50 + inside + matrix_levels(Lq, q_offset, chunk, shape)
 
 
 def blocked_block(B: int, H: int, nb: int, na: int, T: int, F: int, Dv: int, dtype=torch.float32,
