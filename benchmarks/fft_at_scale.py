@@ -65,6 +65,51 @@ def gpu_schedule(budget: int):
         causal.BLOCKED, causal.SEGMENT_BLOCKS, plan.DEFAULT_BUDGET, api.check_qkv = saved
 
 
+class TiledTally:
+    """The bytes `triton_tiled`'s launches would move (a launch is no aten op, so `ByteCounter`
+    cannot see it): each operand read and each result written once, the lower bound (the
+    kernels read a chunk's key tiles again for each tile of its queries, from the cache where
+    they fit)."""
+
+    def __init__(self):
+        self.bytes = self.launches = 0
+
+    def add(self, tensors) -> None:
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        self.launches += 1
+
+
+@contextlib.contextmanager
+def tiled_on_shapes(local: bool = True):
+    """The causal path's chunks' own pairs by `triton_tiled` (`fft.causal.LOCAL`, what "cuda"
+    means on a GPU) on fake CPU tensors: its launches replaced by their shapes (the custom ops'
+    fake implementations), their bytes tallied; yields the `TiledTally`. `local=False`: the
+    recursion inside each chunk (`LOCAL = "never"`), the path before."""
+    from fastrpe.ops.linear import triton_chunked, triton_tiled
+    from fastrpe.ops.linear.fft import causal
+
+    tally = TiledTally()
+
+    def shapes_of(fake, n_in):
+        def call(*args):
+            out = fake(*args)
+            tally.add([*args[:n_in], *out])
+            return out
+        return call
+
+    saved = (causal.LOCAL, triton_tiled._tiled_forward_op, triton_tiled._tiled_backward_op,
+             triton_chunked.triton_unavailable_reason, triton_tiled.triton_unavailable_reason)
+    causal.LOCAL = "always" if local else "never"
+    triton_tiled._tiled_forward_op = shapes_of(triton_tiled._tiled_forward_fake, 5)
+    triton_tiled._tiled_backward_op = shapes_of(triton_tiled._tiled_backward_fake, 12)
+    triton_chunked.triton_unavailable_reason = triton_tiled.triton_unavailable_reason = lambda device: None
+    try:
+        yield tally
+    finally:
+        (causal.LOCAL, triton_tiled._tiled_forward_op, triton_tiled._tiled_backward_op,
+         triton_chunked.triton_unavailable_reason, triton_tiled.triton_unavailable_reason) = saved
+
+
 @contextlib.contextmanager
 def forced_chunk(chunk):
     """The causal path's chunk length forced to `chunk` ("none": the recursion over the whole
@@ -80,7 +125,7 @@ def forced_chunk(chunk):
         causal.chunk_on = saved
 
 
-def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chunk=None) -> dict:
+def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chunk=None, local: bool = True) -> dict:
     import fastrpe as fr
     from fastrpe.bench.gpu import _closure, family_causal, make_position
     from fastrpe.ops.linear.fft.plan import budget_for_memory
@@ -89,7 +134,7 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chu
     kern = fr.kernels.get_kernel("nprf", head_dim=D, num_features=F)
     pos, causal = make_position(family, H, L), family_causal(family)
     t0 = time.perf_counter()
-    with warnings.catch_warnings(), gpu_schedule(budget), forced_chunk(chunk), \
+    with warnings.catch_warnings(), gpu_schedule(budget), forced_chunk(chunk), tiled_on_shapes(local) as tiled, \
             FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")  # fake tensors' data_ptr, read by the memo of a frozen table
         q, k, v = (torch.empty(1, H, L, D, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
@@ -98,17 +143,26 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chu
         call()  # the frozen table's coefficients kept, as the bench's timed calls find them
         for x in (q, k, v):
             x.grad = None
+        tiled.bytes = tiled.launches = 0
         with LivePeak() as m, ByteCounter() as c:
             call()
     inputs = 3 * H * L * D * 2 + sum(p.numel() * p.element_size() for p in (*pos.parameters(), *kern.parameters()))
     return {"family": family, "causal": causal, "L": L, "gpu": gpu, "budget_bytes": budget,
-            "chunk": "plan" if chunk is None else chunk,
-            "gib_moved": c.bytes / GIB, "launches": c.launches, "ms_at_hbm_peak": c.bytes / HBM[gpu] * 1e3,
+            "chunk": "plan" if chunk is None else chunk, "local": local if causal else None,
+            "gib_moved": (c.bytes + tiled.bytes) / GIB, "launches": c.launches + tiled.launches,
+            "tiled_gib": tiled.bytes / GIB, "tiled_launches": tiled.launches,
+            "ms_at_hbm_peak": (c.bytes + tiled.bytes) / HBM[gpu] * 1e3,
             "peak_gib_above_inputs": m.peak / GIB, "inputs_gib": inputs / GIB,
             "peak_gib_in_all": (m.peak + inputs) / GIB,
             "held_at_peak": [{"gib": n / GIB, "op": op} for n, op in m.at_peak],
             "by_op": [{"op": op, "gib": b / GIB, "launches": n} for op, b, n in c.top(12)],
             "cpu_seconds": time.perf_counter() - t0}
+
+
+def family_is_causal(family: str) -> bool:
+    from fastrpe.bench.gpu import family_causal
+
+    return family_causal(family)
 
 
 def main() -> None:
@@ -119,16 +173,24 @@ def main() -> None:
     ap.add_argument("--chunks", default=None,
                     help="comma-separated chunk lengths to force on the causal path, 'none' the recursion "
                          "(default: the plan's pick only)")
+    ap.add_argument("--local", default="on", choices=("on", "off", "both"),
+                    help="the causal path's chunks' own pairs by triton_tiled (on, fft.causal.LOCAL's GPU route), "
+                         "by the recursion inside each chunk (off, the path before), or both")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     chunks = [None] if a.chunks is None else a.chunks.split(",")
+    locals_ = {"on": (True,), "off": (False,), "both": (False, True)}[a.local]
     rows = []
     for L in (int(x) for x in a.lengths.split(",")):
         for fam in a.families.split(","):
-            for gpu, chunk in ((g, c) for g in a.gpus.split(",") for c in chunks):
-                r = row(fam, L, gpu, chunk=chunk)
+            for gpu, chunk, local in ((g, c, lo) for g in a.gpus.split(",") for c in chunks for lo in locals_):
+                if local and not family_is_causal(fam) and len(locals_) > 1:
+                    continue  # (the not-causal path has no chunks: one row)
+                r = row(fam, L, gpu, chunk=chunk, local=local)
                 rows.append(r)
-                print(f"{fam:13s} L={L:8d} {gpu:10s} chunk {r['chunk']:>6}, budget {r['budget_bytes'] / GIB:4.2f} GiB: "
+                inside = "not causal" if r["local"] is None else ("tiled" if local else "recursion") + " inside"
+                print(f"{fam:13s} L={L:8d} {gpu:10s} chunk {r['chunk']:>6} {inside}, "
+                      f"budget {r['budget_bytes'] / GIB:4.2f} GiB: "
                       f"{r['gib_moved']:9.1f} GiB moved, {r['launches']:6d} launches, >= {r['ms_at_hbm_peak']:7.1f} ms; "
                       f"peak {r['peak_gib_above_inputs']:6.2f} GiB above the inputs, {r['peak_gib_in_all']:6.2f} in all "
                       f"({r['cpu_seconds']:.0f} s)", flush=True)

@@ -154,10 +154,13 @@ def plan_rows() -> list[dict]:
     return rows
 
 
-def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned", chunks=(None,)) -> list[dict]:
+def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned", chunks=(None,),
+                  local: bool = True) -> list[dict]:
     """`fft_at_scale.row` with the sums over chunks on the torch path, then on the kernels, each
     with the plan's chunk (None) or the chunk length of `chunks` ("none": the recursion; the
-    torch path is then counted at the plan's chunk only: `fft_at_scale.py --chunks` has it)."""
+    torch path is then counted at the plan's chunk only: `fft_at_scale.py --chunks` has it);
+    `local`: each chunk's own pairs by triton_tiled (`fft.causal.LOCAL`), else the recursion
+    inside the chunks."""
     import fft_at_scale as fs
 
     from fastrpe.ops.linear.fft import blocked, triton_blocked
@@ -167,7 +170,7 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
         saved = blocked.KERNEL
         blocked.KERNEL = "never"
         try:
-            before = fs.row(family, L, gpu) if chunk is None else None
+            before = fs.row(family, L, gpu, local=local) if chunk is None else None
         finally:
             blocked.KERNEL = saved
         with triton_blocked.count_traffic(simulate=True) as t:
@@ -178,11 +181,11 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
 
             saved_counter, fs.ByteCounter, blocked.KERNEL = fs.ByteCounter, Counted, "always"
             try:
-                after = fs.row(family, L, gpu, chunk=chunk)
+                after = fs.row(family, L, gpu, chunk=chunk, local=local)
             finally:
                 fs.ByteCounter, blocked.KERNEL = saved_counter, saved
         gib = 2 ** 30
-        r = {"L": L, "gpu": gpu, "family": family, "chunk": "plan" if chunk is None else chunk}
+        r = {"L": L, "gpu": gpu, "family": family, "chunk": "plan" if chunk is None else chunk, "local": local}
         if before is not None:
             r.update({"torch_gib": before["gib_moved"], "torch_launches": before["launches"],
                       "torch_peak_gib": before["peak_gib_above_inputs"]})

@@ -149,7 +149,22 @@
 # (PYTHONPATH=src /tmp/venv211/bin/python benchmarks/precompile.py verify --triton-key-file
 # runs/precompile/triton_key_cp312.txt --triton-dir runs/precompile/triton) should say 0 compiled.
 #
-# New since the second CPU session of 2026-11-29 (no GPU), for the next to read first:
+# New since the third CPU session of 2026-11-29 (no GPU), for the next to read first:
+# - The causal FFT path takes each chunk's own pairs by triton_tiled (`fft.causal.LOCAL`, "cuda"
+#   by default, untimed), not the recursion inside each chunk and its dense torch leaves, and
+#   picks its chunks with them (`plan.local_levels`: one chunk, all tiled, up to 16k tokens). By
+#   the byte count (benchmarks/results/fft_local_at_scale.json) the bench's causal table call
+#   moves 595 -> 469 GiB at 64k, 4,240 -> 2,592 at 262k; with the lag kernels 444-468 -> 329
+#   and 2,322-2,611 -> 1,400-1,495 (>= 0.29 s at the H200's peak, against about 2.1 s for Flex).
+#   Read `fastrpe-fft` (and `auto`) against the new `fastrpe-fft+chunk-recursion` (the path
+#   before) at 64k and 262k, and the lag kernels' row. If the recursion wins anywhere, set LOCAL
+#   back or recalibrate `plan.LOCAL_PAIR_BYTES` (tf32x3's H100 rate of triton_tiled: the local
+#   calls are bf16x3). The first call's tests run the blocked product at 4k with the tiled
+#   chunks (`test_fft_blocked_product_*[tiled-*]`); the `fft` float64 tests at 4k run one chunk,
+#   all tiled. The tiled kernel's float32-feature variants the FFT path launches are in the pack
+#   (`precompile.py record` runs a local call).
+#
+# New since the second CPU session of 2026-11-29 (no GPU):
 # - `fastrpe-fft+lag-kernels` (fresh 64k window, causal table; and after the 262k pair): the
 #   causal blocked product's sums over chunks in Triton kernels on the spectra as cuFFT writes
 #   them (`fft/triton_blocked.py`, `fft.blocked.KERNEL`, opt-in), with the chunks the plan picks
@@ -801,7 +816,7 @@ PRIORITY_1M_LENGTHS=1048576
 # any session: the general pass takes the 4k rows first), Flex and the FFT path, for at most
 # PRIORITY_262K_S s (default 120); Flex there is quadratic, about 2 s a call on the H100
 # (130 ms at 64k), so each row is timed once past the bench's 2-s limit
-PRIORITY_262K='flex,fastrpe-fft,fastrpe-auto,fastrpe-fft+lag-kernels:learned'
+PRIORITY_262K='flex,fastrpe-fft,fastrpe-auto,fastrpe-fft+lag-kernels:learned,fastrpe-fft+chunk-recursion:learned'
 PRIORITY_262K_FAMILIES=learned,learned_full
 PRIORITY_262K_LENGTHS=262144
 # A fresh `first` (no JSON of this GPU to resume: since 2026-11-28 the workplace lends H200s
@@ -816,7 +831,7 @@ PRIORITY_262K_LENGTHS=262144
 # and the stacked state passes, `triton_soe.STATE_TERMS`, the KERPLE criteria's likeliest pass;
 # and the FFT path on the learned tables alone, "competitor:family": the 64k criterion of the
 # table over all offsets has no row yet, and the FFT is the exact linear-time candidate at 262k)
-PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_soe+saved-states+fused-maps,fastrpe-triton_soe+saved-states+bf16x3+fused-maps,fastrpe-triton_band+bf16x3,fastrpe-triton_band+bf16x3+fused-maps,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*,fastrpe-fft+lag-kernels:learned'
+PRIORITY_FRESH='flex,fastrpe-auto,fastrpe-triton_chunked+bf16x3,fastrpe-triton_chunked+bf16x3+fused-maps,fastrpe-triton_soe,fastrpe-triton_soe+bf16x3,fastrpe-triton_soe+saved-states,fastrpe-triton_soe+saved-states+bf16x3,fastrpe-triton_soe+saved-states+stacked-states,fastrpe-triton_soe+saved-states+bf16x3+stacked-states,fastrpe-triton_soe+saved-states+fused-maps,fastrpe-triton_soe+saved-states+bf16x3+fused-maps,fastrpe-triton_band+bf16x3,fastrpe-triton_band+bf16x3+fused-maps,fastrpe-triton_tiled+bf16x3,fastrpe-triton_tiled+bf16-features,fastrpe-fft:learned*,fastrpe-fft+lag-kernels:learned,fastrpe-fft+chunk-recursion:learned'
 PRIORITY_FRESH_FAMILIES=alibi,kerple_log,kerple_power,t5,learned,learned_full
 PRIORITY_FRESH_SHORT='flex,flex+cudagraphs,fastrpe-triton_*+cudagraphs,fastrpe-auto'
 PRIORITY_FRESH_SHORT_LENGTH=4096
@@ -1156,7 +1171,7 @@ case "$phase" in
         tests/test_gpu.py tests/test_triton_chunked.py tests/test_triton_soe.py tests/test_triton_band.py \
         tests/test_triton_tiled.py tests/test_triton_prf.py tests/test_triton_recurrent.py \
         tests/test_fft_blocked_triton.py \
-        -k "sixteen_bit or fused_maps or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16"
+        -k "sixteen_bit or fused_maps or (float64 and nprf and (triton or fft)) or (float64 and flex and t5) or realistic or bench_shape or dense_bf16 or (fft_blocked_product and tiled)"
     # 1b. where an eager decoding step's host time goes (cProfile, about 15 s, while the warm-up
     #     ends): the sixth session's fused steps took 307-488 µs eagerly against 21-28 µs replayed
     #     from a CUDA graph, and the 5x criterion needs about 184 µs; the CPU's own profile

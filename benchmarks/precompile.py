@@ -275,6 +275,27 @@ def prf_sweep_launches(L: int = 65536) -> None:
             tp.prf_backward_launch(x, w, shift, dphi, dx, kern, is_query, **choices)
 
 
+def fft_local_launches() -> None:
+    """The causal FFT path's chunks' own pairs (`fft.causal.local_product`): triton_tiled's
+    kernels on the FFT's float32 features and values, multiplied as a 16-bit call multiplies them
+    (`causal.local_products`), forward and backward, a frozen table. The bench's `fft` rows are
+    not run here (their FFTs on this CPU would take minutes), and one chunk length compiles what
+    every one does: the sizes are specialized on their divisibility by 16 only, which every
+    power-of-two chunk shares, and the weight table's block is `min(1024, 2T)`, 1,024 for the
+    chunks of 512 and more that the plan takes on the bench's problems."""
+    import torch
+
+    from fastrpe.ops.linear.fft import causal
+
+    B, H, T, n, F, Dv = 1, 8, 1024, 2, 32, 64
+    L = n * T
+    pq, pk = (torch.zeros(B, H, L, F, requires_grad=True) for _ in range(2))
+    vv = torch.zeros(B, H, L, Dv + 1, requires_grad=True)
+    lc, scale = torch.zeros(H, 2 * L - 1), torch.zeros(H, L)
+    y = causal.local_product(pq, pk, vv, lc, scale, 0, T, causal.local_products(torch.bfloat16))
+    y.sum().backward()
+
+
 def record(out: Path, families, lengths, decode: bool, prf: bool, log=print, only=()) -> dict:
     import torch
     import triton
@@ -284,6 +305,7 @@ def record(out: Path, families, lengths, decode: bool, prf: bool, log=print, onl
     t0 = time.perf_counter()
     with no_gpu_driver(), recording(specs), on_a_gpu():
         n = bench_rows(families, lengths, log, only)
+        fft_local_launches()
         if decode:
             decode_steps(log)
         if prf:

@@ -95,7 +95,8 @@ _KERPLE_ROWS = ("flex", "fastrpe-triton_soe", "fastrpe-triton_soe+saved-states",
 _TABLE_ROWS = ("flex", "fastrpe-triton_tiled", "fastrpe-fft", "fastrpe-auto", "fastrpe-triton_tiled+compiled",
                "flex+cudagraphs", "fastrpe-triton_tiled+cudagraphs", "fastrpe-triton_tiled+bf16-features+cudagraphs",
                "fastrpe-triton_tiled+compiled+cudagraphs", "fastrpe-triton_tiled+bf16-features",
-               "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs", "fastrpe-fft+lag-kernels")
+               "fastrpe-triton_tiled+bf16x3", "fastrpe-triton_tiled+bf16x3+cudagraphs", "fastrpe-fft+lag-kernels",
+               "fastrpe-fft+chunk-recursion")
 #: the competitors `check` reads, per family (SDPA: the ratios' ceiling). The suite runs these
 #: first, at the lengths `reads` names, and the rest after: the first H100 call spent its budget
 #: on two rows of 4,096 tokens, and fla's chunk_linear_attn, which no criterion reads, autotuned
@@ -721,7 +722,8 @@ def sampled_reference(kern, pos, q, k, v, rows: torch.Tensor, causal: bool) -> t
 def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None, state_scan: str | None = None,
                   compiled: bool = False, mode: str | None = None, saved_states: int | None = None,
                   graphed: bool = False, float32_products: str | None = None, far_field: str | None = None,
-                  fused_maps: bool | None = None, state_terms: int | None = None, lag_kernels: bool = False):
+                  fused_maps: bool | None = None, state_terms: int | None = None, lag_kernels: bool = False,
+                  chunk_recursion: bool = False):
     """`fastrpe.attention(backend=backend)`; `lowp_features` sets the Triton backends'
     `backends_triton.LOWP_FEATURES` for its calls (the variant rows `+bf16-features`),
     `float32_products` their `FLOAT32_PRODUCTS` (`+bf16x3`; "tf32x3" where None for a Triton
@@ -739,8 +741,11 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
     (`+stacked-states`: several terms' states a program in the chunk-state passes,
     `triton_soe_stacked`); `lag_kernels`, the FFT path's `fft.blocked.KERNEL = "cuda"`
     (`+lag-kernels`: the causal blocked product's sums over chunks in Triton kernels on the
-    spectra as cuFFT writes them, `fft/triton_blocked.py`); `graphed`, the eager call replayed from a CUDA graph (`captured`;
-    `+cudagraphs`), up to `cfg.compiled_max_length`."""
+    spectra as cuFFT writes them, `fft/triton_blocked.py`); `chunk_recursion`, the FFT path's
+    `fft.causal.LOCAL = "never"` (`+chunk-recursion`: each chunk's own pairs by the halving
+    recursion and dense leaves, the path before they went through `triton_tiled`); `graphed`, the
+    eager call replayed from a CUDA graph (`captured`; `+cudagraphs`), up to
+    `cfg.compiled_max_length`."""
     mode = cfg.compile_mode if mode is None else mode
     if float32_products is None and backend.startswith("triton_"):
         float32_products = "tf32x3"  # (the rows' meaning since before the library's default changed)
@@ -752,6 +757,7 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
         from fastrpe.dispatch import BACKENDS, explain_problem, select_backend
         from fastrpe.ops.linear.triton_chunked import use_state_scan
         from fastrpe.ops.linear.fft.blocked import use_kernel
+        from fastrpe.ops.linear.fft.causal import use_local
         from fastrpe.ops.linear.triton_soe import use_far_field, use_saved_states, use_state_terms
 
         if p.position == "none":
@@ -808,6 +814,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
                     stack.enter_context(use_state_terms(state_terms))
                 if lag_kernels:
                     stack.enter_context(use_kernel("cuda"))
+                if chunk_recursion:
+                    stack.enter_context(use_local("never"))
                 return attend(q, k, v)
 
         if lowp_features is not None:
@@ -826,6 +834,8 @@ def fastrpe_setup(backend: str, cfg: GpuConfig, lowp_features: str | None = None
             extra["state_terms"] = state_terms
         if lag_kernels:
             extra["lag_kernels"] = "cuda"
+        if chunk_recursion:
+            extra["chunk_recursion"] = True
         skips = cudagraph_skips_mark()
         if compiled:
             raise_recompile_limits()
@@ -996,6 +1006,11 @@ def registry(cfg: GpuConfig) -> dict:
     # at 64k, 4,240 -> 2,322-2,611 at 262k with 64 chunks: results/fft_blocked_kernels_at_scale.json)
     if "fft" in BACKENDS:
         reg["fastrpe-fft+lag-kernels"] = fastrpe_setup("fft", cfg, lag_kernels=True)
+        # the path before each chunk's own pairs went through triton_tiled (`fft.causal.LOCAL`,
+        # "cuda" by default untimed; by the byte count 595 -> 469 GiB at 64k, 4,240 -> 2,592 at
+        # 262k; with the lag kernels 444-468 -> 329 and 2,322-2,611 -> 1,400-1,495:
+        # results/fft_local_at_scale.json)
+        reg["fastrpe-fft+chunk-recursion"] = fastrpe_setup("fft", cfg, chunk_recursion=True)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
         if name in BACKENDS:
@@ -1570,14 +1585,21 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: backward inside the SoE gradient kernels (`+fused-maps` of triton_soe and triton_band,
 #: `ops/linear/triton_soe_prf.py`); the kernels the others run are the same (a refactor: the
 #: interpreter's outputs bitwise equal).
-CODE_EPOCH = 12
+#: Epoch 13 (the third CPU session of 2026-11-29): the causal FFT path
+#: takes each chunk's own pairs by triton_tiled's kernels (`fft.causal.LOCAL`), not the recursion
+#: inside each chunk and its dense leaves, and its chunks from a model that prices them
+#: (`plan.local_levels`: one chunk, all tiled, up to 16k tokens): the causal table's `fft` rows
+#: and its `auto` rows move again; the new row `fastrpe-fft+chunk-recursion` times the path before.
+CODE_EPOCH = 13
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
            ("fla-chunk_simple_gla", "*", 0, 5), ("fastrpe-triton_soe+walk+bf16x3", "*", 0, 7),
            ("fastrpe-auto", "*", 0, 7), ("fastrpe-triton_soe+bf16x3", "*", 0, 9),
            ("fastrpe-triton_soe+saved-states*", "*", 0, 9), ("fastrpe-triton_band+bf16x3", "*", 0, 9),
            ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 11), ("fastrpe-auto", "learned", 0, 11),
-           ("fastrpe-fft", "learned", 0, 12), ("fastrpe-auto", "learned", 0, 12))
+           ("fastrpe-fft", "learned", 0, 12), ("fastrpe-auto", "learned", 0, 12),
+           ("fastrpe-fft", "learned", 0, 13), ("fastrpe-auto", "learned", 0, 13),
+           ("fastrpe-fft+lag-kernels", "learned", 0, 13))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
