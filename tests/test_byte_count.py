@@ -65,3 +65,18 @@ def test_an_in_place_scatter_touches_only_its_sources_entries():
     assert c.bytes == 8 * 10 + 400 + 2 * 400  # index, source, its rows of y read and written
     c = _count(lambda: y.index_copy_(0, idx, part))
     assert c.bytes == 8 * 10 + 400 + 400  # its rows of y written only
+
+
+def test_a_slice_copied_onto_itself_moves_nothing():
+    """Python's `y[s] += x` ends with its setitem copying the slice onto itself, which ATen's
+    `copy_` returns from at once (the same storage, offset, sizes and strides): no bytes, no
+    launch; a copy between two different slices of one tensor still counts."""
+    y, x = torch.zeros(100, 10), torch.ones(100, 4)
+
+    def add_into_slice():
+        y[:, 2:6] += x
+
+    c = _count(add_into_slice)
+    assert (c.bytes, c.launches) == (3 * 1600, 1)  # the add_ alone
+    c = _count(lambda: y[:, 2:6].copy_(y[:, 4:8]))
+    assert (c.bytes, c.launches) == (2 * 1600, 1)
