@@ -8,9 +8,10 @@ config) and ptxas' register and spill counts are printed (`-s` shows them): at a
 chunk the float32-feature `_soe_bwd_dkv` needed 295 KB in every config, which is why the
 near field now spans several 64-token chunks instead.
 
-113 compilations (the bf16 features, and the float32 ones by tf32x3 and by bf16x3): 85 s on 2
-cores with a cold Triton cache under triton 3.6.0 (results/ptxas-sm90-bf16x3.json), over the
-suite's 30-s budget per test: it runs when FASTRPE_COMPILE_CHECK=1 is set, e.g.
+175 compilations (the bf16 features, and the float32 ones by tf32x3 and by bf16x3, the FFT
+path's kernels once): 111 s for the file on 2 cores under triton 3.6.0 (2026-11-29, beside other
+work; 113 took 85 s with a cold Triton cache, results/ptxas-sm90-bf16x3.json), over the suite's
+30-s budget per test: it runs when FASTRPE_COMPILE_CHECK=1 is set, e.g.
 `FASTRPE_COMPILE_CHECK=1 python -m pytest -q -s tests/test_triton_compile.py`."""
 import os
 import sys
@@ -29,7 +30,7 @@ from fastrpe.ops.linear import triton_chunked as tc, triton_soe as ts, triton_re
 from fastrpe.ops.linear import triton_soe_walk as tw, triton_soe_stacked as tss
 from fastrpe.ops import triton_prf as tp
 from fastrpe.ops.linear import triton_chunked_prf as tcp, triton_soe_prf as tsp
-from fastrpe.ops.linear.fft import triton_blocked as tb
+from fastrpe.ops.linear.fft import triton_blocked as tb, triton_rowsum as trs
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = next((p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN, "ptxas")) if os.path.exists(p)), None)
@@ -220,6 +221,16 @@ def all_cases():
                 cases += [(tb._mix_kernel, lags, dict(ADJOINT=adj, ENERGY=en, BR=16, BC=4, BP=32))
                           for adj, en in ((False, True), (False, False), (True, False))]
                 cases.append((tb._corr_kernel, lags, dict(BI=8, BA=8, BP=32)))
+                # the FFT products' row contractions (fft/triton_rowsum.py), as launched: the positions'
+                # unit strides specialized (1), the others not; the forward's 65 kept channels in
+                # tiles of 8 into a position-major output, a gradient's one kept feature in rows of
+                # 2,048 positions into a chunked one, and the float64 sums
+                rs = trs.kernel()
+                for rt, ones, tiles in (("fp32", dict(sap=1), dict(BK=8, BP=256)),
+                                        ("fp32", dict(sap=1, sbp=1, sop=1), dict(BK=1, BP=2048)),
+                                        ("fp64", dict(sap=1), dict(BK=8, BP=256))):
+                    cases.append((rs, dict.fromkeys(["a_ptr", "b_ptr", "out_ptr"], rt),
+                                  dict(B_K=False, ACC={"fp32": tl.float32, "fp64": tl.float64}[rt], **ones, **tiles)))
             # the fused decode step of a full band (T5) and of a sum of exponentials (KERPLE-log), as
             # `_prf_step_kernel`'s: bf16 q/k/[v, 1] rows, float32 states and windows, the quotient in bf16
             win = {"q_ptr": "bf16", "k_ptr": "bf16", "vv_ptr": "bf16", "o_ptr": "i16",
@@ -255,8 +266,8 @@ if TRANS:  # the key-tile gradient kernels, where the pattern was: bf16 features
 
 #: the list per feature mode (bf16; float32 by tf32x3; by bf16x3; the walk's 5 and the stacked passes' 6 in each) and the
 #: float32 modes' extras (the fused maps' kernels among them: triton_chunked_prf's 2, triton_soe_prf's 6), the
-#: table's and the FFT path's sums over chunks (4) once
-N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 25 + 1 + 4
+#: table's, the FFT path's sums over chunks (4) and its row contractions (3) once
+N_COMPILED = 3 * (14 + 5 + 6 + 2 * 7) + 2 * 25 + 1 + 4 + 3
 
 
 @pytest.mark.slow

@@ -44,8 +44,9 @@ import torch
 from torch import Tensor
 
 from ...common import device_route
-from .product import ROUND_OFF, _blocks, _channels, _row_sum
+from .product import ROUND_OFF, _blocks, _channels
 from .scale import to_row_units
+from .triton_rowsum import add_row_sum
 
 
 def chunk_layout(Lq: int, Lk: int, q_offset: int, T: int) -> tuple[int, int, int]:
@@ -295,7 +296,7 @@ class _BlockedNumDen(torch.autograd.Function):
             t = torch.fft.irfft(out, n=2 * T, dim=-1)[..., :T]  # (B, H·nb, f·c, T)
             del out
             t = t.view(B, H, nb, f, c, T)
-            y[:, :, :, cs:ce] += _row_sum(t, qc[:, :, :, s:e, None], 3)
+            add_row_sum(y[:, :, :, cs:ce], t, qc[:, :, :, s:e, None], 3)
             err2[:, :, :, s:e, cs:ce] = (unit ** 2 * e2).view(H, nb, B, f, c).permute(2, 0, 1, 3, 4)
         ctx.save_for_backward(qc, kc, vc, circ, W, lag, valid)
         ctx.block = block
@@ -358,15 +359,15 @@ class _BlockedNumDen(torch.autograd.Function):
             if out is not None:
                 t = torch.fft.irfft(out, n=2 * T, dim=-1)[..., :T].view(B, H, nb, f, c, T)
                 del out
-                g_q[:, :, :, s:e] += _row_sum(t, gt[:, :, :, None, cs:ce], 4)
+                add_row_sum(g_q[:, :, :, s:e], t, gt[:, :, :, None, cs:ce], 4)
                 del t
             if back is not None:
                 g = torch.fft.irfft(back, n=2 * T, dim=-1)[..., :T].view(B, H, na, f, c, T)
                 del back
                 if need_k:
-                    g_k[:, :, :, s:e] += _row_sum(g, vc[:, :, :, None, cs:ce], 4)
+                    add_row_sum(g_k[:, :, :, s:e], g, vc[:, :, :, None, cs:ce], 4)
                 if need_v:
-                    g_v[:, :, :, cs:ce] += _row_sum(g, kc[:, :, :, s:e, None], 3)
+                    add_row_sum(g_v[:, :, :, cs:ce], g, kc[:, :, :, s:e, None], 3)
         if pairs is not None:
             _lag_correlations(corr, pairs, Wv, lag)
         # d loss / d circ_δ[p] = Σ_pairs W·Σ_s ȳ_b[s]·x_a[s-p], a circular cross-correlation whose

@@ -31,6 +31,7 @@ from torch import Tensor
 from ...common import finite_max
 from ...toeplitz.fft import coeff_spectrum, fft_length, times_spectrum
 from .scale import to_row_units
+from .triton_rowsum import add_row_sum
 
 
 def _channels(a: Tensor, b: Tensor, N: int) -> Tensor:
@@ -69,18 +70,6 @@ def _blocks(F: int, C: int, block) -> list[tuple[int, int, int, int]]:
     if cb < C and fb != 1:
         raise ValueError(f"block: a feature's channels are split only one feature at a time, got {block}")
     return [(s, min(F, s + fb), cs, min(C, cs + cb)) for s in range(0, F, fb) for cs in range(0, C, cb)]
-
-
-def _row_sum(a: Tensor, b: Tensor, dim: int) -> Tensor:
-    """`(a * b).sum(dim)`: a contraction that keeps the rows (each query or key position
-    contracts a block's few features or channels on its own). Written as a broadcast
-    product, not an einsum: the einsum became a batched matrix-vector product with a batch per
-    row, which cuBLAS ran as gemv, 2,568 launches and 166 of the 555 ms of GPU time of one
-    non-causal learned-table call at 65,536 tokens (forward + backward, blocks of 1 feature by
-    15 channels; H100, 2026-11-27, benchmarks/results/gpu/h100-2026-11-27c-profile.json)."""
-    if a.shape[dim] == 1 and b.shape[dim] == 1:  # one feature a block (long sequences): no sum to take
-        return (a * b).squeeze(dim)
-    return torch.linalg.vecdot(a, b, dim=dim)  # (a mul and a sum: no BLAS call)
 
 
 #: FFT round-off per output entry of a circular convolution with spectrum P (length N):
@@ -124,7 +113,7 @@ class _FFTNumDen(torch.autograd.Function):
             # block read through a transposed view: a channel-major copy of all of φq would add
             # B·H·F·Lq floats to the forward's peak, 1 GiB at a million tokens)
             qb = phi_q[..., s:e].transpose(-1, -2)[:, :, :, None]
-            y[..., cs:ce] += _row_sum(t.unflatten(2, fc), qb, 2).transpose(-1, -2)
+            add_row_sum(y[..., cs:ce].transpose(-1, -2), t.unflatten(2, fc), qb, 2)
         ctx.save_for_backward(phi_q, phi_k, vv, c)
         ctx.block = block
         ctx.mark_non_differentiable(err)
@@ -153,7 +142,7 @@ class _FFTNumDen(torch.autograd.Function):
                 # (the spectrum multiplied in place when the coefficients' gradient does not need it)
                 t = torch.fft.irfft(xf * cf if need_c else times_spectrum(xf, cf), n=N, dim=-1)[..., Lk - 1: Lk - 1 + Lq]
                 # Σ_c gy[i, c]·t[f, c, i]: (B, H, f, c, Lq) by (B, H, 1, c, Lq), summed over c
-                g_q[..., s:e] += _row_sum(t.unflatten(2, fc), gt[:, :, None, cs:ce], 3).transpose(-1, -2)
+                add_row_sum(g_q[..., s:e].transpose(-1, -2), t.unflatten(2, fc), gt[:, :, None, cs:ce], 3)
                 del t
             # dL/d(T-product) per channel
             zf = torch.fft.rfft(_channels(qt[:, :, s:e], gt[:, :, cs:ce], N), dim=-1)  # (B, H, f·c, N//2+1)
@@ -167,9 +156,9 @@ class _FFTNumDen(torch.autograd.Function):
                 g = torch.fft.irfft(times_spectrum(zf, cf_t), n=N, dim=-1)[..., Lq - 1: Lq - 1 + Lk].unflatten(2, fc)
                 # (B, H, f, c, Lk)
                 if g_k is not None:
-                    g_k[..., s:e] += _row_sum(g, vt[:, :, None, cs:ce], 3).transpose(-1, -2)
+                    add_row_sum(g_k[..., s:e].transpose(-1, -2), g, vt[:, :, None, cs:ce], 3)
                 if g_v is not None:
-                    g_v[..., cs:ce] += _row_sum(g, kt[:, :, s:e, None], 2).transpose(-1, -2)
+                    add_row_sum(g_v[..., cs:ce].transpose(-1, -2), g, kt[:, :, s:e, None], 2)
         g_c = None
         if need_c:
             corr = torch.fft.irfft(g_cf, n=N, dim=-1)  # corr[t], t = j - i (mod N)
