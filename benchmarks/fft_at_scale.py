@@ -10,6 +10,14 @@ read, as on a GPU), and the memory budget of the GPU named (`plan.budget_for_mem
 eager CPU check that q, k, v are finite reads values, which fake tensors have none of; a GPU
 call does not make it either, so it is off here.
 
+The FFT products' row contractions (`out += (a * b).sum(dim)` after each inverse transform)
+take `fft.triton_rowsum`'s kernel, as `ROW_SUMS = "cuda"` routes them on a GPU: a launch is no
+aten op, so its bytes come from its shapes (`triton_rowsum.count_traffic(simulate=True)`,
+launching nothing; `rowsum_gib`: `a` and `b` read once, `out` read and written;
+`rowsum_gib_upper`: `b` once per tile of kept rows), added to the count. `row(...,
+row_sums=False)`: the torch expression (the count before it also had a `copy_` of each output
+slice onto itself, which torch skips: `triton_rowsum.ROW_SUMS`).
+
 Two counts, each checked against the real call in tests/test_live_peak.py:
 
 * `byte_count.ByteCounter`: each aten op's reads and writes, a lower bound on the traffic;
@@ -111,6 +119,18 @@ def tiled_on_shapes(local: bool = True):
 
 
 @contextlib.contextmanager
+def rowsum_on_shapes(on: bool = True):
+    """The FFT products' row contractions by `triton_rowsum`'s kernel (`ROW_SUMS = "always"`,
+    what "cuda" means on a GPU) on fake tensors: no launch, their bytes tallied; yields the
+    `count_traffic` tally (`lower`: `a` and `b` read once, `out` read and written). `on=False`:
+    the torch expression (`ROW_SUMS = "never"`), counted by `ByteCounter` as before."""
+    from fastrpe.ops.linear.fft import triton_rowsum
+
+    with triton_rowsum.use_row_sums("always" if on else "never"), triton_rowsum.count_traffic(simulate=True) as t:
+        yield t
+
+
+@contextlib.contextmanager
 def forced_chunk(chunk):
     """The causal path's chunk length forced to `chunk` ("none": the recursion over the whole
     length; None: the plan's own pick, `fft.plan.causal_chunk`)."""
@@ -125,7 +145,8 @@ def forced_chunk(chunk):
         causal.chunk_on = saved
 
 
-def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chunk=None, local: bool = True) -> dict:
+def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chunk=None, local: bool = True,
+        row_sums: bool = True) -> dict:
     import fastrpe as fr
     from fastrpe.bench.gpu import _closure, family_causal, make_position
     from fastrpe.ops.linear.fft.plan import budget_for_memory
@@ -135,7 +156,7 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chu
     pos, causal = make_position(family, H, L), family_causal(family)
     t0 = time.perf_counter()
     with warnings.catch_warnings(), gpu_schedule(budget), forced_chunk(chunk), tiled_on_shapes(local) as tiled, \
-            FakeTensorMode(allow_non_fake_inputs=True):
+            FakeTensorMode(allow_non_fake_inputs=True), rowsum_on_shapes(row_sums) as rows:
         warnings.simplefilter("ignore")  # fake tensors' data_ptr, read by the memo of a frozen table
         q, k, v = (torch.empty(1, H, L, D, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
         call = _closure(lambda q, k, v: fr.attention(q, k, v, kernel=kern, position=pos, causal=causal,
@@ -144,14 +165,18 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chu
         for x in (q, k, v):
             x.grad = None
         tiled.bytes = tiled.launches = 0
+        rows.lower = rows.upper = rows.launches = 0
         with LivePeak() as m, ByteCounter() as c:
             call()
     inputs = 3 * H * L * D * 2 + sum(p.numel() * p.element_size() for p in (*pos.parameters(), *kern.parameters()))
     return {"family": family, "causal": causal, "L": L, "gpu": gpu, "budget_bytes": budget,
             "chunk": "plan" if chunk is None else chunk, "local": local if causal else None,
-            "gib_moved": (c.bytes + tiled.bytes) / GIB, "launches": c.launches + tiled.launches,
+            "row_sums": "kernel" if row_sums else "torch",
+            "gib_moved": (c.bytes + tiled.bytes + rows.lower) / GIB,
+            "launches": c.launches + tiled.launches + rows.launches,
             "tiled_gib": tiled.bytes / GIB, "tiled_launches": tiled.launches,
-            "ms_at_hbm_peak": (c.bytes + tiled.bytes) / HBM[gpu] * 1e3,
+            "rowsum_gib": rows.lower / GIB, "rowsum_gib_upper": rows.upper / GIB, "rowsum_launches": rows.launches,
+            "ms_at_hbm_peak": (c.bytes + tiled.bytes + rows.lower) / HBM[gpu] * 1e3,
             "peak_gib_above_inputs": m.peak / GIB, "inputs_gib": inputs / GIB,
             "peak_gib_in_all": (m.peak + inputs) / GIB,
             "held_at_peak": [{"gib": n / GIB, "op": op} for n, op in m.at_peak],
@@ -176,6 +201,9 @@ def main() -> None:
     ap.add_argument("--local", default="on", choices=("on", "off", "both"),
                     help="the causal path's chunks' own pairs by triton_tiled (on, fft.causal.LOCAL's GPU route), "
                          "by the recursion inside each chunk (off, the path before), or both")
+    ap.add_argument("--row-sums", default="on", choices=("on", "off"),
+                    help="the FFT products' row contractions by triton_rowsum's kernel (on, its GPU route) "
+                         "or by the torch expression (off, the path before)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     chunks = [None] if a.chunks is None else a.chunks.split(",")
@@ -186,7 +214,7 @@ def main() -> None:
             for gpu, chunk, local in ((g, c, lo) for g in a.gpus.split(",") for c in chunks for lo in locals_):
                 if local and not family_is_causal(fam) and len(locals_) > 1:
                     continue  # (the not-causal path has no chunks: one row)
-                r = row(fam, L, gpu, chunk=chunk, local=local)
+                r = row(fam, L, gpu, chunk=chunk, local=local, row_sums=a.row_sums == "on")
                 rows.append(r)
                 inside = "not causal" if r["local"] is None else ("tiled" if local else "recursion") + " inside"
                 print(f"{fam:13s} L={L:8d} {gpu:10s} chunk {r['chunk']:>6} {inside}, "

@@ -19,7 +19,10 @@
   kernels (`fft.blocked.KERNEL`), under `FakeTensorMode`. A launch is no aten op, so the
   kernels' bytes come from their shapes (`fft.triton_blocked.count_traffic`, launching nothing):
   `kernel_gib_lower` each operand once (`ByteCounter`'s convention), `kernel_gib_upper` the
-  spectra as often as the kernels' tiles read them, no reuse in the cache.
+  spectra as often as the kernels' tiles read them, no reuse in the cache. Both routes' rows
+  contract after each inverse transform by `fft.triton_rowsum`'s kernel, as on a GPU: its
+  bytes (`rowsum_gib`, `torch_rowsum_gib`) are in `torch_gib` and `kernels_aten_gib` (from
+  `fft_at_scale.row`).
 
     python benchmarks/fft_blocked_traffic.py --out benchmarks/results/fft_blocked_traffic.json
     python benchmarks/fft_blocked_traffic.py --at-scale 65536,262144 --only-at-scale \
@@ -155,12 +158,13 @@ def plan_rows() -> list[dict]:
 
 
 def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned", chunks=(None,),
-                  local: bool = True) -> list[dict]:
+                  local: bool = True, row_sums: bool = True) -> list[dict]:
     """`fft_at_scale.row` with the sums over chunks on the torch path, then on the kernels, each
     with the plan's chunk (None) or the chunk length of `chunks` ("none": the recursion; the
     torch path is then counted at the plan's chunk only: `fft_at_scale.py --chunks` has it);
     `local`: each chunk's own pairs by triton_tiled (`fft.causal.LOCAL`), else the recursion
-    inside the chunks."""
+    inside the chunks; `row_sums`: the row contractions by `fft.triton_rowsum`'s kernel, else the
+    torch expression."""
     import fft_at_scale as fs
 
     from fastrpe.ops.linear.fft import blocked, triton_blocked
@@ -170,7 +174,7 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
         saved = blocked.KERNEL
         blocked.KERNEL = "never"
         try:
-            before = fs.row(family, L, gpu, local=local) if chunk is None else None
+            before = fs.row(family, L, gpu, local=local, row_sums=row_sums) if chunk is None else None
         finally:
             blocked.KERNEL = saved
         with triton_blocked.count_traffic(simulate=True) as t:
@@ -181,18 +185,20 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
 
             saved_counter, fs.ByteCounter, blocked.KERNEL = fs.ByteCounter, Counted, "always"
             try:
-                after = fs.row(family, L, gpu, chunk=chunk, local=local)
+                after = fs.row(family, L, gpu, chunk=chunk, local=local, row_sums=row_sums)
             finally:
                 fs.ByteCounter, blocked.KERNEL = saved_counter, saved
         gib = 2 ** 30
-        r = {"L": L, "gpu": gpu, "family": family, "chunk": "plan" if chunk is None else chunk, "local": local}
+        r = {"L": L, "gpu": gpu, "family": family, "chunk": "plan" if chunk is None else chunk, "local": local,
+             "row_sums": "kernel" if row_sums else "torch"}
         if before is not None:
             r.update({"torch_gib": before["gib_moved"], "torch_launches": before["launches"],
-                      "torch_peak_gib": before["peak_gib_above_inputs"]})
+                      "torch_peak_gib": before["peak_gib_above_inputs"], "torch_rowsum_gib": before["rowsum_gib"]})
         r.update({"kernels_aten_gib": after["gib_moved"], "kernel_gib_lower": t.lower / gib,
                   "kernel_gib_upper": t.upper / gib, "kernels_gib_lower": after["gib_moved"] + t.lower / gib,
                   "kernels_gib_upper": after["gib_moved"] + t.upper / gib,
                   "kernels_launches": after["launches"] + t.launches, "kernel_launches": t.launches,
+                  "rowsum_gib": after["rowsum_gib"], "rowsum_launches": after["rowsum_launches"],
                   "kernels_peak_gib": after["peak_gib_above_inputs"], "kernels_peak_gib_in_all": after["peak_gib_in_all"]})
         if before is not None:
             r["torch_by_op"] = before["by_op"]
@@ -220,6 +226,10 @@ def main() -> None:
     ap.add_argument("--at-scale-chunks", default=None,
                     help="comma-separated chunk lengths of the at_scale rows' kernel route ('none': the recursion; "
                          "default: the plan's, beside the torch path's)")
+    ap.add_argument("--at-scale-local", default="on", choices=("on", "off"),
+                    help="the at_scale rows' chunks' own pairs by triton_tiled (on) or the recursion (off)")
+    ap.add_argument("--at-scale-row-sums", default="on", choices=("on", "off"),
+                    help="the at_scale rows' row contractions by triton_rowsum's kernel (on) or torch (off)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from fastrpe.ops.linear.fft import causal as fc
@@ -236,7 +246,8 @@ def main() -> None:
                                            "budget": "the H200's (fft_at_scale.py)"}
         chunks = (None,) if a.at_scale_chunks is None else \
             tuple(c if c == "none" else int(c) for c in a.at_scale_chunks.split(","))
-        out["at_scale"] = at_scale_rows([int(x) for x in a.at_scale.split(",")], chunks=chunks)
+        out["at_scale"] = at_scale_rows([int(x) for x in a.at_scale.split(",")], chunks=chunks,
+                                        local=a.at_scale_local == "on", row_sums=a.at_scale_row_sums == "on")
     if not a.only_at_scale:
         fc.SEGMENT_BLOCKS = "always"  # each recursion product's blocks from its own segment, as on CUDA
         L, H, budget = (int(x) for x in a.model.split(":"))

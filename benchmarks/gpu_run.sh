@@ -153,9 +153,10 @@
 # - The causal FFT path takes each chunk's own pairs by triton_tiled (`fft.causal.LOCAL`, "cuda"
 #   by default, untimed), not the recursion inside each chunk and its dense torch leaves, and
 #   picks its chunks with them (`plan.local_levels`: one chunk, all tiled, up to 16k tokens). By
-#   the byte count (benchmarks/results/fft_local_at_scale.json) the bench's causal table call
-#   moves 595 -> 469 GiB at 64k, 4,240 -> 2,592 at 262k; with the lag kernels 444-468 -> 329
-#   and 2,322-2,611 -> 1,400-1,495 (>= 0.29 s at the H200's peak, against about 2.1 s for Flex).
+#   the byte count (benchmarks/results/fft_local_at_scale*.json, with the fused row sums below)
+#   the bench's causal table call moves 578 -> 421 GiB at 64k, 4,158 -> 2,396 at 262k; with
+#   the lag kernels 427-451 -> 281 and 2,250-2,539 -> 1,199-1,295 (>= 0.27 s at the H200's
+#   peak, against about 2.1 s for Flex).
 #   Read `fastrpe-fft` (and `auto`) against the new `fastrpe-fft+chunk-recursion` (the path
 #   before) at 64k and 262k, and the lag kernels' row. If the recursion wins anywhere, set LOCAL
 #   back or recalibrate `plan.LOCAL_PAIR_BYTES` (tf32x3's H100 rate of triton_tiled: the local
@@ -163,6 +164,11 @@
 #   chunks (`test_fft_blocked_product_*[tiled-*]`); the `fft` float64 tests at 4k run one chunk,
 #   all tiled. The tiled kernel's float32-feature variants the FFT path launches are in the pack
 #   (`precompile.py record` runs a local call).
+# - The FFT products' row contractions after each inverse transform (`out += (a*b).sum(dim)`)
+#   run in one Triton kernel (`fft/triton_rowsum.py`, `ROW_SUMS = "cuda"`, untimed), causal or
+#   not: about 10% fewer bytes by the count. It is not in the pack (it compiles on the device,
+#   one variant per layout, seconds); `+chunk-recursion` keeps it. If the FFT rows look slower
+#   than their bytes, time `use_row_sums("never")` against it.
 #
 # New since the second CPU session of 2026-11-29 (no GPU):
 # - `fastrpe-fft+lag-kernels` (fresh 64k window, causal table; and after the 262k pair): the

@@ -1007,9 +1007,9 @@ def registry(cfg: GpuConfig) -> dict:
     if "fft" in BACKENDS:
         reg["fastrpe-fft+lag-kernels"] = fastrpe_setup("fft", cfg, lag_kernels=True)
         # the path before each chunk's own pairs went through triton_tiled (`fft.causal.LOCAL`,
-        # "cuda" by default untimed; by the byte count 595 -> 469 GiB at 64k, 4,240 -> 2,592 at
-        # 262k; with the lag kernels 444-468 -> 329 and 2,322-2,611 -> 1,400-1,495:
-        # results/fft_local_at_scale.json)
+        # "cuda" by default untimed; by the byte count 578 -> 453 GiB at 64k, 4,158 -> 2,525 at
+        # 262k; with the lag kernels 427-451 -> 313 and 2,250-2,539 -> 1,331-1,426:
+        # results/fft_local_at_scale-tiled.json against -before.json)
         reg["fastrpe-fft+chunk-recursion"] = fastrpe_setup("fft", cfg, chunk_recursion=True)
     # under torch.compile, as Flex: at short lengths an eager call is mostly host time
     for name in COMPILED_BACKENDS:
@@ -1590,6 +1590,8 @@ PAIR_LENGTHS = (L_CHECK, L_LONG)
 #: inside each chunk and its dense leaves, and its chunks from a model that prices them
 #: (`plan.local_levels`: one chunk, all tiled, up to 16k tokens): the causal table's `fft` rows
 #: and its `auto` rows move again; the new row `fastrpe-fft+chunk-recursion` times the path before.
+#: And the FFT products' row contractions after each inverse transform run in one Triton kernel
+#: (`fft/triton_rowsum.py`, `ROW_SUMS`), causal or not: the not-causal table's rows move too.
 CODE_EPOCH = 13
 CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fastrpe-triton_soe+bf16x3", "*", 0, 4),
            ("fastrpe-triton_band+bf16x3", "*", 0, 4), ("fastrpe-triton_tiled+bf16x3", "*", 0, 4),
@@ -1599,7 +1601,8 @@ CHANGED = (("fastrpe-fft", "*", 0, 4), ("fastrpe-auto", "learned*", 0, 4), ("fas
            ("fastrpe-auto", "t5", 0, 9), ("fastrpe-fft", "learned", 0, 11), ("fastrpe-auto", "learned", 0, 11),
            ("fastrpe-fft", "learned", 0, 12), ("fastrpe-auto", "learned", 0, 12),
            ("fastrpe-fft", "learned", 0, 13), ("fastrpe-auto", "learned", 0, 13),
-           ("fastrpe-fft+lag-kernels", "learned", 0, 13))
+           ("fastrpe-fft+lag-kernels", "learned", 0, 13), ("fastrpe-fft", "learned_full", 0, 13),
+           ("fastrpe-auto", "learned_full", 0, 13))
 #: decode rows (`decode_rows`' methods, fnmatch patterns, with the epoch whose code changed)
 #: moved as `CHANGED`'s rows are, to `earlier_decode`. Epoch 4: the fused step reads its
 #: constants from one memo (`MultiheadAttention._fused_step_plan`: its host time 113 -> 78 µs on
