@@ -105,9 +105,11 @@ BLOCKED = "cuda"
 #: levels and dense `[leaf, leaf]` weights in torch ops; the tiled kernels read the chunk's rows
 #: once per tile of queries and hold no `[T, T]` tensor, at O(L·T) products. Counted on shapes
 #: at the GPU bench's causal table call (B = 1, H = 8, F = 32, Dv = 64, frozen table, an H200's
-#: budget, forward + backward; `benchmarks/fft_at_scale.py --local`, results/fft_local_at_scale.json)
-#: the call moves a quarter to two fifths fewer bytes (see `plan.LOCAL_PAIR_BYTES` for how the chunk
-#: is chosen with it). A GPU has not timed it yet: the bench's `fastrpe-fft+chunk-recursion` row
+#: budget, forward + backward; `benchmarks/fft_blocked_traffic.py --at-scale`,
+#: results/fft_local_at_scale-tiled.json against -before.json) the call moves 22% fewer bytes at
+#: 64k and 39% at 262k, 27-31% and 41-44% with the lag kernels, 51-55% at 1M (see
+#: `plan.LOCAL_PAIR_BYTES` for how the chunk is chosen with it). A GPU has not timed it yet: the
+#: bench's `fastrpe-fft+chunk-recursion` row
 #: times the path before. Calls whose queries pass the keys (`q_offset + Lq > Lk`: their last
 #: chunk's padding would enter a row's largest coefficient) keep the recursion.
 LOCAL = "cuda"
