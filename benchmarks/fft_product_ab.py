@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -33,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fastrpe.ops.linear.fft import product as current
-from fastrpe.ops.toeplitz import fft as current_toeplitz
+from fastrpe.ops.linear.fft import product as current  # noqa: E402
+from fastrpe.ops.toeplitz import fft as current_toeplitz  # noqa: E402
 
 PATHS = {"product": "src/fastrpe/ops/linear/fft/product.py", "toeplitz": "src/fastrpe/ops/toeplitz/fft.py"}
 
@@ -44,9 +45,13 @@ def product_at(rev: str, op: str = "product"):
     made absolute: the rest of the package is this tree's)."""
     text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{PATHS[op]}"], check=True, capture_output=True,
                           text=True).stdout
-    text = (text.replace("from ...common import", "from fastrpe.ops.common import")
-            .replace("from ...toeplitz.fft import", "from fastrpe.ops.toeplitz.fft import")
-            .replace("from .scale import", "from fastrpe.ops.linear.fft.scale import"))
+    package = PATHS[op].removeprefix("src/").rsplit("/", 1)[0].split("/")  # the file's package
+
+    def absolute(m: re.Match) -> str:  # `from ..x import` -> `from fastrpe.ops.x import`
+        up = len(m.group(1)) - 1
+        return "from " + ".".join(package[:len(package) - up] + [m.group(2)]) + " import"
+
+    text = re.sub(r"^from (\.+)([\w.]+) import", absolute, text, flags=re.M)
     path = Path(tempfile.mkdtemp()) / "product_base.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("product_base", path)
