@@ -5,6 +5,8 @@ R = Lq + Lk - 1 offsets.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -20,6 +22,24 @@ MAX_GRID_YZ = 65535
 #: the settings of a switch between a path for CUDA devices and its portable sibling
 #: (`kernels.TRITON_FEATURES`, `nn.attention.FUSED_STEP`, `fft.causal.SEGMENT_BLOCKS`)
 DEVICE_ROUTES = ("cuda", "always", "never")
+
+
+def route_setting(module, name: str, route: str):
+    """A context manager: the switch `module.name` set to `route` (a `DEVICE_ROUTES` value,
+    checked first) inside the block, restored after it (`fft.blocked.use_kernel`,
+    `fft.causal.use_local`, `fft.triton_rowsum.use_row_sums`)."""
+    device_route(route, f"{module.__name__}.{name}", torch.device("cpu"))  # (checks the value)
+    return _setting_block(module, name, route)
+
+
+@contextlib.contextmanager
+def _setting_block(module, name: str, value):
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
 
 
 def device_route(setting: str, name: str, device: torch.device) -> bool:

@@ -37,13 +37,13 @@ P = T + 1 frequencies of the length-2T real FFT, nb query chunks, na key chunks.
 """
 from __future__ import annotations
 
-import contextlib
 import math
+import sys
 
 import torch
 from torch import Tensor
 
-from ...common import device_route
+from ...common import device_route, route_setting
 from .product import ROUND_OFF, _blocks, _channels
 from .scale import to_row_units
 from .triton_rowsum import add_row_sum
@@ -216,16 +216,9 @@ def _routed(device: torch.device, route: str | None = None) -> bool:
     return device_route(KERNEL if route is None else route, "fastrpe.ops.linear.fft.blocked.KERNEL", device)
 
 
-@contextlib.contextmanager
 def use_kernel(route: str):
     """`KERNEL = route` ("cuda", "always" or "never") inside the block, restored after it."""
-    global KERNEL
-    _routed(torch.device("cpu"), route)  # (checks the value)
-    before, KERNEL = KERNEL, route
-    try:
-        yield
-    finally:
-        KERNEL = before
+    return route_setting(sys.modules[__name__], "KERNEL", route)
 
 
 def kernels_take(device: torch.device, dtype: torch.dtype, B: int, H: int) -> bool:

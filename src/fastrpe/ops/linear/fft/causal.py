@@ -11,12 +11,12 @@ on `(Lq, Lk, q_offset, leaf, chunk)` and the route only.
 """
 from __future__ import annotations
 
-import contextlib
+import sys
 
 import torch
 from torch import Tensor
 
-from ...common import device_route
+from ...common import device_route, route_setting
 from .blocked import _chunks, blocked_product, chunk_layout
 from .plan import CAUSAL_LEAF, Shape, blocked_block, causal_chunk, fft_block_size, fft_channel_block
 from .product import scaled_product
@@ -126,16 +126,9 @@ def local_products(dtype: torch.dtype) -> str:
     return LOCAL_PRODUCTS if dtype in (torch.bfloat16, torch.float16) else "ieee"
 
 
-@contextlib.contextmanager
 def use_local(route: str):
     """`LOCAL = route` ("cuda", "always" or "never") inside the block, restored after it."""
-    global LOCAL
-    device_route(route, "fastrpe.ops.linear.fft.causal.LOCAL", torch.device("cpu"))  # (checks the value)
-    before, LOCAL = LOCAL, route
-    try:
-        yield
-    finally:
-        LOCAL = before
+    return route_setting(sys.modules[__name__], "LOCAL", route)
 
 
 def local_on(device: torch.device, Lq: int, Lk: int, q_offset: int, table_grad: bool = False) -> bool:

@@ -200,18 +200,24 @@ _SIMULATE = [False]
 
 
 @contextlib.contextmanager
+def counting(counters: list, simulating: list, simulate: bool):
+    """A module's `count_traffic`: a `Traffic` in `counters` (each launch adds to it) and
+    `simulating[0] = simulate` inside the block, both restored after it."""
+    t = Traffic()
+    counters.append(t)
+    saved, simulating[0] = simulating[0], simulate
+    try:
+        yield t
+    finally:
+        counters.remove(t)
+        simulating[0] = saved
+
+
 def count_traffic(simulate: bool = False):
     """`with count_traffic() as t:` every launch here adds its `traffic()` to `t`. `simulate`:
     launch nothing, only allocate the outputs (shapes for `FakeTensorMode`: the device check
     of `unsupported` is skipped, as on the GPU being counted)."""
-    t = Traffic()
-    _COUNTERS.append(t)
-    saved, _SIMULATE[0] = _SIMULATE[0], simulate
-    try:
-        yield t
-    finally:
-        _COUNTERS.remove(t)
-        _SIMULATE[0] = saved
+    return counting(_COUNTERS, _SIMULATE, simulate)
 
 
 def traffic(kind: str, B: int, H: int, nb: int, na: int, fc: int, P: int, lags: int) -> tuple[int, int]:

@@ -32,14 +32,14 @@ kept ones, P positions; BK, BP power-of-two tiles.
 """
 from __future__ import annotations
 
-import contextlib
 import math
+import sys
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from ...common import device_route
+from ...common import device_route, route_setting
 
 #: where `add_row_sum` takes the kernel: "cuda" (CUDA devices), "always" (wherever the kernel
 #: runs: the interpreter too, for the tests) or "never" (the torch expression everywhere).
@@ -161,23 +161,15 @@ _COUNTERS: list = []  # of `triton_blocked.Traffic`
 _SIMULATE = [False]
 
 
-@contextlib.contextmanager
 def count_traffic(simulate: bool = False):
     """`with count_traffic() as t:` every launch here adds its bytes to `t`
     (`triton_blocked.Traffic`): `lower` each operand once (`a` and `b` read, `out` read and
     written: `ByteCounter`'s convention), `upper` with `b` read once per tile of kept rows.
     `simulate`: launch nothing (shapes for `FakeTensorMode`: the device check is skipped, as on
     the GPU being counted; `out` is left as it is)."""
-    from .triton_blocked import Traffic
+    from .triton_blocked import counting
 
-    t = Traffic()
-    _COUNTERS.append(t)
-    saved, _SIMULATE[0] = _SIMULATE[0], simulate
-    try:
-        yield t
-    finally:
-        _COUNTERS.remove(t)
-        _SIMULATE[0] = saved
+    return counting(_COUNTERS, _SIMULATE, simulate)
 
 
 def traffic(a: Tensor, b: Tensor, out: Tensor, n_k_tiles: int) -> tuple[int, int]:
@@ -195,16 +187,9 @@ def _routed(device: torch.device, route: str | None = None) -> bool:
     return device_route(ROW_SUMS if route is None else route, "fastrpe.ops.linear.fft.triton_rowsum.ROW_SUMS", device)
 
 
-@contextlib.contextmanager
 def use_row_sums(route: str):
     """`ROW_SUMS = route` ("cuda", "always" or "never") inside the block, restored after it."""
-    global ROW_SUMS
-    _routed(torch.device("cpu"), route)  # (checks the value)
-    before, ROW_SUMS = ROW_SUMS, route
-    try:
-        yield
-    finally:
-        ROW_SUMS = before
+    return route_setting(sys.modules[__name__], "ROW_SUMS", route)
 
 
 def _merged_stride(sizes, strides) -> int | None:
