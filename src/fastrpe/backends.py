@@ -259,9 +259,10 @@ class FFTBackend(Backend):
         return r + _grid_reasons(p) + _running_max_reasons(p)
 
     def cost(self, p: Problem) -> Cost:
+        from .backends_triton import tiled_work
         from .ops.linear.fft import causal_leaf, estimate_fft_cost
         from .ops.linear.fft.causal import chunk_on, kernels_on, local_on
-        from .ops.linear.fft.plan import Shape, causal_levels, device_budget, local_levels
+        from .ops.linear.fft.plan import Shape, causal_levels, device_budget, element_size, local_levels
 
         budget = device_budget(p.device)  # what the op takes on p's device
         flops, peak = estimate_fft_cost(p.B, p.H, p.Lq, p.Lk, p.F, p.Dv, p.dtype, budget)
@@ -285,12 +286,9 @@ class FFTBackend(Backend):
             # (TritonTiledBackend.cost), the blocked product's levels as below, and the path's own
             # ops around them (scales, certificates, recomputed rows: 30 launches at the least)
             levels -= local_levels(chunk, shape)
-            pairs = p.B * p.H * p.Lq * min(L, chunk) / 2
-            grad = 3.5 if p.requires_grad else 1
-            el = 8 if p.dtype == torch.float64 else 4  # the FFT path's features: float32, or float64
-            mem = p.B * p.H * 2 * L * (p.F + p.Dv + 2) * el * (2 if p.requires_grad else 1)
-            seconds = machine_time(p.device, pairs * (2 * p.F + 2 * (p.Dv + 1) + 10) * grad,
-                                   mem * min(max(1, min(L, chunk) // 64), 8) + 2 * peak, calls=30)
+            local_flops, local_bytes, _ = tiled_work(p.B, p.H, p.B * p.H * p.Lq * min(L, chunk) / 2, L, L, p.F, p.Dv,
+                                                     element_size(p.dtype), p.requires_grad, rows=min(L, chunk))
+            seconds = machine_time(p.device, local_flops, local_bytes + 2 * peak, calls=30)
             if levels > 0:
                 seconds += machine_time(p.device, 7 * flops * 0.6 * levels, 2 * peak, calls=30, working_set=peak)
             return Cost(seconds, peak)

@@ -424,6 +424,20 @@ def num_den_triton_tiled(phi_q, phi_k, v, coeffs, *, causal, q_offset, key_paddi
                                            out_dtype=out_dtype, precision=precision, divide=divide)
 
 
+def tiled_work(B: int, H: int, pairs: float, Lq: int, Lk: int, F: int, Dv: int, el: int, requires_grad: bool,
+               rows: int | None = None) -> tuple[float, float, int]:
+    """`(flops, bytes moved, bytes held)` of triton_tiled's kernels on `pairs` (query, key) pairs
+    of B·H slices of Lq queries and Lk keys, their features and values `el` bytes an entry: per
+    pair φq·φk (2F), the value product (2C) and exp(b - m); backward recomputes both products
+    twice (dq, then dk/dv) and adds two more, and reads each key tile once per query tile of the
+    `rows` (default Lq) each key meets, from memory up to 8 times. `TritonTiledBackend.cost`, and
+    the FFT path's chunks' own pairs (`FFTBackend.cost`)."""
+    flops = pairs * (2 * F + 2 * (Dv + 1) + 10) * (3.5 if requires_grad else 1)
+    tiles = max(1, (Lq if rows is None else rows) // 64) if requires_grad else 1
+    mem = B * H * (Lq + Lk) * (F + Dv + 2) * el * (2 if requires_grad else 1)
+    return flops, mem * min(tiles, 8), mem
+
+
 class TritonTiledBackend(Backend):
     """Kernelized attention with any 1D Toeplitz term (a learned table over all offsets
     included), EXACT, quadratic time and linear memory: flash-attention-style tiles, Triton
@@ -443,13 +457,9 @@ class TritonTiledBackend(Backend):
 
     def cost(self, p: Problem) -> Cost:
         pairs = p.B * p.H * p.Lq * p.Lk * (0.5 if p.causal else 1.0)
-        # per pair: φq·φk (2F), the value product (2C) and exp(b - m); backward recomputes both
-        # products twice (dq, then dk/dv) and adds two more
-        flops = pairs * (2 * p.F + 2 * (p.Dv + 1) + 10) * (3.5 if p.requires_grad else 1)
         el = 2 if lowp_dots(p)[0] is not None else max(4, p.bytes_per_el)
-        tiles = max(1, p.Lq // 64) if p.requires_grad else 1  # each key tile is read once per query tile
-        mem = p.B * p.H * (p.Lq + p.Lk) * (p.F + p.Dv + 2) * el * (2 if p.requires_grad else 1)
-        seconds = machine_time(p.device, flops, mem * min(tiles, 8), calls=4 if p.requires_grad else 1)
+        flops, moved, mem = tiled_work(p.B, p.H, pairs, p.Lq, p.Lk, p.F, p.Dv, el, p.requires_grad)
+        seconds = machine_time(p.device, flops, moved, calls=4 if p.requires_grad else 1)
         if p.device.type != "cuda":
             seconds *= 1e4  # the interpreter: never `auto`'s choice
         return Cost(seconds, mem)
