@@ -73,48 +73,38 @@ def gpu_schedule(budget: int):
         causal.BLOCKED, causal.SEGMENT_BLOCKS, plan.DEFAULT_BUDGET, api.check_qkv = saved
 
 
-class TiledTally:
-    """The bytes `triton_tiled`'s launches would move (a launch is no aten op, so `ByteCounter`
-    cannot see it): each operand read and each result written once, the lower bound (the
-    kernels read a chunk's key tiles again for each tile of its queries, from the cache where
-    they fit)."""
-
-    def __init__(self):
-        self.bytes = self.launches = 0
-
-    def add(self, tensors) -> None:
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        self.launches += 1
-
-
 @contextlib.contextmanager
 def tiled_on_shapes(local: bool = True):
     """The causal path's chunks' own pairs by `triton_tiled` (`fft.causal.LOCAL`, what "cuda"
     means on a GPU) on fake CPU tensors: its launches replaced by their shapes (the custom ops'
-    fake implementations), their bytes tallied; yields the `TiledTally`. `local=False`: the
-    recursion inside each chunk (`LOCAL = "never"`), the path before."""
+    fake implementations), their bytes tallied; yields the tally (`triton_blocked.Traffic`: each
+    operand read and each result written once, `lower` and `upper` alike; the kernels read a
+    chunk's key tiles again for each tile of its queries, from the cache where they fit).
+    `local=False`: the recursion inside each chunk (`LOCAL = "never"`), the path before."""
     from fastrpe.ops.linear import triton_chunked, triton_tiled
     from fastrpe.ops.linear.fft import causal
+    from fastrpe.ops.linear.fft.triton_blocked import Traffic
 
-    tally = TiledTally()
+    tally = Traffic()
 
     def shapes_of(fake, n_in):
         def call(*args):
             out = fake(*args)
-            tally.add([*args[:n_in], *out])
+            n = sum(t.numel() * t.element_size() for t in (*args[:n_in], *out) if isinstance(t, torch.Tensor))
+            tally.add(n, n)
             return out
         return call
 
-    saved = (causal.LOCAL, triton_tiled._tiled_forward_op, triton_tiled._tiled_backward_op,
+    saved = (triton_tiled._tiled_forward_op, triton_tiled._tiled_backward_op,
              triton_chunked.triton_unavailable_reason, triton_tiled.triton_unavailable_reason)
-    causal.LOCAL = "always" if local else "never"
     triton_tiled._tiled_forward_op = shapes_of(triton_tiled._tiled_forward_fake, 5)
     triton_tiled._tiled_backward_op = shapes_of(triton_tiled._tiled_backward_fake, 12)
     triton_chunked.triton_unavailable_reason = triton_tiled.triton_unavailable_reason = lambda device: None
     try:
-        yield tally
+        with causal.use_local("always" if local else "never"):
+            yield tally
     finally:
-        (causal.LOCAL, triton_tiled._tiled_forward_op, triton_tiled._tiled_backward_op,
+        (triton_tiled._tiled_forward_op, triton_tiled._tiled_backward_op,
          triton_chunked.triton_unavailable_reason, triton_tiled.triton_unavailable_reason) = saved
 
 
@@ -164,19 +154,19 @@ def row(family: str, L: int, gpu: str, H: int = 8, D: int = 64, F: int = 32, chu
         call()  # the frozen table's coefficients kept, as the bench's timed calls find them
         for x in (q, k, v):
             x.grad = None
-        tiled.bytes = tiled.launches = 0
-        rows.lower = rows.upper = rows.launches = 0
+        for t in (tiled, rows):  # (the counted call's launches only: the call above warmed up)
+            t.lower = t.upper = t.launches = 0
         with LivePeak() as m, ByteCounter() as c:
             call()
     inputs = 3 * H * L * D * 2 + sum(p.numel() * p.element_size() for p in (*pos.parameters(), *kern.parameters()))
     return {"family": family, "causal": causal, "L": L, "gpu": gpu, "budget_bytes": budget,
             "chunk": "plan" if chunk is None else chunk, "local": local if causal else None,
             "row_sums": "kernel" if row_sums else "torch",
-            "gib_moved": (c.bytes + tiled.bytes + rows.lower) / GIB,
+            "gib_moved": (c.bytes + tiled.lower + rows.lower) / GIB,
             "launches": c.launches + tiled.launches + rows.launches,
-            "tiled_gib": tiled.bytes / GIB, "tiled_launches": tiled.launches,
+            "tiled_gib": tiled.lower / GIB, "tiled_launches": tiled.launches,
             "rowsum_gib": rows.lower / GIB, "rowsum_gib_upper": rows.upper / GIB, "rowsum_launches": rows.launches,
-            "ms_at_hbm_peak": (c.bytes + tiled.bytes + rows.lower) / HBM[gpu] * 1e3,
+            "ms_at_hbm_peak": (c.bytes + tiled.lower + rows.lower) / HBM[gpu] * 1e3,
             "peak_gib_above_inputs": m.peak / GIB, "inputs_gib": inputs / GIB,
             "peak_gib_in_all": (m.peak + inputs) / GIB,
             "held_at_peak": [{"gib": n / GIB, "op": op} for n, op in m.at_peak],
