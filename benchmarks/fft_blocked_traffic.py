@@ -171,23 +171,19 @@ def at_scale_rows(lengths: list[int], gpu: str = "h200", family: str = "learned"
 
     rows = []
     for L, chunk in ((L, c) for L in lengths for c in chunks):
-        saved = blocked.KERNEL
-        blocked.KERNEL = "never"
-        try:
+        with blocked.use_kernel("never"):
             before = fs.row(family, L, gpu, local=local, row_sums=row_sums) if chunk is None else None
-        finally:
-            blocked.KERNEL = saved
-        with triton_blocked.count_traffic(simulate=True) as t:
+        with triton_blocked.count_traffic(simulate=True) as t, blocked.use_kernel("always"):
             class Counted(ByteCounter):  # the kernels' count over the counted call only (row() warms up first)
                 def __enter__(self):
                     t.lower = t.upper = t.launches = 0
                     return super().__enter__()
 
-            saved_counter, fs.ByteCounter, blocked.KERNEL = fs.ByteCounter, Counted, "always"
+            saved_counter, fs.ByteCounter = fs.ByteCounter, Counted
             try:
                 after = fs.row(family, L, gpu, chunk=chunk, local=local, row_sums=row_sums)
             finally:
-                fs.ByteCounter, blocked.KERNEL = saved_counter, saved
+                fs.ByteCounter = saved_counter
         gib = 2 ** 30
         r = {"L": L, "gpu": gpu, "family": family, "chunk": "plan" if chunk is None else chunk, "local": local,
              "row_sums": "kernel" if row_sums else "torch"}
